@@ -1,0 +1,29 @@
+"""rank0load: stream a safetensors checkpoint from rank 0 into an FSDP2-sharded model.
+
+    model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
+"""
+
+from __future__ import annotations
+
+from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
+from ._shard import default_shard_fn
+from .errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    LoadError,
+    ModelMismatchError,
+    RankMismatchError,
+)
+
+__all__ = [
+    "load_sharded",
+    "default_shard_fn",
+    "LoadReport",
+    "DEFAULT_STAGING_BYTES",
+    "LoadError",
+    "CheckpointNotFoundError",
+    "CheckpointFormatError",
+    "ModelMismatchError",
+    "RankMismatchError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,243 @@
+"""Every collective rank0load issues lives here.
+
+Order of calls, identical on every rank (see ``_api.load_sharded``):
+
+1. (all ranks) :func:`agree` — all-gather each rank's build/shard outcome and model fingerprint;
+   any failure or disagreement raises the same :class:`RankMismatchError` everywhere.
+2. (all ranks) :func:`share` — rank 0 broadcasts the manifest or the LoadError it hit; every rank
+   returns the manifest or raises that error. Nothing moves tensor data before this returns.
+3. (all ranks) :func:`stream` — rank 0 sends, the others receive, piece by piece in manifest order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ._format import DTYPES
+from ._manifest import Entry
+from ._plan import BROADCAST, GENERIC, PLAIN, SHARDED, Piece
+from ._stream import Reader
+from .errors import LoadError, RankMismatchError
+
+__all__ = ["agree", "share", "stream", "Target"]
+
+logger = logging.getLogger(__name__)
+
+
+def agree(status: tuple[str, Any]) -> list[tuple[str, Any]]:
+    """(all ranks) All-gather ``("ok", fingerprint)`` or ``("error", message)``; raise if any differ."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, status)
+    failed = [(rank, s[1]) for rank, s in enumerate(gathered) if s[0] != "ok"]
+    if failed:
+        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed[:4])
+        more = f" and {len(failed) - 4} more ranks" if len(failed) > 4 else ""
+        raise RankMismatchError(
+            f"building or sharding the model failed on {len(failed)} of {len(gathered)} ranks: "
+            f"{detail}{more}. No data was moved; fix model_fn / shard_fn and retry."
+        )
+    reference = gathered[0][1]
+    differ = [rank for rank, s in enumerate(gathered) if s[1] != reference]
+    if differ:
+        raise RankMismatchError(
+            f"ranks {differ} built a different model from rank 0 (parameter names, shapes, dtypes "
+            "or sharding differ). model_fn must build the same model on every rank."
+        )
+    return gathered
+
+
+def share(result: object | LoadError | None) -> Any:
+    """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it."""
+    box = [result if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    value = box[0]
+    if isinstance(value, LoadError):
+        raise type(value)(*value.args)
+    return value
+
+
+@dataclass
+class Target:
+    """Where one entry lands on this rank."""
+
+    tensor: torch.Tensor  # the local tensor (DTensor's local shard, or the plain tensor)
+    dtensor: DTensor | None  # the parameter, for GENERIC entries
+    kind: str
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """A uint8 view of a contiguous tensor's storage, or None if it is not contiguous."""
+    if not t.is_contiguous():
+        return None
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _cast_into(dst: torch.Tensor, piece: Piece, data: torch.Tensor, wire: torch.dtype) -> None:
+    """Copy wire bytes ``data`` (piece of a flat tensor) into ``dst``'s matching elements."""
+    size = wire.itemsize
+    start = piece.local_offset // size
+    values = data.view(wire)
+    flat = dst.view(-1) if dst.is_contiguous() else None
+    if flat is None:
+        raise LoadError("internal error: cast into a non-contiguous tensor")  # contiguity is ensured in _api
+    flat[start : start + values.numel()].copy_(values)
+
+
+def stream(
+    entries: Sequence[Entry],
+    pieces: Callable[[], Any],
+    targets: Sequence[Target],
+    mesh: DeviceMesh,
+    *,
+    piece_bytes: int,
+    slots: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """(all ranks) Move every piece to its destination. Rank 0 reads and sends; others receive."""
+    wires = [DTYPES[e.dtype] for e in entries]
+    if dist.get_rank() == 0:
+        _send(entries, pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots, on_bytes=on_bytes)
+    else:
+        _receive(pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots)
+
+
+def _landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
+    """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
+    t = target.tensor
+    if t.dtype != wire:
+        return None
+    flat = _flat_bytes(t)
+    if flat is None:
+        return None
+    return flat[piece.local_offset : piece.local_offset + piece.nbytes]
+
+
+def _generic(target: Target, full: torch.Tensor | None, mesh: DeviceMesh, wire: torch.dtype) -> None:
+    """distribute_tensor from rank 0; the other ranks pass a full-shape buffer they never touch
+    (a meta tensor would skip the collective and desynchronise the ranks)."""
+    dt = target.dtensor
+    if dt is None:
+        raise LoadError("internal error: GENERIC entry without a DTensor target")
+    device = target.tensor.device
+    if full is None:
+        full_t = torch.empty(dt.shape, dtype=dt.dtype, device=device)
+    else:
+        full_t = full.view(wire).reshape(dt.shape).to(device=device, dtype=dt.dtype)
+    out = distribute_tensor(full_t, mesh, dt.placements, src_data_rank=0)
+    target.tensor.copy_(out.to_local())
+
+
+def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes) -> None:
+    me = dist.get_rank()
+    on_cpu = all(t.tensor.device.type == "cpu" for t in targets)
+    files = [e.file for e in entries]
+
+    def direct(piece: Piece) -> torch.Tensor | None:
+        if piece.kind == GENERIC:
+            return torch.empty(piece.nbytes, dtype=torch.uint8)
+        if piece.dst in (me, BROADCAST):
+            if targets[piece.index].tensor.device.type == "cpu":
+                return _landing(targets[piece.index], piece, wires[piece.index])
+        return None
+
+    reader = Reader(pieces, files, direct, slots=max(2, slots), piece_bytes=piece_bytes, pin=not on_cpu)
+    pending: collections.deque[tuple[Any, int | None]] = collections.deque()
+    device_staging: torch.Tensor | None = None
+    try:
+        for staged in reader:
+            piece, data = staged.piece, staged.data
+            target = targets[piece.index]
+            wire = wires[piece.index]
+            if piece.kind == GENERIC:
+                _generic(target, data, mesh, wire)
+            elif piece.dst == me:
+                if staged.slot is not None:
+                    _cast_into(target.tensor, piece, data.to(target.tensor.device), wire)
+            elif piece.dst == BROADCAST:
+                if staged.slot is None:
+                    dist.broadcast(data, src=me)
+                else:
+                    payload = data if on_cpu else data.to(target.tensor.device)
+                    dist.broadcast(payload, src=me)
+                    _cast_into(target.tensor, piece, payload, wire)
+            else:
+                payload = data
+                if not on_cpu:
+                    if device_staging is None:
+                        device_staging = torch.empty(piece_bytes, dtype=torch.uint8, device=target.tensor.device)
+                    payload = device_staging[: piece.nbytes]
+                    payload.copy_(data)
+                    dist.send(payload, dst=piece.dst)  # the device buffer is reused: send synchronously
+                else:
+                    pending.append((dist.isend(payload, dst=piece.dst), staged.slot))
+                    staged = None  # type: ignore[assignment]
+            if staged is not None:
+                reader.release(staged.slot)
+            while len(pending) >= max(1, slots - 1):
+                work, slot = pending.popleft()
+                work.wait()
+                reader.release(slot)
+            if on_bytes is not None:
+                on_bytes(piece.nbytes)
+        while pending:
+            work, slot = pending.popleft()
+            work.wait()
+            reader.release(slot)
+    finally:
+        reader.close()
+
+
+def _receive(pieces, targets, wires, mesh, *, piece_bytes, slots) -> None:
+    """(ranks other than 0) Post up to ``slots`` receives ahead, straight into the local shard
+    when the wire dtype is the target's; otherwise into a staging slot, then cast."""
+    me = dist.get_rank()
+    buffers: dict[int, torch.Tensor] = {}
+    free = collections.deque(range(max(1, slots)))
+    pending: collections.deque[tuple[Any, Piece, int | None, torch.Tensor | None]] = collections.deque()
+
+    def complete_oldest() -> None:
+        work, piece, slot, stage = pending.popleft()
+        work.wait()
+        if stage is not None:
+            _cast_into(targets[piece.index].tensor, piece, stage, wires[piece.index])
+            free.append(slot)
+
+    for piece in pieces:
+        if piece.dst not in (me, BROADCAST):
+            continue
+        target, wire = targets[piece.index], wires[piece.index]
+        if piece.dst == BROADCAST:
+            while pending:
+                complete_oldest()
+            if piece.kind == GENERIC:
+                _generic(target, None, mesh, wire, None)
+                continue
+        view = _landing(target, piece, wire)
+        slot = stage = None
+        if view is None:
+            while not free:
+                complete_oldest()
+            slot = free.popleft()
+            if slot not in buffers:
+                buffers[slot] = torch.empty(piece_bytes, dtype=torch.uint8, device=target.tensor.device)
+            stage = buffers[slot][: piece.nbytes]
+        if piece.dst == BROADCAST:
+            dist.broadcast(view if view is not None else stage, src=0)
+            if stage is not None:
+                _cast_into(target.tensor, piece, stage, wire)
+                free.append(slot)
+            continue
+        pending.append((dist.irecv(view if view is not None else stage, src=0), piece, slot, stage))
+        while len(pending) > max(1, slots):
+            complete_oldest()
+    while pending:
+        complete_oldest()

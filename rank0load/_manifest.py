@@ -1,0 +1,206 @@
+"""Match the checkpoint's headers to the model and produce the manifest (rank 0; no collectives).
+
+(rank 0) :func:`build_manifest` reads every header, maps checkpoint keys to model keys, checks
+keys, shapes and dtypes, and returns a :class:`Manifest`: the ordered list of :class:`Entry`
+that every rank will iterate during streaming. Any problem raises a :class:`LoadError`, which
+``_api`` broadcasts so every rank raises it too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ._format import DTYPES, TensorHeader, read_header
+from ._meta import ModelLayout
+from ._source import Source
+from .errors import CheckpointFormatError, ModelMismatchError, format_keys
+
+__all__ = ["Entry", "Manifest", "build_manifest", "FLOAT_WIRE"]
+
+# Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
+# Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
+FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to move: model key <- (file, checkpoint key), with its wire dtype and shape."""
+
+    key: str  # canonical model key
+    file: str  # absolute path on rank 0 (informational elsewhere)
+    ckpt_key: str
+    dtype: str  # wire dtype: the checkpoint's
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    entries: tuple[Entry, ...]
+    missing: tuple[str, ...] = ()  # canonical model keys absent from the checkpoint (strict=False)
+    unexpected: tuple[str, ...] = ()  # checkpoint keys skipped (strict=False)
+    ignored: tuple[str, ...] = ()  # checkpoint keys held by the model as non-persistent buffers
+    files: tuple[str, ...] = field(default=())
+    total_bytes: int = 0
+
+
+def _headers(source: Source) -> dict[str, TensorHeader]:
+    """All tensors of all files; cross-checked against the index when there is one."""
+    found: dict[str, TensorHeader] = {}
+    for path in source.files:
+        tensors, _ = read_header(path)
+        for key, t in tensors.items():
+            if key in found:
+                raise CheckpointFormatError(
+                    f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
+                    f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
+                )
+            found[key] = t
+    if source.weight_map is not None:
+        for key, path in source.weight_map.items():
+            t = found.get(key)
+            if t is None:
+                raise CheckpointFormatError(
+                    f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
+                    "but no file stores it. The index and the shards disagree: re-save the checkpoint."
+                )
+            if t.file != path:
+                raise CheckpointFormatError(
+                    f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
+                    f"but it is stored in {os.path.basename(t.file)}. Re-save the checkpoint."
+                )
+        extra = set(found) - set(source.weight_map)
+        if extra:
+            raise CheckpointFormatError(
+                f"{source.description}: the shards store keys the index does not list: "
+                f"{format_keys(extra)}. The index and the shards disagree: re-save the checkpoint."
+            )
+    return found
+
+
+def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    where = os.path.basename(t.file)
+    if t.shape != shape:
+        raise ModelMismatchError(
+            f"key {model_key!r}: checkpoint shape {t.shape} != model {shape} in {where}. "
+            "Does model_fn build the same config as the checkpoint?"
+        )
+    wire = DTYPES[t.dtype]
+    if wire == dtype:
+        return
+    if t.dtype in FLOAT_WIRE and dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        return
+    raise ModelMismatchError(
+        f"key {model_key!r}: checkpoint dtype {t.dtype} ({wire}) cannot be loaded into the model's "
+        f"{dtype} in {where}: only float64/32/16 and bfloat16 are cast; integers, bools, complex "
+        "and float8/float4 must match exactly. Build the model with the checkpoint's dtype."
+    )
+
+
+def build_manifest(
+    source: Source,
+    layout: ModelLayout,
+    *,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+) -> Manifest:
+    """(rank 0) Validate the checkpoint against the model and list what to move, in file order."""
+    headers = _headers(source)
+
+    # checkpoint key -> model key (key_map first, then the model's own aliases).
+    by_model_key: dict[str, list[TensorHeader]] = {}
+    mapped_from: dict[str, str] = {}
+    unexpected: list[str] = []
+    ignored: list[str] = []
+    for ckpt_key, t in headers.items():
+        model_key = key_map(ckpt_key) if key_map is not None else ckpt_key
+        if model_key is None:
+            ignored.append(ckpt_key)
+            continue
+        if not isinstance(model_key, str):
+            raise ModelMismatchError(f"key_map({ckpt_key!r}) returned {model_key!r}: expected a str or None")
+        if model_key in mapped_from:
+            raise ModelMismatchError(
+                f"key_map maps both {mapped_from[model_key]!r} and {ckpt_key!r} to model key "
+                f"{model_key!r}. Each model key may come from one checkpoint key only."
+            )
+        mapped_from[model_key] = ckpt_key
+        if model_key in layout.non_persistent:
+            ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
+            continue
+        canonical = layout.canonical(model_key)
+        if canonical is None:
+            unexpected.append(ckpt_key)
+            continue
+        by_model_key.setdefault(canonical, []).append(t)
+
+    missing = sorted(k for k in layout.tensors if k not in by_model_key)
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {format_keys(missing)}")
+        if unexpected:
+            parts.append(f"unexpected in the checkpoint: {format_keys(unexpected)}")
+        raise ModelMismatchError(
+            f"{source.description}: keys do not match the model; "
+            + "; ".join(parts)
+            + ". Pass key_map to rename keys, or strict=False to skip unexpected keys and "
+            "initialise missing ones with the model's own initialisation."
+        )
+    uninitialisable = [
+        k for k in missing if layout.tensors[k].is_param and k not in layout.initialisable
+    ]
+    if uninitialisable:
+        raise ModelMismatchError(
+            f"{source.description}: missing parameters {format_keys(uninitialisable)} have no "
+            "initialiser (their module has no reset_parameters() and no ancestor has _init_weights()), "
+            "so strict=False would leave them uninitialised. Add them to the checkpoint or give the "
+            "module a reset_parameters()."
+        )
+
+    entries: list[Entry] = []
+    for model_key, found in by_model_key.items():
+        info = layout.tensors[model_key]
+        for t in found:
+            _check_fits(t, model_key, info.shape, info.dtype)
+        if len(found) > 1:
+            _check_tied_equal(model_key, found)
+        t = found[0]
+        entries.append(Entry(model_key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes))
+
+    order = {path: i for i, path in enumerate(source.files)}
+    entries.sort(key=lambda e: (order[e.file], e.offset))
+    return Manifest(
+        entries=tuple(entries),
+        missing=tuple(missing),
+        unexpected=tuple(sorted(unexpected)),
+        ignored=tuple(sorted(ignored)),
+        files=source.files,
+        total_bytes=sum(e.nbytes for e in entries),
+    )
+
+
+def _check_tied_equal(model_key: str, found: list[TensorHeader], chunk: int = 8 << 20) -> None:
+    """Several names of one tied parameter are stored: they must hold the same bytes."""
+    first = found[0]
+    for other in found[1:]:
+        same = first.dtype == other.dtype and first.nbytes == other.nbytes
+        if same:
+            with open(first.file, "rb", buffering=0) as fa, open(other.file, "rb", buffering=0) as fb:
+                for pos in range(0, first.nbytes, chunk):
+                    n = min(chunk, first.nbytes - pos)
+                    if os.pread(fa.fileno(), n, first.offset + pos) != os.pread(fb.fileno(), n, other.offset + pos):
+                        same = False
+                        break
+        if not same:
+            raise ModelMismatchError(
+                f"tied parameter {model_key!r} is stored twice with different values: "
+                f"{first.key!r} in {os.path.basename(first.file)} and {other.key!r} in "
+                f"{os.path.basename(other.file)}. The model ties them to one tensor; keep one "
+                "in the checkpoint or untie them in model_fn."
+            )

@@ -1,0 +1,190 @@
+"""Build the model with parameters on meta and buffers real; record ties and non-persistent buffers.
+
+(all ranks) :func:`build_on_meta` runs the caller's ``model_fn``. Parameters are moved to ``meta``
+the moment a module registers them, so their initialisers (``reset_parameters``, ``_init_weights``)
+run on meta and cost nothing, while buffers are created for real: rotary ``inv_freq``, BERT
+``position_ids`` and BatchNorm running stats keep the values eager construction gives them.
+No collectives happen here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module"]
+
+_patch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Patch ``nn.Module.register_parameter`` so every registered parameter lives on meta.
+
+    A parameter object registered twice (a tie made by assigning one ``Parameter`` to two modules)
+    maps to one meta parameter, so ties made during construction survive.
+    """
+    original = nn.Module.register_parameter
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            hit = replaced.get(id(param))
+            if hit is not None and hit[0] is param:
+                meta_param = hit[1]
+            else:
+                meta_param = _to_meta(param)
+                # Keep `param` alive in the dict so its id() cannot be reused during the build.
+                replaced[id(param)] = (param, meta_param)
+            param = meta_param
+        original(module, name, param)
+
+    with _patch_lock:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _to_meta(param: nn.Parameter) -> nn.Parameter:
+    data = param.detach().to("meta")
+    if type(param) is nn.Parameter:
+        return nn.Parameter(data, requires_grad=param.requires_grad)
+    # Parameter subclasses carry extra state in __dict__ (as accelerate's init_empty_weights does).
+    kwargs = dict(param.__dict__)
+    kwargs["requires_grad"] = param.requires_grad
+    return type(param)(data, **kwargs)
+
+
+def build_on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real."""
+    with _parameters_on_meta():
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+    return model
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One state-dict tensor of the model, as every rank sees it after sharding."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_param: bool
+    is_dtensor: bool
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What the manifest is validated against (derived identically on every rank).
+
+    ``tensors`` maps each *canonical* state-dict key to its description; ``aliases`` maps every
+    further name of a tied parameter (or shared buffer) to its canonical key; ``non_persistent``
+    holds the names of buffers that the model keeps out of its state dict.
+    ``initialisable`` is the set of canonical parameter keys the model can initialise itself.
+    """
+
+    tensors: dict[str, TensorInfo]
+    aliases: dict[str, str]
+    tie_groups: tuple[tuple[str, ...], ...]
+    non_persistent: frozenset[str]
+    initialisable: frozenset[str]
+
+    def canonical(self, key: str) -> str | None:
+        if key in self.tensors:
+            return key
+        return self.aliases.get(key)
+
+    def fingerprint(self) -> tuple:
+        """A picklable summary that differs whenever two ranks built different models."""
+        return (
+            tuple((k, t.shape, str(t.dtype), t.is_param, t.is_dtensor) for k, t in self.tensors.items()),
+            tuple(sorted(self.aliases.items())),
+            tuple(sorted(self.non_persistent)),
+        )
+
+
+def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
+    """``"a.b.weight"`` -> (``model.a.b``, ``"weight"``)."""
+    prefix, _, leaf = key.rpartition(".")
+    return (model.get_submodule(prefix) if prefix else model), leaf
+
+
+def _initialiser(model: nn.Module, module_name: str) -> bool:
+    """Whether the module that owns a parameter can be re-initialised (see ``_api._init_missing``)."""
+    module = model.get_submodule(module_name) if module_name else model
+    if callable(getattr(module, "reset_parameters", None)):
+        return True
+    parts = module_name.split(".") if module_name else []
+    for depth in range(len(parts), -1, -1):
+        ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
+        if callable(getattr(ancestor, "_init_weights", None)):
+            return True
+    return False
+
+
+def describe(model: nn.Module) -> ModelLayout:
+    """(all ranks) Describe the state-dict tensors of a (possibly sharded) meta model."""
+    tensors: dict[str, TensorInfo] = {}
+    aliases: dict[str, str] = {}
+    groups: dict[int, list[str]] = {}
+    first_name: dict[int, str] = {}
+    initialisable: set[str] = set()
+
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+        if id(param) in first_name:
+            aliases[name] = first_name[id(param)]
+            continue
+        first_name[id(param)] = name
+        tensors[name] = TensorInfo(
+            key=name,
+            shape=tuple(param.shape),
+            dtype=param.dtype,
+            is_param=True,
+            is_dtensor=_is_dtensor(param),
+        )
+        if _initialiser(model, name.rpartition(".")[0]):
+            initialisable.add(name)
+
+    non_persistent: set[str] = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, buf in module._buffers.items():
+            if buf is None:
+                continue
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if leaf in module._non_persistent_buffers_set:
+                non_persistent.add(name)
+                continue
+            if id(buf) in first_name:
+                aliases[name] = first_name[id(buf)]
+                groups.setdefault(id(buf), []).append(name)
+                continue
+            first_name[id(buf)] = name
+            groups.setdefault(id(buf), []).append(name)
+            tensors[name] = TensorInfo(
+                key=name, shape=tuple(buf.shape), dtype=buf.dtype, is_param=False, is_dtensor=False
+            )
+
+    tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
+    return ModelLayout(
+        tensors=tensors,
+        aliases=aliases,
+        tie_groups=tie_groups,
+        non_persistent=frozenset(non_persistent),
+        initialisable=frozenset(initialisable),
+    )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

@@ -1,0 +1,123 @@
+"""How each manifest entry travels: which rank gets which bytes (all ranks; no collectives).
+
+Every rank derives the same sequence of :class:`Piece` from the manifest and the mesh, so sender
+and receivers agree on every message without exchanging anything. A piece is a contiguous byte
+range of the checkpoint (wire dtype) and its place in the destination's local tensor.
+
+* ``SHARDED`` entries (a DTensor whose placements are only ``Shard(0)`` and ``Replicate``): each
+  rank's local tensor is a contiguous range of rows, so its bytes are one contiguous range of
+  the file. Rank 0 sends each rank exactly its rows, point to point, in pieces of at most
+  ``piece_bytes``; the rows it keeps itself are read straight into its local shard.
+* ``PLAIN`` entries (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
+* ``GENERIC`` entries (any other placement, e.g. tensor parallel ``Shard(1)``): one piece; rank 0
+  reads the full tensor and ``distribute_tensor(..., src_data_rank=0)`` scatters it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._manifest import Entry
+
+__all__ = ["SHARDED", "PLAIN", "GENERIC", "BROADCAST", "Piece", "entry_kind", "rows_of", "pieces"]
+
+SHARDED, PLAIN, GENERIC = "sharded", "plain", "generic"
+BROADCAST = -1  # Piece.dst for a broadcast to every rank
+ALIGN = 64  # piece boundaries stay multiples of every element size
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int  # manifest entry index
+    dst: int  # global rank, or BROADCAST
+    file_offset: int  # absolute offset in the entry's file
+    nbytes: int
+    local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor
+    kind: str
+
+
+def _chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
+    """torch.chunk semantics (what DTensor's Shard and FSDP2 use): ceil-sized chunks, trailing empty."""
+    n = stop - start
+    if n == 0:
+        return start, start
+    size = math.ceil(n / parts)
+    lo = min(start + index * size, stop)
+    return lo, min(lo + size, stop)
+
+
+def rows_of(mesh: DeviceMesh, placements: Sequence[object], nrows: int, coord: Sequence[int]) -> tuple[int, int]:
+    """The row range [lo, hi) that the rank at mesh coordinate ``coord`` holds."""
+    lo, hi = 0, nrows
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            lo, hi = _chunk(lo, hi, mesh.size(dim), coord[dim])
+    return lo, hi
+
+
+def _fast_placements(placements: Sequence[object]) -> bool:
+    return all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements)
+
+
+def entry_kind(target: torch.Tensor, mesh: DeviceMesh) -> str:
+    """(all ranks) SHARDED when every rank's local piece is a row range we can compute, else GENERIC."""
+    if not isinstance(target, DTensor):
+        return PLAIN
+    if target.device_mesh != mesh or target.ndim == 0 or not _fast_placements(target.placements):
+        return GENERIC
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return GENERIC
+    lo, hi = rows_of(mesh, target.placements, target.shape[0], coord)
+    expected = (hi - lo, *target.shape[1:])
+    return SHARDED if tuple(target._local_tensor.shape) == expected else GENERIC
+
+
+def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Global rank -> its coordinate in the mesh."""
+    grid = mesh.mesh
+    return {int(grid[idx]): tuple(int(i) for i in idx) for idx in _indices(tuple(grid.shape))}
+
+
+def _indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (i, *rest)
+
+
+def pieces(
+    entries: Sequence[Entry],
+    kinds: Sequence[str],
+    placements: Sequence[Sequence[object] | None],
+    mesh: DeviceMesh,
+    piece_bytes: int,
+) -> Iterator[Piece]:
+    """(all ranks) The agreed sequence of messages, in manifest order."""
+    piece_bytes = max(ALIGN, piece_bytes // ALIGN * ALIGN)
+    coords = sorted(rank_coordinates(mesh).items())
+    for index, (entry, kind) in enumerate(zip(entries, kinds, strict=True)):
+        if kind == GENERIC:
+            yield Piece(index, BROADCAST, entry.offset, entry.nbytes, 0, kind)
+            continue
+        if kind == PLAIN:
+            for start in range(0, entry.nbytes, piece_bytes):
+                n = min(piece_bytes, entry.nbytes - start)
+                yield Piece(index, BROADCAST, entry.offset + start, n, start, kind)
+            continue
+        nrows = entry.shape[0]
+        row_bytes = entry.nbytes // nrows if nrows else 0
+        for rank, coord in coords:
+            lo, hi = rows_of(mesh, placements[index], nrows, coord)  # type: ignore[arg-type]
+            size = (hi - lo) * row_bytes
+            for start in range(0, size, piece_bytes):
+                n = min(piece_bytes, size - start)
+                yield Piece(index, rank, entry.offset + lo * row_bytes + start, n, start, kind)

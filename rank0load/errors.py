@@ -1,0 +1,48 @@
+"""Exceptions raised by rank0load.
+
+Every failure the loader can detect is raised as :class:`LoadError` (or a subclass) on **every**
+rank with the same message. Subclasses also derive from the matching builtin so that existing
+``except FileNotFoundError`` / ``except ValueError`` handlers keep working.
+
+Each exception is built from a single message string so it pickles cleanly: rank 0 broadcasts the
+instance it caught and the other ranks re-raise an identical one.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LoadError",
+    "CheckpointNotFoundError",
+    "CheckpointFormatError",
+    "ModelMismatchError",
+    "RankMismatchError",
+]
+
+
+class LoadError(RuntimeError):
+    """Base class: the checkpoint could not be loaded into the model."""
+
+
+class CheckpointNotFoundError(LoadError, FileNotFoundError):
+    """The checkpoint path, or a file its index names, does not exist or is not allowed."""
+
+
+class CheckpointFormatError(LoadError, ValueError):
+    """A safetensors file or index is malformed: truncated, corrupt header, bad index."""
+
+
+class ModelMismatchError(LoadError, ValueError):
+    """The checkpoint does not fit the model: missing/unexpected keys, shapes, dtypes, ties."""
+
+
+class RankMismatchError(LoadError):
+    """Ranks disagree: ``model_fn``/``shard_fn`` failed on some ranks or built different models."""
+
+
+def format_keys(keys: object, limit: int = 10) -> str:
+    """Sorted, the first ``limit`` keys quoted, then "and N more"."""
+    items = sorted(str(k) for k in keys)  # type: ignore[attr-defined]
+    shown = ", ".join(repr(k) for k in items[:limit])
+    if len(items) > limit:
+        shown += f" and {len(items) - limit} more"
+    return shown

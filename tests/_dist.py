@@ -1,0 +1,104 @@
+"""Run a function on N gloo ranks on the CPU, each in its own process, with a hard timeout.
+
+``run(fn, world, *args)`` returns one result per rank: whatever ``fn(rank, world, *args)``
+returned, or a :class:`Raised` describing the exception it raised. A rank that hangs or dies
+fails the test (after ``timeout`` seconds) instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+
+
+@dataclass
+class Raised:
+    type_name: str
+    bases: tuple[str, ...]
+    message: str
+    tb: str
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, out: str, args: tuple, pg_timeout: float, env: dict) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store, world),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result = Raised(type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__), str(exc), traceback.format_exc())
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+
+
+def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, pg_timeout: float = 60,
+        env: dict | None = None) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, store, outs[r], args, pg_timeout, env or {}), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = __import__("time").monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - __import__("time").monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            pytest.fail(f"ranks {hung} of {world} still running after {timeout} s: a hang")
+        results = []
+        for r, path in enumerate(outs):
+            if not os.path.exists(path):
+                pytest.fail(f"rank {r} died with exit code {procs[r].exitcode} and left no result")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def ok(results: list[Any]) -> list[Any]:
+    """Fail the test with the first rank's traceback if any rank raised."""
+    for r, res in enumerate(results):
+        if isinstance(res, Raised):
+            pytest.fail(f"rank {r} raised {res.type_name}: {res.message}\n{res.tb}", pytrace=False)
+    return results
+
+
+def same_error(results: list[Any], cls_name: str = "LoadError") -> Raised:
+    """Every rank raised the same ``cls_name`` (or subclass) with the same message; return it."""
+    for r, res in enumerate(results):
+        if not isinstance(res, Raised):
+            pytest.fail(f"rank {r} did not raise; it returned {res!r}")
+        if cls_name not in res.bases:
+            pytest.fail(f"rank {r} raised {res.type_name}, not a {cls_name}: {res.message}\n{res.tb}")
+    messages = {res.message for res in results}
+    assert len(messages) == 1, f"ranks raised different messages: {messages}"
+    return results[0]

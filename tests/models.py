@@ -1,0 +1,99 @@
+"""Small models used by the tests (importable in spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class Toy(nn.Module):
+    """Tied embedding / head, a BatchNorm (persistent running stats), a non-persistent buffer,
+    uneven first dimensions (vocab 7, dims 5) so 2 and 3 ranks get unequal shards."""
+
+    def __init__(self, vocab: int = 7, dim: int = 5, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.bn = nn.BatchNorm1d(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.arange(dim, dtype=torch.float32) / 3, persistent=False)
+        self.register_buffer("step", torch.tensor(3, dtype=torch.int64))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * self.scale
+        for b in self.blocks:
+            h = b(h)
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h)
+
+
+def toy() -> Toy:
+    return Toy()
+
+
+def trained_toy(seed: int = 0) -> Toy:
+    """A Toy with random weights and non-default BatchNorm statistics."""
+    torch.manual_seed(seed)
+    m = Toy()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1)
+        m.bn.running_var.uniform_(0.5, 2)
+        m.bn.num_batches_tracked.fill_(11)
+        m.step.fill_(42)
+        for p in m.parameters():
+            p.uniform_(-1, 1)
+    return m.eval()
+
+
+def save_state(model: nn.Module, path: str, dtype: torch.dtype | None = None) -> None:
+    """Save like save_pretrained does: tied aliases once."""
+    from safetensors.torch import save_model
+
+    if dtype is not None:
+        model = model.to(dtype)
+    save_model(model, path)
+
+
+def gather(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full tensor and every buffer, on CPU (collective on DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().cpu().clone()
+    for name, b in model.named_buffers(remove_duplicate=False):
+        out[name] = b.detach().cpu().clone()
+    return out
+
+
+def reference(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    out.update({n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)})
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want), (sorted(set(got) ^ set(want)))
+    for k in want:
+        g, w = got[k], want[k]
+        assert g.dtype == w.dtype, f"{k}: dtype {g.dtype} != {w.dtype}"
+        assert g.shape == w.shape, f"{k}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g, w.view(torch.uint8) if w.dtype.itemsize == 1 else w) or _bits_equal(g, w), f"{k}: values differ"
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0:
+        return True
+    return bytes(a.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(b.contiguous().view(-1).view(torch.uint8).numpy())
