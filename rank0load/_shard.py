@@ -34,9 +34,24 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if lists:
             biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
             blocks = [b for b in biggest if any(True for _ in b.parameters())]
+    blocks = [b for b in blocks if not _shares_outside(model, b)]
     # Innermost first: fully_shard on a child must precede its parent.
     order = {id(m): i for i, m in enumerate(model.modules())}
     return sorted(blocks, key=lambda m: -order[id(m)])
+
+
+def _shares_outside(model: nn.Module, block: nn.Module) -> bool:
+    """A block holding a parameter also used outside it (BERT's word embeddings tied to the
+    decoder) cannot be its own FSDP group: the outside user would see the resharded parameter.
+    Such blocks are left to the root's group."""
+    inside = {id(m) for m in block.modules()}
+    params = {id(p) for p in block.parameters()}
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if any(p is not None and id(p) in params for p in module._parameters.values()):
+            return True
+    return False
 
 
 def default_shard_fn(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -1,0 +1,89 @@
+"""transformers models from tiny configs, saved with save_pretrained into several shards."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def config(name: str):
+    _quiet()
+    from transformers import (
+        BertConfig,
+        GemmaConfig,
+        GPT2Config,
+        LlamaConfig,
+        Qwen2Config,
+        T5Config,
+    )
+
+    if name == "llama":
+        return LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=37, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           tie_word_embeddings=True)
+    if name == "qwen2":
+        return Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=45, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           tie_word_embeddings=False)
+    if name == "gemma":
+        return GemmaConfig(vocab_size=53, hidden_size=16, intermediate_size=29, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    if name == "gpt2":
+        return GPT2Config(vocab_size=71, n_embd=24, n_layer=2, n_head=4, n_positions=40)
+    if name == "t5":
+        return T5Config(vocab_size=59, d_model=16, d_kv=4, d_ff=23, num_layers=2, num_decoder_layers=2,
+                        num_heads=4, tie_word_embeddings=True)
+    if name == "bert":
+        return BertConfig(vocab_size=73, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=31, max_position_embeddings=40)
+    raise KeyError(name)
+
+
+def model_class(name: str):
+    _quiet()
+    import transformers as t
+
+    return {
+        "llama": t.LlamaForCausalLM,
+        "qwen2": t.Qwen2ForCausalLM,
+        "gemma": t.GemmaForCausalLM,
+        "gpt2": t.GPT2LMHeadModel,
+        "t5": t.T5ForConditionalGeneration,
+        "bert": t.BertForMaskedLM,
+    }[name]
+
+
+class Factory:
+    """Picklable model_fn: ``Factory("llama")()`` builds the model from its tiny config."""
+
+    def __init__(self, name: str, dtype: torch.dtype | None = None) -> None:
+        self.name = name
+        self.dtype = dtype
+
+    def __call__(self):
+        model = model_class(self.name)(config(self.name))
+        if self.dtype is not None:
+            model = model.to(self.dtype)
+        return model.eval()
+
+
+def pretrained(name: str, seed: int = 0):
+    """An eager model with random (seeded) weights, as a user's checkpoint would hold."""
+    torch.manual_seed(seed)
+    model = Factory(name)()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def sample_inputs(name: str) -> dict:
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]])
+    if name == "t5":
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    return {"input_ids": ids}
