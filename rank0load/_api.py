@@ -30,7 +30,7 @@ from ._manifest import Manifest, build_manifest
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
 from ._shard import default_shard_fn
 from ._source import resolve
-from .errors import LoadError, RankMismatchError
+from .errors import LoadError, ModelMismatchError, RankMismatchError
 
 __all__ = ["load_sharded", "LoadReport", "DEFAULT_STAGING_BYTES"]
 
@@ -159,7 +159,9 @@ def load_sharded(
     # 6. Stream.
     entries = manifest.entries
     targets = [_target(targets_by_key[e.key], kinds[e.key]) for e in entries]
-    placements = [getattr(targets_by_key[e.key], "placements", None) for e in entries]
+    placements = [
+        _plan.placements_on(t, mesh) if isinstance(t := targets_by_key[e.key], DTensor) else None for e in entries
+    ]
     entry_kinds = [kinds[e.key] for e in entries]
     slots = _SLOTS
     piece_bytes = max_staging_bytes // slots
@@ -269,33 +271,57 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
 def _init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]) -> None:
     """(all ranks, strict=False) Give parameters absent from the checkpoint the model's own init.
 
-    The owning module's ``reset_parameters()`` if it has one, else the nearest ancestor's
-    ``_init_weights(module)`` (transformers). Run before streaming so loaded values win.
+    The nearest ancestor's ``_init_weights(module)`` (transformers: the same init
+    ``from_pretrained`` gives new heads), else the owning module's ``reset_parameters()``. Floating
+    parameters are first filled with NaN, so a parameter that neither initialiser wrote is caught
+    (on every rank) instead of leaving uninitialised memory. Runs before streaming: loaded values win.
     """
-    owners: dict[str, nn.Module] = {}
+    owners: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
     for key in missing:
         if layout.tensors[key].is_param:
-            owners.setdefault(key.rpartition(".")[0], resolve_module(model, key)[0])
+            module, leaf = resolve_module(model, key)
+            owners.setdefault(key.rpartition(".")[0], (module, []))[1].append(module._parameters[leaf])
+    left: list[str] = []
     with torch.no_grad():
-        for module_name, module in owners.items():
+        for module_name, (module, params) in owners.items():
             # transformers skips tensors flagged as initialised; these are not.
             module.__dict__.pop("_is_hf_initialized", None)
-            for t in (*module._parameters.values(), *module._buffers.values()):
-                if t is not None and hasattr(t, "_is_hf_initialized"):
+            for t in params:
+                if hasattr(t, "_is_hf_initialized"):
                     del t._is_hf_initialized
+                if t.is_floating_point():
+                    _local(t).fill_(float("nan"))
+            init = _hf_init_weights(model, module_name)
+            if init is not None:
+                init(module)
             reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
+            if callable(reset) and (init is None or any(_has_nan(t) for t in params)):
                 reset()
-                continue
-            parts = module_name.split(".") if module_name else []
-            for depth in range(len(parts), -1, -1):
-                ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
-                init = getattr(ancestor, "_init_weights", None)
-                if callable(init):
-                    init(module)
-                    break
-            else:  # build_manifest already refused this case
-                raise LoadError(f"no initialiser for module {module_name!r}")
+            left += [f"{module_name}.{n}" for n, t in module._parameters.items() if t is not None and _has_nan(t)]
+    if _distribute.any_rank(bool(left)):
+        raise ModelMismatchError(
+            "strict=False: parameters absent from the checkpoint were not initialised by the model's "
+            f"_init_weights() or reset_parameters() on some rank (this rank: {left[:10]}). Give their "
+            "module a reset_parameters() or add them to the checkpoint."
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and bool(torch.isnan(_local(t)).any())
+
+
+def _hf_init_weights(model: nn.Module, module_name: str) -> Callable[[nn.Module], object] | None:
+    parts = module_name.split(".") if module_name else []
+    for depth in range(len(parts), -1, -1):
+        ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
+        init = getattr(ancestor, "_init_weights", None)
+        if callable(init):
+            return init
+    return None
 
 
 def _retie(model: nn.Module, layout: ModelLayout) -> None:

@@ -28,7 +28,7 @@ from ._plan import BROADCAST, GENERIC, PLAIN, SHARDED, Piece
 from ._stream import Reader
 from .errors import LoadError, RankMismatchError
 
-__all__ = ["agree", "share", "stream", "Target"]
+__all__ = ["agree", "any_rank", "share", "stream", "Target"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,14 @@ def agree(status: tuple[str, Any]) -> list[tuple[str, Any]]:
             "or sharding differ). model_fn must build the same model on every rank."
         )
     return gathered
+
+
+def any_rank(flag: bool) -> bool:
+    """(all ranks) True on every rank if ``flag`` is True on any rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def share(result: object | LoadError | None) -> Any:
@@ -122,18 +130,28 @@ def _landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | 
 
 
 def _generic(target: Target, full: torch.Tensor | None, mesh: DeviceMesh, wire: torch.dtype) -> None:
-    """distribute_tensor from rank 0; the other ranks pass a full-shape buffer they never touch
-    (a meta tensor would skip the collective and desynchronise the ranks)."""
+    """(all ranks) A GENERIC entry: rank 0 broadcasts the full tensor (wire bytes), then every rank
+    cuts its own shard with DTensor's own split (``distribute_tensor(..., src_data_rank=None)``: no
+    communication) on the parameter's own mesh and placements.
+
+    ``distribute_tensor(..., src_data_rank=0)`` would scatter instead, but it refuses uneven
+    ``_StridedShard`` (FSDP2 on top of colwise TP) and, on a sub-mesh, reaches only the sub-mesh
+    instance holding rank 0. Cutting locally is exact for every placement DTensor supports; the
+    price is the full tensor on every rank, for this one tensor.
+    """
     dt = target.dtensor
     if dt is None:
         raise LoadError("internal error: GENERIC entry without a DTensor target")
     device = target.tensor.device
+    nbytes = dt.numel() * wire.itemsize
     if full is None:
-        full_t = torch.empty(dt.shape, dtype=dt.dtype, device=device)
-    else:
-        full_t = full.view(wire).reshape(dt.shape).to(device=device, dtype=dt.dtype)
-    out = distribute_tensor(full_t, mesh, dt.placements, src_data_rank=0)
-    target.tensor.copy_(out.to_local())
+        full = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    elif full.device != device:
+        full = full.to(device)
+    dist.broadcast(full, src=0)
+    value = full.view(wire).reshape(dt.shape).to(dtype=dt.dtype)
+    local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
+    target.tensor.copy_(local)
 
 
 def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes) -> None:
@@ -219,7 +237,7 @@ def _receive(pieces, targets, wires, mesh, *, piece_bytes, slots) -> None:
             while pending:
                 complete_oldest()
             if piece.kind == GENERIC:
-                _generic(target, None, mesh, wire, None)
+                _generic(target, None, mesh, wire)
                 continue
         view = _landing(target, piece, wire)
         slot = stage = None

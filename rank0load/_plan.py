@@ -9,8 +9,15 @@ range of the checkpoint (wire dtype) and its place in the destination's local te
   the file. Rank 0 sends each rank exactly its rows, point to point, in pieces of at most
   ``piece_bytes``; the rows it keeps itself are read straight into its local shard.
 * ``PLAIN`` entries (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
-* ``GENERIC`` entries (any other placement, e.g. tensor parallel ``Shard(1)``): one piece; rank 0
-  reads the full tensor and ``distribute_tensor(..., src_data_rank=0)`` scatters it.
+* ``GENERIC`` entries (any other placement, e.g. tensor parallel ``Shard(1)`` or the
+  ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): one piece; rank 0 reads the full
+  tensor and ``distribute_tensor(..., src_data_rank=0)`` scatters it over the whole load mesh.
+
+A DTensor may live on a sub-mesh of the load mesh (``fully_shard(m, mesh=mesh["dp"])`` on a
+("dp", "tp") mesh leaves embeddings and norms on the "dp" sub-mesh). :func:`placements_on` lifts its
+placements to the load mesh, with ``Replicate`` on the dimensions the sub-mesh lacks: each tp group
+member holds the same shard. Without lifting, a collective on the sub-mesh would only reach the
+sub-mesh instance that contains rank 0, and the others would receive nothing.
 """
 
 from __future__ import annotations
@@ -21,11 +28,22 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ._manifest import Entry
+from .errors import LoadError
 
-__all__ = ["SHARDED", "PLAIN", "GENERIC", "BROADCAST", "Piece", "entry_kind", "rows_of", "pieces"]
+__all__ = [
+    "SHARDED",
+    "PLAIN",
+    "GENERIC",
+    "BROADCAST",
+    "Piece",
+    "entry_kind",
+    "placements_on",
+    "rows_of",
+    "pieces",
+]
 
 SHARDED, PLAIN, GENERIC = "sharded", "plain", "generic"
 BROADCAST = -1  # Piece.dst for a broadcast to every rank
@@ -65,16 +83,48 @@ def _fast_placements(placements: Sequence[object]) -> bool:
     return all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements)
 
 
+def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """(all ranks) ``target``'s placements expressed on the load ``mesh``.
+
+    A DTensor on ``mesh`` itself keeps its placements. One on a sub-mesh made by slicing named
+    dimensions of ``mesh`` (``mesh["dp"]``) gets ``Replicate`` on the dimensions it lacks. Any other
+    mesh (a flattened dimension, dimensions reordered, an unrelated mesh) raises :class:`LoadError`:
+    rank 0 could not reach every rank's shard through it.
+    """
+    sub = target.device_mesh
+    if sub == mesh:
+        return tuple(target.placements)
+    names, sub_names = mesh.mesh_dim_names, sub.mesh_dim_names
+    dims = [names.index(n) for n in sub_names] if names and sub_names and set(sub_names) <= set(names) else None
+    coord = mesh.get_coordinate()
+    if dims is not None and dims == sorted(dims) and coord is not None and sub.device_type == mesh.device_type:
+        index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
+        if torch.equal(mesh.mesh[index], sub.mesh):
+            lifted: list[Placement] = [Replicate()] * mesh.ndim
+            for i, d in enumerate(dims):
+                lifted[d] = target.placements[i]
+            return tuple(lifted)
+    raise LoadError(
+        f"a parameter lives on device mesh {sub} (dims {sub_names}), which is neither the load mesh "
+        f"{mesh} (dims {names}) nor a slice of its named dimensions (mesh['dp']). Pass load_sharded "
+        "the root mesh your shard_fn slices, with mesh_dim_names."
+    )
+
+
 def entry_kind(target: torch.Tensor, mesh: DeviceMesh) -> str:
-    """(all ranks) SHARDED when every rank's local piece is a row range we can compute, else GENERIC."""
+    """(all ranks) SHARDED when every rank's local piece is a row range we can compute, else GENERIC.
+
+    Raises LoadError (see :func:`placements_on`) for a DTensor on a mesh rank 0 cannot reach through.
+    """
     if not isinstance(target, DTensor):
         return PLAIN
-    if target.device_mesh != mesh or target.ndim == 0 or not _fast_placements(target.placements):
+    placements = placements_on(target, mesh)
+    if target.ndim == 0 or not _fast_placements(placements):
         return GENERIC
     coord = mesh.get_coordinate()
     if coord is None:
         return GENERIC
-    lo, hi = rows_of(mesh, target.placements, target.shape[0], coord)
+    lo, hi = rows_of(mesh, placements, target.shape[0], coord)
     expected = (hi - lo, *target.shape[1:])
     return SHARDED if tuple(target._local_tensor.shape) == expected else GENERIC
 

@@ -86,9 +86,11 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, pg
 
 def ok(results: list[Any]) -> list[Any]:
     """Fail the test with the first rank's traceback if any rank raised."""
-    for r, res in enumerate(results):
-        if isinstance(res, Raised):
-            pytest.fail(f"rank {r} raised {res.type_name}: {res.message}\n{res.tb}", pytrace=False)
+    raised = [(r, res) for r, res in enumerate(results) if isinstance(res, Raised)]
+    if raised:
+        # A rank's own failure usually makes its peers see "connection closed": show every rank.
+        report = "\n\n".join(f"rank {r} raised {res.type_name}: {res.message}\n{res.tb}" for r, res in raised)
+        pytest.fail(report, pytrace=False)
     return results
 
 

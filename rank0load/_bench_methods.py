@@ -1,0 +1,161 @@
+"""The loading methods the benchmark compares (all ranks call the same function, in lock step).
+
+Each method takes ``(cfg, ckpt_dir, mesh)`` and returns ``(model, info)``: the FSDP2-sharded
+:class:`~._bench_model.BenchLlama` with real data, and a dict of method-specific facts
+(``tie_kept``: whether the head was still the embedding's Parameter when the method returned,
+before the benchmark re-tied it; ``stream_seconds`` where the method reports one).
+
+The torch-native methods build the model the same way (meta build, ``fully_shard`` on each
+decoder layer then on the root, ``to_empty``, the rotary buffer recomputed) so that only the
+loading differs; rank0load builds it itself inside :func:`rank0load.load_sharded`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from ._bench_model import BenchConfig, BenchLlama, expected_inv_freq
+
+__all__ = ["METHODS", "METHOD_NOTES"]
+
+Method = Callable[[BenchConfig, str, DeviceMesh], tuple[nn.Module, dict]]
+
+
+def _tied(model: BenchLlama) -> bool:
+    return model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _build_sharded(cfg: BenchConfig, mesh: DeviceMesh) -> BenchLlama:
+    """(all ranks) Meta build, fully_shard each layer then the root, allocate the local shards."""
+    with torch.device("meta"):
+        model = BenchLlama(cfg)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    # to_empty leaves the non-persistent rotary buffer uninitialised; recompute it.
+    model.model.rotary_emb.inv_freq = expected_inv_freq(cfg)
+    return model
+
+
+def _finish(model: BenchLlama) -> dict:
+    """Record whether the tie survived, then make sure it holds (a broken tie is what a user must fix)."""
+    kept = _tied(model)
+    if not kept:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return {"tie_kept": kept}
+
+
+def _shard_files(ckpt: str) -> list[str]:
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    return [os.path.join(ckpt, name) for name in sorted(set(weight_map.values()))]
+
+
+def _full_state_dict(ckpt: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in _shard_files(ckpt):
+        state.update(load_file(path))
+    return state
+
+
+def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+    """Meta build + fully_shard + allocate the local shards (zero-filled so their pages are resident)."""
+    model = _build_sharded(cfg, mesh)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+    return model, _finish(model)
+
+
+def rank0load_method(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+    """``rank0load.load_sharded``: rank 0 reads, each rank receives its own shard."""
+    import rank0load
+
+    model = rank0load.load_sharded(lambda: BenchLlama(cfg), ckpt, mesh)
+    report = model.rank0load_report
+    # No re-tie here: rank0load must keep the tie itself (verification requires it).
+    return model, {
+        "tie_kept": _tied(model),
+        "stream_seconds": report.stream_seconds,
+        "stream_gbps": report.gb_per_s,
+        "report_bytes": report.bytes,
+    }
+
+
+def broadcast_rank0(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+    """Rank 0 holds the full state dict (``load_file``); ``set_model_state_dict(full_state_dict=True,
+    broadcast_from_rank0=True)`` broadcasts every tensor and each rank keeps its shard.
+
+    ``strict=False`` because the checkpoint stores the tied head once (as the embedding): with it the
+    embedding is broadcast once, not twice; verification still checks every tensor.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = _build_sharded(cfg, mesh)
+    state = _full_state_dict(ckpt) if dist.get_rank() == 0 else {}
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    )
+    del state
+    return model, _finish(model)
+
+
+def every_rank(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+    """Every rank ``load_file``s the whole checkpoint, then ``set_model_state_dict(full_state_dict=True)``
+    (torch's ``distribute_tensor`` per tensor keeps the local shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = _build_sharded(cfg, mesh)
+    state = _full_state_dict(ckpt)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    del state
+    return model, _finish(model)
+
+
+def dcp_hf(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+    """``dcp.load`` with ``HuggingFaceStorageReader``: every rank reads the slices of its own shards
+    straight into the model's sharded state dict (in place)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    model = _build_sharded(cfg, mesh)
+    # The checkpoint stores each tied tensor once: hand DCP one name per tensor.
+    first: dict[int, str] = {}
+    alias: set[str] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            alias.add(name)
+        else:
+            first[id(p)] = name
+    state = {k: v for k, v in model.state_dict().items() if k not in alias}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
+    del state
+    return model, _finish(model)
+
+
+METHODS: dict[str, Method] = {
+    "build-only": build_only,
+    "rank0load": rank0load_method,
+    "broadcast-rank0": broadcast_rank0,
+    "dcp-hf": dcp_hf,
+    "every-rank": every_rank,
+}
+
+METHOD_NOTES: dict[str, str] = {
+    "build-only": "meta build + `fully_shard` + allocate (and zero) the local shards: the cost every method shares; loads nothing",
+    "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 reads, sends each rank its rows",
+    "broadcast-rank0": "rank 0 `load_file`s every shard; `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
+    "dcp-hf": "`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(ckpt))`: every rank reads its slices",
+    "every-rank": "every rank `load_file`s every shard; `set_model_state_dict(full_state_dict=True)`",
+}

@@ -1,0 +1,178 @@
+"""One rank of one benchmark run: ``python -m rank0load._bench_worker '<json spec>'``.
+
+(every rank, a fresh process per method and round) Join a gloo group through a FileStore, read
+``VmRSS`` ("before"), reset the peak (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), run the
+method between barriers (timed), read ``VmHWM`` ("peak"), count the rank's resident shard bytes,
+then — after the measurement, so it cannot inflate the peak — verify the loaded model bit-exact
+against the SHA-256 digests recorded when the checkpoint was written. The result (or the error)
+goes to the JSON file named in the spec.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _resident_bytes(model) -> int:
+    """Bytes of this rank's local parameter shards and buffers (each storage counted once)."""
+    from torch.distributed.tensor import DTensor
+
+    storages: dict[int, int] = {}
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    tensors += list(model.buffers())
+    for t in tensors:
+        s = t.untyped_storage()
+        if t.device.type != "meta":
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def _verify(model, cfg, ckpt: str) -> dict:
+    """(all ranks, collective) Every parameter's full_tensor() against the recorded digests (on rank 0),
+    the rotary buffer against its formula (on every rank), nothing left on meta."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from ._bench_model import META_FILE, expected_inv_freq, tensor_digest
+
+    rank = dist.get_rank()
+    problems: list[str] = []
+    digests: dict[str, str] = {}
+    tied: dict[str, str] = {}
+    if rank == 0:
+        with open(os.path.join(ckpt, META_FILE)) as f:
+            meta = json.load(f)
+        digests, tied = meta["digests"], meta["tied"]
+    checked: set[str] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.is_meta:
+            problems.append(f"{name}: left on meta")
+            continue
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if rank == 0:
+            key = tied.get(name, name)
+            if key not in digests:
+                problems.append(f"{name}: not in the checkpoint")
+            elif full.dtype != torch.bfloat16:
+                problems.append(f"{name}: dtype {full.dtype}, checkpoint bfloat16")
+            elif tensor_digest(full) != digests[key]:
+                problems.append(f"{name}: values differ from checkpoint key {key!r}")
+            checked.add(key)
+        del full
+    if rank == 0:
+        never = sorted(set(digests) - checked)
+        problems += [f"{k}: in the checkpoint, no parameter holds it" for k in never]
+    inv_freq = model.model.rotary_emb.inv_freq
+    if inv_freq.is_meta or inv_freq.dtype != torch.float32 or not torch.equal(inv_freq, expected_inv_freq(cfg)):
+        problems.append(f"rank {rank}: model.rotary_emb.inv_freq is wrong ({inv_freq.dtype}, meta={inv_freq.is_meta})")
+    if "inv_freq" not in model.model.rotary_emb._non_persistent_buffers_set:
+        problems.append(f"rank {rank}: model.rotary_emb.inv_freq became persistent")
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    every = [p for rank_problems in gathered for p in rank_problems]
+    return {"verified": not every, "tensors_checked": len(checked) if rank == 0 else None, "problems": every[:10],
+            "problem_count": len(every)}
+
+
+def main(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ._bench_methods import METHODS
+    from ._bench_model import BenchConfig
+
+    # Import what any method may import, so "before" is the same baseline for every method.
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    import rank0load  # noqa: F401
+
+    rank, world = spec["rank"], spec["world"]
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(spec["store"], world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=spec["timeout"]),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        cfg = BenchConfig(**spec["config"])
+        method = METHODS[spec["method"]]
+        dist.barrier()
+        gc.collect()
+        before = _status("VmRSS")
+        reset_ok = _reset_peak()
+        dist.barrier()
+        started = time.perf_counter()
+        model, info = method(cfg, spec["ckpt"], mesh)
+        dist.barrier()
+        seconds = time.perf_counter() - started
+        peak = _status("VmHWM")
+        resident = _resident_bytes(model)
+        result = {
+            "method": spec["method"],
+            "rank": rank,
+            "world": world,
+            "seconds": seconds,
+            "rss_before": before,
+            "peak_rss": peak,
+            "resident": resident,
+            "transient": peak - before - resident,
+            "peak_reset": reset_ok,
+            **info,
+        }
+        if spec["method"] == "build-only":
+            result.update(verified=None, problems=[], problem_count=0, tensors_checked=0)
+        else:
+            result.update(_verify(model, cfg, spec["ckpt"]))
+            if spec["method"] == "rank0load" and not info.get("tie_kept"):
+                result["verified"] = False
+                result["problems"] = [*result["problems"], "rank0load broke the lm_head / embed_tokens tie"]
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    try:
+        out = main(spec)
+    except BaseException as exc:  # reported to the parent, which prints it
+        out = {"method": spec.get("method"), "rank": spec.get("rank"),
+               "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    tmp = spec["out"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, spec["out"])
+    sys.exit(1 if "error" in out else 0)

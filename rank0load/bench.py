@@ -1,0 +1,407 @@
+"""``python -m rank0load.bench``: host RAM and time of loading one checkpoint into an FSDP2 model.
+
+Writes (or reuses) a Llama-style bf16 checkpoint with tied embeddings, then, for each round and
+each method, launches ``--ranks`` fresh gloo processes on the CPU (``rank0load._bench_worker``)
+that build the sharded model and load the checkpoint; each rank reports its load seconds, RSS
+before, peak RSS (``VmHWM``), resident shard bytes and transient = peak - before - resident, and
+verifies the result bit-exact. A method's figures are its fastest round whose result verified.
+
+    python -m rank0load.bench                                   # 0.8 GB, 2 ranks, all methods, 2 rounds
+    python -m rank0load.bench --sweep 0.2,0.8,3.2 --plot --update-readme
+
+This is a script: it prints progress to stdout (the library itself only logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from ._bench_methods import METHOD_NOTES, METHODS
+from ._bench_model import BenchConfig, cached_checkpoint, config_for_size, write_checkpoint
+
+__all__ = ["main", "run_size", "parse_args"]
+
+MiB = 1 << 20
+README_START = "<!-- bench:results:start -->"
+README_END = "<!-- bench:results:end -->"
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def ensure_checkpoint(cfg: BenchConfig, out: str) -> tuple[str, dict]:
+    """The checkpoint directory for ``cfg`` under ``out``, written unless a complete one is there."""
+    directory = os.path.join(out, f"ckpt-{cfg.tag}")
+    meta = cached_checkpoint(cfg, directory)
+    if meta is not None:
+        print(f"checkpoint: reusing {directory} ({meta['total_bytes'] / 1e9:.3f} GB, {len(meta['files'])} shards)")
+        return directory, meta
+    print(f"checkpoint: writing {directory} ({cfg.tag})", flush=True)
+    started = time.perf_counter()
+    meta = write_checkpoint(cfg, directory, log=lambda s: print(s, flush=True))
+    print(f"checkpoint: {meta['total_bytes'] / 1e9:.3f} GB in {len(meta['files'])} shards, "
+          f"{time.perf_counter() - started:.1f} s")
+    return directory, meta
+
+
+def warm_page_cache(directory: str, meta: dict) -> None:
+    """Read every shard once so that no method pays for cold reads the others do not."""
+    for name in meta["files"]:
+        with open(os.path.join(directory, name), "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+
+
+def run_once(method: str, cfg: BenchConfig, ckpt: str, ranks: int, timeout: float) -> list[dict]:
+    """Launch ``ranks`` fresh worker processes for one method; one result dict per rank."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="rank0load-bench-") as tmp:
+        store = os.path.join(tmp, "store")
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(ranks)]
+        procs = []
+        for r in range(ranks):
+            spec = {"method": method, "rank": r, "world": ranks, "store": store, "ckpt": ckpt,
+                    "config": cfg.__dict__, "out": outs[r], "timeout": timeout}
+            procs.append(subprocess.Popen([sys.executable, "-m", "rank0load._bench_worker", json.dumps(spec)],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + timeout + 30
+        logs = []
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:  # only the processes this function started
+                    if q.poll() is None:
+                        q.kill()
+                logs.append(p.communicate()[0])
+        results = []
+        for r, path in enumerate(outs):
+            if os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+            else:
+                tail = (logs[r] if r < len(logs) else "")[-2000:]
+                results.append({"method": method, "rank": r, "error": f"rank {r} left no result "
+                                f"(exit code {procs[r].returncode}; timed out or killed?)\n{tail}"})
+        return results
+
+
+def _fmt_mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:.0f}"
+
+
+def _round_ok(results: list[dict]) -> bool:
+    return all("error" not in r and r.get("verified") is not False for r in results)
+
+
+def _round_line(results: list[dict]) -> str:
+    errors = [r for r in results if "error" in r]
+    if errors:
+        return "ERROR " + errors[0]["error"].splitlines()[0]
+    secs = max(r["seconds"] for r in results)
+    parts = [f"{secs:.2f} s"]
+    if results[0].get("stream_gbps"):
+        parts.append(f"stream {results[0]['stream_gbps']:.2f} GB/s")
+    parts.append("transient " + " / ".join(f"r{r['rank']} {_fmt_mib(r['transient'])}" for r in results) + " MiB")
+    verified = results[0].get("verified")
+    parts.append("verify n/a" if verified is None else ("verified" if verified else
+                 f"VERIFY FAILED: {results[0]['problems'][:3]}"))
+    return ", ".join(parts)
+
+
+def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
+    """A method's best (fastest verified) round, with per-rank and node totals."""
+    good = [rs for rs in rounds if _round_ok(rs)]
+    out: dict = {"method": method, "rounds": len(rounds), "rounds_ok": len(good)}
+    if not good:
+        first_bad = next((r for rs in rounds for r in rs if "error" in r or r.get("verified") is False), {})
+        out["ok"] = False
+        out["failure"] = first_bad.get("error") or "; ".join(first_bad.get("problems", []))
+        return out
+    best = min(good, key=lambda rs: max(r["seconds"] for r in rs))
+    seconds = max(r["seconds"] for r in best)
+    out.update(
+        ok=True,
+        seconds=seconds,
+        all_round_seconds=[max(r["seconds"] for r in rs) if _round_ok(rs) else None for rs in rounds],
+        load_gbps=total_bytes / 1e9 / seconds if method != "build-only" else None,
+        stream_gbps=best[0].get("stream_gbps"),
+        stream_seconds=best[0].get("stream_seconds"),
+        tie_kept=all(r.get("tie_kept") for r in best),
+        verified=best[0].get("verified"),
+        tensors_checked=best[0].get("tensors_checked"),
+        per_rank=[{k: r[k] for k in ("rank", "seconds", "rss_before", "peak_rss", "resident", "transient")}
+                  for r in best],
+        max_transient=max(r["transient"] for r in best),
+        node_transient=sum(r["transient"] for r in best),
+        node_peak=sum(r["peak_rss"] for r in best),
+    )
+    return out
+
+
+def run_size(size_gb: float, *, ranks: int, methods: Sequence[str], rounds: int, out: str,
+             timeout: float) -> dict:
+    """Every method x round at one checkpoint size; returns the JSON-able results."""
+    cfg = config_for_size(size_gb)
+    ckpt, meta = ensure_checkpoint(cfg, out)
+    print("warming the page cache ...", flush=True)
+    warm_page_cache(ckpt, meta)
+    raw: dict[str, list[list[dict]]] = {m: [] for m in methods}
+    for rnd in range(rounds):
+        order = list(methods) if rnd % 2 == 0 else list(reversed(methods))  # alternate, no fixed order bias
+        for method in order:
+            print(f"[{size_gb:g} GB, round {rnd + 1}/{rounds}] {method:<16} ...", end=" ", flush=True)
+            results = run_once(method, cfg, ckpt, ranks, timeout)
+            raw[method].append(results)
+            print(_round_line(results), flush=True)
+            for r in results:
+                if "traceback" in r:
+                    print(f"  rank {r['rank']}: {r['traceback']}", file=sys.stderr)
+    summary = [summarise(m, raw[m], meta["total_bytes"]) for m in methods]
+    return {
+        "size_gb_requested": size_gb,
+        "checkpoint": {"dir": ckpt, "bytes": meta["total_bytes"], "shards": len(meta["files"]),
+                       "tensors": len(meta["digests"]), "config": meta["config"]},
+        "ranks": ranks,
+        "rounds": rounds,
+        "summary": summary,
+        "raw": raw,
+    }
+
+
+# ------------------------------------------------------------------------------------------ reporting
+
+
+def environment() -> dict:
+    import safetensors
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": round(mem / (1 << 30), 1) if mem else None,
+        "loadavg_1min_at_end": round(load, 2) if load is not None else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def results_table(res: dict) -> str:
+    """Markdown: one summary row per method, then one row per method and rank."""
+    gb = res["checkpoint"]["bytes"] / 1e9
+    lines = [
+        f"Checkpoint {gb:.2f} GB ({res['checkpoint']['shards']} shards, {res['checkpoint']['tensors']} tensors, "
+        f"bf16, tied head), {res['ranks']} gloo ranks on CPU, best of {res['rounds']} rounds.",
+        "",
+        "| method | load s | GB/s (ckpt / load s) | stream GB/s | max transient MiB | node transient MiB | "
+        "node peak MiB | tie kept | verified |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for s in res["summary"]:
+        if not s.get("ok"):
+            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | |")
+            continue
+        load_gbps = "-" if s["load_gbps"] is None else f"{s['load_gbps']:.2f}"
+        stream = "-" if not s["stream_gbps"] else f"{s['stream_gbps']:.2f}"
+        verified = "n/a" if s["verified"] is None else ("yes" if s["verified"] else "NO")
+        lines.append(
+            f"| {s['method']} | {s['seconds']:.2f} | {load_gbps} | {stream} | {_fmt_mib(s['max_transient'])} | "
+            f"{_fmt_mib(s['node_transient'])} | {_fmt_mib(s['node_peak'])} | {'yes' if s['tie_kept'] else 'no'} | "
+            f"{verified} |"
+        )
+    lines += ["", "| method | rank | load s | RSS before MiB | peak RSS MiB | resident MiB | transient MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in res["summary"]:
+        for r in s.get("per_rank", []):
+            lines.append(f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {_fmt_mib(r['rss_before'])} | "
+                         f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |")
+    return "\n".join(lines)
+
+
+def sweep_table(results: list[dict]) -> str:
+    methods = [s["method"] for s in results[0]["summary"]]
+    head = "| checkpoint GB | " + " | ".join(f"{m} max transient MiB / load s" for m in methods) + " |"
+    lines = [head, "|---:|" + "---:|" * len(methods)]
+    for res in results:
+        cells = []
+        for s in res["summary"]:
+            cells.append(f"{_fmt_mib(s['max_transient'])} / {s['seconds']:.2f}" if s.get("ok") else "failed")
+        lines.append(f"| {res['checkpoint']['bytes'] / 1e9:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> bool:
+    """Transient RAM (worst rank, and node total) per method against checkpoint size."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot: matplotlib is not installed (pip install -e '.[bench]'); skipped", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    methods = [s["method"] for s in results[0]["summary"]]
+    for method in methods:
+        xs, worst, node = [], [], []
+        for res in sorted(results, key=lambda r: r["checkpoint"]["bytes"]):
+            s = next(s for s in res["summary"] if s["method"] == method)
+            if s.get("ok"):
+                xs.append(res["checkpoint"]["bytes"] / 1e9)
+                worst.append(s["max_transient"] / MiB)
+                node.append(s["node_transient"] / MiB)
+        axes[0].plot(xs, worst, marker="o", label=method)
+        axes[1].plot(xs, node, marker="o", label=method)
+    for ax, title in zip(axes, ("worst rank", f"node total ({results[0]['ranks']} ranks)")):
+        ax.axhline(64, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel("checkpoint size (GB)")
+        ax.set_ylabel("transient host RAM (MiB)")
+        ax.set_title(f"transient RAM, {title}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def readme_section(main_res: dict, sweep: list[dict] | None, env: dict, argv: Sequence[str], plot_name: str | None) -> str:
+    cmd = "python -m rank0load.bench" + ("" if not argv else " " + " ".join(argv))
+    parts = [
+        README_START,
+        f"_Generated by `{cmd}` on {env['date']}._",
+        "",
+        f"Machine: {env['cpu']}, {env['cores']} cores, {env['mem_gib']} GiB RAM "
+        f"(1-min load average at the end: {env['loadavg_1min_at_end']}); {env['platform']}.  ",
+        f"Versions: Python {env['python']}, torch {env['torch']}, safetensors {env['safetensors']}.",
+        "",
+        results_table(main_res),
+    ]
+    if sweep and len(sweep) > 1:
+        parts += ["", "### Sweep: transient RAM as the checkpoint grows", "", sweep_table(sweep)]
+        if plot_name:
+            parts += ["", f"![transient RAM per method]({plot_name})"]
+    parts.append(README_END)
+    return "\n".join(parts)
+
+
+def update_readme(path: str, section: str) -> None:
+    text = open(path).read() if os.path.exists(path) else ""
+    if README_START in text and README_END in text:
+        head, rest = text.split(README_START, 1)
+        tail = rest.split(README_END, 1)[1]
+        text = head + section + tail
+    else:
+        text = text.rstrip() + "\n\n## Results\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rank0load.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gb", type=float, default=0.8, help="checkpoint size in GB (default 0.8)")
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks on the CPU (default 2)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (default all)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; methods alternate within each (default 2)")
+    p.add_argument("--out", default="bench-out", help="output dir: checkpoints (cached) and JSON (default ./bench-out)")
+    p.add_argument("--sweep", default=None, help="comma-separated sizes in GB to run as well, e.g. 0.2,0.8,3.2")
+    p.add_argument("--plot", action="store_true", help="write transient-RAM-vs-size PNG (needs matplotlib)")
+    p.add_argument("--update-readme", nargs="?", const=os.path.join("benchmarks", "README.md"), default=None,
+                   metavar="PATH", help="rewrite the results section of benchmarks/README.md (or PATH)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before one run's ranks count as hung")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    if args.ranks < 1 or args.rounds < 1:
+        p.error("--ranks and --rounds must be at least 1")
+    args.sizes = sorted({args.size_gb, *(float(s) for s in args.sweep.split(",") if s.strip())}) if args.sweep \
+        else [args.size_gb]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    env = environment()
+    print(f"rank0load bench: sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
+          f"methods {', '.join(args.methods)}; torch {env['torch']}, {env['cores']} cores; output {args.out}",
+          flush=True)
+    all_results = []
+    for size in args.sizes:
+        res = run_size(size, ranks=args.ranks, methods=args.methods, rounds=args.rounds, out=args.out,
+                       timeout=args.timeout)
+        all_results.append(res)
+        with open(os.path.join(args.out, f"results-{size:g}gb-{args.ranks}ranks.json"), "w") as f:
+            json.dump({"environment": environment(), **res}, f, indent=1)
+        print()
+        print(results_table(res))
+        print()
+    env = environment()
+    main_res = next(r for r in all_results if r["size_gb_requested"] == args.size_gb)
+    doc = {"environment": env, "argv": argv, "sizes": args.sizes, "results": all_results}
+    json_path = os.path.join(args.out, "bench.json")
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {json_path}")
+    if len(all_results) > 1:
+        print(sweep_table(all_results))
+    plot_path = None
+    if args.plot:
+        plot_path = os.path.join(args.out, "transient_ram.png")
+        if plot(all_results, plot_path):
+            print(f"wrote {plot_path}")
+        else:
+            plot_path = None
+    if args.update_readme:
+        plot_name = None
+        if plot_path:  # keep the picture next to the README so the link works
+            import shutil
+
+            plot_name = "transient_ram.png"
+            shutil.copyfile(plot_path, os.path.join(os.path.dirname(args.update_readme) or ".", plot_name))
+        update_readme(args.update_readme, readme_section(main_res, all_results, env, argv, plot_name))
+        print(f"updated {args.update_readme}")
+    failed = [s["method"] for r in all_results for s in r["summary"] if not s.get("ok")]
+    if failed:
+        print(f"FAILED (error or verification): {sorted(set(failed))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""load_sharded's contract beyond the happy path of test_toy: rank 0 alone touches the checkpoint,
+strict=False with a new head, key_map, the ways to name a checkpoint."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tests import _dist, hf
+from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
+
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+
+
+def _hide(path: str) -> list[str]:
+    """Make ``path`` empty in this process's own mount namespace; audit any access to it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "making / private failed")
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), f"mounting tmpfs over {path} failed")
+    touched: list[str] = []
+
+    def audit(event: str, args: tuple) -> None:
+        if event in ("open", "os.listdir", "os.scandir", "os.stat") and args and isinstance(args[0], (str, bytes)):
+            name = os.fsdecode(args[0])
+            if name.startswith(path):
+                touched.append(f"{event} {name}")
+
+    sys.addaudithook(audit)
+    return touched
+
+
+def _load_hidden(rank: int, world: int, hidden: str, ckpt: str) -> dict:
+    import rank0load
+
+    touched: list[str] = []
+    if rank != 0:
+        touched = _hide(hidden)
+        assert not os.path.exists(ckpt), "the checkpoint is still visible on this rank"
+    model = rank0load.load_sharded(toy, ckpt)
+    return {"tensors": gather(model), "touched": list(touched)}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
+@pytest.mark.parametrize("layout", ["dir", "index"])
+def test_only_rank0_touches_the_checkpoint(tmp_path, layout):
+    """The checkpoint does not exist for ranks other than 0 (a tmpfs hides it): they load anyway."""
+    root = tmp_path / "node0"
+    root.mkdir()
+    ref = trained_toy()
+    if layout == "dir":
+        save_state(ref, str(root / "model.safetensors"))
+        ckpt = str(root)
+    else:
+        _save_index(ref, root)
+        ckpt = str(root / "model.safetensors.index.json")
+    results = _dist.ok(_dist.run(_load_hidden, 3, str(tmp_path), ckpt))
+    for r in results:
+        assert_same(r["tensors"], reference(ref))
+        assert r["touched"] == []
+
+
+def _save_index(model: nn.Module, root) -> None:
+    """Two shards and an index, the way save_pretrained lays them out."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    keys = sorted(state)
+    half = len(keys) // 2
+    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    weight_map = {}
+    for name, ks in shards.items():
+        save_file({k: state[k].contiguous() for k in ks}, str(root / name))
+        weight_map.update({k: name for k in ks})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _load(rank: int, world: int, ckpt: str, kwargs: dict, fn=toy) -> dict:
+    import rank0load
+
+    model = rank0load.load_sharded(fn, ckpt, **kwargs)
+    return {"tensors": gather(model), "report": model.rank0load_report}
+
+
+def test_ways_to_name_a_checkpoint(tmp_path):
+    """A .safetensors file, an index .json, and a directory holding either; 2 ranks each."""
+    ref = trained_toy()
+    single = tmp_path / "single"
+    single.mkdir()
+    save_state(ref, str(single / "weights.safetensors"))  # not named model.safetensors
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    _save_index(ref, sharded)
+    for ckpt in (single / "weights.safetensors", single, sharded / "model.safetensors.index.json", sharded):
+        results = _dist.ok(_dist.run(_load, 2, str(ckpt), {}))
+        for r in results:
+            assert_same(r["tensors"], reference(ref))
+
+
+def _renaming(key: str) -> str | None:
+    if key == "debug.note":
+        return None
+    return key.replace("backbone.", "").replace("tok_embeddings", "emb")
+
+
+def test_key_map(tmp_path):
+    from safetensors.torch import save_file
+
+    ref = trained_toy()
+    state = {k: v for k, v in ref.state_dict().items() if k != "head.weight"}
+    renamed = {f"backbone.{k}".replace("emb", "tok_embeddings"): v for k, v in state.items()}
+    renamed["debug.note"] = torch.zeros(3)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    results = _dist.ok(_dist.run(_load, 3, str(tmp_path), {"key_map": _renaming}))
+    for r in results:
+        assert_same(r["tensors"], reference(ref))
+        assert r["report"].ignored == ("debug.note",)
+
+
+class WithHead(nn.Module):
+    """A pretrained body (the Toy) plus a new head and norm the checkpoint does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = toy()
+        self.new_norm = nn.LayerNorm(5)
+        self.new_head = nn.Linear(5, 3)
+
+
+def _with_head() -> nn.Module:
+    return WithHead()
+
+
+def test_new_head_strict_false(tmp_path):
+    """Missing parameters get the model's own initialisation (reset_parameters), never
+    uninitialised memory; the body loads bit for bit; strict=True refuses."""
+    ref = trained_toy()
+    from safetensors.torch import save_file
+
+    state = {f"body.{k}": v for k, v in ref.state_dict().items() if k != "head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+
+    results = _dist.ok(_dist.run(_load, 2, str(tmp_path), {"strict": False}, _with_head))
+    want = {f"body.{k}": v for k, v in reference(ref).items()}
+    for r in results:
+        got = r["tensors"]
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        assert torch.equal(got["new_norm.weight"], torch.ones(5))
+        assert torch.equal(got["new_norm.bias"], torch.zeros(5))
+        w, b = got["new_head.weight"], got["new_head.bias"]
+        bound = 1 / 5**0.5  # nn.Linear.reset_parameters: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        assert torch.isfinite(w).all() and w.abs().max() <= bound and w.std() > bound / 10
+        assert torch.isfinite(b).all() and b.abs().max() <= bound and b.abs().sum() > 0
+        assert sorted(r["report"].missing) == ["new_head.bias", "new_head.weight", "new_norm.bias", "new_norm.weight"]
+
+    strict = _dist.run(_load, 2, str(tmp_path), {}, _with_head)
+    err = _dist.same_error(strict, "ModelMismatchError")
+    assert "new_head.weight" in err.message and "strict=False" in err.message
+
+
+def _hf_classifier(rank: int, world: int, ckpt: str) -> dict:
+    import transformers
+
+    import rank0load
+
+    hf._quiet()
+    fn = lambda: transformers.LlamaForSequenceClassification(hf.config("llama"))  # noqa: E731
+    model = rank0load.load_sharded(fn, ckpt, strict=False)
+    return {"tensors": gather(model), "report": model.rank0load_report}
+
+
+def test_transformers_new_head_uses_init_weights(tmp_path):
+    """A causal-LM checkpoint loaded into the sequence-classification model: `score` is new and
+    gets transformers' own _init_weights (normal, std=initializer_range), the body loads exactly."""
+    ref = hf.pretrained("llama")
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    results = _dist.ok(_dist.run(_hf_classifier, 2, str(tmp_path)))
+    want = reference(ref)
+    std = hf.config("llama").initializer_range
+    for r in results:
+        got = r["tensors"]
+        for k, v in want.items():
+            if k.startswith("model."):
+                assert torch.equal(got[k], v), k
+        score = got["score.weight"]
+        assert torch.isfinite(score).all()
+        assert 0.5 * std < score.std().item() < 2 * std  # normal(0, 0.02), not kaiming, not garbage
+        assert r["report"].missing == ("score.weight",)
+        assert r["report"].unexpected == ()
