@@ -52,6 +52,7 @@ class LoadReport:
     unexpected: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
     files: tuple[str, ...] = field(default=())
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per pipeline phase, this rank
 
     @property
     def gb_per_s(self) -> float:
@@ -115,6 +116,8 @@ def load_sharded(
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(mesh)
     rank = dist.get_rank()
+    phases: dict[str, float] = {}
+    mark = _Clock(phases)
 
     # 1-2. Build and shard on every rank; capture failures instead of raising before agreeing.
     model: nn.Module | None = None
@@ -123,7 +126,9 @@ def load_sharded(
         model = build_on_meta(model_fn)
         if dtype is not None:
             model.to(dtype)
+        mark("build")
         (shard_fn or default_shard_fn)(model, mesh)
+        mark("shard")
         layout = describe(model)
         targets_by_key = _targets(model, layout)
         kinds = {k: _plan.entry_kind(t, mesh) for k, t in targets_by_key.items()}
@@ -132,6 +137,7 @@ def load_sharded(
         status = ("error", f"{type(exc).__name__}: {exc}")
         logger.debug("build failed on rank %d", rank, exc_info=True)
     gathered = _distribute.agree(status)
+    mark("agree")
     assert model is not None  # agree() raised otherwise
     # A rank that could not compute a row layout for a key makes it GENERIC everywhere.
     for _, (_, kind_items) in gathered:
@@ -149,12 +155,14 @@ def load_sharded(
         except Exception as exc:  # anything unforeseen must still reach every rank
             manifest_or_error = LoadError(f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}")
     manifest: Manifest = _distribute.share(manifest_or_error)
+    mark("manifest")
 
     # 5. Allocate the local shards, put the real buffers back, initialise what the checkpoint lacks.
     device = _mesh_device(mesh)
     _materialise(model, device)
     _init_missing(model, layout, manifest.missing)
     targets_by_key = _targets(model, layout)
+    mark("allocate")
 
     # 6. Stream.
     entries = manifest.entries
@@ -175,10 +183,12 @@ def load_sharded(
         slots=slots,
     )
     stream_seconds = time.perf_counter() - stream_started
+    mark("stream")
 
     # 7. Finish: ties, nothing on meta.
     _retie(model, layout)
     _verify(model)
+    mark("finish")
     report = LoadReport(
         tensors=len(entries),
         bytes=manifest.total_bytes,
@@ -188,6 +198,7 @@ def load_sharded(
         unexpected=manifest.unexpected,
         ignored=manifest.ignored,
         files=manifest.files,
+        phases=phases,
     )
     model.rank0load_report = report  # type: ignore[assignment]
     if rank == 0:
@@ -204,6 +215,19 @@ def load_sharded(
             dist.get_world_size(),
         )
     return model
+
+
+class _Clock:
+    """Records the seconds since the previous mark under each phase name."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases = phases
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
 
 
 def _default_mesh() -> DeviceMesh:
