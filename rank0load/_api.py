@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from . import _distribute, _plan
 from ._manifest import Manifest, build_manifest
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
+from ._progress import peak_rss_bytes, progress_bar
 from ._shard import default_shard_fn
 from ._source import resolve
 from .errors import LoadError, ModelMismatchError, RankMismatchError
@@ -53,6 +55,9 @@ class LoadReport:
     ignored: tuple[str, ...] = ()
     files: tuple[str, ...] = field(default=())
     phases: dict[str, float] = field(default_factory=dict)  # seconds per pipeline phase, this rank
+    peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the load finished
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def gb_per_s(self) -> float:
@@ -132,7 +137,7 @@ def load_sharded(
         layout = describe(model)
         targets_by_key = _targets(model, layout)
         kinds = {k: _plan.entry_kind(t, mesh) for k, t in targets_by_key.items()}
-        status = ("ok", (layout.fingerprint(), tuple(sorted(kinds.items()))))
+        status = ("ok", layout.fingerprint(), tuple(sorted(kinds.items())))
     except Exception as exc:  # reported to every rank by agree()
         status = ("error", f"{type(exc).__name__}: {exc}")
         logger.debug("build failed on rank %d", rank, exc_info=True)
@@ -140,8 +145,8 @@ def load_sharded(
     mark("agree")
     assert model is not None  # agree() raised otherwise
     # A rank that could not compute a row layout for a key makes it GENERIC everywhere.
-    for _, (_, kind_items) in gathered:
-        for key, kind in kind_items:
+    for gathered_status in gathered:
+        for key, kind in gathered_status[2]:
             if kind != kinds[key]:
                 kinds[key] = _plan.GENERIC
 
@@ -158,10 +163,17 @@ def load_sharded(
     mark("manifest")
 
     # 5. Allocate the local shards, put the real buffers back, initialise what the checkpoint lacks.
-    device = _mesh_device(mesh)
-    _materialise(model, device)
-    _init_missing(model, layout, manifest.missing)
-    targets_by_key = _targets(model, layout)
+    # This runs the model's own init code on every rank: agree on its outcome before any data moves.
+    try:
+        device = _mesh_device(mesh)
+        _materialise(model, device)
+        _init_missing(model, layout, manifest.missing)
+        targets_by_key = _targets(model, layout)
+        init_error: Exception | None = None
+    except Exception as exc:  # reported to every rank by agree_outcome()
+        init_error = exc
+        logger.debug("allocating or initialising failed on rank %d", rank, exc_info=True)
+    _distribute.agree_outcome(init_error, "allocating or initialising the model")
     mark("allocate")
 
     # 6. Stream.
@@ -174,14 +186,22 @@ def load_sharded(
     slots = _SLOTS
     piece_bytes = max_staging_bytes // slots
     stream_started = time.perf_counter()
-    _distribute.stream(
-        entries,
-        lambda: _plan.pieces(entries, entry_kinds, placements, mesh, piece_bytes),
-        targets,
-        mesh,
-        piece_bytes=piece_bytes,
-        slots=slots,
-    )
+    try:
+        # Rank 0 alone draws a bar (a TTY, HF_HUB_DISABLE_PROGRESS_BARS unset); others count nothing.
+        with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
+            _distribute.stream(
+                entries,
+                lambda: _plan.pieces(entries, entry_kinds, placements, mesh, piece_bytes),
+                targets,
+                mesh,
+                piece_bytes=piece_bytes,
+                slots=slots,
+                on_bytes=on_bytes,
+            )
+    except LoadError:
+        raise
+    except Exception as exc:  # a rank died or stalled, or the network failed: no model is returned
+        raise _distribute.peer_failure("moving tensor data", exc) from exc
     stream_seconds = time.perf_counter() - stream_started
     mark("stream")
 
@@ -199,6 +219,9 @@ def load_sharded(
         ignored=manifest.ignored,
         files=manifest.files,
         phases=phases,
+        peak_rss_bytes=peak_rss_bytes(),
+        rank=rank,
+        world_size=dist.get_world_size(),
     )
     model.rank0load_report = report  # type: ignore[assignment]
     if rank == 0:
@@ -207,12 +230,13 @@ def load_sharded(
         if manifest.unexpected:
             logger.warning("skipped %d unexpected checkpoint keys: %s", len(manifest.unexpected), ", ".join(manifest.unexpected[:10]))
         logger.info(
-            "rank0load: %d tensors, %.2f GB in %.2f s (stream %.2f GB/s) over %d ranks",
+            "rank0load: %d tensors, %.2f GB in %.2f s (stream %.2f GB/s) over %d ranks, rank 0 peak RSS %.0f MB",
             report.tensors,
             report.bytes / 1e9,
             report.seconds,
             report.gb_per_s,
-            dist.get_world_size(),
+            report.world_size,
+            report.peak_rss_bytes / 1e6,
         )
     return model
 
@@ -322,10 +346,10 @@ def _init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...
             if callable(reset) and (init is None or any(_has_nan(t) for t in params)):
                 reset()
             left += [f"{module_name}.{n}" for n, t in module._parameters.items() if t is not None and _has_nan(t)]
-    if _distribute.any_rank(bool(left)):
+    if left:  # load_sharded's agreement step raises this on every rank
         raise ModelMismatchError(
             "strict=False: parameters absent from the checkpoint were not initialised by the model's "
-            f"_init_weights() or reset_parameters() on some rank (this rank: {left[:10]}). Give their "
+            f"_init_weights() or reset_parameters(): {left[:10]}. Give their "
             "module a reset_parameters() or add them to the checkpoint."
         )
 

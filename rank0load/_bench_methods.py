@@ -1,9 +1,10 @@
 """The loading methods the benchmark compares (all ranks call the same function, in lock step).
 
-Each method takes ``(cfg, ckpt_dir, mesh)`` and returns ``(model, info)``: the FSDP2-sharded
+Each method takes ``(cfg, ckpt_dir, mesh, options)`` and returns ``(model, info)``: the FSDP2-sharded
 :class:`~._bench_model.BenchLlama` with real data, and a dict of method-specific facts
 (``tie_kept``: whether the head was still the embedding's Parameter when the method returned,
-before the benchmark re-tied it; ``stream_seconds`` where the method reports one).
+before the benchmark re-tied it; ``stream_seconds`` where the method reports one). ``options``
+holds keyword arguments for the method under its name (``{"rank0load": {"max_staging_bytes": ...}}``).
 
 The torch-native methods build the model the same way (meta build, ``fully_shard`` on each
 decoder layer then on the root, ``to_empty``, the rotary buffer recomputed) so that only the
@@ -26,7 +27,7 @@ from ._bench_model import BenchConfig, BenchLlama, expected_inv_freq
 
 __all__ = ["METHODS", "METHOD_NOTES"]
 
-Method = Callable[[BenchConfig, str, DeviceMesh], tuple[nn.Module, dict]]
+Method = Callable[[BenchConfig, str, DeviceMesh, dict], tuple[nn.Module, dict]]
 
 
 def _tied(model: BenchLlama) -> bool:
@@ -69,7 +70,7 @@ def _full_state_dict(ckpt: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Meta build + fully_shard + allocate the local shards (zero-filled so their pages are resident)."""
     model = _build_sharded(cfg, mesh)
     with torch.no_grad():
@@ -78,11 +79,11 @@ def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module
     return model, _finish(model)
 
 
-def rank0load_method(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+def rank0load_method(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """``rank0load.load_sharded``: rank 0 reads, each rank receives its own shard."""
     import rank0load
 
-    model = rank0load.load_sharded(lambda: BenchLlama(cfg), ckpt, mesh)
+    model = rank0load.load_sharded(lambda: BenchLlama(cfg), ckpt, mesh, **options.get("rank0load", {}))
     report = model.rank0load_report
     # No re-tie here: rank0load must keep the tie itself (verification requires it).
     return model, {
@@ -90,10 +91,11 @@ def rank0load_method(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.
         "stream_seconds": report.stream_seconds,
         "stream_gbps": report.gb_per_s,
         "report_bytes": report.bytes,
+        "phases": dict(getattr(report, "phases", {}) or {}),
     }
 
 
-def broadcast_rank0(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+def broadcast_rank0(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Rank 0 holds the full state dict (``load_file``); ``set_model_state_dict(full_state_dict=True,
     broadcast_from_rank0=True)`` broadcasts every tensor and each rank keeps its shard.
 
@@ -111,7 +113,7 @@ def broadcast_rank0(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.M
     return model, _finish(model)
 
 
-def every_rank(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+def every_rank(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Every rank ``load_file``s the whole checkpoint, then ``set_model_state_dict(full_state_dict=True)``
     (torch's ``distribute_tensor`` per tensor keeps the local shard)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -123,7 +125,7 @@ def every_rank(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module
     return model, _finish(model)
 
 
-def dcp_hf(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh) -> tuple[nn.Module, dict]:
+def dcp_hf(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """``dcp.load`` with ``HuggingFaceStorageReader``: every rank reads the slices of its own shards
     straight into the model's sharded state dict (in place)."""
     import torch.distributed.checkpoint as dcp

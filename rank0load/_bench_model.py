@@ -19,20 +19,21 @@ import os
 import shutil
 import zlib
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 __all__ = [
+    "META_FILE",
     "BenchConfig",
     "BenchLlama",
+    "cached_checkpoint",
     "config_for_size",
+    "expected_inv_freq",
+    "tensor_digest",
     "tensor_specs",
     "write_checkpoint",
-    "cached_checkpoint",
-    "expected_inv_freq",
-    "META_FILE",
-    "tensor_digest",
 ]
 
 META_FILE = "bench-meta.json"
@@ -79,7 +80,9 @@ def config_for_size(size_gb: float) -> BenchConfig:
         hidden, vocab, intermediate, heads = hidden // 2, vocab // 2, intermediate // 2, max(4, heads // 2)
     per_layer = _layer_params(hidden, intermediate, heads, 4)
     layers = max(1, round((target - vocab * hidden - hidden) / per_layer))
-    return BenchConfig(hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=4, intermediate=intermediate)
+    return BenchConfig(
+        hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=4, intermediate=intermediate
+    )
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -175,7 +178,7 @@ class BenchModel(nn.Module):
 class BenchLlama(nn.Module):
     """Llama-style causal LM, head tied to the embedding; parameters in ``dtype``, ``inv_freq`` fp32."""
 
-    _no_split_modules = ["BenchDecoderLayer"]
+    _no_split_modules: ClassVar[list[str]] = ["BenchDecoderLayer"]
 
     def __init__(self, cfg: BenchConfig, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
@@ -292,7 +295,9 @@ def write_checkpoint(cfg: BenchConfig, directory: str, log=print) -> dict:
     tmp = os.path.join(directory, META_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
-    os.replace(tmp, os.path.join(directory, META_FILE))  # written last: its presence marks a complete checkpoint
+    os.replace(
+        tmp, os.path.join(directory, META_FILE)
+    )  # written last: its presence marks a complete checkpoint
     return meta
 
 

@@ -1,7 +1,7 @@
 """One rank of one benchmark run: ``python -m rank0load._bench_worker '<json spec>'``.
 
-(every rank, a fresh process per method and round) Join a gloo group through a FileStore, read
-``VmRSS`` ("before"), reset the peak (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), run the
+(every rank, a fresh process per method and round) Join a gloo group through a FileStore, pay
+torch's one-time lazy imports on a throwaway tiny model (unless told not to), read ``VmRSS`` ("before"), reset the peak (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), run the
 method between barriers (timed), read ``VmHWM`` ("peak"), count the rank's resident shard bytes,
 then — after the measurement, so it cannot inflate the peak — verify the loaded model bit-exact
 against the SHA-256 digests recorded when the checkpoint was written. The result (or the error)
@@ -89,33 +89,60 @@ def _verify(model, cfg, ckpt: str) -> dict:
         never = sorted(set(digests) - checked)
         problems += [f"{k}: in the checkpoint, no parameter holds it" for k in never]
     inv_freq = model.model.rotary_emb.inv_freq
-    if inv_freq.is_meta or inv_freq.dtype != torch.float32 or not torch.equal(inv_freq, expected_inv_freq(cfg)):
-        problems.append(f"rank {rank}: model.rotary_emb.inv_freq is wrong ({inv_freq.dtype}, meta={inv_freq.is_meta})")
+    if (
+        inv_freq.is_meta
+        or inv_freq.dtype != torch.float32
+        or not torch.equal(inv_freq, expected_inv_freq(cfg))
+    ):
+        problems.append(
+            f"rank {rank}: model.rotary_emb.inv_freq is wrong ({inv_freq.dtype}, meta={inv_freq.is_meta})"
+        )
     if "inv_freq" not in model.model.rotary_emb._non_persistent_buffers_set:
         problems.append(f"rank {rank}: model.rotary_emb.inv_freq became persistent")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
     every = [p for rank_problems in gathered for p in rank_problems]
-    return {"verified": not every, "tensors_checked": len(checked) if rank == 0 else None, "problems": every[:10],
-            "problem_count": len(every)}
+    return {
+        "verified": not every,
+        "tensors_checked": len(checked) if rank == 0 else None,
+        "problems": every[:10],
+        "problem_count": len(every),
+    }
+
+
+def _warm_up(mesh) -> None:
+    """Pay torch's one-time lazy imports (meta kernels, FSDP2 internals) before the measurement:
+    build, shard and allocate a tiny model of the same classes, then drop it. No collectives."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from ._bench_model import BenchConfig, BenchLlama
+
+    tiny = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
+    with torch.device("meta"):
+        model = BenchLlama(tiny)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    del model
 
 
 def main(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    # Import what any method may import, so "before" is the same baseline for every method.
+    import safetensors.torch  # noqa: F401
     import torch.distributed as dist
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
     from torch.distributed.device_mesh import init_device_mesh
+
+    import rank0load  # noqa: F401
 
     from ._bench_methods import METHODS
     from ._bench_model import BenchConfig
-
-    # Import what any method may import, so "before" is the same baseline for every method.
-    import safetensors.torch  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-
-    import rank0load  # noqa: F401
 
     rank, world = spec["rank"], spec["world"]
     dist.init_process_group(
@@ -129,16 +156,21 @@ def main(spec: dict) -> dict:
         mesh = init_device_mesh("cpu", (world,))
         cfg = BenchConfig(**spec["config"])
         method = METHODS[spec["method"]]
+        if spec.get("warm_up", True):
+            _warm_up(mesh)
         dist.barrier()
         gc.collect()
         before = _status("VmRSS")
         reset_ok = _reset_peak()
         dist.barrier()
         started = time.perf_counter()
-        model, info = method(cfg, spec["ckpt"], mesh)
+        model, info = method(cfg, spec["ckpt"], mesh, spec.get("options", {}))
         dist.barrier()
         seconds = time.perf_counter() - started
         peak = _status("VmHWM")
+        # Not the peak's split (Linux keeps none), but a hint: file-backed pages (a mmap'd checkpoint)
+        # count in RSS like anonymous memory, although the kernel can drop them.
+        anon_after, file_after = _status("RssAnon"), _status("RssFile")
         resident = _resident_bytes(model)
         result = {
             "method": spec["method"],
@@ -149,7 +181,10 @@ def main(spec: dict) -> dict:
             "peak_rss": peak,
             "resident": resident,
             "transient": peak - before - resident,
+            "rss_anon_after": anon_after,
+            "rss_file_after": file_after,
             "peak_reset": reset_ok,
+            "warm_up": spec.get("warm_up", True),
             **info,
         }
         if spec["method"] == "build-only":
@@ -168,9 +203,13 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     try:
         out = main(spec)
-    except BaseException as exc:  # reported to the parent, which prints it
-        out = {"method": spec.get("method"), "rank": spec.get("rank"),
-               "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which prints it
+        out = {
+            "method": spec.get("method"),
+            "rank": spec.get("rank"),
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
     tmp = spec["out"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f)

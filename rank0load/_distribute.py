@@ -6,7 +6,8 @@ Order of calls, identical on every rank (see ``_api.load_sharded``):
    any failure or disagreement raises the same :class:`RankMismatchError` everywhere.
 2. (all ranks) :func:`share` — rank 0 broadcasts the manifest or the LoadError it hit; every rank
    returns the manifest or raises that error. Nothing moves tensor data before this returns.
-3. (all ranks) :func:`stream` — rank 0 sends, the others receive, piece by piece in manifest order.
+3. (all ranks) :func:`stream` — rank 0 sends, the others receive, piece by piece in manifest order;
+   then rank 0 broadcasts whether every read succeeded (a read error raises on every rank).
 """
 
 from __future__ import annotations
@@ -28,21 +29,39 @@ from ._plan import BROADCAST, GENERIC, PLAIN, SHARDED, Piece
 from ._stream import Reader
 from .errors import LoadError, RankMismatchError
 
-__all__ = ["agree", "any_rank", "share", "stream", "Target"]
+__all__ = ["agree", "agree_outcome", "any_rank", "share", "stream", "Target"]
 
 logger = logging.getLogger(__name__)
 
 
-def agree(status: tuple[str, Any]) -> list[tuple[str, Any]]:
-    """(all ranks) All-gather ``("ok", fingerprint)`` or ``("error", message)``; raise if any differ."""
+def peer_failure(what: str, exc: BaseException) -> LoadError:
+    """The LoadError for a collective that failed: a peer died (connection reset) or stalled (timeout)."""
+    return LoadError(
+        f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
+        "died or stalled (see its log); the wait is bounded by the process-group timeout "
+        "(dist.init_process_group(timeout=...)). No model was returned; fix the cause and load again."
+    )
+
+
+def _gather(obj: object) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, status)
+    try:
+        dist.all_gather_object(gathered, obj)
+    except RuntimeError as exc:
+        raise peer_failure("agreeing with the other ranks", exc) from exc
+    return gathered
+
+
+def agree(status: tuple[str, Any], stage: str = "building or sharding the model") -> list[tuple[str, Any]]:
+    """(all ranks) All-gather ``("ok", fingerprint, extra)`` or ``("error", message)``; raise on any
+    error or if the fingerprints differ (``extra`` is returned for the caller to reconcile)."""
+    gathered = _gather(status)
     failed = [(rank, s[1]) for rank, s in enumerate(gathered) if s[0] != "ok"]
     if failed:
         detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed[:4])
         more = f" and {len(failed) - 4} more ranks" if len(failed) > 4 else ""
         raise RankMismatchError(
-            f"building or sharding the model failed on {len(failed)} of {len(gathered)} ranks: "
+            f"{stage} failed on {len(failed)} of {len(gathered)} ranks: "
             f"{detail}{more}. No data was moved; fix model_fn / shard_fn and retry."
         )
     reference = gathered[0][1]
@@ -53,6 +72,25 @@ def agree(status: tuple[str, Any]) -> list[tuple[str, Any]]:
             "or sharding differ). model_fn must build the same model on every rank."
         )
     return gathered
+
+
+def agree_outcome(error: BaseException | None, stage: str) -> None:
+    """(all ranks) All-gather each rank's error (or None); if any rank failed, every rank raises the
+    same error: the first failing rank's, keeping its LoadError subclass (RankMismatchError otherwise)."""
+    mine = None
+    if error is not None:
+        cls = type(error) if isinstance(error, LoadError) else RankMismatchError
+        what = str(error) if isinstance(error, LoadError) else f"{type(error).__name__}: {error}"
+        mine = (cls, what)
+    gathered = _gather(mine)
+    failed = [(rank, g) for rank, g in enumerate(gathered) if g is not None]
+    if failed:
+        first_rank, (cls, what) = failed[0]
+        ranks = [rank for rank, _ in failed]
+        raise cls(
+            f"{stage} failed on {len(ranks)} of {len(gathered)} ranks {ranks[:8]}; rank {first_rank}: {what}. "
+            "No data was moved; fix the cause and load again."
+        )
 
 
 def any_rank(flag: bool) -> bool:
@@ -66,7 +104,10 @@ def any_rank(flag: bool) -> bool:
 def share(result: object | LoadError | None) -> Any:
     """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it."""
     box = [result if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as exc:
+        raise peer_failure("receiving rank 0's manifest or result", exc) from exc
     value = box[0]
     if isinstance(value, LoadError):
         raise type(value)(*value.args)
@@ -112,10 +153,21 @@ def stream(
 ) -> None:
     """(all ranks) Move every piece to its destination. Rank 0 reads and sends; others receive."""
     wires = [DTYPES[e.dtype] for e in entries]
+    failed: LoadError | None = None
     if dist.get_rank() == 0:
-        _send(entries, pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots, on_bytes=on_bytes)
+        failed = _send(entries, pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots, on_bytes=on_bytes)
     else:
         _receive(pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots)
+    # Rank 0's read error (I/O error, file changed under us) reaches every rank; the ranks stayed
+    # in step because the reader kept sending unread bytes after the error.
+    share(failed)
+
+
+def _comm_device(mesh: DeviceMesh) -> torch.device:
+    """Where the collectives' buffers live: the mesh's device (this rank's current accelerator)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 def _landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
@@ -142,7 +194,7 @@ def _generic(target: Target, full: torch.Tensor | None, mesh: DeviceMesh, wire: 
     dt = target.dtensor
     if dt is None:
         raise LoadError("internal error: GENERIC entry without a DTensor target")
-    device = target.tensor.device
+    device = _comm_device(mesh)
     nbytes = dt.numel() * wire.itemsize
     if full is None:
         full = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -154,17 +206,20 @@ def _generic(target: Target, full: torch.Tensor | None, mesh: DeviceMesh, wire: 
     target.tensor.copy_(local)
 
 
-def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes) -> None:
+def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes) -> LoadError | None:
     me = dist.get_rank()
-    on_cpu = all(t.tensor.device.type == "cpu" for t in targets)
+    comm = _comm_device(mesh)
+    on_cpu = comm.type == "cpu"
     files = [e.file for e in entries]
 
     def direct(piece: Piece) -> torch.Tensor | None:
         if piece.kind == GENERIC:
             return torch.empty(piece.nbytes, dtype=torch.uint8)
-        if piece.dst in (me, BROADCAST):
-            if targets[piece.index].tensor.device.type == "cpu":
-                return _landing(targets[piece.index], piece, wires[piece.index])
+        device = targets[piece.index].tensor.device
+        # Straight from the file into a host tensor: rank 0's own rows (CPU-offloaded ones too), or
+        # a broadcast's source when the collectives run on the host.
+        if device.type == "cpu" and (piece.dst == me or (piece.dst == BROADCAST and on_cpu)):
+            return _landing(targets[piece.index], piece, wires[piece.index])
         return None
 
     reader = Reader(pieces, files, direct, slots=max(2, slots), piece_bytes=piece_bytes, pin=not on_cpu)
@@ -184,14 +239,14 @@ def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes
                 if staged.slot is None:
                     dist.broadcast(data, src=me)
                 else:
-                    payload = data if on_cpu else data.to(target.tensor.device)
+                    payload = data if on_cpu else data.to(comm)
                     dist.broadcast(payload, src=me)
                     _cast_into(target.tensor, piece, payload, wire)
             else:
                 payload = data
                 if not on_cpu:
                     if device_staging is None:
-                        device_staging = torch.empty(piece_bytes, dtype=torch.uint8, device=target.tensor.device)
+                        device_staging = torch.empty(piece_bytes, dtype=torch.uint8, device=comm)
                     payload = device_staging[: piece.nbytes]
                     payload.copy_(data)
                     dist.send(payload, dst=piece.dst)  # the device buffer is reused: send synchronously
@@ -210,6 +265,7 @@ def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes
             work, slot = pending.popleft()
             work.wait()
             reader.release(slot)
+        return reader.failed
     finally:
         reader.close()
 
@@ -218,6 +274,7 @@ def _receive(pieces, targets, wires, mesh, *, piece_bytes, slots) -> None:
     """(ranks other than 0) Post up to ``slots`` receives ahead, straight into the local shard
     when the wire dtype is the target's; otherwise into a staging slot, then cast."""
     me = dist.get_rank()
+    comm = _comm_device(mesh)
     buffers: dict[int, torch.Tensor] = {}
     free = collections.deque(range(max(1, slots)))
     pending: collections.deque[tuple[Any, Piece, int | None, torch.Tensor | None]] = collections.deque()
@@ -239,14 +296,16 @@ def _receive(pieces, targets, wires, mesh, *, piece_bytes, slots) -> None:
             if piece.kind == GENERIC:
                 _generic(target, None, mesh, wire)
                 continue
-        view = _landing(target, piece, wire)
+        # Straight into the target only where the collectives run (not into CPU-offloaded shards of a
+        # CUDA mesh: those are staged on the device, then copied).
+        view = _landing(target, piece, wire) if target.tensor.device == comm else None
         slot = stage = None
         if view is None:
             while not free:
                 complete_oldest()
             slot = free.popleft()
             if slot not in buffers:
-                buffers[slot] = torch.empty(piece_bytes, dtype=torch.uint8, device=target.tensor.device)
+                buffers[slot] = torch.empty(piece_bytes, dtype=torch.uint8, device=comm)
             stage = buffers[slot][: piece.nbytes]
         if piece.dst == BROADCAST:
             dist.broadcast(view if view is not None else stage, src=0)

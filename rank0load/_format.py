@@ -75,6 +75,11 @@ def _fail(path: str, what: str) -> CheckpointFormatError:
     )
 
 
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_header(path: str) -> tuple[dict[str, TensorHeader], dict[str, str]]:
     """(rank 0) Parse and validate one file's header. Returns (tensors, ``__metadata__``)."""
     try:
@@ -101,9 +106,10 @@ def read_header(path: str) -> tuple[dict[str, TensorHeader], dict[str, str]]:
         raise _fail(path, f"header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise _fail(path, "'__metadata__' is not an object")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _fail(path, f"'__metadata__' is {_short(metadata)}: expected an object of strings")
     data_start = 8 + n
     data_size = size - data_start
     tensors: dict[str, TensorHeader] = {}

@@ -118,12 +118,22 @@ def build_manifest(
     unexpected: list[str] = []
     ignored: list[str] = []
     for ckpt_key, t in headers.items():
-        model_key = key_map(ckpt_key) if key_map is not None else ckpt_key
+        try:
+            model_key = key_map(ckpt_key) if key_map is not None else ckpt_key
+        except Exception as exc:  # noqa: BLE001 - the caller's key_map: reported, never left to hang ranks
+            raise ModelMismatchError(
+                f"key_map({ckpt_key!r}) raised {type(exc).__name__}: {exc} (checkpoint file "
+                f"{os.path.basename(t.file)}). key_map must return a model key (str) or None for "
+                "every checkpoint key: fix it, or return None for keys to drop."
+            ) from None
         if model_key is None:
             ignored.append(ckpt_key)
             continue
         if not isinstance(model_key, str):
-            raise ModelMismatchError(f"key_map({ckpt_key!r}) returned {model_key!r}: expected a str or None")
+            raise ModelMismatchError(
+                f"key_map({ckpt_key!r}) returned {model_key!r}: expected a model key (str) or None "
+                "to drop the key. Fix key_map."
+            )
         if model_key in mapped_from:
             raise ModelMismatchError(
                 f"key_map maps both {mapped_from[model_key]!r} and {ckpt_key!r} to model key "

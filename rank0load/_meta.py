@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module"]
+__all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
 
 _patch_lock = threading.Lock()
 
@@ -99,9 +99,19 @@ class ModelLayout:
     initialisable: frozenset[str]
 
     def canonical(self, key: str) -> str | None:
-        if key in self.tensors:
-            return key
-        return self.aliases.get(key)
+        """The canonical model key for a checkpoint key (after ``key_map``), or None.
+
+        Wrapper segments (``_orig_mod.`` from ``torch.compile``, ``_checkpoint_wrapped_module.``
+        from activation checkpointing) are ignored on both sides: a checkpoint saved from a
+        compiled model loads into a plain one and the other way round, with no ``key_map``.
+        """
+        for candidate in (key, strip_wrappers(key)):
+            if candidate in self.tensors:
+                return candidate
+            hit = self.aliases.get(candidate)
+            if hit is not None:
+                return hit
+        return None
 
     def fingerprint(self) -> tuple:
         """A picklable summary that differs whenever two ranks built different models."""
@@ -110,6 +120,17 @@ class ModelLayout:
             tuple(sorted(self.aliases.items())),
             tuple(sorted(self.non_persistent)),
         )
+
+
+# Module-name segments that wrappers insert without changing the state a checkpoint holds.
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def strip_wrappers(key: str) -> str:
+    """``"_orig_mod.layers.0._checkpoint_wrapped_module.fc.weight"`` -> ``"layers.0.fc.weight"``."""
+    if not any(seg in key for seg in WRAPPER_SEGMENTS):
+        return key
+    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
@@ -175,6 +196,12 @@ def describe(model: nn.Module) -> ModelLayout:
             )
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
+    # Wrapper-free names of every tensor, so checkpoint keys without the wrappers match.
+    for name in [*tensors, *aliases]:
+        plain = strip_wrappers(name)
+        if plain != name and plain not in tensors and plain not in aliases:
+            aliases[plain] = aliases.get(name, name)
+    non_persistent |= {strip_wrappers(name) for name in non_persistent}
     return ModelLayout(
         tensors=tensors,
         aliases=aliases,

@@ -34,15 +34,15 @@ from ._manifest import Entry
 from .errors import LoadError
 
 __all__ = [
-    "SHARDED",
-    "PLAIN",
-    "GENERIC",
     "BROADCAST",
+    "GENERIC",
+    "PLAIN",
+    "SHARDED",
     "Piece",
     "entry_kind",
+    "pieces",
     "placements_on",
     "rows_of",
-    "pieces",
 ]
 
 SHARDED, PLAIN, GENERIC = "sharded", "plain", "generic"
@@ -70,7 +70,9 @@ def _chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
     return lo, min(lo + size, stop)
 
 
-def rows_of(mesh: DeviceMesh, placements: Sequence[object], nrows: int, coord: Sequence[int]) -> tuple[int, int]:
+def rows_of(
+    mesh: DeviceMesh, placements: Sequence[object], nrows: int, coord: Sequence[int]
+) -> tuple[int, int]:
     """The row range [lo, hi) that the rank at mesh coordinate ``coord`` holds."""
     lo, hi = 0, nrows
     for dim, placement in enumerate(placements):
@@ -95,9 +97,16 @@ def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
     if sub == mesh:
         return tuple(target.placements)
     names, sub_names = mesh.mesh_dim_names, sub.mesh_dim_names
-    dims = [names.index(n) for n in sub_names] if names and sub_names and set(sub_names) <= set(names) else None
+    dims = (
+        [names.index(n) for n in sub_names] if names and sub_names and set(sub_names) <= set(names) else None
+    )
     coord = mesh.get_coordinate()
-    if dims is not None and dims == sorted(dims) and coord is not None and sub.device_type == mesh.device_type:
+    if (
+        dims is not None
+        and dims == sorted(dims)
+        and coord is not None
+        and sub.device_type == mesh.device_type
+    ):
         index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
         if torch.equal(mesh.mesh[index], sub.mesh):
             lifted: list[Placement] = [Replicate()] * mesh.ndim

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ._plan import Piece
+from .errors import CheckpointFormatError, LoadError
 
 __all__ = ["Reader", "Staged", "read_into"]
 
@@ -30,11 +31,9 @@ def read_into(fd: int, buf: torch.Tensor, offset: int, path: str) -> None:
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            from .errors import CheckpointFormatError
-
             raise CheckpointFormatError(
                 f"{path}: unexpected end of file at byte {offset + done} while reading "
-                "(was the file changed during the load?)"
+                "(was the file changed during the load?). Load again; if it repeats, re-download the file."
             )
         done += n
 
@@ -73,6 +72,7 @@ class Reader:
         self._ready: queue.Queue[object] = queue.Queue(maxsize=slots + 1)
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self.failed: LoadError | None = None  # the first read error (I/O error, file changed)
         self._thread = threading.Thread(target=self._run, name="rank0load-reader", daemon=True)
         self._thread.start()
 
@@ -83,22 +83,31 @@ class Reader:
                 if self._stop.is_set():
                     return
                 path = self._files[piece.index]
-                fd = fds.get(path)
-                if fd is None:
-                    for old in fds.values():  # one file open at a time; manifest is in file order
-                        os.close(old)
-                    fds.clear()
-                    fd = fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 target = self._direct(piece)
-                if target is not None:
-                    read_into(fd, target, piece.file_offset, path)
-                    self._put(Staged(piece, target, None))
-                    continue
-                slot = self._get_slot()
-                if slot is None:
-                    return
-                data = self._buffers[slot][: piece.nbytes]
-                read_into(fd, data, piece.file_offset, path)
+                slot = None
+                if target is None:
+                    slot = self._get_slot()
+                    if slot is None:
+                        return
+                data = target if target is not None else self._buffers[slot][: piece.nbytes]
+                if self.failed is None:
+                    try:
+                        fd = fds.get(path)
+                        if fd is None:
+                            for old in fds.values():  # one file open at a time; manifest is in file order
+                                os.close(old)
+                            fds.clear()
+                            fd = fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                        read_into(fd, data, piece.file_offset, path)
+                    except LoadError as exc:
+                        self.failed = exc
+                    except OSError as exc:
+                        self.failed = LoadError(
+                            f"rank 0 could not read {path} at byte {piece.file_offset}: {exc.strerror or exc}. "
+                            "Check the disk and the file (was it moved or changed during the load?) and retry."
+                        )
+                # After a read error the remaining pieces still flow (unread bytes) so that every
+                # rank completes the same collectives; the sender then reports ``failed`` to all.
                 self._put(Staged(piece, data, slot))
         except BaseException as exc:  # handed to the consumer, re-raised there
             self._error = exc

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from ._bench_methods import METHOD_NOTES, METHODS
 from ._bench_model import BenchConfig, cached_checkpoint, config_for_size, write_checkpoint
 
-__all__ = ["main", "run_size", "parse_args"]
+__all__ = ["main", "parse_args", "run_size"]
 
 MiB = 1 << 20
 README_START = "<!-- bench:results:start -->"
@@ -43,13 +44,17 @@ def ensure_checkpoint(cfg: BenchConfig, out: str) -> tuple[str, dict]:
     directory = os.path.join(out, f"ckpt-{cfg.tag}")
     meta = cached_checkpoint(cfg, directory)
     if meta is not None:
-        print(f"checkpoint: reusing {directory} ({meta['total_bytes'] / 1e9:.3f} GB, {len(meta['files'])} shards)")
+        print(
+            f"checkpoint: reusing {directory} ({meta['total_bytes'] / 1e9:.3f} GB, {len(meta['files'])} shards)"
+        )
         return directory, meta
     print(f"checkpoint: writing {directory} ({cfg.tag})", flush=True)
     started = time.perf_counter()
     meta = write_checkpoint(cfg, directory, log=lambda s: print(s, flush=True))
-    print(f"checkpoint: {meta['total_bytes'] / 1e9:.3f} GB in {len(meta['files'])} shards, "
-          f"{time.perf_counter() - started:.1f} s")
+    print(
+        f"checkpoint: {meta['total_bytes'] / 1e9:.3f} GB in {len(meta['files'])} shards, "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     return directory, meta
 
 
@@ -61,7 +66,15 @@ def warm_page_cache(directory: str, meta: dict) -> None:
                 pass
 
 
-def run_once(method: str, cfg: BenchConfig, ckpt: str, ranks: int, timeout: float) -> list[dict]:
+def run_once(
+    method: str,
+    cfg: BenchConfig,
+    ckpt: str,
+    ranks: int,
+    timeout: float,
+    warm_up: bool = True,
+    options: dict | None = None,
+) -> list[dict]:
     """Launch ``ranks`` fresh worker processes for one method; one result dict per rank."""
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
@@ -72,29 +85,53 @@ def run_once(method: str, cfg: BenchConfig, ckpt: str, ranks: int, timeout: floa
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(ranks)]
         procs = []
         for r in range(ranks):
-            spec = {"method": method, "rank": r, "world": ranks, "store": store, "ckpt": ckpt,
-                    "config": cfg.__dict__, "out": outs[r], "timeout": timeout}
-            procs.append(subprocess.Popen([sys.executable, "-m", "rank0load._bench_worker", json.dumps(spec)],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            spec = {
+                "method": method,
+                "rank": r,
+                "world": ranks,
+                "store": store,
+                "ckpt": ckpt,
+                "config": cfg.__dict__,
+                "out": outs[r],
+                "timeout": timeout,
+                "warm_up": warm_up,
+                "options": options or {},
+            }
+            # Output to files, not pipes: a chatty rank must never block on a full pipe.
+            with open(os.path.join(tmp, f"rank{r}.log"), "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "rank0load._bench_worker", json.dumps(spec)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         deadline = time.monotonic() + timeout + 30
-        logs = []
         for p in procs:
             try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 for q in procs:  # only the processes this function started
                     if q.poll() is None:
                         q.kill()
-                logs.append(p.communicate()[0])
+                        q.wait()
         results = []
         for r, path in enumerate(outs):
             if os.path.exists(path):
                 with open(path) as f:
                     results.append(json.load(f))
             else:
-                tail = (logs[r] if r < len(logs) else "")[-2000:]
-                results.append({"method": method, "rank": r, "error": f"rank {r} left no result "
-                                f"(exit code {procs[r].returncode}; timed out or killed?)\n{tail}"})
+                with open(os.path.join(tmp, f"rank{r}.log"), errors="replace") as log:
+                    tail = log.read()[-2000:]
+                results.append(
+                    {
+                        "method": method,
+                        "rank": r,
+                        "error": f"rank {r} left no result "
+                        f"(exit code {procs[r].returncode}; timed out or killed?)\n{tail}",
+                    }
+                )
         return results
 
 
@@ -114,10 +151,15 @@ def _round_line(results: list[dict]) -> str:
     parts = [f"{secs:.2f} s"]
     if results[0].get("stream_gbps"):
         parts.append(f"stream {results[0]['stream_gbps']:.2f} GB/s")
-    parts.append("transient " + " / ".join(f"r{r['rank']} {_fmt_mib(r['transient'])}" for r in results) + " MiB")
+    parts.append(
+        "transient " + " / ".join(f"r{r['rank']} {_fmt_mib(r['transient'])}" for r in results) + " MiB"
+    )
     verified = results[0].get("verified")
-    parts.append("verify n/a" if verified is None else ("verified" if verified else
-                 f"VERIFY FAILED: {results[0]['problems'][:3]}"))
+    parts.append(
+        "verify n/a"
+        if verified is None
+        else ("verified" if verified else f"VERIFY FAILED: {results[0]['problems'][:3]}")
+    )
     return ", ".join(parts)
 
 
@@ -139,11 +181,14 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
         load_gbps=total_bytes / 1e9 / seconds if method != "build-only" else None,
         stream_gbps=best[0].get("stream_gbps"),
         stream_seconds=best[0].get("stream_seconds"),
+        phases=[r.get("phases") for r in best] if best[0].get("phases") else None,
         tie_kept=all(r.get("tie_kept") for r in best),
         verified=best[0].get("verified"),
         tensors_checked=best[0].get("tensors_checked"),
-        per_rank=[{k: r[k] for k in ("rank", "seconds", "rss_before", "peak_rss", "resident", "transient")}
-                  for r in best],
+        per_rank=[
+            {k: r[k] for k in ("rank", "seconds", "rss_before", "peak_rss", "resident", "transient")}
+            for r in best
+        ],
         max_transient=max(r["transient"] for r in best),
         node_transient=sum(r["transient"] for r in best),
         node_peak=sum(r["peak_rss"] for r in best),
@@ -151,8 +196,17 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
     return out
 
 
-def run_size(size_gb: float, *, ranks: int, methods: Sequence[str], rounds: int, out: str,
-             timeout: float) -> dict:
+def run_size(
+    size_gb: float,
+    *,
+    ranks: int,
+    methods: Sequence[str],
+    rounds: int,
+    out: str,
+    timeout: float,
+    warm_up: bool = True,
+    options: dict | None = None,
+) -> dict:
     """Every method x round at one checkpoint size; returns the JSON-able results."""
     cfg = config_for_size(size_gb)
     ckpt, meta = ensure_checkpoint(cfg, out)
@@ -163,7 +217,7 @@ def run_size(size_gb: float, *, ranks: int, methods: Sequence[str], rounds: int,
         order = list(methods) if rnd % 2 == 0 else list(reversed(methods))  # alternate, no fixed order bias
         for method in order:
             print(f"[{size_gb:g} GB, round {rnd + 1}/{rounds}] {method:<16} ...", end=" ", flush=True)
-            results = run_once(method, cfg, ckpt, ranks, timeout)
+            results = run_once(method, cfg, ckpt, ranks, timeout, warm_up, options)
             raw[method].append(results)
             print(_round_line(results), flush=True)
             for r in results:
@@ -172,10 +226,17 @@ def run_size(size_gb: float, *, ranks: int, methods: Sequence[str], rounds: int,
     summary = [summarise(m, raw[m], meta["total_bytes"]) for m in methods]
     return {
         "size_gb_requested": size_gb,
-        "checkpoint": {"dir": ckpt, "bytes": meta["total_bytes"], "shards": len(meta["files"]),
-                       "tensors": len(meta["digests"]), "config": meta["config"]},
+        "checkpoint": {
+            "dir": ckpt,
+            "bytes": meta["total_bytes"],
+            "shards": len(meta["files"]),
+            "tensors": len(meta["digests"]),
+            "config": meta["config"],
+        },
         "ranks": ranks,
         "rounds": rounds,
+        "warm_up": warm_up,
+        "options": options or {},
         "summary": summary,
         "raw": raw,
     }
@@ -218,11 +279,17 @@ def results_table(res: dict) -> str:
     """Markdown: one summary row per method, then one row per method and rank."""
     gb = res["checkpoint"]["bytes"] / 1e9
     lines = [
-        f"Checkpoint {gb:.2f} GB ({res['checkpoint']['shards']} shards, {res['checkpoint']['tensors']} tensors, "
-        f"bf16, tied head), {res['ranks']} gloo ranks on CPU, best of {res['rounds']} rounds.",
+        (
+            f"Checkpoint {gb:.3g} GB ({res['checkpoint']['shards']} shards, {res['checkpoint']['tensors']} tensors, "
+            f"bf16, tied head), {res['ranks']} gloo ranks on CPU, best of {res['rounds']} rounds"
+            f"{'' if res.get('warm_up', True) else ', torch lazy imports inside the measurement (--no-warm-up)'}"
+            f"{''.join(f', {m} options {o}' for m, o in res.get('options', {}).items())}."
+        ),
         "",
-        "| method | load s | GB/s (ckpt / load s) | stream GB/s | max transient MiB | node transient MiB | "
-        "node peak MiB | tie kept | verified |",
+        (
+            "| method | load s | GB/s (ckpt / load s) | stream GB/s | max transient MiB | node transient MiB | "
+            "node peak MiB | tie kept | verified |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for s in res["summary"]:
@@ -232,17 +299,29 @@ def results_table(res: dict) -> str:
         load_gbps = "-" if s["load_gbps"] is None else f"{s['load_gbps']:.2f}"
         stream = "-" if not s["stream_gbps"] else f"{s['stream_gbps']:.2f}"
         verified = "n/a" if s["verified"] is None else ("yes" if s["verified"] else "NO")
+        if s["rounds_ok"] < s["rounds"]:
+            verified += f" ({s['rounds_ok']}/{s['rounds']} rounds ok)"
         lines.append(
             f"| {s['method']} | {s['seconds']:.2f} | {load_gbps} | {stream} | {_fmt_mib(s['max_transient'])} | "
             f"{_fmt_mib(s['node_transient'])} | {_fmt_mib(s['node_peak'])} | {'yes' if s['tie_kept'] else 'no'} | "
             f"{verified} |"
         )
-    lines += ["", "| method | rank | load s | RSS before MiB | peak RSS MiB | resident MiB | transient MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| method | rank | load s | RSS before MiB | peak RSS MiB | resident MiB | transient MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in res["summary"]:
         for r in s.get("per_rank", []):
-            lines.append(f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {_fmt_mib(r['rss_before'])} | "
-                         f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |")
+            lines.append(
+                f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {_fmt_mib(r['rss_before'])} | "
+                f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |"
+            )
+    for s in res["summary"]:
+        for rank, phases in enumerate(s.get("phases") or []):
+            if phases:
+                text = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+                lines += ["", f"{s['method']} phases on rank {rank} (seconds, its own report): {text}"]
     return "\n".join(lines)
 
 
@@ -254,7 +333,7 @@ def sweep_table(results: list[dict]) -> str:
         cells = []
         for s in res["summary"]:
             cells.append(f"{_fmt_mib(s['max_transient'])} / {s['seconds']:.2f}" if s.get("ok") else "failed")
-        lines.append(f"| {res['checkpoint']['bytes'] / 1e9:.2f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {res['checkpoint']['bytes'] / 1e9:.3g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -270,6 +349,10 @@ def plot(results: list[dict], path: str) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     methods = [s["method"] for s in results[0]["summary"]]
+    # Distinct markers and dashes: some methods share their worst rank's figure exactly.
+    styles = itertools.cycle(
+        {"marker": m, "linestyle": ls} for m, ls in zip("osD^v", ("-", "--", "-.", ":", "-"), strict=True)
+    )
     for method in methods:
         xs, worst, node = [], [], []
         for res in sorted(results, key=lambda r: r["checkpoint"]["bytes"]):
@@ -278,10 +361,14 @@ def plot(results: list[dict], path: str) -> bool:
                 xs.append(res["checkpoint"]["bytes"] / 1e9)
                 worst.append(s["max_transient"] / MiB)
                 node.append(s["node_transient"] / MiB)
-        axes[0].plot(xs, worst, marker="o", label=method)
-        axes[1].plot(xs, node, marker="o", label=method)
+        style = next(styles)
+        axes[0].plot(xs, worst, label=method, **style)
+        axes[1].plot(xs, node, label=method, **style)
     for ax, title in zip(axes, ("worst rank", f"node total ({results[0]['ranks']} ranks)")):
-        ax.axhline(64, color="grey", linestyle=":", linewidth=1)
+        ax.axhline(64, color="grey", linestyle=":", linewidth=1, label="64 MiB target (per rank)")
+        if ax.get_ylim()[1] > 1024:  # GB-scale methods next to MiB-scale ones: keep both readable
+            ax.set_yscale("symlog", linthresh=8, linscale=0.5)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("checkpoint size (GB)")
         ax.set_ylabel("transient host RAM (MiB)")
         ax.set_title(f"transient RAM, {title}")
@@ -293,14 +380,18 @@ def plot(results: list[dict], path: str) -> bool:
     return True
 
 
-def readme_section(main_res: dict, sweep: list[dict] | None, env: dict, argv: Sequence[str], plot_name: str | None) -> str:
+def readme_section(
+    main_res: dict, sweep: list[dict] | None, env: dict, argv: Sequence[str], plot_name: str | None
+) -> str:
     cmd = "python -m rank0load.bench" + ("" if not argv else " " + " ".join(argv))
     parts = [
         README_START,
         f"_Generated by `{cmd}` on {env['date']}._",
         "",
-        f"Machine: {env['cpu']}, {env['cores']} cores, {env['mem_gib']} GiB RAM "
-        f"(1-min load average at the end: {env['loadavg_1min_at_end']}); {env['platform']}.  ",
+        (
+            f"Machine: {env['cpu']}, {env['cores']} cores, {env['mem_gib']} GiB RAM "
+            f"(1-min load average at the end: {env['loadavg_1min_at_end']}); {env['platform']}.  "
+        ),
         f"Versions: Python {env['python']}, torch {env['torch']}, safetensors {env['safetensors']}.",
         "",
         results_table(main_res),
@@ -314,7 +405,10 @@ def readme_section(main_res: dict, sweep: list[dict] | None, env: dict, argv: Se
 
 
 def update_readme(path: str, section: str) -> None:
-    text = open(path).read() if os.path.exists(path) else ""
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
     if README_START in text and README_END in text:
         head, rest = text.split(README_START, 1)
         tail = rest.split(README_END, 1)[1]
@@ -332,14 +426,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rank0load.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=0.8, help="checkpoint size in GB (default 0.8)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks on the CPU (default 2)")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)} (default all)")
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)} (default all)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="rounds; methods alternate within each (default 2)")
-    p.add_argument("--out", default="bench-out", help="output dir: checkpoints (cached) and JSON (default ./bench-out)")
-    p.add_argument("--sweep", default=None, help="comma-separated sizes in GB to run as well, e.g. 0.2,0.8,3.2")
+    p.add_argument(
+        "--out", default="bench-out", help="output dir: checkpoints (cached) and JSON (default ./bench-out)"
+    )
+    p.add_argument(
+        "--sweep", default=None, help="comma-separated sizes in GB to run as well, e.g. 0.2,0.8,3.2"
+    )
     p.add_argument("--plot", action="store_true", help="write transient-RAM-vs-size PNG (needs matplotlib)")
-    p.add_argument("--update-readme", nargs="?", const=os.path.join("benchmarks", "README.md"), default=None,
-                   metavar="PATH", help="rewrite the results section of benchmarks/README.md (or PATH)")
+    p.add_argument(
+        "--update-readme",
+        nargs="?",
+        const=os.path.join("benchmarks", "README.md"),
+        default=None,
+        metavar="PATH",
+        help="rewrite the results section of benchmarks/README.md (or PATH)",
+    )
+    p.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="do not pay torch's one-time lazy imports before the clock starts (they then count "
+        "in every method's time and transient RAM)",
+    )
+    p.add_argument(
+        "--staging-mib",
+        type=float,
+        default=None,
+        help="rank0load's max_staging_bytes in MiB (default: the library's default)",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run's ranks count as hung")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -348,8 +468,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
     if args.ranks < 1 or args.rounds < 1:
         p.error("--ranks and --rounds must be at least 1")
-    args.sizes = sorted({args.size_gb, *(float(s) for s in args.sweep.split(",") if s.strip())}) if args.sweep \
+    args.options = {}
+    if args.staging_mib is not None:
+        args.options["rank0load"] = {"max_staging_bytes": int(args.staging_mib * MiB)}
+    args.sizes = (
+        sorted({args.size_gb, *(float(s) for s in args.sweep.split(",") if s.strip())})
+        if args.sweep
         else [args.size_gb]
+    )
     return args
 
 
@@ -358,13 +484,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = environment()
-    print(f"rank0load bench: sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
-          f"methods {', '.join(args.methods)}; torch {env['torch']}, {env['cores']} cores; output {args.out}",
-          flush=True)
+    print(
+        f"rank0load bench: sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
+        f"methods {', '.join(args.methods)}; torch {env['torch']}, {env['cores']} cores; output {args.out}",
+        flush=True,
+    )
     all_results = []
     for size in args.sizes:
-        res = run_size(size, ranks=args.ranks, methods=args.methods, rounds=args.rounds, out=args.out,
-                       timeout=args.timeout)
+        res = run_size(
+            size,
+            ranks=args.ranks,
+            methods=args.methods,
+            rounds=args.rounds,
+            out=args.out,
+            timeout=args.timeout,
+            warm_up=args.warm_up,
+            options=args.options,
+        )
         all_results.append(res)
         with open(os.path.join(args.out, f"results-{size:g}gb-{args.ranks}ranks.json"), "w") as f:
             json.dump({"environment": environment(), **res}, f, indent=1)
@@ -373,11 +509,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     env = environment()
     main_res = next(r for r in all_results if r["size_gb_requested"] == args.size_gb)
-    doc = {"environment": env, "argv": argv, "sizes": args.sizes, "results": all_results}
-    json_path = os.path.join(args.out, "bench.json")
-    with open(json_path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {json_path}")
+    doc = {
+        "environment": env,
+        "argv": argv,
+        "sizes": args.sizes,
+        "methods": {m: METHOD_NOTES[m] for m in args.methods},
+        "results": all_results,
+    }
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    for name in (f"bench-{stamp}.json", "bench.json"):  # a dated record, and the latest under a fixed name
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(doc, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'bench.json')} (and bench-{stamp}.json)")
     if len(all_results) > 1:
         print(sweep_table(all_results))
     plot_path = None

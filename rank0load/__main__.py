@@ -1,0 +1,150 @@
+"""``python -m rank0load inspect PATH_OR_REPO [--model MODULE:FACTORY]`` (also the ``rank0load`` script).
+
+Reads headers only (one process, no process group, no tensor data). Exit codes, for scripts:
+
+    0  the checkpoint is readable (and, with --model, fits the model exactly)
+    1  --model given: missing, unexpected or mismatched (shape / dtype) keys were found
+    2  the checkpoint cannot be found or read (malformed file or index), or a bad command line
+    3  --model: the factory could not be imported or failed to build the model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ._inspect import Inspection, inspect_checkpoint, load_factory
+from .errors import LoadError
+
+EXIT_OK, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_MODEL = 0, 1, 2, 3
+
+__all__ = ["EXIT_MISMATCH", "EXIT_MODEL", "EXIT_OK", "EXIT_UNREADABLE", "main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m rank0load",
+        description="Tools for rank0load checkpoints.",
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    ins = sub.add_parser(
+        "inspect",
+        help="files, tensors, dtypes and sizes of a checkpoint; with --model, a dry run of the key matching",
+        description="Summarise a safetensors checkpoint from its headers. With --model, build the model on "
+        "meta and report missing, unexpected and mismatched keys (a dry run: no data is read).",
+    )
+    ins.add_argument(
+        "path", metavar="PATH_OR_REPO", help="directory, .safetensors file, index .json or Hub repo id"
+    )
+    ins.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) for a repo id")
+    ins.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        default=None,
+        help="zero-argument callable building the model, e.g. mypkg.models:build",
+    )
+    ins.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _keys(title: str, keys: Sequence[str], limit: int = 20) -> list[str]:
+    if not keys:
+        return []
+    lines = [f"{title} ({len(keys)}):"]
+    lines += [f"  {k}" for k in keys[:limit]]
+    if len(keys) > limit:
+        lines.append(f"  ... and {len(keys) - limit} more")
+    return lines
+
+
+def _text(result: Inspection, model_spec: str | None) -> str:
+    lines = [f"checkpoint: {result.description}", f"files: {len(result.files)}"]
+    for f in result.files:
+        lines.append(f"  {f.name}  {_size(f.bytes)}  {f.tensors} tensors")
+    lines.append(f"tensors: {result.tensors}, {_size(result.total_bytes)} of data")
+    lines.append("dtypes: " + ", ".join(f"{d} {n} ({_size(b)})" for d, (n, b) in result.dtypes.items()))
+    if result.largest is not None:
+        t = result.largest
+        lines.append(f"largest: {t.key} {t.dtype} {list(t.shape)} {_size(t.nbytes)}")
+    if result.model_checked:
+        lines.append(f"model {model_spec}: {result.model_tensors} tensors")
+        lines += _keys("missing from the checkpoint", result.missing)
+        lines += _keys("unexpected in the checkpoint", result.unexpected)
+        lines += _keys("mismatched", result.mismatched)
+        lines += _keys("ignored (non-persistent buffers in the model)", result.ignored)
+        lines.append("fits the model" if result.fits else "does NOT fit the model")
+    return "\n".join(lines)
+
+
+def _json(result: Inspection) -> str:
+    largest = result.largest
+    return json.dumps(
+        {
+            "checkpoint": result.description,
+            "files": [
+                {"name": f.name, "path": f.path, "bytes": f.bytes, "tensors": f.tensors} for f in result.files
+            ],
+            "tensors": result.tensors,
+            "total_bytes": result.total_bytes,
+            "dtypes": {d: {"tensors": n, "bytes": b} for d, (n, b) in result.dtypes.items()},
+            "largest": None
+            if largest is None
+            else {
+                "key": largest.key,
+                "dtype": largest.dtype,
+                "shape": list(largest.shape),
+                "bytes": largest.nbytes,
+            },
+            "model_checked": result.model_checked,
+            "missing": list(result.missing),
+            "unexpected": list(result.unexpected),
+            "mismatched": list(result.mismatched),
+            "ignored": list(result.ignored),
+            "fits": result.fits,
+        },
+        indent=2,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (see the module docstring)."""
+    args = _parser().parse_args(argv)  # a bad command line exits with 2
+    model_fn = None
+    if args.model is not None:
+        try:
+            model_fn = load_factory(args.model)
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            print(
+                f"rank0load inspect: cannot load --model {args.model!r}: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
+            return EXIT_MODEL
+    try:
+        result = inspect_checkpoint(args.path, revision=args.revision, model_fn=model_fn)
+    except LoadError as exc:  # resolving or reading the checkpoint
+        print(f"rank0load inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    except Exception as exc:  # noqa: BLE001 - the checkpoint was read: this is the model factory's failure
+        print(
+            f"rank0load inspect: --model {args.model} failed to build: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_MODEL
+    print(_json(result) if args.json else _text(result, args.model))
+    return EXIT_OK if result.fits else EXIT_MISMATCH
+
+
+if __name__ == "__main__":
+    sys.exit(main())

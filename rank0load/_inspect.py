@@ -1,0 +1,171 @@
+"""What a checkpoint holds, and whether it fits a model, from the headers alone (one process).
+
+(one process; no collectives, no process group) :func:`inspect_checkpoint` resolves the checkpoint
+like ``load_sharded`` does on rank 0 (directory, file, index or Hub repo id), validates every
+header and the index, and summarises files, tensors, dtypes and sizes. Given a ``model_fn``, it
+builds the model on meta (nothing is allocated) and lists missing, unexpected and mismatched keys,
+all of them rather than the first. No tensor data is read. ``python -m rank0load inspect`` is the
+command-line front end (``__main__``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from ._format import TensorHeader
+from ._manifest import _check_fits, _headers
+from ._meta import build_on_meta, describe
+from ._source import resolve
+from .errors import LoadError, ModelMismatchError
+
+__all__ = ["FileSummary", "Inspection", "inspect_checkpoint", "load_factory"]
+
+
+@dataclass(frozen=True)
+class FileSummary:
+    name: str  # as the checkpoint names it (a Hub snapshot's file, not the blob it links to)
+    path: str
+    bytes: int  # file size on disk
+    tensors: int
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """A checkpoint's contents and, when a model was given, how its keys fit that model."""
+
+    description: str
+    root: str
+    files: tuple[FileSummary, ...]
+    tensors: int
+    total_bytes: int  # tensor data, the bytes a load moves
+    dtypes: dict[str, tuple[int, int]]  # safetensors dtype -> (tensors, bytes)
+    largest: TensorHeader | None
+    model_checked: bool = False
+    model_tensors: int = 0
+    missing: tuple[str, ...] = ()  # model keys the checkpoint lacks
+    unexpected: tuple[str, ...] = ()  # checkpoint keys the model lacks
+    mismatched: tuple[str, ...] = field(default=())  # one message per key whose shape/dtype cannot load
+    ignored: tuple[str, ...] = ()  # checkpoint keys the model keeps as non-persistent buffers
+
+    @property
+    def fits(self) -> bool:
+        """No missing, unexpected or mismatched keys (True when no model was checked)."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+
+def load_factory(spec: str) -> Callable[[], nn.Module]:
+    """``"package.module:factory"`` (the attribute may be dotted) -> the callable.
+
+    Raises:
+        ValueError: ``spec`` is not ``MODULE:FACTORY``.
+        TypeError: the attribute is not callable.
+        ImportError / AttributeError: the module or attribute does not exist.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. 'mypkg.models:build_llama'")
+    obj: object = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"--model {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[return-value]
+
+
+def inspect_checkpoint(
+    ckpt_path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    model_fn: Callable[[], nn.Module] | None = None,
+) -> Inspection:
+    """Summarise a checkpoint and, with ``model_fn``, check its keys, shapes and dtypes against the model.
+
+    Args:
+        ckpt_path: directory, ``.safetensors`` file, index ``.json`` or Hub repo id.
+        revision: Hub revision for a repo id.
+        model_fn: zero-argument callable building the model; it runs with parameters on meta.
+
+    Returns:
+        An :class:`Inspection`.
+
+    Raises:
+        LoadError: the checkpoint cannot be found or is malformed (``CheckpointNotFoundError``,
+            ``CheckpointFormatError``).
+        Exception: whatever ``model_fn`` raises.
+    """
+    source = resolve(ckpt_path, revision)
+    headers = _headers(source)
+    per_file: dict[str, int] = {path: 0 for path in source.files}
+    dtypes: dict[str, tuple[int, int]] = {}
+    largest: TensorHeader | None = None
+    for t in headers.values():
+        per_file[t.file] = per_file.get(t.file, 0) + 1
+        count, nbytes = dtypes.get(t.dtype, (0, 0))
+        dtypes[t.dtype] = (count + 1, nbytes + t.nbytes)
+        if largest is None or t.nbytes > largest.nbytes:
+            largest = t
+    names = _names(source.root)
+    files = tuple(
+        FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), n)
+        for path, n in per_file.items()
+    )
+    summary = Inspection(
+        description=source.description,
+        root=source.root,
+        files=files,
+        tensors=len(headers),
+        total_bytes=sum(t.nbytes for t in headers.values()),
+        dtypes=dict(sorted(dtypes.items())),
+        largest=largest,
+    )
+    if model_fn is None:
+        return summary
+
+    layout = describe(build_on_meta(model_fn))
+    matched: set[str] = set()
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    ignored: list[str] = []
+    for key, t in headers.items():
+        if key in layout.non_persistent:
+            ignored.append(key)
+            continue
+        canonical = layout.canonical(key)
+        if canonical is None:
+            unexpected.append(key)
+            continue
+        matched.add(canonical)
+        info = layout.tensors[canonical]
+        try:
+            _check_fits(t, canonical, info.shape, info.dtype)
+        except ModelMismatchError as exc:
+            mismatched.append(str(exc))
+    return replace(
+        summary,
+        model_checked=True,
+        model_tensors=len(layout.tensors),
+        missing=tuple(sorted(k for k in layout.tensors if k not in matched)),
+        unexpected=tuple(sorted(unexpected)),
+        mismatched=tuple(sorted(mismatched)),
+        ignored=tuple(sorted(ignored)),
+    )
+
+
+def _names(root: str) -> dict[str, str]:
+    """Real path -> name for the files of ``root`` (Hub snapshots link their files to blobs)."""
+    try:
+        return {os.path.realpath(os.path.join(root, n)): n for n in os.listdir(root)}
+    except OSError:
+        return {}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError as exc:
+        raise LoadError(f"cannot stat {path!r}: {exc.strerror}") from None

@@ -1,0 +1,79 @@
+"""Rank 0's progress bar over bytes, and the peak-RSS probe (no collectives).
+
+(rank 0) :func:`progress_bar` returns a byte counter for ``_distribute.stream(on_bytes=...)``: a bar
+with throughput, drawn with huggingface_hub's ``tqdm`` so that ``HF_HUB_DISABLE_PROGRESS_BARS=1``
+(or ``huggingface_hub.utils.disable_progress_bars("rank0load")``) turns it off, and only when
+stderr is a terminal, so logs of batch jobs stay clean. Other ranks never call it (and so never
+import huggingface_hub).
+
+(all ranks) :func:`peak_rss_bytes` is this process's peak resident set size so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator
+
+__all__ = ["peak_rss_bytes", "progress_bar"]
+
+logger = logging.getLogger(__name__)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (``VmHWM``; ``getrusage`` where there is no /proc)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return 0
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
+
+
+def _stderr_is_tty() -> bool:
+    stream = sys.stderr
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
+@contextlib.contextmanager
+def progress_bar(total_bytes: int) -> Iterator[Callable[[int], None] | None]:
+    """(rank 0) A byte counter drawing a progress bar, or None when the bar is off."""
+    if not _stderr_is_tty():
+        yield None
+        return
+    try:
+        from huggingface_hub.utils import tqdm
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        yield None
+        return
+    bar = tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="rank0load",
+        leave=False,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        name="rank0load",
+    )
+    if bar.disable:
+        bar.close()
+        yield None
+        return
+    try:
+        yield bar.update
+    finally:
+        bar.close()

@@ -1,0 +1,137 @@
+"""``python -m rank0load inspect``, run as subprocesses: the summary, the --model dry run and the
+exit codes (0 fits / readable, 1 mismatches, 2 unreadable checkpoint, 3 model factory failed).
+
+The subprocesses start together from one fixture (each spends seconds importing torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rank0load.__main__ import main
+from tests.models import save_state, trained_toy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mismatched_checkpoint(path: str) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in trained_toy().state_dict().items() if k != "head.weight"}
+    del state["bn.bias"]  # missing
+    state["blocks.0.fc.weight"] = torch.zeros(4, 5)  # shape
+    state["blocks.1.fc.weight"] = state["blocks.1.fc.weight"].to(torch.int32)  # dtype
+    state["extra.bias"] = torch.zeros(3)  # unexpected
+    save_file(state, path)
+
+
+def _sharded_checkpoint(path) -> None:
+    """Two shards and an index, the layout save_pretrained writes."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    state = {k: v.contiguous() for k, v in trained_toy().state_dict().items() if k != "head.weight"}
+    keys = sorted(state)
+    parts = {"model-00001-of-00002.safetensors": keys[:7], "model-00002-of-00002.safetensors": keys[7:]}
+    for name, part in parts.items():
+        save_file({k: state[k] for k in part}, str(path / name))
+    index = {"metadata": {}, "weight_map": {k: name for name, part in parts.items() for k in part}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    _sharded_checkpoint(tmp / "sharded")
+    save_state(trained_toy(), str(tmp / "toy.safetensors"))
+    _mismatched_checkpoint(str(tmp / "mismatched.safetensors"))
+    commands = {
+        "summary": [str(tmp / "sharded"), "--json"],
+        "fits": [str(tmp / "toy.safetensors"), "--model", "tests.models:toy"],
+        "mismatched": [str(tmp / "mismatched.safetensors"), "--model", "tests.models:toy", "--json"],
+        "absent": [str(tmp / "absent")],
+        "no_module": [str(tmp / "toy.safetensors"), "--model", "tests.no_such_module:build"],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "rank0load", "inspect", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        results[name] = (proc.returncode, out, err)
+    return tmp, results
+
+
+def test_summary_json(cli):
+    from safetensors import safe_open
+
+    tmp, results = cli
+    code, out, err = results["summary"]
+    assert code == 0, err
+    got = json.loads(out)
+    shards = sorted(p for p in os.listdir(tmp / "sharded") if p.endswith(".safetensors"))
+    sizes = {}
+    for name in shards:
+        with safe_open(str(tmp / "sharded" / name), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                t = f.get_tensor(key)
+                sizes[key] = t.numel() * t.element_size()
+    assert len(shards) > 1
+    assert [os.path.basename(f["path"]) for f in got["files"]] == shards
+    assert sum(f["tensors"] for f in got["files"]) == got["tensors"] == len(sizes)
+    assert got["total_bytes"] == sum(sizes.values())
+    assert got["dtypes"] == {
+        "F32": {"tensors": len(sizes) - 2, "bytes": sum(sizes.values()) - 16},
+        "I64": {"tensors": 2, "bytes": 16},
+    }
+    assert got["largest"]["key"] == max(sizes, key=sizes.get) == "emb.weight"
+    assert got["largest"]["shape"] == [7, 5] and got["model_checked"] is False and got["fits"] is True
+
+
+def test_model_dry_run_fits(cli):
+    code, out, err = cli[1]["fits"]
+    assert code == 0, out + err
+    assert "fits the model" in out and "largest: emb.weight F32 [7, 5] 140 B" in out
+
+
+def test_model_dry_run_reports_every_mismatch(cli):
+    code, out, err = cli[1]["mismatched"]
+    assert code == 1, out + err
+    got = json.loads(out)
+    assert got["missing"] == ["bn.bias"]
+    assert got["unexpected"] == ["extra.bias"]
+    assert len(got["mismatched"]) == 2
+    assert "blocks.0.fc.weight" in got["mismatched"][0] and "(4, 5)" in got["mismatched"][0]
+    assert "blocks.1.fc.weight" in got["mismatched"][1] and "I32" in got["mismatched"][1]
+    assert got["fits"] is False
+
+
+def test_unreadable_checkpoint_exit_2(cli, tmp_path, capsys):
+    code, out, err = cli[1]["absent"]
+    assert code == 2 and "CheckpointNotFoundError" in err and out == ""
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    assert main(["inspect", str(bad)]) == 2  # in process: the same main() the subprocesses run
+    assert "CheckpointFormatError" in capsys.readouterr().err
+
+
+def test_model_factory_failure_exit_3(cli, capsys):
+    tmp, results = cli
+    code, _, err = results["no_module"]
+    assert code == 3 and "ModuleNotFoundError" in err
+    assert (
+        main(["inspect", str(tmp / "toy.safetensors"), "--model", "tests.hf:Factory"]) == 3
+    )  # needs an argument
+    assert "failed to build" in capsys.readouterr().err

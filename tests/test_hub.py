@@ -1,0 +1,232 @@
+"""Hub repo ids resolve on rank 0 only, through huggingface_hub's cache, offline.
+
+The cache is built by hand in the layout huggingface_hub uses (``models--org--name/{refs,snapshots,
+blobs}``, snapshot files symlinked to blobs), under an ``HF_HOME`` of the test's own. Rank 0 gets
+that ``HF_HOME`` and ``HF_HUB_OFFLINE=1``; the other ranks get an ``HF_HOME`` that does not exist and
+an audit hook that records every file they open or list under the real cache: they must load anyway,
+open nothing there, and never import huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import _dist
+from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
+from tests.test_progress import FakeTTY
+
+MAIN = "a" * 40
+V1 = "b" * 40
+SHARDED = "c" * 40
+
+
+def _add_snapshot(repo: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...]) -> None:
+    for name, data in files.items():
+        blob = os.path.join(repo, "blobs", hashlib.sha256(data).hexdigest())
+        os.makedirs(os.path.dirname(blob), exist_ok=True)
+        with open(blob, "wb") as f:
+            f.write(data)
+        link = os.path.join(repo, "snapshots", commit, name)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
+    for ref in refs:
+        os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+        with open(os.path.join(repo, "refs", ref), "w") as f:
+            f.write(commit)
+
+
+def _weights(tmp, seed: int) -> bytes:
+    path = str(tmp / f"w{seed}.safetensors")
+    save_state(trained_toy(seed), path)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _sharded(tmp, seed: int) -> dict[str, bytes]:
+    """Two shards and an index, as save_pretrained writes them (in the cache, the index is a blob too)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in trained_toy(seed).state_dict().items() if k != "head.weight"}
+    keys = sorted(state)
+    parts = {
+        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+    }
+    files: dict[str, bytes] = {}
+    for name, part in parts.items():
+        save_file({k: state[k] for k in part}, str(tmp / name))
+        files[name] = (tmp / name).read_bytes()
+    index = {"metadata": {}, "weight_map": {k: name for name, part in parts.items() for k in part}}
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    return files
+
+
+def _rank(rank: int, world: int, hf_home: str) -> dict:
+    real_cache = os.path.realpath(hf_home)
+    touched: list[str] = []
+    if rank != 0:
+        os.environ["HF_HOME"] = os.path.join(hf_home, "does-not-exist")
+
+        def audit(event: str, args: tuple) -> None:
+            if (
+                event in ("open", "os.listdir", "os.scandir", "os.walk")
+                and args
+                and isinstance(args[0], (str, bytes))
+            ):
+                path = os.fsdecode(args[0])
+                if path.startswith(real_cache) or "models--" in path:
+                    touched.append(f"{event} {path}")
+
+        sys.addaudithook(audit)
+    else:
+        os.environ["HF_HOME"] = hf_home
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    hub_before = "huggingface_hub" in sys.modules
+
+    import rank0load
+
+    out: dict = {"hub_before": hub_before}
+    real_stderr, sys.stderr = sys.stderr, FakeTTY()  # a terminal, but HF_HUB_DISABLE_PROGRESS_BARS=1
+    try:
+        model = rank0load.load_sharded(toy, "org/tiny")
+        out["stderr"] = sys.stderr.getvalue()
+    finally:
+        sys.stderr = real_stderr
+    out["main"] = gather(model)
+    out["main_files"] = model.rank0load_report.files
+    model = rank0load.load_sharded(toy, "org/tiny", revision="v1")
+    out["v1"] = gather(model)
+    model = rank0load.load_sharded(toy, "org/tiny", revision=SHARDED)  # a commit hash
+    out["sharded"] = gather(model)
+    out["sharded_files"] = model.rank0load_report.files
+    try:
+        rank0load.load_sharded(toy, "org/absent")
+    except rank0load.LoadError as exc:
+        out["absent"] = (type(exc).__name__, str(exc))
+    out["hub_after"] = "huggingface_hub" in sys.modules
+    out["touched"] = touched
+    return out
+
+
+@pytest.fixture(scope="module")
+def hub_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hub")
+    hf_home = tmp / "hf"
+    repo = str(hf_home / "hub" / "models--org--tiny")
+    config = b'{"model_type": "toy"}'
+    _add_snapshot(repo, MAIN, {"model.safetensors": _weights(tmp, 0), "config.json": config}, ("main",))
+    _add_snapshot(repo, V1, {"model.safetensors": _weights(tmp, 1), "config.json": config}, ("v1",))
+    _add_snapshot(repo, SHARDED, {**_sharded(tmp, 2), "config.json": config}, ())
+    # `inspect` on the repo id, in a subprocess running alongside the spawn.
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "rank0load", "inspect", "org/tiny", "--revision", "v1", "--json"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # see test_progress_bar_disabled_by_environment
+    results = _dist.ok(_dist.run(_rank, 2, str(hf_home), env=env))
+    out, err = cli.communicate(timeout=120)
+    return str(hf_home), results, (cli.returncode, out, err)
+
+
+def test_repo_id_from_offline_cache_on_rank0_only(hub_results):
+    hf_home, results, _ = hub_results
+    for rank, r in enumerate(results):
+        assert_same(r["main"], reference(trained_toy(0)))
+        assert r["main_files"] and all(f.startswith(os.path.realpath(hf_home)) for f in r["main_files"]), r[
+            "main_files"
+        ]  # resolved through the cache, the blob behind snapshots/<main>
+        if rank:
+            assert not r["hub_before"] and not r["hub_after"], "a rank other than 0 imported huggingface_hub"
+            assert r["touched"] == [], r["touched"]
+
+
+def test_progress_bar_disabled_by_environment(hub_results):
+    """HF_HUB_DISABLE_PROGRESS_BARS=1 turns rank 0's bar off although stderr is a terminal (this
+    spawn sets it; tests/test_progress.py shows the bar appearing without it)."""
+    _, results, _ = hub_results
+    assert [r["stderr"] for r in results] == ["", ""]
+
+
+def test_revision_selects_the_snapshot(hub_results):
+    _, results, _ = hub_results
+    for r in results:
+        assert_same(r["v1"], reference(trained_toy(1)))
+        assert not torch.equal(r["v1"]["emb.weight"], r["main"]["emb.weight"])
+
+
+def test_sharded_snapshot_with_index_by_commit_hash(hub_results):
+    _, results, _ = hub_results
+    for r in results:
+        assert len(r["sharded_files"]) == 2
+        assert_same(r["sharded"], reference(trained_toy(2)))
+
+
+def test_absent_repo_offline_raises_everywhere(hub_results):
+    _, results, _ = hub_results
+    errors = {r["absent"] for r in results}
+    assert len(errors) == 1, errors
+    name, message = errors.pop()
+    assert name == "CheckpointNotFoundError"
+    assert "'org/absent'" in message and "HF_HUB_OFFLINE" in message
+
+
+def test_only_weights_index_and_config_are_fetched(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from rank0load import _source
+
+    save_state(trained_toy(), str(tmp_path / "model.safetensors"))
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kwargs):
+        calls.append((repo_id, revision, allow_patterns, kwargs))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    source = _source.resolve("org/name", "v2")
+    assert source.files == (os.path.realpath(tmp_path / "model.safetensors"),)
+    [(repo_id, revision, patterns, kwargs)] = calls
+    assert (repo_id, revision, kwargs) == ("org/name", "v2", {})
+    repo_files = [
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "config.json",
+        "sub/model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "pytorch_model.bin",
+        "model.gguf",
+        "README.md",
+        "generation_config.json",
+    ]
+    assert sorted(filter_repo_objects(repo_files, allow_patterns=patterns)) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "sub/model.safetensors",
+    ]
+
+
+def test_inspect_repo_id_offline(hub_results):
+    hf_home, _, (code, out, err) = hub_results
+    assert code == 0, err
+    got = json.loads(out)
+    assert [f["name"] for f in got["files"]] == ["model.safetensors"]  # the snapshot's name, not the blob's
+    assert got["files"][0]["path"].startswith(
+        os.path.join(os.path.realpath(hf_home), "hub", "models--org--tiny")
+    )
+    assert got["tensors"] == len(trained_toy(1).state_dict()) - 1  # the tied head is stored once

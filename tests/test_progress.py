@@ -1,0 +1,136 @@
+"""Progress bar, INFO summary and load report: rank 0 alone shows a bar (on a terminal, unless
+HF_HUB_DISABLE_PROGRESS_BARS is set) and logs one INFO line per load; other ranks print and log
+nothing; every rank gets a LoadReport with bytes, tensors, seconds, GB/s, peak RSS and the keys
+that were missing or unexpected.
+
+HF_HUB_DISABLE_PROGRESS_BARS is read when huggingface_hub is imported, so it needs a fresh process
+group: tests/test_hub.py's spawn, which sets it, checks that no bar appears on a terminal."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+import pytest
+import torch
+
+from tests import _dist
+from tests.models import save_state, toy, trained_toy
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[int, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelno, record.name, record.getMessage()))
+
+
+def _rank(rank: int, world: int, path: str, partial_path: str) -> dict:
+    import contextlib
+
+    import rank0load
+    import rank0load._api as api
+
+    counted: list[int] = []
+    real_bar = api.progress_bar
+
+    @contextlib.contextmanager
+    def counting_bar(total: int):  # the real bar, plus a record of every byte count it is given
+        with real_bar(total) as update:
+
+            def count(n: int) -> None:
+                counted.append(n)
+                if update is not None:
+                    update(n)
+
+            yield count
+
+    api.progress_bar = counting_bar
+    handler = Records()
+    root = logging.getLogger("rank0load")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    out: dict = {}
+    real_stderr = sys.stderr
+    try:
+        sys.stderr = FakeTTY()
+        model = rank0load.load_sharded(toy, path)
+        out["tty"] = sys.stderr.getvalue()
+        out["report"] = model.rank0load_report
+        out["counted"] = list(counted)
+        api.progress_bar = real_bar
+        sys.stderr = io.StringIO()
+        rank0load.load_sharded(toy, path)
+        out["pipe"] = sys.stderr.getvalue()
+        sys.stderr = io.StringIO()
+        model = rank0load.load_sharded(toy, partial_path, strict=False)
+        out["partial_stderr"] = sys.stderr.getvalue()
+        out["partial"] = model.rank0load_report
+    finally:
+        sys.stderr = real_stderr
+    with open("/proc/self/status") as f:
+        out["rss_now"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    out["records"] = handler.records
+    return out
+
+
+def _checkpoints(tmp) -> tuple[str, str, dict]:
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp / "model.safetensors")
+    save_state(trained_toy(), path)
+    state = load_file(path)
+    partial = dict(state)
+    del partial["bn.weight"]
+    partial["extra.weight"] = torch.ones(3)
+    save_file(partial, str(tmp / "partial.safetensors"))
+    return path, str(tmp / "partial.safetensors"), state
+
+
+@pytest.fixture(scope="module")
+def shown(tmp_path_factory):
+    path, partial, state = _checkpoints(tmp_path_factory.mktemp("progress"))
+    return state, _dist.ok(_dist.run(_rank, 2, path, partial))
+
+
+def test_bar_on_rank0_terminal_only(shown):
+    _, (r0, r1) = shown
+    assert "rank0load" in r0["tty"] and "B/s" in r0["tty"], r0["tty"]
+    assert r0["pipe"] == "" and r0["partial_stderr"] == ""  # not a terminal: no bar
+    assert r1["tty"] == r1["pipe"] == r1["partial_stderr"] == ""  # other ranks print nothing
+    # The bar is fed every byte of the checkpoint once, on rank 0; no other rank makes a bar.
+    assert sum(r0["counted"]) == r0["report"].bytes and len(r0["counted"]) >= r0["report"].tensors
+    assert r1["counted"] == []
+
+
+def test_one_info_line_per_load_from_rank0_only(shown):
+    _, (r0, r1) = shown
+    infos = [m for level, _, m in r0["records"] if level == logging.INFO]
+    assert len(infos) == 3, r0["records"]
+    assert all("GB/s" in m and "peak RSS" in m and "tensors" in m for m in infos), infos
+    warnings = [m for level, _, m in r0["records"] if level == logging.WARNING]
+    assert len(warnings) == 2 and "bn.weight" in warnings[0] + warnings[1]
+    assert [rec for rec in r1["records"] if rec[0] >= logging.INFO] == []
+
+
+def test_load_report(shown):
+    state, results = shown
+    for rank, r in enumerate(results):
+        rep = r["report"]
+        assert rep.tensors == len(state)
+        assert rep.bytes == sum(t.numel() * t.element_size() for t in state.values())
+        assert rep.seconds > 0 and rep.stream_seconds > 0 and rep.gb_per_s > 0
+        assert rep.gb_per_s == pytest.approx(rep.bytes / 1e9 / rep.stream_seconds)
+        assert (rep.rank, rep.world_size) == (rank, 2)
+        assert 0 < r["rss_now"] <= rep.peak_rss_bytes * 1.5 and rep.peak_rss_bytes > 50e6
+        assert rep.missing == () and rep.unexpected == ()
+        partial = r["partial"]
+        assert partial.missing == ("bn.weight",) and partial.unexpected == ("extra.weight",)
