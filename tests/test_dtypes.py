@@ -1,0 +1,150 @@
+"""Every dtype safetensors can store round-trips bit for bit, as a sharded parameter and as a buffer;
+integers, bools, complex and float8/float4 are never cast (a mismatch is a ModelMismatchError)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tests import _dist
+
+# Every safetensors dtype string; the test fails if torch lacks one instead of skipping it.
+ALL = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL", "C64",
+       "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "F4"]
+ROWS = 5  # uneven over 2 and 3 ranks: shards of 3+2 and 2+2+1 rows
+
+
+def dtype_of(name: str) -> torch.dtype:
+    from rank0load._format import DTYPES
+
+    return DTYPES[name]
+
+
+class Holder(nn.Module):
+    """One dtype: a (5, 4) parameter (trainable where torch allows) and a persistent (3, 2) buffer.
+    F4 (float4_e2m1fn_x2) packs two values per element: torch shape (5, 2), safetensors (5, 4)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        dt = dtype_of(name)
+        cols = 2 if name == "F4" else 4
+        trainable = dt.is_floating_point or dt.is_complex  # torch refuses grads for ints and bools
+        self.weight = nn.Parameter(torch.zeros(ROWS, cols, dtype=torch.uint8).view(dt) if dt.itemsize == 1
+                                   else torch.zeros(ROWS, cols, dtype=dt), requires_grad=trainable)
+        self.register_buffer("stat", torch.zeros(3, 2, dtype=torch.uint8).view(dt) if dt.itemsize == 1
+                             else torch.zeros(3, 2, dtype=dt))
+
+
+class Zoo(nn.Module):
+    """One Holder per dtype; the default policy gives each its own FSDP group (one dtype each)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(Holder(n) for n in names)
+
+
+class ZooFactory:
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def __call__(self) -> Zoo:
+        return Zoo(self.names)
+
+
+def _random(shape: tuple[int, ...], dt: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns (NaNs and all) of dtype ``dt``; bools only 0/1."""
+    n = dt.itemsize
+    for s in shape:
+        n *= s
+    high = 2 if dt == torch.bool else 256
+    return torch.randint(0, high, (n,), dtype=torch.uint8, generator=gen).view(dt).reshape(shape)
+
+
+def write_zoo(path: str, names: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for i, name in enumerate(names):
+        dt = dtype_of(name)
+        cols = 2 if name == "F4" else 4
+        sd[f"parts.{i}.weight"] = _random((ROWS, cols), dt, gen)
+        sd[f"parts.{i}.stat"] = _random((3, 2), dt, gen)
+    save_file(sd, path)
+    return sd
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+
+
+def _load_local(rank: int, world: int, path: str, names: list[str], mismatches: list[tuple]) -> dict:
+    """Load the zoo; return this rank's local shards and buffers as raw bytes. Then try each mismatch."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    import rank0load
+
+    model = rank0load.load_sharded(ZooFactory(names), path)
+    out: dict = {"params": {}, "buffers": {}, "errors": []}
+    for key, p in model.named_parameters():
+        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
+            raise AssertionError(f"{key}: not a Shard(0) DTensor: {type(p).__name__}")
+        local = p.to_local()
+        out["params"][key] = (str(p.dtype), tuple(p.shape), tuple(local.shape), _bytes(local), p.requires_grad)
+    for key, b in model.named_buffers():
+        out["buffers"][key] = (str(b.dtype), tuple(b.shape), _bytes(b))
+    for ckpt, model_names in mismatches:
+        try:
+            rank0load.load_sharded(ZooFactory(model_names), ckpt)
+            out["errors"].append(None)
+        except rank0load.LoadError as exc:
+            out["errors"].append((type(exc).__name__, str(exc)))
+    return out
+
+
+# checkpoint dtype -> model dtype: never cast (ints, bools, complex, float8/float4 on either side).
+NEVER_CAST = [("I32", "I64"), ("I64", "F32"), ("U8", "I8"), ("BOOL", "U8"), ("F8_E4M3", "F8_E5M2"),
+              ("F8_E4M3", "BF16"), ("BF16", "F8_E4M3"), ("F4", "U8"), ("C64", "F64"), ("F32", "I32"),
+              ("F8_E8M0", "F8_E4M3FNUZ")]
+
+
+def test_every_dtype_is_known():
+    from rank0load._format import DTYPES
+
+    assert sorted(DTYPES) == sorted(ALL), f"torch {torch.__version__} lacks {sorted(set(ALL) - set(DTYPES))}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtype_round_trip(tmp_path, world):
+    path = str(tmp_path / "zoo.safetensors")
+    sd = write_zoo(path, ALL)
+    assert {k: _bytes(v) for k, v in load_file(path).items()} == {k: _bytes(v) for k, v in sd.items()}
+    mismatches = []
+    if world == 2:  # the never-cast checks need only run once
+        for ckpt_name, model_name in NEVER_CAST:
+            ckpt = str(tmp_path / f"{ckpt_name}-into-{model_name}.safetensors")
+            write_zoo(ckpt, [ckpt_name])
+            mismatches.append((ckpt, [model_name]))
+    results = _dist.ok(_dist.run(_load_local, world, path, ALL, mismatches, timeout=180))
+
+    for i, name in enumerate(ALL):
+        key = f"parts.{i}.weight"
+        dt = dtype_of(name)
+        shards = [r["params"][key] for r in results]
+        assert all(s[0] == str(dt) and s[1] == tuple(sd[key].shape) for s in shards), (name, shards[0][:2])
+        rows = [s[2][0] for s in shards]
+        assert rows == {2: [3, 2], 3: [2, 2, 1]}[world], f"{name}: local rows {rows}"  # torch.chunk, uneven
+        assert b"".join(s[3] for s in shards) == _bytes(sd[key]), f"{name}: parameter bytes differ"
+        assert all(s[4] == (dt.is_floating_point or dt.is_complex) for s in shards), f"{name}: requires_grad"
+        buf = f"parts.{i}.stat"
+        for r in results:
+            assert r["buffers"][buf][0] == str(dt), f"{name}: buffer dtype {r['buffers'][buf][0]}"
+            assert r["buffers"][buf][2] == _bytes(sd[buf]), f"{name}: buffer bytes differ"
+
+    for (ckpt_name, model_name), *errors in zip(NEVER_CAST if world == 2 else [],
+                                                *[r["errors"] for r in results]):
+        assert all(e is not None for e in errors), f"{ckpt_name} loaded into a {model_name} model"
+        assert len(set(errors)) == 1, f"{ckpt_name} -> {model_name}: ranks differ: {errors}"
+        cls, message = errors[0]
+        assert cls == "ModelMismatchError", f"{ckpt_name} -> {model_name}: {cls}: {message}"
+        assert ckpt_name in message and str(dtype_of(model_name)) in message and "'parts.0." in message, message
