@@ -1,6 +1,6 @@
 """rank0load: stream a safetensors checkpoint from rank 0 into an FSDP2-sharded model.
 
-    model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
+model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LoadError as exc:  # resolving or reading the checkpoint
         print(f"rank0load inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    except Exception as exc:  # noqa: BLE001 - the checkpoint was read: this is the model factory's failure
+    except Exception as exc:
         print(
             f"rank0load inspect: --model {args.model} failed to build: {type(exc).__name__}: {exc}",
             file=sys.stderr,

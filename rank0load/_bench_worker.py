@@ -203,7 +203,7 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     try:
         out = main(spec)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which prints it
+    except BaseException as exc:
         out = {
             "method": spec.get("method"),
             "rank": spec.get("rank"),

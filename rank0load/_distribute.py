@@ -25,11 +25,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._format import DTYPES
 from ._manifest import Entry
-from ._plan import BROADCAST, GENERIC, PLAIN, SHARDED, Piece
+from ._plan import BROADCAST, GENERIC, Piece
 from ._stream import Reader
 from .errors import LoadError, RankMismatchError
 
-__all__ = ["agree", "agree_outcome", "any_rank", "share", "stream", "Target"]
+__all__ = ["agree", "agree_outcome", "share", "stream", "Target"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +93,6 @@ def agree_outcome(error: BaseException | None, stage: str) -> None:
         )
 
 
-def any_rank(flag: bool) -> bool:
-    """(all ranks) True on every rank if ``flag`` is True on any rank."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def share(result: object | LoadError | None) -> Any:
     """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it."""
     box = [result if dist.get_rank() == 0 else None]
@@ -155,7 +147,9 @@ def stream(
     wires = [DTYPES[e.dtype] for e in entries]
     failed: LoadError | None = None
     if dist.get_rank() == 0:
-        failed = _send(entries, pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots, on_bytes=on_bytes)
+        failed = _send(
+            entries, pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots, on_bytes=on_bytes
+        )
     else:
         _receive(pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots)
     # Rank 0's read error (I/O error, file changed under us) reaches every rank; the ranks stayed

@@ -120,7 +120,7 @@ def build_manifest(
     for ckpt_key, t in headers.items():
         try:
             model_key = key_map(ckpt_key) if key_map is not None else ckpt_key
-        except Exception as exc:  # noqa: BLE001 - the caller's key_map: reported, never left to hang ranks
+        except Exception as exc:
             raise ModelMismatchError(
                 f"key_map({ckpt_key!r}) raised {type(exc).__name__}: {exc} (checkpoint file "
                 f"{os.path.basename(t.file)}). key_map must return a model key (str) or None for "
@@ -162,9 +162,7 @@ def build_manifest(
             + ". Pass key_map to rename keys, or strict=False to skip unexpected keys and "
             "initialise missing ones with the model's own initialisation."
         )
-    uninitialisable = [
-        k for k in missing if layout.tensors[k].is_param and k not in layout.initialisable
-    ]
+    uninitialisable = [k for k in missing if layout.tensors[k].is_param and k not in layout.initialisable]
     if uninitialisable:
         raise ModelMismatchError(
             f"{source.description}: missing parameters {format_keys(uninitialisable)} have no "
@@ -204,7 +202,9 @@ def _check_tied_equal(model_key: str, found: list[TensorHeader], chunk: int = 8 
             with open(first.file, "rb", buffering=0) as fa, open(other.file, "rb", buffering=0) as fb:
                 for pos in range(0, first.nbytes, chunk):
                     n = min(chunk, first.nbytes - pos)
-                    if os.pread(fa.fileno(), n, first.offset + pos) != os.pread(fb.fileno(), n, other.offset + pos):
+                    if os.pread(fa.fileno(), n, first.offset + pos) != os.pread(
+                        fb.fileno(), n, other.offset + pos
+                    ):
                         same = False
                         break
         if not same:

@@ -22,6 +22,7 @@ sub-mesh instance that contains rank 0, and the others would receive nothing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -174,9 +175,25 @@ def pieces(
             continue
         nrows = entry.shape[0]
         row_bytes = entry.nbytes // nrows if nrows else 0
+        per_rank = []
         for rank, coord in coords:
             lo, hi = rows_of(mesh, placements[index], nrows, coord)  # type: ignore[arg-type]
             size = (hi - lo) * row_bytes
-            for start in range(0, size, piece_bytes):
-                n = min(piece_bytes, size - start)
-                yield Piece(index, rank, entry.offset + lo * row_bytes + start, n, start, kind)
+            per_rank.append(
+                [
+                    Piece(
+                        index,
+                        rank,
+                        entry.offset + lo * row_bytes + start,
+                        min(piece_bytes, size - start),
+                        start,
+                        kind,
+                    )
+                    for start in range(0, size, piece_bytes)
+                ]
+            )
+        # Round-robin over the destinations: while rank 0 reads its own rows straight into its
+        # shard, the piece it read for another rank is already on the wire. Each receiver still
+        # sees its own pieces in order.
+        for round_ in itertools.zip_longest(*per_rank):
+            yield from (p for p in round_ if p is not None)

@@ -34,24 +34,29 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if lists:
             biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
             blocks = [b for b in biggest if any(True for _ in b.parameters())]
-    blocks = [b for b in blocks if not _shares_outside(model, b)]
+    owners = _owners(model)
+    blocks = [b for b in blocks if not _shares_outside(b, owners)]
     # Innermost first: fully_shard on a child must precede its parent.
     order = {id(m): i for i, m in enumerate(model.modules())}
     return sorted(blocks, key=lambda m: -order[id(m)])
 
 
-def _shares_outside(model: nn.Module, block: nn.Module) -> bool:
+def _owners(model: nn.Module) -> dict[int, set[int]]:
+    """id(parameter) -> ids of the modules that register it (more than one for a tie)."""
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(module))
+    return owners
+
+
+def _shares_outside(block: nn.Module, owners: dict[int, set[int]]) -> bool:
     """A block holding a parameter also used outside it (BERT's word embeddings tied to the
     decoder) cannot be its own FSDP group: the outside user would see the resharded parameter.
     Such blocks are left to the root's group."""
     inside = {id(m) for m in block.modules()}
-    params = {id(p) for p in block.parameters()}
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if any(p is not None and id(p) in params for p in module._parameters.values()):
-            return True
-    return False
+    return any(not owners[id(p)] <= inside for p in block.parameters())
 
 
 def default_shard_fn(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -139,7 +139,9 @@ def _from_index(index_path: str, boundary: str | None = None) -> Source:
         mapped[key] = resolved[name]
     files = tuple(sorted(set(resolved.values())))
     if not files:
-        raise CheckpointFormatError(f"{index_path}: 'weight_map' is empty. Re-download or re-save the checkpoint.")
+        raise CheckpointFormatError(
+            f"{index_path}: 'weight_map' is empty. Re-download or re-save the checkpoint."
+        )
     return Source(root, files, mapped, index_path)
 
 

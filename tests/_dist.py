@@ -11,11 +11,11 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -28,7 +28,16 @@ class Raised:
     tb: str
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, out: str, args: tuple, pg_timeout: float, env: dict) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    store: str,
+    out: str,
+    args: tuple,
+    pg_timeout: float,
+    env: dict,
+) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -47,20 +56,30 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, out: str, 
             result = fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        result = Raised(type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__), str(exc), traceback.format_exc())
+    except BaseException as exc:
+        result = Raised(
+            type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__), str(exc), traceback.format_exc()
+        )
     with open(out, "wb") as f:
         pickle.dump(result, f)
 
 
-def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, pg_timeout: float = 60,
-        env: dict | None = None) -> list[Any]:
+def run(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120,
+    pg_timeout: float = 60,
+    env: dict | None = None,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, store, outs[r], args, pg_timeout, env or {}), daemon=True)
+            ctx.Process(
+                target=_entry, args=(fn, r, world, store, outs[r], args, pg_timeout, env or {}), daemon=True
+            )
             for r in range(world)
         ]
         for p in procs:

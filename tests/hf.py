@@ -23,24 +23,60 @@ def config(name: str):
     )
 
     if name == "llama":
-        return LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=37, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           tie_word_embeddings=True)
+        return LlamaConfig(
+            vocab_size=67,
+            hidden_size=24,
+            intermediate_size=37,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
     if name == "qwen2":
-        return Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=45, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           tie_word_embeddings=False)
+        return Qwen2Config(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=45,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
     if name == "gemma":
-        return GemmaConfig(vocab_size=53, hidden_size=16, intermediate_size=29, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+        return GemmaConfig(
+            vocab_size=53,
+            hidden_size=16,
+            intermediate_size=29,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
     if name == "gpt2":
         return GPT2Config(vocab_size=71, n_embd=24, n_layer=2, n_head=4, n_positions=40)
     if name == "t5":
-        return T5Config(vocab_size=59, d_model=16, d_kv=4, d_ff=23, num_layers=2, num_decoder_layers=2,
-                        num_heads=4, tie_word_embeddings=True)
+        return T5Config(
+            vocab_size=59,
+            d_model=16,
+            d_kv=4,
+            d_ff=23,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            tie_word_embeddings=True,
+        )
     if name == "bert":
-        return BertConfig(vocab_size=73, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=31, max_position_embeddings=40)
+        return BertConfig(
+            vocab_size=73,
+            hidden_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=31,
+            max_position_embeddings=40,
+        )
     raise KeyError(name)
 
 

@@ -85,15 +85,20 @@ def reference(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want), (sorted(set(got) ^ set(want)))
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
     for k in want:
         g, w = got[k], want[k]
         assert g.dtype == w.dtype, f"{k}: dtype {g.dtype} != {w.dtype}"
         assert g.shape == w.shape, f"{k}: shape {tuple(g.shape)} != {tuple(w.shape)}"
-        assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g, w.view(torch.uint8) if w.dtype.itemsize == 1 else w) or _bits_equal(g, w), f"{k}: values differ"
+        assert torch.equal(
+            g.view(torch.uint8) if g.dtype.itemsize == 1 else g,
+            w.view(torch.uint8) if w.dtype.itemsize == 1 else w,
+        ) or _bits_equal(g, w), f"{k}: values differ"
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
-    return bytes(a.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(b.contiguous().view(-1).view(torch.uint8).numpy())
+    return bytes(a.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
+        b.contiguous().view(-1).view(torch.uint8).numpy()
+    )

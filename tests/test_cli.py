@@ -85,7 +85,7 @@ def test_summary_json(cli):
     sizes = {}
     for name in shards:
         with safe_open(str(tmp / "sharded" / name), "pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+            for key in f.keys():
                 t = f.get_tensor(key)
                 sizes[key] = t.numel() * t.element_size()
     assert len(shards) > 1

@@ -30,7 +30,11 @@ def _hide(path: str) -> list[str]:
     touched: list[str] = []
 
     def audit(event: str, args: tuple) -> None:
-        if event in ("open", "os.listdir", "os.scandir", "os.stat") and args and isinstance(args[0], (str, bytes)):
+        if (
+            event in ("open", "os.listdir", "os.scandir", "os.stat")
+            and args
+            and isinstance(args[0], (str, bytes))
+        ):
             name = os.fsdecode(args[0])
             if name.startswith(path):
                 touched.append(f"{event} {name}")
@@ -78,7 +82,10 @@ def _save_index(model: nn.Module, root) -> None:
     state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
     keys = sorted(state)
     half = len(keys) // 2
-    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": keys[:half],
+        "model-00002-of-00002.safetensors": keys[half:],
+    }
     weight_map = {}
     for name, ks in shards.items():
         save_file({k: state[k].contiguous() for k in ks}, str(root / name))
@@ -163,7 +170,12 @@ def test_new_head_strict_false(tmp_path):
         bound = 1 / 5**0.5  # nn.Linear.reset_parameters: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         assert torch.isfinite(w).all() and w.abs().max() <= bound and w.std() > bound / 10
         assert torch.isfinite(b).all() and b.abs().max() <= bound and b.abs().sum() > 0
-        assert sorted(r["report"].missing) == ["new_head.bias", "new_head.weight", "new_norm.bias", "new_norm.weight"]
+        assert sorted(r["report"].missing) == [
+            "new_head.bias",
+            "new_head.weight",
+            "new_norm.bias",
+            "new_norm.weight",
+        ]
 
     strict = _dist.run(_load, 2, str(tmp_path), {}, _with_head)
     err = _dist.same_error(strict, "ModelMismatchError")
@@ -176,7 +188,7 @@ def _hf_classifier(rank: int, world: int, ckpt: str) -> dict:
     import rank0load
 
     hf._quiet()
-    fn = lambda: transformers.LlamaForSequenceClassification(hf.config("llama"))  # noqa: E731
+    fn = lambda: transformers.LlamaForSequenceClassification(hf.config("llama"))
     model = rank0load.load_sharded(fn, ckpt, strict=False)
     return {"tensors": gather(model), "report": model.rank0load_report}
 
@@ -199,3 +211,47 @@ def test_transformers_new_head_uses_init_weights(tmp_path):
         assert 0.5 * std < score.std().item() < 2 * std  # normal(0, 0.02), not kaiming, not garbage
         assert r["report"].missing == ("score.weight",)
         assert r["report"].unexpected == ()
+
+
+class BodyAndFp32Head(nn.Module):
+    """A bf16 body with an fp32 head added on top: FSDP2 refuses one group with mixed original
+    dtypes (at the first forward), so the default policy must give the head its own group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = toy().to(torch.bfloat16)
+        self.value_head = nn.Linear(7, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.value_head(self.body(ids).float())
+
+
+def _mixed_dtype_forward(rank: int, world: int, ckpt: str) -> dict:
+    import rank0load
+
+    model = rank0load.load_sharded(BodyAndFp32Head, ckpt)
+    loaded = gather(model)
+    out = model.eval()(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    out.sum().backward()  # FSDP2 runs its all-gathers and reduce-scatters for both groups
+    return {
+        "tensors": loaded,
+        "out": out.detach(),
+        "grads": all(p.grad is not None for p in model.parameters() if p.requires_grad),
+    }
+
+
+def test_default_policy_separates_a_head_of_another_dtype(tmp_path):
+    torch.manual_seed(0)
+    ref = BodyAndFp32Head()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.uniform_(-1, 1)
+    save_state(ref, str(tmp_path / "model.safetensors"))
+    results = _dist.ok(_dist.run(_mixed_dtype_forward, 3, str(tmp_path)))
+    want = reference(ref)
+    with torch.no_grad():
+        out_ref = ref.eval()(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    for r in results:
+        assert_same(r["tensors"], want)
+        assert r["grads"]
+        torch.testing.assert_close(r["out"], out_ref, rtol=0, atol=1e-2)

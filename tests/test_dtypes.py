@@ -11,8 +11,28 @@ from torch import nn
 from tests import _dist
 
 # Every safetensors dtype string; the test fails if torch lacks one instead of skipping it.
-ALL = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL", "C64",
-       "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "F4"]
+ALL = [
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U64",
+    "U32",
+    "U16",
+    "U8",
+    "BOOL",
+    "C64",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "F8_E8M0",
+    "F4",
+]
 ROWS = 5  # uneven over 2 and 3 ranks: shards of 3+2 and 2+2+1 rows
 
 
@@ -31,10 +51,18 @@ class Holder(nn.Module):
         dt = dtype_of(name)
         cols = 2 if name == "F4" else 4
         trainable = dt.is_floating_point or dt.is_complex  # torch refuses grads for ints and bools
-        self.weight = nn.Parameter(torch.zeros(ROWS, cols, dtype=torch.uint8).view(dt) if dt.itemsize == 1
-                                   else torch.zeros(ROWS, cols, dtype=dt), requires_grad=trainable)
-        self.register_buffer("stat", torch.zeros(3, 2, dtype=torch.uint8).view(dt) if dt.itemsize == 1
-                             else torch.zeros(3, 2, dtype=dt))
+        self.weight = nn.Parameter(
+            torch.zeros(ROWS, cols, dtype=torch.uint8).view(dt)
+            if dt.itemsize == 1
+            else torch.zeros(ROWS, cols, dtype=dt),
+            requires_grad=trainable,
+        )
+        self.register_buffer(
+            "stat",
+            torch.zeros(3, 2, dtype=torch.uint8).view(dt)
+            if dt.itemsize == 1
+            else torch.zeros(3, 2, dtype=dt),
+        )
 
 
 class Zoo(nn.Module):
@@ -90,7 +118,13 @@ def _load_local(rank: int, world: int, path: str, names: list[str], mismatches: 
         if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
             raise AssertionError(f"{key}: not a Shard(0) DTensor: {type(p).__name__}")
         local = p.to_local()
-        out["params"][key] = (str(p.dtype), tuple(p.shape), tuple(local.shape), _bytes(local), p.requires_grad)
+        out["params"][key] = (
+            str(p.dtype),
+            tuple(p.shape),
+            tuple(local.shape),
+            _bytes(local),
+            p.requires_grad,
+        )
     for key, b in model.named_buffers():
         out["buffers"][key] = (str(b.dtype), tuple(b.shape), _bytes(b))
     for ckpt, model_names in mismatches:
@@ -103,9 +137,19 @@ def _load_local(rank: int, world: int, path: str, names: list[str], mismatches: 
 
 
 # checkpoint dtype -> model dtype: never cast (ints, bools, complex, float8/float4 on either side).
-NEVER_CAST = [("I32", "I64"), ("I64", "F32"), ("U8", "I8"), ("BOOL", "U8"), ("F8_E4M3", "F8_E5M2"),
-              ("F8_E4M3", "BF16"), ("BF16", "F8_E4M3"), ("F4", "U8"), ("C64", "F64"), ("F32", "I32"),
-              ("F8_E8M0", "F8_E4M3FNUZ")]
+NEVER_CAST = [
+    ("I32", "I64"),
+    ("I64", "F32"),
+    ("U8", "I8"),
+    ("BOOL", "U8"),
+    ("F8_E4M3", "F8_E5M2"),
+    ("F8_E4M3", "BF16"),
+    ("BF16", "F8_E4M3"),
+    ("F4", "U8"),
+    ("C64", "F64"),
+    ("F32", "I32"),
+    ("F8_E8M0", "F8_E4M3FNUZ"),
+]
 
 
 def test_every_dtype_is_known():
@@ -141,10 +185,13 @@ def test_dtype_round_trip(tmp_path, world):
             assert r["buffers"][buf][0] == str(dt), f"{name}: buffer dtype {r['buffers'][buf][0]}"
             assert r["buffers"][buf][2] == _bytes(sd[buf]), f"{name}: buffer bytes differ"
 
-    for (ckpt_name, model_name), *errors in zip(NEVER_CAST if world == 2 else [],
-                                                *[r["errors"] for r in results]):
+    for (ckpt_name, model_name), *errors in zip(
+        NEVER_CAST if world == 2 else [], *[r["errors"] for r in results]
+    ):
         assert all(e is not None for e in errors), f"{ckpt_name} loaded into a {model_name} model"
         assert len(set(errors)) == 1, f"{ckpt_name} -> {model_name}: ranks differ: {errors}"
         cls, message = errors[0]
         assert cls == "ModelMismatchError", f"{ckpt_name} -> {model_name}: {cls}: {message}"
-        assert ckpt_name in message and str(dtype_of(model_name)) in message and "'parts.0." in message, message
+        assert ckpt_name in message and str(dtype_of(model_name)) in message and "'parts.0." in message, (
+            message
+        )

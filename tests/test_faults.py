@@ -144,8 +144,14 @@ def read_st(path: str) -> tuple[dict, bytes]:
     return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
-def write_st(path: str, header: dict | None, data: bytes, *, header_bytes: bytes | None = None,
-             length: int | None = None) -> None:
+def write_st(
+    path: str,
+    header: dict | None,
+    data: bytes,
+    *,
+    header_bytes: bytes | None = None,
+    length: int | None = None,
+) -> None:
     hb = header_bytes if header_bytes is not None else json.dumps(header, separators=(",", ":")).encode()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(hb) if length is None else length) + hb + data)
@@ -254,7 +260,9 @@ def _escape_absolute(index: dict, d: str) -> None:
 
 def _escape_dotdot(index: dict, d: str) -> None:
     path = _outside_file(d)
-    index["weight_map"]["bn.bias"] = os.path.join("..", os.path.basename(os.path.dirname(path)), "model.safetensors")
+    index["weight_map"]["bn.bias"] = os.path.join(
+        "..", os.path.basename(os.path.dirname(path)), "model.safetensors"
+    )
 
 
 def _escape_symlink(index: dict, d: str) -> None:
@@ -344,91 +352,309 @@ class Case:
 
 REDO = ("Re-download", "re-save", "Re-save", "re-download")
 CASES = [
-    Case("path_missing", lambda d: os.path.join(d, "nope"), "CheckpointNotFoundError",
-         ("nope", "does not exist"), ("Pass a directory",)),
-    Case("dir_without_safetensors", lambda d: (open(os.path.join(d, "README.md"), "w").close(), d)[1],
-         "CheckpointNotFoundError", ("holds no *.safetensors",), ("save_file", "save_pretrained")),
-    Case("index_not_json", _write_text("model.safetensors.index.json", '{"weight_map": {'),
-         "CheckpointFormatError", ("model.safetensors.index.json", "not valid JSON"), REDO),
-    Case("index_without_weight_map", _write_text("model.safetensors.index.json", '{"metadata": {}}'),
-         "CheckpointFormatError", ("model.safetensors.index.json", "weight_map"), REDO),
-    Case("index_names_missing_file", lambda d: _index_with(d, _index_names_missing_file),
-         "CheckpointNotFoundError", ("model-00003-of-00003.safetensors", "does not exist"), REDO),
-    Case("index_absolute_path", lambda d: _index_with(d, _escape_absolute), "CheckpointFormatError",
-         ("refusing", "-outside"), ("relative paths inside the checkpoint directory",)),
-    Case("index_dotdot", lambda d: _index_with(d, _escape_dotdot), "CheckpointFormatError",
-         ("refusing", "..", "-outside"), ("relative paths inside the checkpoint directory",)),
-    Case("index_symlink_escapes", lambda d: _index_with(d, _escape_symlink), "CheckpointFormatError",
-         ("refusing", "model-00003-of-00003.safetensors", "outside the checkpoint directory"), ("symlink",)),
-    Case("index_key_in_other_file", lambda d: _index_with(d, _index_wrong_file), "CheckpointFormatError",
-         ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors", "stored in"), REDO),
-    Case("index_lists_unstored_key", lambda d: _index_with(d, _index_lists_phantom), "CheckpointFormatError",
-         ("'ghost.weight'", "model-00001-of-00002.safetensors", "no file stores it"), REDO),
-    Case("index_omits_stored_key", lambda d: _index_with(d, _index_omits_key), "CheckpointFormatError",
-         ("'bn.bias'", "does not list"), REDO),
-    Case("key_stored_twice", _stored_twice, "CheckpointFormatError",
-         ("stored twice", "a.safetensors", "b.safetensors"), ("Remove one copy",)),
-    Case("file_tiny", lambda d: _raw_file(d, lambda raw: raw[:5]), "CheckpointFormatError",
-         ("model.safetensors", "5 bytes"), REDO),
-    Case("file_truncated_in_header", lambda d: _raw_file(d, lambda raw: raw[:40]), "CheckpointFormatError",
-         ("model.safetensors", "runs past the end"), REDO),
-    Case("file_truncated_in_data", lambda d: _raw_file(d, lambda raw: raw[:-10]), "CheckpointFormatError",
-         ("model.safetensors", "truncated"), REDO),
-    Case("header_length_past_end", lambda d: _raw_file(d, lambda raw: struct.pack("<Q", len(raw)) + raw[8:]),
-         "CheckpointFormatError", ("model.safetensors", "runs past the end"), REDO),
-    Case("header_length_huge", lambda d: _raw_file(d, lambda raw: struct.pack("<Q", 2**63 + 5) + raw[8:]),
-         "CheckpointFormatError", ("model.safetensors", "exceeds"), REDO),
-    Case("header_not_json", lambda d: _raw_file(d, _garbage_header), "CheckpointFormatError",
-         ("model.safetensors", "not valid JSON"), REDO),
-    Case("header_not_utf8", lambda d: _raw_file(d, _non_utf8_header), "CheckpointFormatError",
-         ("model.safetensors", "not valid JSON"), REDO),
-    Case("header_not_object", lambda d: (write_st(os.path.join(d, "model.safetensors"), [], b""),
-                                         os.path.join(d, "model.safetensors"))[1],
-         "CheckpointFormatError", ("model.safetensors", "not a JSON object"), REDO),
-    Case("offsets_out_of_range", lambda d: _mutate_header(d, _set("bn.bias", "data_offsets", [0, 10**6])),
-         "CheckpointFormatError", ("model.safetensors", "'bn.bias'", "1000000"), REDO),
-    Case("offsets_reversed", lambda d: _mutate_header(d, _set("bn.bias", "data_offsets", [20, 0])),
-         "CheckpointFormatError", ("model.safetensors", "'bn.bias'", "[20, 0]"), REDO),
-    Case("offsets_size_mismatch", lambda d: _mutate_header(d, _set("bn.bias", "shape", [6])),
-         "CheckpointFormatError", ("model.safetensors", "'bn.bias'", "24 bytes", "span 20"), REDO),
-    Case("offsets_overlap", lambda d: _mutate_header(d, _overlap), "CheckpointFormatError",
-         ("model.safetensors", "overlaps"), REDO),
-    Case("offsets_gap", lambda d: _mutate_header(d, _gap_in_middle), "CheckpointFormatError",
-         ("model.safetensors", "4 bytes before key", "belong to no tensor"), REDO),
-    Case("offsets_trailing_bytes", lambda d: _mutate_header(d, lambda h, data: (h, data + b"\0" * 8)),
-         "CheckpointFormatError", ("model.safetensors", "8 bytes after the last tensor"), REDO),
-    Case("dtype_unknown", lambda d: _mutate_header(d, _set("bn.bias", "dtype", "F7")), "CheckpointFormatError",
-         ("model.safetensors", "'bn.bias'", "'F7'", "known: "), REDO),
-    Case("shape_mismatch", _wider, "ModelMismatchError",
-         ("'emb.weight'", "(8, 5)", "(7, 5)", "model.safetensors"), ("model_fn",)),
-    Case("dtype_int_into_int64", lambda d: _single(d, {**good_state(), "step": torch.tensor(42, dtype=torch.int32)}),
-         "ModelMismatchError", ("'step'", "I32", "torch.int64", "model.safetensors"), ("Build the model",)),
-    Case("strict_missing", _without("bn.running_var"), "ModelMismatchError",
-         ("'bn.running_var'", "missing"), ("strict=False",)),
-    Case("strict_unexpected", _with_extra, "ModelMismatchError", ("'extra.bias'", "unexpected"), ("key_map",)),
-    Case("tied_differ", _tied_differ, "ModelMismatchError", ("'emb.weight'", "'head.weight'", "different values"),
-         ("keep one",)),
-    Case("key_map_collision", _single, "ModelMismatchError", ("'blocks.0.fc.bias'", "'blocks.1.fc.bias'"),
-         ("one checkpoint key only",), kwargs={"key_map": collide_biases}),
-    Case("key_map_raises", _single, "ModelMismatchError", ("key_map('bn.bias')", "KeyError"), ("fix it",),
-         kwargs={"key_map": raising_key_map}),
-    Case("key_map_returns_int", _single, "ModelMismatchError", ("key_map(", "returned 7"), ("Fix key_map",),
-         kwargs={"key_map": int_key_map}),
-    Case("model_fn_raises_on_rank1", _single, "RankMismatchError", ("rank 1", "failed on purpose"),
-         ("fix model_fn",), kwargs={"model_fn": RaiseOnRank(1)}),
-    Case("model_fn_not_a_module", _single, "RankMismatchError", ("nn.Module", "str"), ("fix model_fn",),
-         kwargs={"model_fn": not_a_module}),
-    Case("shard_fn_raises_on_rank0", _single, "RankMismatchError", ("rank 0", "failed on purpose"),
-         ("fix model_fn / shard_fn",), kwargs={"shard_fn": ShardRaiseOnRank(0)}),
-    Case("ranks_build_different_models", _single, "RankMismatchError", ("ranks [1]",),
-         ("same model on every rank",), kwargs={"model_fn": WiderOnRank(1)}),
-    Case("init_missing_raises_on_rank1", _without("blocks.1.fc.weight"), "RankMismatchError",
-         ("rank 1", "MemoryError", "failed on purpose"), ("load again",), kwargs={"model_fn": toy_failing_init, "strict": False}),
-    Case("init_missing_writes_nothing", _without("blocks.1.fc.weight"), "ModelMismatchError",
-         ("blocks.1.fc.weight", "not initialised"), ("reset_parameters()",),
-         kwargs={"model_fn": toy_noop_init, "strict": False}),
-    Case("read_error_mid_stream", _single, "LoadError", ("model.safetensors", "Input/output error"),
-         ("check the disk", "Check the disk"), fault="eio_on_rank0"),
+    Case(
+        "path_missing",
+        lambda d: os.path.join(d, "nope"),
+        "CheckpointNotFoundError",
+        ("nope", "does not exist"),
+        ("Pass a directory",),
+    ),
+    Case(
+        "dir_without_safetensors",
+        lambda d: (open(os.path.join(d, "README.md"), "w").close(), d)[1],
+        "CheckpointNotFoundError",
+        ("holds no *.safetensors",),
+        ("save_file", "save_pretrained"),
+    ),
+    Case(
+        "index_not_json",
+        _write_text("model.safetensors.index.json", '{"weight_map": {'),
+        "CheckpointFormatError",
+        ("model.safetensors.index.json", "not valid JSON"),
+        REDO,
+    ),
+    Case(
+        "index_without_weight_map",
+        _write_text("model.safetensors.index.json", '{"metadata": {}}'),
+        "CheckpointFormatError",
+        ("model.safetensors.index.json", "weight_map"),
+        REDO,
+    ),
+    Case(
+        "index_names_missing_file",
+        lambda d: _index_with(d, _index_names_missing_file),
+        "CheckpointNotFoundError",
+        ("model-00003-of-00003.safetensors", "does not exist"),
+        REDO,
+    ),
+    Case(
+        "index_absolute_path",
+        lambda d: _index_with(d, _escape_absolute),
+        "CheckpointFormatError",
+        ("refusing", "-outside"),
+        ("relative paths inside the checkpoint directory",),
+    ),
+    Case(
+        "index_dotdot",
+        lambda d: _index_with(d, _escape_dotdot),
+        "CheckpointFormatError",
+        ("refusing", "..", "-outside"),
+        ("relative paths inside the checkpoint directory",),
+    ),
+    Case(
+        "index_symlink_escapes",
+        lambda d: _index_with(d, _escape_symlink),
+        "CheckpointFormatError",
+        ("refusing", "model-00003-of-00003.safetensors", "outside the checkpoint directory"),
+        ("symlink",),
+    ),
+    Case(
+        "index_key_in_other_file",
+        lambda d: _index_with(d, _index_wrong_file),
+        "CheckpointFormatError",
+        ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors", "stored in"),
+        REDO,
+    ),
+    Case(
+        "index_lists_unstored_key",
+        lambda d: _index_with(d, _index_lists_phantom),
+        "CheckpointFormatError",
+        ("'ghost.weight'", "model-00001-of-00002.safetensors", "no file stores it"),
+        REDO,
+    ),
+    Case(
+        "index_omits_stored_key",
+        lambda d: _index_with(d, _index_omits_key),
+        "CheckpointFormatError",
+        ("'bn.bias'", "does not list"),
+        REDO,
+    ),
+    Case(
+        "key_stored_twice",
+        _stored_twice,
+        "CheckpointFormatError",
+        ("stored twice", "a.safetensors", "b.safetensors"),
+        ("Remove one copy",),
+    ),
+    Case(
+        "file_tiny",
+        lambda d: _raw_file(d, lambda raw: raw[:5]),
+        "CheckpointFormatError",
+        ("model.safetensors", "5 bytes"),
+        REDO,
+    ),
+    Case(
+        "file_truncated_in_header",
+        lambda d: _raw_file(d, lambda raw: raw[:40]),
+        "CheckpointFormatError",
+        ("model.safetensors", "runs past the end"),
+        REDO,
+    ),
+    Case(
+        "file_truncated_in_data",
+        lambda d: _raw_file(d, lambda raw: raw[:-10]),
+        "CheckpointFormatError",
+        ("model.safetensors", "truncated"),
+        REDO,
+    ),
+    Case(
+        "header_length_past_end",
+        lambda d: _raw_file(d, lambda raw: struct.pack("<Q", len(raw)) + raw[8:]),
+        "CheckpointFormatError",
+        ("model.safetensors", "runs past the end"),
+        REDO,
+    ),
+    Case(
+        "header_length_huge",
+        lambda d: _raw_file(d, lambda raw: struct.pack("<Q", 2**63 + 5) + raw[8:]),
+        "CheckpointFormatError",
+        ("model.safetensors", "exceeds"),
+        REDO,
+    ),
+    Case(
+        "header_not_json",
+        lambda d: _raw_file(d, _garbage_header),
+        "CheckpointFormatError",
+        ("model.safetensors", "not valid JSON"),
+        REDO,
+    ),
+    Case(
+        "header_not_utf8",
+        lambda d: _raw_file(d, _non_utf8_header),
+        "CheckpointFormatError",
+        ("model.safetensors", "not valid JSON"),
+        REDO,
+    ),
+    Case(
+        "header_not_object",
+        lambda d: (
+            write_st(os.path.join(d, "model.safetensors"), [], b""),
+            os.path.join(d, "model.safetensors"),
+        )[1],
+        "CheckpointFormatError",
+        ("model.safetensors", "not a JSON object"),
+        REDO,
+    ),
+    Case(
+        "offsets_out_of_range",
+        lambda d: _mutate_header(d, _set("bn.bias", "data_offsets", [0, 10**6])),
+        "CheckpointFormatError",
+        ("model.safetensors", "'bn.bias'", "1000000"),
+        REDO,
+    ),
+    Case(
+        "offsets_reversed",
+        lambda d: _mutate_header(d, _set("bn.bias", "data_offsets", [20, 0])),
+        "CheckpointFormatError",
+        ("model.safetensors", "'bn.bias'", "[20, 0]"),
+        REDO,
+    ),
+    Case(
+        "offsets_size_mismatch",
+        lambda d: _mutate_header(d, _set("bn.bias", "shape", [6])),
+        "CheckpointFormatError",
+        ("model.safetensors", "'bn.bias'", "24 bytes", "span 20"),
+        REDO,
+    ),
+    Case(
+        "offsets_overlap",
+        lambda d: _mutate_header(d, _overlap),
+        "CheckpointFormatError",
+        ("model.safetensors", "overlaps"),
+        REDO,
+    ),
+    Case(
+        "offsets_gap",
+        lambda d: _mutate_header(d, _gap_in_middle),
+        "CheckpointFormatError",
+        ("model.safetensors", "4 bytes before key", "belong to no tensor"),
+        REDO,
+    ),
+    Case(
+        "offsets_trailing_bytes",
+        lambda d: _mutate_header(d, lambda h, data: (h, data + b"\0" * 8)),
+        "CheckpointFormatError",
+        ("model.safetensors", "8 bytes after the last tensor"),
+        REDO,
+    ),
+    Case(
+        "dtype_unknown",
+        lambda d: _mutate_header(d, _set("bn.bias", "dtype", "F7")),
+        "CheckpointFormatError",
+        ("model.safetensors", "'bn.bias'", "'F7'", "known: "),
+        REDO,
+    ),
+    Case(
+        "shape_mismatch",
+        _wider,
+        "ModelMismatchError",
+        ("'emb.weight'", "(8, 5)", "(7, 5)", "model.safetensors"),
+        ("model_fn",),
+    ),
+    Case(
+        "dtype_int_into_int64",
+        lambda d: _single(d, {**good_state(), "step": torch.tensor(42, dtype=torch.int32)}),
+        "ModelMismatchError",
+        ("'step'", "I32", "torch.int64", "model.safetensors"),
+        ("Build the model",),
+    ),
+    Case(
+        "strict_missing",
+        _without("bn.running_var"),
+        "ModelMismatchError",
+        ("'bn.running_var'", "missing"),
+        ("strict=False",),
+    ),
+    Case(
+        "strict_unexpected", _with_extra, "ModelMismatchError", ("'extra.bias'", "unexpected"), ("key_map",)
+    ),
+    Case(
+        "tied_differ",
+        _tied_differ,
+        "ModelMismatchError",
+        ("'emb.weight'", "'head.weight'", "different values"),
+        ("keep one",),
+    ),
+    Case(
+        "key_map_collision",
+        _single,
+        "ModelMismatchError",
+        ("'blocks.0.fc.bias'", "'blocks.1.fc.bias'"),
+        ("one checkpoint key only",),
+        kwargs={"key_map": collide_biases},
+    ),
+    Case(
+        "key_map_raises",
+        _single,
+        "ModelMismatchError",
+        ("key_map('bn.bias')", "KeyError"),
+        ("fix it",),
+        kwargs={"key_map": raising_key_map},
+    ),
+    Case(
+        "key_map_returns_int",
+        _single,
+        "ModelMismatchError",
+        ("key_map(", "returned 7"),
+        ("Fix key_map",),
+        kwargs={"key_map": int_key_map},
+    ),
+    Case(
+        "model_fn_raises_on_rank1",
+        _single,
+        "RankMismatchError",
+        ("rank 1", "failed on purpose"),
+        ("fix model_fn",),
+        kwargs={"model_fn": RaiseOnRank(1)},
+    ),
+    Case(
+        "model_fn_not_a_module",
+        _single,
+        "RankMismatchError",
+        ("nn.Module", "str"),
+        ("fix model_fn",),
+        kwargs={"model_fn": not_a_module},
+    ),
+    Case(
+        "shard_fn_raises_on_rank0",
+        _single,
+        "RankMismatchError",
+        ("rank 0", "failed on purpose"),
+        ("fix model_fn / shard_fn",),
+        kwargs={"shard_fn": ShardRaiseOnRank(0)},
+    ),
+    Case(
+        "ranks_build_different_models",
+        _single,
+        "RankMismatchError",
+        ("ranks [1]",),
+        ("same model on every rank",),
+        kwargs={"model_fn": WiderOnRank(1)},
+    ),
+    Case(
+        "init_missing_raises_on_rank1",
+        _without("blocks.1.fc.weight"),
+        "RankMismatchError",
+        ("rank 1", "MemoryError", "failed on purpose"),
+        ("load again",),
+        kwargs={"model_fn": toy_failing_init, "strict": False},
+    ),
+    Case(
+        "init_missing_writes_nothing",
+        _without("blocks.1.fc.weight"),
+        "ModelMismatchError",
+        ("blocks.1.fc.weight", "not initialised"),
+        ("reset_parameters()",),
+        kwargs={"model_fn": toy_noop_init, "strict": False},
+    ),
+    Case(
+        "read_error_mid_stream",
+        _single,
+        "LoadError",
+        ("model.safetensors", "Input/output error"),
+        ("check the disk", "Check the disk"),
+        fault="eio_on_rank0",
+    ),
 ]
 
 
@@ -465,8 +691,21 @@ def _inject(fault: str | None, rank: int):
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-_MUTATING_EVENTS = {"os.rename", "os.remove", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.utime",
-                    "os.link", "os.symlink", "os.mkdir", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+_MUTATING_EVENTS = {
+    "os.rename",
+    "os.remove",
+    "os.rmdir",
+    "os.truncate",
+    "os.chmod",
+    "os.chown",
+    "os.utime",
+    "os.link",
+    "os.symlink",
+    "os.mkdir",
+    "shutil.rmtree",
+    "shutil.move",
+    "shutil.copyfile",
+}
 
 
 def _watch(roots: list[str], never_open: list[str]) -> list[tuple]:
@@ -493,15 +732,16 @@ def _watch(roots: list[str], never_open: list[str]) -> list[tuple]:
                     seen.append((event, os.fspath(args[0]), args[2]))
             elif event in _MUTATING_EVENTS and any(under(a) for a in args):
                 seen.append((event, *[os.fspath(a) for a in args if isinstance(a, (str, os.PathLike))]))
-        except Exception:  # noqa: BLE001, S110 - an audit hook must never raise
+        except Exception:
             pass
 
     sys.addaudithook(hook)
     return seen
 
 
-def _corpus(rank: int, world: int, cases: list[tuple], good: str, ckpt_root: str, probe_root: str,
-            progress: str) -> dict:
+def _corpus(
+    rank: int, world: int, cases: list[tuple], good: str, ckpt_root: str, probe_root: str, progress: str
+) -> dict:
     import rank0load
 
     outside = [os.path.join(ckpt_root, n) for n in os.listdir(ckpt_root) if n.endswith("-outside")]
@@ -520,14 +760,14 @@ def _corpus(rank: int, world: int, cases: list[tuple], good: str, ckpt_root: str
             with _inject(fault, rank):
                 rank0load.load_sharded(model_fn, path, **kwargs)
             out["cases"][cid] = ("returned", (), "", time.monotonic() - started)
-        except Exception as exc:  # noqa: BLE001 - any exception is the outcome under test
+        except Exception as exc:
             names = tuple(c.__name__ for c in type(exc).__mro__)
             out["cases"][cid] = (type(exc).__name__, names, str(exc), time.monotonic() - started)
     with open(progress + f".rank{rank}", "a") as f:
         f.write("good load\n")
     try:
         out["good"] = gather(rank0load.load_sharded(toy, good))
-    except Exception as exc:  # noqa: BLE001 - reported by test_good_load_after_failures
+    except Exception as exc:
         out["good"] = f"{type(exc).__name__}: {exc}"
     out["writes"] = list(seen)
     return out
@@ -565,8 +805,17 @@ def corpus(tmp_path_factory):
     before = _snapshot(str(ckpt_root))
     progress = str(base / "progress")
     try:
-        results = _dist.run(_corpus, 2, runs, good, str(ckpt_root), str(probe_root), progress,
-                            timeout=180, pg_timeout=PG_TIMEOUT)
+        results = _dist.run(
+            _corpus,
+            2,
+            runs,
+            good,
+            str(ckpt_root),
+            str(probe_root),
+            progress,
+            timeout=180,
+            pg_timeout=PG_TIMEOUT,
+        )
     except pytest.fail.Exception as exc:
         last = {}
         for r in range(2):
@@ -597,7 +846,9 @@ def test_checkpoint_never_written(corpus):
     writes = [w for r in corpus["results"] for w in r["writes"]]
     probes = [w for w in writes if w[0] == "open" and "probe" in w[1]]
     assert len(probes) == 2, f"the audit hook did not see the probe writes: {writes}"
-    assert [w for w in writes if w not in probes and w[0] != "open-outside"] == [], "the loader wrote to the checkpoint"
+    assert [w for w in writes if w not in probes and w[0] != "open-outside"] == [], (
+        "the loader wrote to the checkpoint"
+    )
     assert corpus["after"] == corpus["before"], "checkpoint files, links or mtimes changed"
 
 
@@ -685,27 +936,39 @@ def _entry_then_exit(fn, rank: int, world: int, store: str, out: str, args: tupl
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store, world),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
         result = fn(rank, world, *args)
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:
         import traceback
 
-        result = _dist.Raised(type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__), str(exc),
-                              traceback.format_exc())
+        result = _dist.Raised(
+            type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__), str(exc), traceback.format_exc()
+        )
     with open(out, "wb") as f:
         pickle.dump(result, f)
     os._exit(0)
 
 
-def _run_with_death(fn, world: int, *args, timeout: float, pg_timeout: float) -> tuple[list, list[int], float]:
+def _run_with_death(
+    fn, world: int, *args, timeout: float, pg_timeout: float
+) -> tuple[list, list[int], float]:
     """Like _dist.run, but a rank may die: returns (results or None per rank, exit codes, seconds)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [ctx.Process(target=_entry_then_exit, args=(fn, r, world, store, outs[r], args, pg_timeout),
-                             daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_entry_then_exit, args=(fn, r, world, store, outs[r], args, pg_timeout), daemon=True
+            )
+            for r in range(world)
+        ]
         started = time.monotonic()
         for p in procs:
             p.start()
@@ -725,21 +988,28 @@ def _run_with_death(fn, world: int, *args, timeout: float, pg_timeout: float) ->
         return results, [p.exitcode for p in procs], elapsed
 
 
-@pytest.mark.parametrize(("victim", "how"), [(0, "dies"), (1, "dies"), (0, "stalls"), (1, "dies_in_build"),
-                                             (0, "dies_in_manifest")])
+@pytest.mark.parametrize(
+    ("victim", "how"),
+    [(0, "dies"), (1, "dies"), (0, "stalls"), (1, "dies_in_build"), (0, "dies_in_manifest")],
+)
 def test_rank_fails_mid_load(tmp_path, victim, how):
     """The survivor raises a LoadError naming the timeout setting, within the process-group timeout."""
     path = str(tmp_path / "model.safetensors")
     save_state(trained_toy(), path)
     marker = str(tmp_path / "failed")
     pg_timeout = 5.0
-    results, codes, _ = _run_with_death(_fail_mid_load, 2, path, victim, how, marker,
-                                        timeout=90, pg_timeout=pg_timeout)
+    results, codes, _ = _run_with_death(
+        _fail_mid_load, 2, path, victim, how, marker, timeout=90, pg_timeout=pg_timeout
+    )
     assert os.path.exists(marker) and codes[victim] == 17, f"rank {victim} did not fail as planned: {codes}"
     survivor = results[1 - victim]
     assert isinstance(survivor, _dist.Raised), f"the surviving rank returned {survivor!r}"
-    assert "LoadError" in survivor.bases, f"survivor raised {survivor.type_name}: {survivor.message}\n{survivor.tb}"
-    assert "died or stalled" in survivor.message and "init_process_group(timeout=" in survivor.message, survivor.message
+    assert "LoadError" in survivor.bases, (
+        f"survivor raised {survivor.type_name}: {survivor.message}\n{survivor.tb}"
+    )
+    assert "died or stalled" in survivor.message and "init_process_group(timeout=" in survivor.message, (
+        survivor.message
+    )
     seconds = float(_read(f"{marker}.rank{1 - victim}"))
     if how == "stalls":  # nothing but the timeout ends the wait, and it does
         assert pg_timeout * 0.8 < seconds < pg_timeout + 5, f"survivor failed after {seconds:.1f} s"

@@ -62,7 +62,7 @@ def loaded(tmp_path_factory):
     from safetensors import safe_open
 
     with safe_open(str(tmp / "compiled.safetensors"), "pt") as f:
-        assert all(k.startswith("_orig_mod.") for k in f.keys())  # noqa: SIM118
+        assert all(k.startswith("_orig_mod.") for k in f.keys())
     results = _dist.ok(
         _dist.run(_cases, 2, str(tmp / "plain.safetensors"), str(tmp / "compiled.safetensors"))
     )

@@ -19,9 +19,13 @@ def _load(rank: int, world: int, path: str, kwargs: dict) -> dict:
     out = model(ids).detach()
     if isinstance(out, torch.distributed.tensor.DTensor):
         out = out.full_tensor()
-    return {"tensors": got, "out": out, "tied": model.head.weight is model.emb.weight,
-            "nparams": len(list(model.parameters())),
-            "nonpersistent": "scale" in model._non_persistent_buffers_set and "scale" not in model.state_dict()}
+    return {
+        "tensors": got,
+        "out": out,
+        "tied": model.head.weight is model.emb.weight,
+        "nparams": len(list(model.parameters())),
+        "nonpersistent": "scale" in model._non_persistent_buffers_set and "scale" not in model.state_dict(),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])

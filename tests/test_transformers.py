@@ -35,9 +35,15 @@ def _load(rank: int, world: int, name: str, path: str, kwargs: dict, model_dtype
         for b, pb in model.named_parameters(remove_duplicate=False)
         if a < b and pa is pb
     ]
-    return {"tensors": got, "out": out, "nonpersistent_in_sd": sorted(nonpersistent & sd_keys),
-            "devices": devices, "ties": ties, "nparams": len(list(model.parameters())),
-            "report": model.rank0load_report}
+    return {
+        "tensors": got,
+        "out": out,
+        "nonpersistent_in_sd": sorted(nonpersistent & sd_keys),
+        "devices": devices,
+        "ties": ties,
+        "nparams": len(list(model.parameters())),
+        "report": model.rank0load_report,
+    }
 
 
 def _expect(ref, name) -> tuple[dict, torch.Tensor, list]:
