@@ -31,6 +31,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ._compat import local_tensor
 from ._manifest import Entry
 from .errors import LoadError
 
@@ -136,7 +137,7 @@ def entry_kind(target: torch.Tensor, mesh: DeviceMesh) -> str:
         return GENERIC
     lo, hi = rows_of(mesh, placements, target.shape[0], coord)
     expected = (hi - lo, *target.shape[1:])
-    return SHARDED if tuple(target._local_tensor.shape) == expected else GENERIC
+    return SHARDED if tuple(local_tensor(target).shape) == expected else GENERIC
 
 
 def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:

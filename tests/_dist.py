@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ def _entry(
     args: tuple,
     pg_timeout: float,
     env: dict,
+    exit_at_once: bool,
 ) -> None:
     os.environ.update(env)
     import torch
@@ -55,13 +57,62 @@ def _entry(
         try:
             result = fn(rank, world, *args)
         finally:
-            dist.destroy_process_group()
+            if not exit_at_once:
+                dist.destroy_process_group()
     except BaseException as exc:
         result = Raised(
             type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__), str(exc), traceback.format_exc()
         )
     with open(out, "wb") as f:
         pickle.dump(result, f)
+    if exit_at_once:  # tearing down a group whose peer died only costs time
+        os._exit(0)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120,
+    pg_timeout: float = 60,
+    env: dict | None = None,
+    exit_at_once: bool = False,
+) -> tuple[list[Any], list[int | None], float]:
+    """Run ``fn`` on ``world`` ranks; a rank may die. Returns (result or None per rank, exit codes,
+    seconds until the last rank ended). A rank still running after ``timeout`` fails the test."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world, store, outs[r], args, pg_timeout, env or {}, exit_at_once),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
+        started = time.monotonic()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(max(0.0, started + timeout - time.monotonic()))
+        elapsed = time.monotonic() - started
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            pytest.fail(f"ranks {hung} of {world} still running after {timeout} s: a hang")
+        results = []
+        for path in outs:
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append(None)
+        return results, [p.exitcode for p in procs], elapsed
 
 
 def run(
@@ -72,35 +123,12 @@ def run(
     pg_timeout: float = 60,
     env: dict | None = None,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [
-            ctx.Process(
-                target=_entry, args=(fn, r, world, store, outs[r], args, pg_timeout, env or {}), daemon=True
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = __import__("time").monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - __import__("time").monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if hung:
-            pytest.fail(f"ranks {hung} of {world} still running after {timeout} s: a hang")
-        results = []
-        for r, path in enumerate(outs):
-            if not os.path.exists(path):
-                pytest.fail(f"rank {r} died with exit code {procs[r].exitcode} and left no result")
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    """Run ``fn`` on ``world`` ranks; every rank must end and leave a result (or a Raised)."""
+    results, codes, _ = spawn(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, env=env)
+    for r, res in enumerate(results):
+        if res is None:
+            pytest.fail(f"rank {r} died with exit code {codes[r]} and left no result")
+    return results
 
 
 def ok(results: list[Any]) -> list[Any]:

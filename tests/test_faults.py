@@ -16,12 +16,9 @@ import contextlib
 import errno
 import hashlib
 import json
-import multiprocessing as mp
 import os
-import pickle
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -928,64 +925,11 @@ class ExitOnRank:
 STALL_SECONDS = 9.0  # longer than the survivor's 5-s timeout, short for the suite
 
 
-def _entry_then_exit(fn, rank: int, world: int, store: str, out: str, args: tuple, pg_timeout: float) -> None:
-    """_dist._entry, then exit at once: tearing down a group whose peer died only costs time here."""
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            store=dist.FileStore(store, world),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        result = fn(rank, world, *args)
-    except BaseException as exc:
-        import traceback
-
-        result = _dist.Raised(
-            type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__), str(exc), traceback.format_exc()
-        )
-    with open(out, "wb") as f:
-        pickle.dump(result, f)
-    os._exit(0)
-
-
 def _run_with_death(
     fn, world: int, *args, timeout: float, pg_timeout: float
-) -> tuple[list, list[int], float]:
+) -> tuple[list, list[int | None], float]:
     """Like _dist.run, but a rank may die: returns (results or None per rank, exit codes, seconds)."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [
-            ctx.Process(
-                target=_entry_then_exit, args=(fn, r, world, store, outs[r], args, pg_timeout), daemon=True
-            )
-            for r in range(world)
-        ]
-        started = time.monotonic()
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(0.0, started + timeout - time.monotonic()))
-        elapsed = time.monotonic() - started
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if hung:
-            pytest.fail(f"ranks {hung} still running after {timeout} s although a rank died: a hang")
-        results = []
-        for path in outs:
-            results.append(pickle.loads(_read(path)) if os.path.exists(path) else None)
-        return results, [p.exitcode for p in procs], elapsed
+    return _dist.spawn(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, exit_at_once=True)
 
 
 @pytest.mark.parametrize(
