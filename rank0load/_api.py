@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,7 @@ def load_sharded(
 
     # 1-2. Build and shard on every rank; capture failures instead of raising before agreeing.
     model: nn.Module | None = None
-    status: tuple[str, object]
+    status: tuple[Any, ...]
     try:
         model = build_on_meta(model_fn)
         if dtype is not None:
@@ -349,7 +350,9 @@ def _init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...
     for key in missing:
         if layout.tensors[key].is_param:
             module, leaf = resolve_module(model, key)
-            owners.setdefault(key.rpartition(".")[0], (module, []))[1].append(module._parameters[leaf])
+            param = module._parameters[leaf]
+            if param is not None:
+                owners.setdefault(key.rpartition(".")[0], (module, []))[1].append(param)
     left: list[str] = []
     with torch.no_grad():
         for module_name, (module, params) in owners.items():

@@ -23,15 +23,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from ._api import LoadReport
 from ._bench_model import BenchConfig, BenchLlama, expected_inv_freq
+from ._compat import local_tensor
 
 __all__ = ["METHODS", "METHOD_NOTES"]
 
 Method = Callable[[BenchConfig, str, DeviceMesh, dict], tuple[nn.Module, dict]]
 
 
-def _tied(model: BenchLlama) -> bool:
-    return model.lm_head.weight is model.model.embed_tokens.weight
+def _tied(model: nn.Module) -> bool:
+    return model.get_parameter("lm_head.weight") is model.get_parameter("model.embed_tokens.weight")
 
 
 def _build_sharded(cfg: BenchConfig, mesh: DeviceMesh) -> BenchLlama:
@@ -75,7 +77,7 @@ def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> 
     model = _build_sharded(cfg, mesh)
     with torch.no_grad():
         for p in model.parameters():
-            p.to_local().zero_()
+            local_tensor(p).zero_()
     return model, _finish(model)
 
 
@@ -84,7 +86,7 @@ def rank0load_method(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dic
     import rank0load
 
     model = rank0load.load_sharded(lambda: BenchLlama(cfg), ckpt, mesh, **options.get("rank0load", {}))
-    report = model.rank0load_report
+    report: LoadReport = model.rank0load_report  # type: ignore[assignment]
     # No re-tie here: rank0load must keep the tie itself (verification requires it).
     return model, {
         "tie_kept": _tied(model),
@@ -107,7 +109,9 @@ def broadcast_rank0(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict
     model = _build_sharded(cfg, mesh)
     state = _full_state_dict(ckpt) if dist.get_rank() == 0 else {}
     set_model_state_dict(
-        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        model,
+        state,  # type: ignore[arg-type]  # a dict[str, Tensor] is a valid state dict
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
     )
     del state
     return model, _finish(model)
@@ -120,7 +124,7 @@ def every_rank(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> 
 
     model = _build_sharded(cfg, mesh)
     state = _full_state_dict(ckpt)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))  # type: ignore[arg-type]
     del state
     return model, _finish(model)
 

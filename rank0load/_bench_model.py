@@ -156,6 +156,8 @@ def expected_inv_freq(cfg: BenchConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: BenchConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", expected_inv_freq(cfg), persistent=False)

@@ -52,7 +52,7 @@ def _gather(obj: object) -> list[Any]:
     return gathered
 
 
-def agree(status: tuple[str, Any], stage: str = "building or sharding the model") -> list[tuple[str, Any]]:
+def agree(status: tuple[Any, ...], stage: str = "building or sharding the model") -> list[tuple[Any, ...]]:
     """(all ranks) All-gather ``("ok", fingerprint, extra)`` or ``("error", message)``; raise on any
     error or if the fingerprints differ (``extra`` is returned for the caller to reconcile)."""
     gathered = _gather(status)
@@ -276,7 +276,7 @@ def _receive(pieces, targets, wires, mesh, *, piece_bytes, slots) -> None:
     def complete_oldest() -> None:
         work, piece, slot, stage = pending.popleft()
         work.wait()
-        if stage is not None:
+        if stage is not None and slot is not None:
             _cast_into(targets[piece.index].tensor, piece, stage, wires[piece.index])
             free.append(slot)
 
@@ -293,7 +293,8 @@ def _receive(pieces, targets, wires, mesh, *, piece_bytes, slots) -> None:
         # Straight into the target only where the collectives run (not into CPU-offloaded shards of a
         # CUDA mesh: those are staged on the device, then copied).
         view = _landing(target, piece, wire) if target.tensor.device == comm else None
-        slot = stage = None
+        slot: int | None = None
+        stage: torch.Tensor | None = None
         if view is None:
             while not free:
                 complete_oldest()
@@ -301,13 +302,15 @@ def _receive(pieces, targets, wires, mesh, *, piece_bytes, slots) -> None:
             if slot not in buffers:
                 buffers[slot] = torch.empty(piece_bytes, dtype=torch.uint8, device=comm)
             stage = buffers[slot][: piece.nbytes]
+        into = view if view is not None else stage
+        assert into is not None  # one of the two is set just above
         if piece.dst == BROADCAST:
-            dist.broadcast(view if view is not None else stage, src=0)
-            if stage is not None:
+            dist.broadcast(into, src=0)
+            if stage is not None and slot is not None:
                 _cast_into(target.tensor, piece, stage, wire)
                 free.append(slot)
             continue
-        pending.append((dist.irecv(view if view is not None else stage, src=0), piece, slot, stage))
+        pending.append((dist.irecv(into, src=0), piece, slot, stage))
         while len(pending) > max(1, slots):
             complete_oldest()
     while pending:

@@ -63,16 +63,16 @@ def _headers(source: Source) -> dict[str, TensorHeader]:
             found[key] = t
     if source.weight_map is not None:
         for key, path in source.weight_map.items():
-            t = found.get(key)
-            if t is None:
+            stored = found.get(key)
+            if stored is None:
                 raise CheckpointFormatError(
                     f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
                     "but no file stores it. The index and the shards disagree: re-save the checkpoint."
                 )
-            if t.file != path:
+            if stored.file != path:
                 raise CheckpointFormatError(
                     f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
-                    f"but it is stored in {os.path.basename(t.file)}. Re-save the checkpoint."
+                    f"but it is stored in {os.path.basename(stored.file)}. Re-save the checkpoint."
                 )
         extra = set(found) - set(source.weight_map)
         if extra:

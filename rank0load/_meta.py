@@ -32,7 +32,7 @@ def _parameters_on_meta() -> Iterator[None]:
     original = nn.Module.register_parameter
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             hit = replaced.get(id(param))
             if hit is not None and hit[0] is param:
@@ -42,7 +42,7 @@ def _parameters_on_meta() -> Iterator[None]:
                 # Keep `param` alive in the dict so its id() cannot be reused during the build.
                 replaced[id(param)] = (param, meta_param)
             param = meta_param
-        original(module, name, param)
+        original(self, name, param)
 
     with _patch_lock:
         nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]

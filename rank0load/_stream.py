@@ -26,7 +26,7 @@ __all__ = ["Reader", "Staged", "read_into"]
 
 def read_into(fd: int, buf: torch.Tensor, offset: int, path: str) -> None:
     """Fill the contiguous uint8 CPU tensor ``buf`` from ``fd`` at ``offset`` (short reads retried)."""
-    view = memoryview(buf.numpy()).cast("B")
+    view = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray has the buffer protocol
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -84,12 +84,14 @@ class Reader:
                     return
                 path = self._files[piece.index]
                 target = self._direct(piece)
-                slot = None
+                slot: int | None = None
                 if target is None:
                     slot = self._get_slot()
                     if slot is None:
                         return
-                data = target if target is not None else self._buffers[slot][: piece.nbytes]
+                    data = self._buffers[slot][: piece.nbytes]
+                else:
+                    data = target
                 if self.failed is None:
                     try:
                         fd = fds.get(path)

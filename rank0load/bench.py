@@ -32,6 +32,8 @@ from ._bench_model import BenchConfig, cached_checkpoint, config_for_size, write
 __all__ = ["main", "parse_args", "run_size"]
 
 MiB = 1 << 20
+
+
 def _markers(ranks: int) -> tuple[str, str]:
     """The README section each rank count rewrites: the 2-rank default, and one per other count."""
     name = "results" if ranks == 2 else f"results-{ranks}ranks"
@@ -541,7 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             plot_name = "transient_ram.png"
             shutil.copyfile(plot_path, os.path.join(os.path.dirname(args.update_readme) or ".", plot_name))
-        update_readme(args.update_readme, readme_section(main_res, all_results, env, argv, plot_name), args.ranks)
+        update_readme(
+            args.update_readme, readme_section(main_res, all_results, env, argv, plot_name), args.ranks
+        )
         print(f"updated {args.update_readme}")
     failed = [s["method"] for r in all_results for s in r["summary"] if not s.get("ok")]
     if failed:
