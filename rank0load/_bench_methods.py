@@ -36,7 +36,7 @@ def _tied(model: nn.Module) -> bool:
     return model.get_parameter("lm_head.weight") is model.get_parameter("model.embed_tokens.weight")
 
 
-def _build_sharded(cfg: BenchConfig, mesh: DeviceMesh) -> BenchLlama:
+def build_sharded(cfg: BenchConfig, mesh: DeviceMesh) -> BenchLlama:
     """(all ranks) Meta build, fully_shard each layer then the root, allocate the local shards."""
     with torch.device("meta"):
         model = BenchLlama(cfg)
@@ -74,7 +74,7 @@ def _full_state_dict(ckpt: str) -> dict[str, torch.Tensor]:
 
 def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Meta build + fully_shard + allocate the local shards (zero-filled so their pages are resident)."""
-    model = _build_sharded(cfg, mesh)
+    model = build_sharded(cfg, mesh)
     with torch.no_grad():
         for p in model.parameters():
             local_tensor(p).zero_()
@@ -106,7 +106,7 @@ def broadcast_rank0(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    model = _build_sharded(cfg, mesh)
+    model = build_sharded(cfg, mesh)
     state = _full_state_dict(ckpt) if dist.get_rank() == 0 else {}
     set_model_state_dict(
         model,
@@ -122,7 +122,7 @@ def every_rank(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> 
     (torch's ``distribute_tensor`` per tensor keeps the local shard)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    model = _build_sharded(cfg, mesh)
+    model = build_sharded(cfg, mesh)
     state = _full_state_dict(ckpt)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))  # type: ignore[arg-type]
     del state
@@ -135,7 +135,7 @@ def dcp_hf(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tupl
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    model = _build_sharded(cfg, mesh)
+    model = build_sharded(cfg, mesh)
     # The checkpoint stores each tied tensor once: hand DCP one name per tensor.
     first: dict[int, str] = {}
     alias: set[str] = set()

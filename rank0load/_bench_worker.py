@@ -113,19 +113,11 @@ def _verify(model, cfg, ckpt: str) -> dict:
 def _warm_up(mesh) -> None:
     """Pay torch's one-time lazy imports (meta kernels, FSDP2 internals) before the measurement:
     build, shard and allocate a tiny model of the same classes, then drop it. No collectives."""
-    import torch
-    from torch.distributed.fsdp import fully_shard
-
-    from ._bench_model import BenchConfig, BenchLlama
+    from ._bench_methods import build_sharded
+    from ._bench_model import BenchConfig
 
     tiny = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
-    with torch.device("meta"):
-        model = BenchLlama(tiny)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    del model
+    build_sharded(tiny, mesh)  # the same code path as the methods' own build; dropped at once
 
 
 def main(spec: dict) -> dict:
