@@ -49,13 +49,31 @@ def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> S
             "*.safetensors.index.json file, or a Hugging Face Hub repo id ('org/name')."
         )
     if os.path.isdir(path):
-        return _from_dir(path)
+        return _from_dir(path, boundary=_cache_repo(path))
     if path.endswith(".json"):
-        return _from_index(path)
+        return _from_index(path, boundary=_cache_repo(os.path.dirname(os.path.abspath(path))))
     if path.endswith(_SAFE) or os.path.isfile(path):
         real = os.path.realpath(path)
         return Source(os.path.dirname(real), (real,), None, path)
     raise CheckpointNotFoundError(f"checkpoint {path!r} is neither a file nor a directory")
+
+
+def _cache_repo(directory: str) -> str | None:
+    """The repo folder when ``directory`` is a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/<commit>``), else None.
+
+    A snapshot's files are symlinks to ``../../blobs/<sha>``: they stay inside the repo's cache
+    folder, which is then the boundary files must not escape (as for a repo id), so a user may
+    pass the snapshot's path directly. Anything pointing elsewhere is still refused.
+    """
+    real = os.path.realpath(directory)
+    parent = os.path.dirname(real)
+    repo = os.path.dirname(parent)
+    if os.path.basename(parent) == "snapshots" and os.path.basename(repo).startswith(
+        ("models--", "datasets--")
+    ):
+        return repo
+    return None
 
 
 def _from_dir(path: str, boundary: str | None = None) -> Source:

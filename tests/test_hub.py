@@ -230,3 +230,42 @@ def test_inspect_repo_id_offline(hub_results):
         os.path.join(os.path.realpath(hf_home), "hub", "models--org--tiny")
     )
     assert got["tensors"] == len(trained_toy(1).state_dict()) - 1  # the tied head is stored once
+
+
+def _snapshot_paths(rank: int, world: int, paths: list[str]) -> list:
+    import rank0load
+
+    out = []
+    for path in paths:
+        try:
+            out.append(gather(rank0load.load_sharded(toy, path)))
+        except rank0load.LoadError as exc:
+            out.append((type(exc).__name__, str(exc)))
+    return out
+
+
+def test_snapshot_directory_passed_as_a_path(tmp_path):
+    """A cache snapshot passed as a local path (as users copy it from `huggingface-cli scan-cache`):
+    its files link into the repo's blobs/, which is allowed; a link leaving the repo is still refused."""
+    repo = str(tmp_path / "hub" / "models--org--tiny")
+    _add_snapshot(repo, MAIN, {"model.safetensors": _weights(tmp_path, 0)}, ("main",))
+    _add_snapshot(repo, SHARDED, _sharded(tmp_path, 2), ())
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(_weights(tmp_path, 3))
+    escaping = os.path.join(repo, "snapshots", V1)
+    os.makedirs(escaping)
+    os.symlink(str(outside), os.path.join(escaping, "model.safetensors"))
+    snap = os.path.join(repo, "snapshots")
+    paths = [
+        os.path.join(snap, MAIN),
+        os.path.join(snap, SHARDED),
+        os.path.join(snap, SHARDED, "model.safetensors.index.json"),
+        escaping,
+    ]
+    results = _dist.ok(_dist.run(_snapshot_paths, 2, paths))
+    for r in results:
+        assert_same(r[0], reference(trained_toy(0)))
+        assert_same(r[1], reference(trained_toy(2)))
+        assert_same(r[2], reference(trained_toy(2)))
+        name, message = r[3]
+        assert name == "CheckpointFormatError" and "outside the checkpoint directory" in message
