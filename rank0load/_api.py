@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from . import _distribute, _plan
 from ._compat import local_tensor
 from ._manifest import Manifest, build_manifest
-from ._meta import ModelLayout, build_on_meta, describe, resolve_module
+from ._meta import ModelLayout, build_on_meta, describe, hf_init_weights, resolve_module
 from ._progress import peak_rss_bytes, progress_bar
 from ._shard import default_shard_fn
 from ._source import resolve
@@ -183,7 +183,7 @@ def load_sharded(
 
     # 6. Stream.
     entries = manifest.entries
-    targets = [_target(targets_by_key[e.key], kinds[e.key]) for e in entries]
+    targets = [_target(targets_by_key[e.key]) for e in entries]
     placements = [
         _plan.placements_on(t, mesh) if isinstance(t := targets_by_key[e.key], DTensor) else None
         for e in entries
@@ -300,10 +300,10 @@ def _targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
     return out
 
 
-def _target(t: torch.Tensor, kind: str) -> _distribute.Target:
+def _target(t: torch.Tensor) -> _distribute.Target:
     if isinstance(t, DTensor):
-        return _distribute.Target(local_tensor(t), t, kind)
-    return _distribute.Target(t.data, None, kind)
+        return _distribute.Target(local_tensor(t), t)
+    return _distribute.Target(t.data, None)
 
 
 def _materialise(model: nn.Module, device: torch.device) -> None:
@@ -363,7 +363,7 @@ def _init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...
                     del t._is_hf_initialized
                 if t.is_floating_point():
                     _local(t).fill_(float("nan"))
-            init = _hf_init_weights(model, module_name)
+            init = hf_init_weights(model, module_name)
             if init is not None:
                 init(module)
             reset = getattr(module, "reset_parameters", None)
@@ -386,16 +386,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _has_nan(t: torch.Tensor) -> bool:
     return t.is_floating_point() and bool(torch.isnan(_local(t)).any())
-
-
-def _hf_init_weights(model: nn.Module, module_name: str) -> Callable[[nn.Module], object] | None:
-    parts = module_name.split(".") if module_name else []
-    for depth in range(len(parts), -1, -1):
-        ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
-        init = getattr(ancestor, "_init_weights", None)
-        if callable(init):
-            return init
-    return None
 
 
 def _retie(model: nn.Module, layout: ModelLayout) -> None:

@@ -112,7 +112,6 @@ class Target:
 
     tensor: torch.Tensor  # the local tensor (DTensor's local shard, or the plain tensor)
     dtensor: DTensor | None  # the parameter, for GENERIC entries
-    kind: str
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor | None:

@@ -139,17 +139,23 @@ def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(prefix) if prefix else model), leaf
 
 
-def _initialiser(model: nn.Module, module_name: str) -> bool:
-    """Whether the module that owns a parameter can be re-initialised (see ``_api._init_missing``)."""
-    module = model.get_submodule(module_name) if module_name else model
-    if callable(getattr(module, "reset_parameters", None)):
-        return True
+def hf_init_weights(model: nn.Module, module_name: str) -> Callable[[nn.Module], object] | None:
+    """The nearest ancestor's (or the module's own) ``_init_weights`` (transformers), or None."""
     parts = module_name.split(".") if module_name else []
     for depth in range(len(parts), -1, -1):
         ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
-        if callable(getattr(ancestor, "_init_weights", None)):
-            return True
-    return False
+        init = getattr(ancestor, "_init_weights", None)
+        if callable(init):
+            return init
+    return None
+
+
+def _initialiser(model: nn.Module, module_name: str) -> bool:
+    """Whether the module that owns a parameter can be re-initialised (see ``_api._init_missing``)."""
+    module = model.get_submodule(module_name) if module_name else model
+    return (
+        callable(getattr(module, "reset_parameters", None)) or hf_init_weights(model, module_name) is not None
+    )
 
 
 def describe(model: nn.Module) -> ModelLayout:

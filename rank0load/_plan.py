@@ -11,7 +11,7 @@ range of the checkpoint (wire dtype) and its place in the destination's local te
 * ``PLAIN`` entries (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
 * ``GENERIC`` entries (any other placement, e.g. tensor parallel ``Shard(1)`` or the
   ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): one piece; rank 0 reads the full
-  tensor and ``distribute_tensor(..., src_data_rank=0)`` scatters it over the whole load mesh.
+  tensor and broadcasts it, and every rank cuts its own shard locally (see ``_distribute._generic``).
 
 A DTensor may live on a sub-mesh of the load mesh (``fully_shard(m, mesh=mesh["dp"])`` on a
 ("dp", "tp") mesh leaves embeddings and norms on the "dp" sub-mesh). :func:`placements_on` lifts its
