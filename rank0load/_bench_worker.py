@@ -14,6 +14,7 @@ import datetime
 import gc
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -26,6 +27,12 @@ def _status(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, every thread included (gloo's too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _reset_peak() -> bool:
@@ -156,9 +163,11 @@ def main(spec: dict) -> dict:
         reset_ok = _reset_peak()
         dist.barrier()
         started = time.perf_counter()
+        cpu_started = _cpu_seconds()
         model, info = method(cfg, spec["ckpt"], mesh, spec.get("options", {}))
         dist.barrier()
         seconds = time.perf_counter() - started
+        cpu = _cpu_seconds() - cpu_started
         peak = _status("VmHWM")
         # Not the peak's split (Linux keeps none), but a hint: file-backed pages (a mmap'd checkpoint)
         # count in RSS like anonymous memory, although the kernel can drop them.
@@ -169,6 +178,7 @@ def main(spec: dict) -> dict:
             "rank": rank,
             "world": world,
             "seconds": seconds,
+            "cpu_seconds": cpu,
             "rss_before": before,
             "peak_rss": peak,
             "resident": resident,

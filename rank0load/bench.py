@@ -190,9 +190,13 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
         verified=best[0].get("verified"),
         tensors_checked=best[0].get("tensors_checked"),
         per_rank=[
-            {k: r[k] for k in ("rank", "seconds", "rss_before", "peak_rss", "resident", "transient")}
+            {
+                k: r.get(k)
+                for k in ("rank", "seconds", "cpu_seconds", "rss_before", "peak_rss", "resident", "transient")
+            }
             for r in best
         ],
+        node_cpu_seconds=sum(r.get("cpu_seconds") or 0.0 for r in best),
         max_transient=max(r["transient"] for r in best),
         node_transient=sum(r["transient"] for r in best),
         node_peak=sum(r["peak_rss"] for r in best),
@@ -291,14 +295,14 @@ def results_table(res: dict) -> str:
         ),
         "",
         (
-            "| method | load s | GB/s (ckpt / load s) | stream GB/s | max transient MiB | node transient MiB | "
-            "node peak MiB | tie kept | verified |"
+            "| method | load s | node CPU s | GB/s (ckpt / load s) | stream GB/s | max transient MiB | "
+            "node transient MiB | node peak MiB | tie kept | verified |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for s in res["summary"]:
         if not s.get("ok"):
-            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | |")
+            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | | |")
             continue
         load_gbps = "-" if s["load_gbps"] is None else f"{s['load_gbps']:.2f}"
         stream = "-" if not s["stream_gbps"] else f"{s['stream_gbps']:.2f}"
@@ -306,19 +310,21 @@ def results_table(res: dict) -> str:
         if s["rounds_ok"] < s["rounds"]:
             verified += f" ({s['rounds_ok']}/{s['rounds']} rounds ok)"
         lines.append(
-            f"| {s['method']} | {s['seconds']:.2f} | {load_gbps} | {stream} | {_fmt_mib(s['max_transient'])} | "
+            f"| {s['method']} | {s['seconds']:.2f} | {s.get('node_cpu_seconds', 0.0):.2f} | {load_gbps} | {stream} | "
+            f"{_fmt_mib(s['max_transient'])} | "
             f"{_fmt_mib(s['node_transient'])} | {_fmt_mib(s['node_peak'])} | {'yes' if s['tie_kept'] else 'no'} | "
             f"{verified} |"
         )
     lines += [
         "",
-        "| method | rank | load s | RSS before MiB | peak RSS MiB | resident MiB | transient MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | rank | load s | CPU s | RSS before MiB | peak RSS MiB | resident MiB | transient MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in res["summary"]:
         for r in s.get("per_rank", []):
             lines.append(
-                f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {_fmt_mib(r['rss_before'])} | "
+                f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {r.get('cpu_seconds') or 0.0:.2f} | "
+                f"{_fmt_mib(r['rss_before'])} | "
                 f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |"
             )
     for s in res["summary"]:

@@ -46,6 +46,8 @@ def test_every_method_reports_and_verifies(smoke):
             assert r["rss_before"] > 0 and r["resident"] > 0
             assert r["peak_rss"] >= r["rss_before"]
             assert r["transient"] == r["peak_rss"] - r["rss_before"] - r["resident"]
+            assert r["cpu_seconds"] > 0  # getrusage around the method: every load costs some CPU
+        assert s["node_cpu_seconds"] == pytest.approx(sum(r["cpu_seconds"] for r in s["per_rank"]))
         assert s["node_transient"] == sum(r["transient"] for r in s["per_rank"])
         assert s["node_peak"] == sum(r["peak_rss"] for r in s["per_rank"])
         raw = res["raw"][method][0]
