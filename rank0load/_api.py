@@ -138,18 +138,26 @@ def load_sharded(
         layout = describe(model)
         targets_by_key = _targets(model, layout)
         kinds = {k: _plan.entry_kind(t, mesh) for k, t in targets_by_key.items()}
-        status = ("ok", layout.fingerprint(), tuple(sorted(kinds.items())))
+        runs = {k: _plan.block_runs(t) for k, t in targets_by_key.items() if kinds[k] == _plan.BLOCK}  # type: ignore[arg-type]
+        status = ("ok", layout.fingerprint(), tuple(sorted(kinds.items())), runs, max_staging_bytes)
     except Exception as exc:  # reported to every rank by agree()
         status = ("error", f"{type(exc).__name__}: {exc}")
         logger.debug("build failed on rank %d", rank, exc_info=True)
     gathered = _distribute.agree(status)
     mark("agree")
     assert model is not None  # agree() raised otherwise
-    # A rank that could not compute a row layout for a key makes it GENERIC everywhere.
+    # A rank that could not compute a row or block layout for a key makes it GENERIC everywhere.
     for gathered_status in gathered:
         for key, kind in gathered_status[2]:
             if kind != kinds[key]:
                 kinds[key] = _plan.GENERIC
+    budgets = sorted({g[4] for g in gathered})
+    if len(budgets) > 1:  # the pieces, hence the messages, depend on it
+        raise RankMismatchError(
+            f"the ranks passed different max_staging_bytes ({budgets}); pass every rank the same value"
+        )
+    slots = _SLOTS
+    piece_bytes = max_staging_bytes // slots
 
     # 3-4. Rank 0 alone touches the checkpoint; the others learn the outcome from share().
     manifest_or_error: Manifest | LoadError | None = None
@@ -188,16 +196,25 @@ def load_sharded(
         _plan.placements_on(t, mesh) if isinstance(t := targets_by_key[e.key], DTensor) else None
         for e in entries
     ]
+    for e in entries:  # rows wider than half a staging slot cannot be cut in chunks
+        if kinds[e.key] == _plan.BLOCK and _plan.block_chunk_rows(e, piece_bytes) == 0:
+            kinds[e.key] = _plan.GENERIC
     entry_kinds = [kinds[e.key] for e in entries]
-    slots = _SLOTS
-    piece_bytes = max_staging_bytes // slots
+    # Block layouts: rank 0 needs every rank's, the others their own.
+    entry_runs = [
+        {r: g[3][e.key] for r, g in enumerate(gathered) if r == rank or rank == 0}
+        if kinds[e.key] == _plan.BLOCK
+        else None
+        for e in entries
+    ]
     stream_started = time.perf_counter()
     try:
         # Rank 0 alone draws a bar (a TTY, HF_HUB_DISABLE_PROGRESS_BARS unset); others count nothing.
         with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
             _distribute.stream(
                 entries,
-                lambda: _plan.pieces(entries, entry_kinds, placements, mesh, piece_bytes),
+                entry_runs,
+                lambda: _plan.pieces(entries, entry_kinds, placements, mesh, piece_bytes, entry_runs, rank),
                 targets,
                 mesh,
                 piece_bytes=piece_bytes,

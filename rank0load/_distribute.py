@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._format import DTYPES
 from ._manifest import Entry
-from ._plan import BROADCAST, GENERIC, Piece
+from ._plan import BLOCK, BROADCAST, FAN_OUT, GENERIC, Piece, Runs, block_half, deliveries
 from ._stream import Reader
 from .errors import LoadError, RankMismatchError
 
@@ -134,6 +134,7 @@ def _cast_into(dst: torch.Tensor, piece: Piece, data: torch.Tensor, wire: torch.
 
 def stream(
     entries: Sequence[Entry],
+    runs: Sequence[dict[int, Runs] | None],
     pieces: Callable[[], Any],
     targets: Sequence[Target],
     mesh: DeviceMesh,
@@ -147,7 +148,15 @@ def stream(
     failed: LoadError | None = None
     if dist.get_rank() == 0:
         failed = _send(
-            entries, pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots, on_bytes=on_bytes
+            entries,
+            runs,
+            pieces(),
+            targets,
+            wires,
+            mesh,
+            piece_bytes=piece_bytes,
+            slots=slots,
+            on_bytes=on_bytes,
         )
     else:
         _receive(pieces(), targets, wires, mesh, piece_bytes=piece_bytes, slots=slots)
@@ -199,7 +208,65 @@ def _generic(target: Target, full: torch.Tensor | None, mesh: DeviceMesh, wire: 
     target.tensor.copy_(local)
 
 
-def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes) -> LoadError | None:
+class _All:
+    """Several sends, waited for together (and the tensors they send, kept alive until then)."""
+
+    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
+        self._works, self._keep = works, keep
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._keep.clear()
+
+
+def _fan_out(
+    piece: Piece,
+    data: torch.Tensor,
+    spare: torch.Tensor,
+    entry: Entry,
+    per_rank: dict[int, Runs],
+    target: Target,
+    wire: torch.dtype,
+) -> _All:
+    """(rank 0) Cut a BLOCK chunk (whole rows, in ``data``) into every rank's block: rank 0's own is
+    copied into its shard, the others are sent. A block that is not a contiguous part of the chunk is
+    packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
+    share one copy, so the packed blocks never exceed the chunk."""
+    me = dist.get_rank()
+    chunk = data.view(wire).view(piece.nbytes // (entry.nbytes // entry.shape[0]), *entry.shape[1:])
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
+    works: list[Any] = []
+    keep: list[torch.Tensor] = []
+    used = 0
+    for d in deliveries(piece, entry, per_rank):
+        key = (d.row_lo, d.row_hi, d.inner)
+        block = made.get(key)
+        if block is None:
+            block = chunk[d.row_lo : d.row_hi]
+            for dim, dim_runs in enumerate(d.inner, start=1):
+                if dim_runs == ((0, chunk.shape[dim]),):
+                    continue
+                parts = [block.narrow(dim, a, b - a) for a, b in dim_runs]
+                block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+            if not block.is_contiguous():
+                packed = spare[used : used + d.nbytes].view(wire).view(block.shape)
+                packed.copy_(block)
+                used += d.nbytes
+                block = packed
+            made[key] = block
+        payload = block.reshape(-1).view(torch.uint8)
+        if d.dst == me:
+            _cast_into(
+                target.tensor, Piece(piece.index, me, 0, d.nbytes, d.local_offset, BLOCK), payload, wire
+            )
+        else:
+            works.append(dist.isend(payload, dst=d.dst))
+            keep.append(payload)
+    return _All(works, keep)
+
+
+def _send(entries, runs, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes) -> LoadError | None:
     me = dist.get_rank()
     comm = _comm_device(mesh)
     on_cpu = comm.type == "cpu"
@@ -225,6 +292,16 @@ def _send(entries, pieces, targets, wires, mesh, *, piece_bytes, slots, on_bytes
             wire = wires[piece.index]
             if piece.kind == GENERIC:
                 _generic(target, data, mesh, wire)
+            elif piece.dst == FAN_OUT:
+                assert staged.slot is not None  # a chunk is always read into a staging slot
+                if on_cpu:  # cut into the rest of the slot
+                    spare = reader.buffer(staged.slot)[block_half(piece_bytes) :]
+                else:  # cut on the device, where the collectives run (the blocks never exceed the chunk)
+                    data = data.to(comm)
+                    spare = torch.empty_like(data)
+                blocks = _fan_out(piece, data, spare, entries[piece.index], runs[piece.index], target, wire)
+                pending.append((blocks, staged.slot))
+                staged = None  # type: ignore[assignment]
             elif piece.dst == me:
                 if staged.slot is not None:
                     _cast_into(target.tensor, piece, data.to(target.tensor.device), wire)

@@ -134,6 +134,10 @@ class Reader:
             except queue.Full:
                 continue
 
+    def buffer(self, slot: int) -> torch.Tensor:
+        """The whole staging buffer behind ``slot`` (``Staged.data`` is its first bytes)."""
+        return self._buffers[slot]
+
     def release(self, slot: int | None) -> None:
         if slot is not None:
             self._free.put(slot)

@@ -133,6 +133,9 @@ def _scenarios(rank: int, world: int, toy_path: str, llama_path: str, tp_path: s
     out["tp"] = _summary(model, dptp)
     with torch.no_grad():
         out["tp"]["out"] = model(**hf.sample_inputs("llama")).logits
+    # 4 KiB of staging: chunks of 3-5 rows cut through the strided runs and the Shard(1) blocks.
+    model = rank0load.load_sharded(TPLlama(), tp_path, dptp, shard_fn=TPThenFSDP(), max_staging_bytes=4096)
+    out["tp_small_chunks"] = gather(model)
 
     flat = init_device_mesh("cpu", (world,))
     model = rank0load.load_sharded(
@@ -212,9 +215,11 @@ def test_tensor_parallel_then_fsdp(loaded):
         assert "Shard(dim=1)" in s["placements"]["model.layers.0.mlp.down_proj.weight"]
         assert "model.embed_tokens.weight" in s["submesh"]
         assert s["kinds"]["model.embed_tokens.weight"] == "sharded"  # lifted onto the 2-D mesh
-        assert s["kinds"]["model.layers.0.mlp.up_proj.weight"] == "generic"
+        assert s["kinds"]["model.layers.0.mlp.up_proj.weight"] == "block"  # strided: cut by rank 0
+        assert s["kinds"]["model.layers.0.mlp.down_proj.weight"] == "block"  # Shard(1)
         assert_same(s["tensors"], reference(refs["tp"]))
         torch.testing.assert_close(s["out"], _llama_out(refs["tp"]), rtol=1e-5, atol=1e-5)
+        assert_same(r["tp_small_chunks"], reference(refs["tp"]))
 
 
 def test_cpu_offload_policy(loaded):
