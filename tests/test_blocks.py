@@ -47,8 +47,8 @@ def trained_net() -> TPNet:
 
 def shard_tp(model: nn.Module, mesh) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     parallelize_module(
         model,
