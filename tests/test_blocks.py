@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
+import os
+import struct
 
 import pytest
 import torch
@@ -201,3 +204,90 @@ def test_ranks_with_different_staging_budgets_fail_together(tmp_path):
         _dist.run(_different_budgets, 2, str(tmp_path / "toy.safetensors")), "RankMismatchError"
     )
     assert "max_staging_bytes" in err.message
+
+
+def _byte_range(path: str, key: str) -> tuple[int, int]:
+    """Where ``key``'s bytes are in a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        start, stop = json.loads(f.read(n))[key]["data_offsets"]
+    return 8 + n + start, 8 + n + stop
+
+
+def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, int]) -> dict:
+    """A read error on rank 0 inside a Shard(1) weight's bytes, then a good load in the same group."""
+    import errno
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import rank0load
+    import rank0load._stream as stream_mod
+
+    mesh = init_device_mesh("cpu", (world,))
+    original = stream_mod.read_into
+
+    def failing(fd, buf, offset, path):
+        if bad[0] <= offset < bad[1]:  # a chunk of the BLOCK entry
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return original(fd, buf, offset, path)
+
+    if rank == 0:
+        stream_mod.read_into = failing
+    error = None
+    try:
+        rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp, max_staging_bytes=4096)
+    except rank0load.LoadError as exc:
+        error = (type(exc).__name__, str(exc))
+    finally:
+        stream_mod.read_into = original
+    model = rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp)
+    return {"error": error, "tensors": gather(model)}
+
+
+def test_read_error_while_blocks_stream_fails_every_rank(tmp_path):
+    ref = trained_net()
+    path = str(tmp_path / "f32.safetensors")
+    save_state(ref, path)
+    results = _dist.ok(_dist.run(_read_error_then_good_load, 3, path, _byte_range(path, "down.weight")))
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and None not in errors, errors
+    ((name, message),) = errors
+    assert "f32.safetensors" in message and "Input/output error" in message, message
+    for r in results:
+        assert_same(r["tensors"], reference(ref))
+
+
+def _dies_while_cutting(rank: int, world: int, path: str, marker: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import rank0load
+    import rank0load._distribute as d
+
+    mesh = init_device_mesh("cpu", (world,))
+    if rank == 0:
+        original = d.dist.isend
+        calls = [0]
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:
+                open(marker, "w").close()
+                os._exit(17)
+            return original(*args, **kwargs)
+
+        d.dist.isend = failing
+    rank0load.load_sharded(tp_net, path, mesh, shard_fn=shard_tp, max_staging_bytes=4096)
+    return "loaded"
+
+
+def test_rank0_dying_while_blocks_stream_fails_the_others(tmp_path):
+    path = str(tmp_path / "f32.safetensors")
+    save_state(trained_net(), path)
+    marker = str(tmp_path / "died")
+    results, codes, _ = _dist.spawn(
+        _dies_while_cutting, 3, path, marker, timeout=90, pg_timeout=5.0, exit_at_once=True
+    )
+    assert codes[0] == 17 and os.path.exists(marker), codes
+    for r in results[1:]:
+        assert isinstance(r, _dist.Raised) and "LoadError" in r.bases, r
+        assert "died or stalled" in r.message, r.message
