@@ -55,6 +55,9 @@ class LoadReport:
     unexpected: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
     files: tuple[str, ...] = field(default=())
+    # Keys broadcast whole and cut on every rank (see Limits in the README): each one was, for a
+    # moment, held in full on every rank, outside the staging budget. Empty for FSDP, HSDP and TP.
+    broadcast_whole: tuple[str, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)  # seconds per pipeline phase, this rank
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the load finished
     rank: int = 0
@@ -240,6 +243,7 @@ def load_sharded(
         missing=manifest.missing,
         unexpected=manifest.unexpected,
         ignored=manifest.ignored,
+        broadcast_whole=tuple(e.key for e in entries if kinds[e.key] == _plan.GENERIC),
         files=manifest.files,
         phases=phases,
         peak_rss_bytes=peak_rss_bytes(),
@@ -259,6 +263,18 @@ def load_sharded(
                 "skipped %d unexpected checkpoint keys: %s",
                 len(manifest.unexpected),
                 ", ".join(manifest.unexpected[:10]),
+            )
+        whole = [e for e in entries if kinds[e.key] == _plan.GENERIC]
+        if whole:
+            largest = max(whole, key=lambda e: e.nbytes)
+            logger.warning(
+                "%d tensors were broadcast whole and cut on every rank, outside max_staging_bytes "
+                "(their placements are not Shard/_StridedShard/Replicate, or their rows are wider than "
+                "max_staging_bytes / 8); the largest, %s, holds %.1f MB: %s",
+                len(whole),
+                largest.key,
+                largest.nbytes / 1e6,
+                ", ".join(e.key for e in whole[:10]),
             )
         logger.info(
             "rank0load: %d tensors, %.2f GB in %.2f s (stream %.2f GB/s) over %d ranks, rank 0 peak RSS %.0f MB",

@@ -101,11 +101,16 @@ def _three_ranks(rank: int, world: int, f32: str, bf16: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     model = rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp)
-    out["f32"] = {"kinds": _kinds(model, mesh), "runs": _runs(model), "tensors": gather(model)}
+    out["f32"] = {
+        "kinds": _kinds(model, mesh),
+        "runs": _runs(model),
+        "tensors": gather(model),
+        "whole": model.rank0load_report.broadcast_whole,
+    }
     # 4 KiB of staging: chunks of a few rows, blocks split across chunks; the 1200-byte rows of
     # `wide` no longer fit half a slot and take the broadcast path. bf16 on disk, fp32 in the model.
     model = rank0load.load_sharded(tp_net, bf16, mesh, shard_fn=shard_tp, max_staging_bytes=4096)
-    out["bf16"] = {"kinds": _kinds(model, mesh), "tensors": gather(model)}
+    out["bf16"] = {"tensors": gather(model), "whole": model.rank0load_report.broadcast_whole}
     return out
 
 
@@ -131,6 +136,7 @@ def test_tensor_parallel_blocks_are_exact_on_three_ranks(three):
         runs = r["f32"]["runs"]
         assert len(runs["strided_rows"][0]) == 2 and len(runs["strided_cols"][1]) == 2, runs
         assert_same(r["f32"]["tensors"], reference(ref))
+        assert r["f32"]["whole"] == ()
 
 
 def test_blocks_cast_and_span_chunks(three):
@@ -142,6 +148,7 @@ def test_blocks_cast_and_span_chunks(three):
     for r in results:
         got = r["bf16"]["tensors"]
         assert all(t.dtype == torch.float32 for t in got.values())
+        assert r["bf16"]["whole"] == ("wide.weight",)  # 1200-byte rows, 512 bytes of half a slot
         assert_same(got, want)
 
 
