@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from . import _distribute, _plan
 from ._compat import local_tensor
 from ._manifest import Manifest, build_manifest
+from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, hf_init_weights, resolve_module
 from ._progress import peak_rss_bytes, progress_bar
 from ._shard import default_shard_fn
@@ -344,7 +345,7 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
 
     ``to_empty`` is FSDP2's supported way to allocate sharded parameters (it re-pads the local
     shards and keeps tied parameters one object), but it also empties buffers: save and restore them.
-    Local shards are zero-filled (see below).
+    Local shards are faulted in, and their storage's bytes outside the shard zeroed (see _memory).
     Plain buffers are made contiguous so pieces can land in them directly.
     """
     saved: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -353,13 +354,10 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
             if buf is not None:
                 saved.append((module, name, buf))
     model.to_empty(device=device)
-    # Touch every local shard now: nothing the stream misses can hold stale memory, and the page
-    # faults of fresh host memory are taken here, in bulk. Measured on this project's 2-core CPU
-    # machine (2 ranks, 0.8 GB): a gloo receive into untouched pages ran at half the speed, and
-    # zero-filling in bulk beat both touching each piece just before it lands and not touching.
+    # Fault every local shard in now, in bulk, and zero what the stream never writes (see _memory).
     with torch.no_grad():
         for p in model.parameters():
-            _local(p).zero_()
+            prefault(_local(p))
     moved: dict[int, torch.Tensor] = {}
     for module, name, buf in saved:
         new = moved.get(id(buf))

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from ._api import LoadReport
 from ._bench_model import BenchConfig, BenchLlama, expected_inv_freq
 from ._compat import local_tensor
+from ._memory import prefault
 
 __all__ = ["METHODS", "METHOD_NOTES"]
 
@@ -73,11 +74,12 @@ def _full_state_dict(ckpt: str) -> dict[str, torch.Tensor]:
 
 
 def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
-    """Meta build + fully_shard + allocate the local shards (zero-filled so their pages are resident)."""
+    """Meta build + fully_shard + allocate the local shards and fault them in (rank0load's own
+    ``prefault``: the cheapest way to make them resident, so nobody is charged more than this)."""
     model = build_sharded(cfg, mesh)
     with torch.no_grad():
         for p in model.parameters():
-            local_tensor(p).zero_()
+            prefault(local_tensor(p))
     return model, _finish(model)
 
 
@@ -159,7 +161,7 @@ METHODS: dict[str, Method] = {
 }
 
 METHOD_NOTES: dict[str, str] = {
-    "build-only": "meta build + `fully_shard` + allocate (and zero) the local shards: the cost every method shares; loads nothing",
+    "build-only": "meta build + `fully_shard` + allocate the local shards and fault them in: the cost every method shares; loads nothing",
     "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 reads, sends each rank its rows",
     "broadcast-rank0": "rank 0 `load_file`s every shard; `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
     "dcp-hf": "`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(ckpt))`: every rank reads its slices",
