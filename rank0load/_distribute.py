@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._format import DTYPES
 from ._manifest import Entry
-from ._plan import BLOCK, BROADCAST, FAN_OUT, GENERIC, Piece, Runs, block_half, deliveries
+from ._plan import BLOCK, BROADCAST, FAN_OUT, GENERIC, Piece, Runs, block_half, cut, deliveries
 from ._stream import Reader
 from .errors import LoadError, RankMismatchError
 
@@ -243,12 +243,7 @@ def _fan_out(
         key = (d.row_lo, d.row_hi, d.inner)
         block = made.get(key)
         if block is None:
-            block = chunk[d.row_lo : d.row_hi]
-            for dim, dim_runs in enumerate(d.inner, start=1):
-                if dim_runs == ((0, chunk.shape[dim]),):
-                    continue
-                parts = [block.narrow(dim, a, b - a) for a, b in dim_runs]
-                block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+            block = cut(chunk, d)
             if not block.is_contiguous():
                 packed = spare[used : used + d.nbytes].view(wire).view(block.shape)
                 packed.copy_(block)

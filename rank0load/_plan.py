@@ -56,6 +56,7 @@ __all__ = [
     "block_chunk_rows",
     "block_half",
     "block_runs",
+    "cut",
     "deliveries",
     "entry_kind",
     "pieces",
@@ -254,6 +255,18 @@ def block_chunk_rows(entry: Entry, piece_bytes: int) -> int:
     return block_half(piece_bytes) // row_bytes
 
 
+def cut(chunk: torch.Tensor, d: Delivery) -> torch.Tensor:
+    """``d``'s block of ``chunk`` (the chunk's rows, full shape otherwise): a view where the rank's
+    indices on each dimension are one run, a copy (``torch.cat``) where they are several."""
+    block = chunk[d.row_lo : d.row_hi]
+    for dim, dim_runs in enumerate(d.inner, start=1):
+        if dim_runs == ((0, chunk.shape[dim]),):
+            continue
+        parts = [block.narrow(dim, a, b - a) for a, b in dim_runs]
+        block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    return block
+
+
 def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Iterator[Delivery]:
     """(all ranks) The blocks of the BLOCK chunk ``piece`` for the ranks in ``runs_by_rank``, in
     rank order, then row order: rank 0 sends them in this order and each rank receives its own
@@ -311,7 +324,7 @@ def pieces(
     pieces its own deliveries become (``dst`` = ``me``), so it receives them like row pieces.
     """
     piece_bytes = max(ALIGN, piece_bytes // ALIGN * ALIGN)
-    coords = sorted(rank_coordinates(mesh).items())
+    coords: list[tuple[int, tuple[int, ...]]] | None = None  # SHARDED entries only
     for index, (entry, kind) in enumerate(zip(entries, kinds, strict=True)):
         if kind == BLOCK:
             block_layouts = runs[index]
@@ -338,6 +351,8 @@ def pieces(
         nrows = entry.shape[0]
         row_bytes = entry.nbytes // nrows if nrows else 0
         per_rank = []
+        if coords is None:
+            coords = sorted(rank_coordinates(mesh).items())
         for rank, coord in coords:
             lo, hi = rows_of(mesh, placements[index], nrows, coord)  # type: ignore[arg-type]
             size = (hi - lo) * row_bytes

@@ -1,0 +1,80 @@
+"""Property: for any block layout (each rank's indices per dimension, as runs) and any staging size,
+rank 0's chunks, cut into deliveries, rebuild every rank's local shard exactly, each byte written
+once; and each receiver's own piece sequence is exactly what rank 0 sends it, in the same order.
+Pure planning, no process group: the multi-rank tests in test_blocks and test_meshes move the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rank0load import _plan
+from rank0load._manifest import Entry
+
+
+def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return tuple(out)
+
+
+@st.composite
+def layouts(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+    world = draw(st.integers(1, 4))
+    per_rank = {}
+    for rank in range(world):
+        # Any ordered subset of each dimension: row ranges, strided runs, empty shards.
+        per_rank[rank] = tuple(_runs(sorted(draw(st.sets(st.integers(0, n - 1), max_size=n)))) for n in shape)
+    piece_bytes = draw(st.integers(2, 40)) * _plan.ALIGN
+    return shape, per_rank, piece_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_chunks_and_deliveries_rebuild_every_shard(layout):
+    shape, per_rank, piece_bytes = layout
+    numel = math.prod(shape)
+    entry = Entry("w", "f", "w", "F32", shape, 4096, numel * 4)
+    full = torch.arange(numel, dtype=torch.float32).reshape(shape)
+    if _plan.block_chunk_rows(entry, piece_bytes) == 0:  # rows wider than half a slot: GENERIC
+        assert math.prod(shape[1:]) * 4 > _plan.block_half(piece_bytes)
+        return
+
+    def indices(runs):
+        return [i for a, b in runs for i in range(a, b)]
+
+    want = {r: full[np.ix_(*[indices(d) for d in runs])].reshape(-1) for r, runs in per_rank.items()}
+    got = {r: torch.full((w.numel(),), -1.0) for r, w in want.items()}
+    sent: dict[int, list[tuple[int, int]]] = {r: [] for r in per_rank}
+    chunks = list(_plan.pieces([entry], [_plan.BLOCK], [None], None, piece_bytes, [per_rank], me=0))  # type: ignore[arg-type]
+    row_bytes = entry.nbytes // shape[0]
+    assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
+    for c in chunks:
+        assert c.dst == _plan.FAN_OUT and c.nbytes <= _plan.block_half(piece_bytes)
+        first = (c.file_offset - entry.offset) // row_bytes
+        chunk = full[first : first + c.nbytes // row_bytes]
+        for d in _plan.deliveries(c, entry, per_rank):
+            block = _plan.cut(chunk, d).reshape(-1)
+            assert block.numel() * 4 == d.nbytes
+            lo = d.local_offset // 4
+            target = got[d.dst][lo : lo + block.numel()]
+            assert torch.all(target == -1), "a byte was delivered twice"
+            target.copy_(block)
+            sent[d.dst].append((d.local_offset, d.nbytes))
+    for r in per_rank:
+        assert torch.equal(got[r], want[r]), r
+        if r == 0:
+            continue
+        own = list(_plan.pieces([entry], [_plan.BLOCK], [None], None, piece_bytes, [{r: per_rank[r]}], me=r))  # type: ignore[arg-type]
+        assert [(p.local_offset, p.nbytes) for p in own] == sent[r]
+        assert all(p.dst == r and p.kind == _plan.BLOCK for p in own)
