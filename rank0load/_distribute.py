@@ -13,7 +13,9 @@ Order of calls, identical on every rank (see ``_api.load_sharded``):
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,13 +45,60 @@ def peer_failure(what: str, exc: BaseException) -> LoadError:
     )
 
 
+# Python objects travel pickled in uint8 tensors. torch's all_gather_object / broadcast_object_list
+# decode with tensor.numpy(), and neither torch nor rank0load requires numpy.
+
+
+def _object_device() -> torch.device:
+    """Where the default group's collectives take tensors: the host for gloo (also when gloo serves
+    CPU tensors beside NCCL), else this rank's current accelerator."""
+    if "gloo" in str(dist.get_backend()):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def _encode(obj: object, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _decode(t: torch.Tensor, nbytes: int) -> Any:
+    host = t[:nbytes].cpu().contiguous()
+    return pickle.loads(ctypes.string_at(host.data_ptr(), nbytes) if nbytes else b"")
+
+
+def _all_gather_objects(obj: object) -> list[Any]:
+    device = _object_device()
+    payload = _encode(obj, device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    counts = [int(n.item()) for n in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    received = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(received, padded)
+    return [_decode(t, n) for t, n in zip(received, counts)]
+
+
+def _broadcast_object(obj: object) -> Any:
+    device = _object_device()
+    payload = _encode(obj, device) if dist.get_rank() == 0 else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=0)
+    return _decode(payload, payload.numel())
+
+
 def _gather(obj: object) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(gathered, obj)
+        return _all_gather_objects(obj)
     except RuntimeError as exc:
         raise peer_failure("agreeing with the other ranks", exc) from exc
-    return gathered
 
 
 def agree(status: tuple[Any, ...], stage: str = "building or sharding the model") -> list[tuple[Any, ...]]:
@@ -95,12 +144,10 @@ def agree_outcome(error: BaseException | None, stage: str) -> None:
 
 def share(result: object | LoadError | None) -> Any:
     """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it."""
-    box = [result if dist.get_rank() == 0 else None]
     try:
-        dist.broadcast_object_list(box, src=0)
+        value = _broadcast_object(result if dist.get_rank() == 0 else None)
     except RuntimeError as exc:
         raise peer_failure("receiving rank 0's manifest or result", exc) from exc
-    value = box[0]
     if isinstance(value, LoadError):
         raise type(value)(*value.args)
     return value
