@@ -17,16 +17,6 @@ from rank0load import _plan
 from rank0load._manifest import Entry
 
 
-def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return tuple(out)
-
-
 @st.composite
 def layouts(draw):
     shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
@@ -34,7 +24,9 @@ def layouts(draw):
     per_rank = {}
     for rank in range(world):
         # Any ordered subset of each dimension: row ranges, strided runs, empty shards.
-        per_rank[rank] = tuple(_runs(sorted(draw(st.sets(st.integers(0, n - 1), max_size=n)))) for n in shape)
+        per_rank[rank] = tuple(
+            _plan._runs(sorted(draw(st.sets(st.integers(0, n - 1), max_size=n)))) for n in shape
+        )
     piece_bytes = draw(st.integers(2, 40)) * _plan.ALIGN
     return shape, per_rank, piece_bytes
 
