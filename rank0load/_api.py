@@ -141,8 +141,9 @@ def load_sharded(
         mark("shard")
         layout = describe(model)
         targets_by_key = _targets(model, layout)
-        kinds = {k: _plan.entry_kind(t, mesh) for k, t in targets_by_key.items()}
-        runs = {k: _plan.block_runs(t) for k, t in targets_by_key.items() if kinds[k] == _plan.BLOCK}  # type: ignore[arg-type]
+        layouts = {k: _plan.entry_layout(t, mesh) for k, t in targets_by_key.items()}
+        kinds = {k: kind for k, (kind, _) in layouts.items()}
+        runs = {k: block for k, (_, block) in layouts.items() if block is not None}
         status = ("ok", layout.fingerprint(), tuple(sorted(kinds.items())), runs, max_staging_bytes)
     except Exception as exc:  # reported to every rank by agree()
         status = ("error", f"{type(exc).__name__}: {exc}")

@@ -13,7 +13,6 @@ Order of calls, identical on every rank (see ``_api.load_sharded``):
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import pickle
 from collections.abc import Callable, Sequence
@@ -25,9 +24,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._compat import host_bytes
 from ._format import DTYPES
 from ._manifest import Entry
-from ._plan import BLOCK, BROADCAST, FAN_OUT, GENERIC, Piece, Runs, block_half, cut, deliveries
+from ._plan import BLOCK, BROADCAST, FAN_OUT, GENERIC, Piece, Runs, block_half, cut, deliveries, row_bytes
 from ._stream import Reader
 from .errors import LoadError, RankMismatchError
 
@@ -65,8 +65,7 @@ def _encode(obj: object, device: torch.device) -> torch.Tensor:
 
 
 def _decode(t: torch.Tensor, nbytes: int) -> Any:
-    host = t[:nbytes].cpu().contiguous()
-    return pickle.loads(ctypes.string_at(host.data_ptr(), nbytes) if nbytes else b"")
+    return pickle.loads(host_bytes(t[:nbytes].cpu().contiguous()))
 
 
 def _all_gather_objects(obj: object) -> list[Any]:
@@ -281,7 +280,7 @@ def _fan_out(
     packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
     share one copy, so the packed blocks never exceed the chunk."""
     me = dist.get_rank()
-    chunk = data.view(wire).view(piece.nbytes // (entry.nbytes // entry.shape[0]), *entry.shape[1:])
+    chunk = data.view(wire).view(piece.nbytes // row_bytes(entry), *entry.shape[1:])
     made: dict[tuple[Any, ...], torch.Tensor] = {}
     works: list[Any] = []
     keep: list[torch.Tensor] = []

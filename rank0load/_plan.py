@@ -59,8 +59,10 @@ __all__ = [
     "cut",
     "deliveries",
     "entry_kind",
+    "entry_layout",
     "pieces",
     "placements_on",
+    "row_bytes",
     "rows_of",
 ]
 
@@ -142,24 +144,31 @@ def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
     )
 
 
-def entry_kind(target: torch.Tensor, mesh: DeviceMesh) -> str:
-    """(all ranks) SHARDED when every rank's local piece is a row range we can compute, BLOCK when it
-    is a cross product of index runs (:func:`block_runs`), else GENERIC.
+def entry_layout(target: torch.Tensor, mesh: DeviceMesh) -> tuple[str, Runs | None]:
+    """(all ranks) How ``target`` travels, and for BLOCK this rank's :func:`block_runs`: SHARDED when
+    every rank's local piece is a row range we can compute, BLOCK when it is a cross product of index
+    runs, else GENERIC (PLAIN for a plain tensor).
 
     Raises LoadError (see :func:`placements_on`) for a DTensor on a mesh rank 0 cannot reach through.
     """
     if not isinstance(target, DTensor):
-        return PLAIN
+        return PLAIN, None
     placements = placements_on(target, mesh)
     if target.ndim == 0:
-        return GENERIC
+        return GENERIC, None
     if _fast_placements(placements):
         coord = mesh.get_coordinate()
         if coord is not None:
             lo, hi = rows_of(mesh, placements, target.shape[0], coord)
             if tuple(local_tensor(target).shape) == (hi - lo, *target.shape[1:]):
-                return SHARDED
-    return BLOCK if block_runs(target) is not None else GENERIC
+                return SHARDED, None
+    runs = block_runs(target)
+    return (BLOCK, runs) if runs is not None else (GENERIC, None)
+
+
+def entry_kind(target: torch.Tensor, mesh: DeviceMesh) -> str:
+    """(all ranks) The kind alone of :func:`entry_layout`."""
+    return entry_layout(target, mesh)[0]
 
 
 def _one_dim(placement: object, dim: int) -> Placement | None:
@@ -210,12 +219,12 @@ def block_runs(target: DTensor) -> Runs | None:
     local = local_tensor(target)
     if target.ndim == 0 or not local.is_contiguous():
         return None
+    coord = target.device_mesh.get_coordinate()
     per_dim: list[tuple[tuple[int, int], ...]] = []
     for dim, size in enumerate(target.shape):
         one = [_one_dim(p, dim) for p in target.placements]
         if any(p is None for p in one):
             return None
-        coord = target.device_mesh.get_coordinate()
         per_dim.append(_dim_runs(target.device_mesh, tuple(coord) if coord else None, size, tuple(one)))  # type: ignore[arg-type]
     runs = tuple(per_dim)
     if tuple(_count(r) for r in runs) != tuple(local.shape):
@@ -245,14 +254,16 @@ def block_half(piece_bytes: int) -> int:
     return (piece_bytes // ALIGN * ALIGN) // 2 // ALIGN * ALIGN
 
 
+def row_bytes(entry: Entry) -> int:
+    """Bytes of one row (everything but dimension 0) of ``entry``; 0 when it has no rows."""
+    return entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+
+
 def block_chunk_rows(entry: Entry, piece_bytes: int) -> int:
     """Rows per BLOCK chunk: whole rows filling at most half a staging slot (the other half holds
     the cut blocks); 0 when a single row is wider than that (the entry then goes GENERIC)."""
-    rows = entry.shape[0]
-    row_bytes = entry.nbytes // rows if rows else 0
-    if row_bytes == 0:
-        return 0
-    return block_half(piece_bytes) // row_bytes
+    size = row_bytes(entry)
+    return block_half(piece_bytes) // size if size else 0
 
 
 def cut(chunk: torch.Tensor, d: Delivery) -> torch.Tensor:
@@ -273,7 +284,7 @@ def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Ite
     in this order."""
     itemsize = entry.nbytes // math.prod(entry.shape)
     first = piece.local_offset  # a chunk's first row
-    last = first + piece.nbytes // (entry.nbytes // entry.shape[0])
+    last = first + piece.nbytes // row_bytes(entry)
     for rank in sorted(runs_by_rank):
         runs = runs_by_rank[rank]
         inner = runs[1:]
@@ -330,10 +341,10 @@ def pieces(
             block_layouts = runs[index]
             assert block_layouts is not None  # set for every BLOCK entry by the caller
             rows = block_chunk_rows(entry, piece_bytes)
-            row_bytes = entry.nbytes // entry.shape[0]
+            size = row_bytes(entry)
             for first in range(0, entry.shape[0], rows):
                 n = min(rows, entry.shape[0] - first)
-                chunk = Piece(index, FAN_OUT, entry.offset + first * row_bytes, n * row_bytes, first, kind)
+                chunk = Piece(index, FAN_OUT, entry.offset + first * size, n * size, first, kind)
                 if me == 0:
                     yield chunk
                     continue
@@ -349,19 +360,19 @@ def pieces(
                 yield Piece(index, BROADCAST, entry.offset + start, n, start, kind)
             continue
         nrows = entry.shape[0]
-        row_bytes = entry.nbytes // nrows if nrows else 0
+        row = row_bytes(entry)
         per_rank = []
         if coords is None:
             coords = sorted(rank_coordinates(mesh).items())
         for rank, coord in coords:
             lo, hi = rows_of(mesh, placements[index], nrows, coord)  # type: ignore[arg-type]
-            size = (hi - lo) * row_bytes
+            size = (hi - lo) * row
             per_rank.append(
                 [
                     Piece(
                         index,
                         rank,
-                        entry.offset + lo * row_bytes + start,
+                        entry.offset + lo * row + start,
                         min(piece_bytes, size - start),
                         start,
                         kind,

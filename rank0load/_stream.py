@@ -10,7 +10,6 @@ on staging never exceeds ``slots * piece_bytes`` whatever the checkpoint's size.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import threading
@@ -19,25 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ._compat import host_bytes
 from ._plan import Piece
 from .errors import CheckpointFormatError, LoadError
 
 __all__ = ["Reader", "Staged", "read_into"]
 
 
-def _bytes_of(buf: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous uint8 CPU tensor's bytes, without numpy (torch does not
-    require it, nor do we). The caller keeps ``buf`` alive while the view is used."""
-    if buf.numel() == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
-
-
 def read_into(fd: int, buf: torch.Tensor, offset: int, path: str) -> None:
     """Fill the contiguous uint8 CPU tensor ``buf`` from ``fd`` at ``offset`` (short reads retried)."""
-    if not (buf.device.type == "cpu" and buf.dtype == torch.uint8 and buf.is_contiguous()):
-        raise LoadError("internal error: read_into needs a contiguous uint8 CPU tensor")
-    view = _bytes_of(buf)
+    view = host_bytes(buf)
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)

@@ -18,21 +18,12 @@ IDS = torch.tensor([[1, 2, 3, 6], [0, 5, 4, 4]])
 
 
 def tp_config():
-    """Llama whose MLP width (38) splits evenly over tp=2 but not again over dp=2 (19 rows): FSDP2
-    then stores colwise weights as an uneven ``_StridedShard``."""
-    from transformers import LlamaConfig
-
-    hf._quiet()
-    return LlamaConfig(
-        vocab_size=67,
-        hidden_size=24,
-        intermediate_size=38,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    """The tiny Llama with MLP width 38, which splits evenly over tp=2 but not again over dp=2 (19
+    rows): FSDP2 then stores colwise weights as an uneven ``_StridedShard``. Two layers."""
+    config = hf.config("llama")
+    config.intermediate_size = 38
+    config.num_hidden_layers = 2
+    return config
 
 
 class TPLlama:
