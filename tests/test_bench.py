@@ -14,8 +14,8 @@ import struct
 import pytest
 
 from rank0load import bench
-from rank0load._bench_methods import METHODS
-from rank0load._bench_model import config_for_size, tensor_specs
+from rank0load.bench.methods import METHODS
+from rank0load.bench.model import config_for_size, tensor_specs
 
 SIZE = "0.005"  # GB: hidden 256, 2 layers, vocab 4000, 3 shards
 
@@ -30,6 +30,7 @@ def smoke(tmp_path_factory):
         return rc, json.load(f), out, readme
 
 
+@pytest.mark.slow
 def test_every_method_reports_and_verifies(smoke):
     rc, doc, _, _ = smoke
     assert rc == 0
@@ -63,6 +64,7 @@ def test_every_method_reports_and_verifies(smoke):
     assert by_method["rank0load"]["stream_gbps"] > 0 and by_method["rank0load"]["stream_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_readme_section_rewritten(smoke):
     _, _, _, readme = smoke
     text = readme.read_text()
@@ -83,6 +85,7 @@ def _corrupt(path: str, key: str) -> None:
         f.write(bytes([byte ^ 0x40]))
 
 
+@pytest.mark.slow
 def test_verification_catches_wrong_data(smoke, tmp_path):
     _, doc, _, _ = smoke
     src = doc["results"][0]["checkpoint"]["dir"]

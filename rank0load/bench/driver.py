@@ -1,7 +1,7 @@
 """``python -m rank0load.bench``: host RAM and time of loading one checkpoint into an FSDP2 model.
 
 Writes (or reuses) a Llama-style bf16 checkpoint with tied embeddings, then, for each round and
-each method, launches ``--ranks`` fresh gloo processes on the CPU (``rank0load._bench_worker``)
+each method, launches ``--ranks`` fresh gloo processes on the CPU (``rank0load.bench.worker``)
 that build the sharded model and load the checkpoint; each rank reports its load seconds, RSS
 before, peak RSS (``VmHWM``), resident shard bytes and transient = peak - before - resident, and
 verifies the result bit-exact. A method's figures are its fastest round whose result verified.
@@ -26,8 +26,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from ._bench_methods import METHOD_NOTES, METHODS
-from ._bench_model import BenchConfig, cached_checkpoint, config_for_size, write_checkpoint
+from .methods import METHOD_NOTES, METHODS
+from .model import BenchConfig, cached_checkpoint, config_for_size, write_checkpoint
 
 __all__ = ["main", "parse_args", "run_size"]
 
@@ -80,7 +80,7 @@ def run_once(
     options: dict | None = None,
 ) -> list[dict]:
     """Launch ``ranks`` fresh worker processes for one method; one result dict per rank."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -105,7 +105,7 @@ def run_once(
             with open(os.path.join(tmp, f"rank{r}.log"), "w") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "rank0load._bench_worker", json.dumps(spec)],
+                        [sys.executable, "-m", "rank0load.bench.worker", json.dumps(spec)],
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 """The loading methods the benchmark compares (all ranks call the same function, in lock step).
 
 Each method takes ``(cfg, ckpt_dir, mesh, options)`` and returns ``(model, info)``: the FSDP2-sharded
-:class:`~._bench_model.BenchLlama` with real data, and a dict of method-specific facts
+:class:`~.model.BenchLlama` with real data, and a dict of method-specific facts
 (``tie_kept``: whether the head was still the embedding's Parameter when the method returned,
 before the benchmark re-tied it; ``stream_seconds`` where the method reports one). ``options``
 holds keyword arguments for the method under its name (``{"rank0load": {"max_staging_bytes": ...}}``).
@@ -23,10 +23,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from ._api import LoadReport
-from ._bench_model import BenchConfig, BenchLlama, expected_inv_freq
-from ._compat import local_tensor
-from ._memory import prefault
+from rank0load._api import LoadReport
+from rank0load._compat import local_tensor
+from rank0load._memory import prefault
+
+from .model import BenchConfig, BenchLlama, expected_inv_freq
 
 __all__ = ["METHODS", "METHOD_NOTES"]
 

@@ -1,4 +1,4 @@
-"""One rank of one benchmark run: ``python -m rank0load._bench_worker '<json spec>'``.
+"""One rank of one benchmark run: ``python -m rank0load.bench.worker '<json spec>'``.
 
 (every rank, a fresh process per method and round) Join a gloo group through a FileStore, pay
 torch's one-time lazy imports on a throwaway tiny model (unless told not to), read ``VmRSS`` ("before"), reset the peak (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), run the
@@ -65,7 +65,7 @@ def _verify(model, cfg, ckpt: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from ._bench_model import META_FILE, expected_inv_freq, tensor_digest
+    from .model import META_FILE, expected_inv_freq, tensor_digest
 
     rank = dist.get_rank()
     problems: list[str] = []
@@ -120,8 +120,8 @@ def _verify(model, cfg, ckpt: str) -> dict:
 def _warm_up(mesh) -> None:
     """Pay torch's one-time lazy imports (meta kernels, FSDP2 internals) before the measurement:
     build, shard and allocate a tiny model of the same classes, then drop it. No collectives."""
-    from ._bench_methods import build_sharded
-    from ._bench_model import BenchConfig
+    from .methods import build_sharded
+    from .model import BenchConfig
 
     tiny = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
     build_sharded(tiny, mesh)  # the same code path as the methods' own build; dropped at once
@@ -140,8 +140,8 @@ def main(spec: dict) -> dict:
 
     import rank0load  # noqa: F401
 
-    from ._bench_methods import METHODS
-    from ._bench_model import BenchConfig
+    from .methods import METHODS
+    from .model import BenchConfig
 
     rank, world = spec["rank"], spec["world"]
     dist.init_process_group(

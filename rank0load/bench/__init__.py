@@ -1,0 +1,50 @@
+"""The benchmark: host RAM and time of loading one checkpoint into an FSDP2 model, per method.
+
+``python -m rank0load.bench [args]`` runs it (see :mod:`rank0load.bench.driver` for the flags).
+:mod:`~.driver` drives the runs and writes the tables, :mod:`~.worker` is one rank of one run
+(``python -m rank0load.bench.worker '<json spec>'``), :mod:`~.methods` holds the loading methods
+compared and :mod:`~.model` the benchmark's model and checkpoint writer.
+"""
+
+from __future__ import annotations
+
+from .driver import (
+    ensure_checkpoint,
+    environment,
+    main,
+    parse_args,
+    plot,
+    readme_section,
+    results_table,
+    run_once,
+    run_size,
+    summarise,
+    sweep_table,
+    update_readme,
+    warm_page_cache,
+)
+from .methods import METHOD_NOTES, METHODS
+from .model import BenchConfig, cached_checkpoint, config_for_size, tensor_specs, write_checkpoint
+
+__all__ = [
+    "main",
+    "parse_args",
+    "run_once",
+    "run_size",
+    "summarise",
+    "ensure_checkpoint",
+    "warm_page_cache",
+    "environment",
+    "results_table",
+    "sweep_table",
+    "plot",
+    "readme_section",
+    "update_readme",
+    "METHODS",
+    "METHOD_NOTES",
+    "BenchConfig",
+    "cached_checkpoint",
+    "config_for_size",
+    "tensor_specs",
+    "write_checkpoint",
+]

@@ -1,0 +1,10 @@
+"""``python -m rank0load.bench [args]``: run the benchmark (:func:`rank0load.bench.driver.main`)."""
+
+from __future__ import annotations
+
+import sys
+
+from .driver import main
+
+if __name__ == "__main__":
+    sys.exit(main())
