@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
 from ._shard import default_shard_fn
 from .errors import (
+    CheckpointChangedError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     LoadError,
@@ -25,5 +26,6 @@ __all__ = [
     "CheckpointFormatError",
     "ModelMismatchError",
     "RankMismatchError",
+    "CheckpointChangedError",
 ]
 __version__ = "0.1.0"

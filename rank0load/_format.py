@@ -9,16 +9,27 @@ whole files (mapped pages count in RSS).
 from __future__ import annotations
 
 import json
-import math
 import os
+import stat
 import struct
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from .errors import CheckpointFormatError
+from .errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError
 
-__all__ = ["DTYPES", "TensorHeader", "read_header", "torch_dtype", "MAX_HEADER_BYTES"]
+__all__ = [
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "FileIdentity",
+    "OpenFile",
+    "TensorHeader",
+    "open_files",
+    "read_header",
+    "torch_dtype",
+]
 
 # safetensors dtype string -> torch dtype (what torch 2.13 can hold). "F4" is float4_e2m1fn_x2:
 # safetensors counts 4-bit elements in the shape, torch packs two per byte in the last dimension.
@@ -49,7 +60,9 @@ for _name, _attr in (
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors reference implementation enforces
+# The safetensors format's own limit (MAX_HEADER_SIZE = 100_000_000 in safetensors/src/tensor.rs):
+# a header the reference implementation refuses is refused here too.
+MAX_HEADER_BYTES = 100_000_000
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -60,12 +73,197 @@ def torch_dtype(name: str) -> torch.dtype:
 class TensorHeader:
     """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``."""
 
-    file: str  # path as given to read_header
+    file: str  # path as given to read_header (or OpenFile.path)
     key: str
     dtype: str  # safetensors dtype string
     shape: tuple[int, ...]  # torch shape (F4: last dim already halved)
     offset: int
     nbytes: int
+
+
+# --- opening files: regular files only, opened once --------------------------------------------
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words ("a FIFO", "a directory", ...)."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def not_regular(path: str, mode: int, where: str | None = None) -> CheckpointFormatError:
+    """The error for a checkpoint path (file, shard, index) that is not a regular file; ``where``:
+    the index or directory that named it, if any."""
+    kind = file_kind(mode)
+    what = (
+        "pass the directory itself as ckpt_path, or name a .safetensors file inside it"
+        if stat.S_ISDIR(mode)
+        else "rank0load reads checkpoint files at offsets (pread), which only a regular file allows: "
+        "write the data to a regular file first and load that"
+    )
+    prefix = f"{where}: " if where else ""
+    return CheckpointFormatError(f"{prefix}{path} is not a regular file ({kind}): {what}.")
+
+
+# O_NONBLOCK: opening a FIFO with no writer (or some devices) would otherwise block rank 0 forever
+# while the other ranks wait in a collective; on a regular file it changes nothing.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What ``os.fstat`` says when the file is opened: a later difference means it changed."""
+
+    dev: int  # st_dev: the filesystem
+    ino: int  # st_ino: the file on it (a rename over the path gives a new one)
+    size: int  # st_size in bytes
+    mtime_ns: int  # st_mtime_ns: moves on every write (to the filesystem's timestamp granularity)
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class OpenFile:
+    """(rank 0) One checkpoint file, opened once (read-only, O_NONBLOCK, O_CLOEXEC) after checking
+    it is a regular file; the stream reads by this descriptor, never re-opening by path.
+
+    :meth:`check` compares the file (by descriptor and by path) with the :class:`FileIdentity` taken
+    at open time. The caller owns the descriptor: :meth:`close` it (or use ``with``).
+    """
+
+    __slots__ = ("path", "fd", "identity")
+
+    def __init__(self, path: str, fd: int, identity: FileIdentity) -> None:
+        self.path = path  # as given to open(): TensorHeader.file and error messages use it
+        self.fd = fd  # -1 once closed
+        self.identity = identity
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> OpenFile:
+        """Open ``path`` if it is a regular file (after following symlinks).
+
+        Raises:
+            CheckpointNotFoundError: it does not exist or cannot be opened.
+            CheckpointFormatError: it is not a regular file (FIFO, socket, device, directory).
+        """
+        path = os.fspath(path)
+        try:
+            mode = os.stat(path).st_mode  # refuse before open(): open() itself may block or act
+        except OSError as exc:
+            raise _cannot_open(path, exc) from None
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            raise _cannot_open(path, exc) from None
+        try:
+            st = os.fstat(fd)  # the path may have been swapped since os.stat: check what we opened
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular(path, st.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, FileIdentity.of(st))
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointChangedError` unless the open file and the file at its path are
+        still the one opened: same device, inode, size and mtime (``os.fstat`` and ``os.stat``)."""
+        if self.fd < 0:
+            raise ValueError(f"{self.path}: check() on a closed OpenFile")
+        was = self.identity
+        now = FileIdentity.of(os.fstat(self.fd))
+        changes = []
+        if now.size != was.size:
+            changes.append(f"size {was.size} -> {now.size}")
+        if now.mtime_ns != was.mtime_ns:
+            changes.append(f"rewritten: mtime changed ({was.mtime_ns} -> {now.mtime_ns} ns)")
+        try:
+            at_path = FileIdentity.of(os.stat(self.path))
+        except OSError as exc:
+            changes.append(f"removed: the path cannot be read any more ({exc.strerror})")
+        else:
+            if (at_path.dev, at_path.ino) != (was.dev, was.ino):
+                dev = f", device {was.dev} -> {at_path.dev}" if at_path.dev != was.dev else ""
+                changes.append(f"replaced: inode {was.ino} -> {at_path.ino}{dev}")
+        if changes:
+            raise CheckpointChangedError(
+                f"{self.path} changed ({'; '.join(changes)}): the checkpoint changed during the load; "
+                "wait until whatever writes it has finished, then load again."
+            )
+
+    def close(self) -> None:
+        """Close the descriptor; calling it again does nothing."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> OpenFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            warnings.warn(f"unclosed OpenFile {self.path!r}", ResourceWarning, stacklevel=2)
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"OpenFile({self.path!r}, fd={self.fd})"
+
+
+def open_files(paths: Iterable[str]) -> dict[str, OpenFile]:
+    """(rank 0) Open every path once (see :meth:`OpenFile.open`), keyed by the path as given.
+
+    If one fails, those already opened are closed and the error is raised. The caller closes the
+    returned files (``for f in files.values(): f.close()``).
+    """
+    files: dict[str, OpenFile] = {}
+    try:
+        for path in paths:
+            if path not in files:
+                files[path] = OpenFile.open(path)
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return files
+
+
+def _cannot_open(path: str, exc: OSError) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"{path}: cannot open: {exc.strerror}. Check that the file exists and is readable by this "
+        "process (permissions, a broken symlink, an unmounted filesystem)."
+    )
+
+
+def read_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    """``n`` bytes at ``offset`` (looping over short reads); a CheckpointChangedError if the file
+    ends first, since its size was checked before."""
+    parts = []
+    done = 0
+    while done < n:
+        chunk = os.pread(fd, n - done, offset + done)
+        if not chunk:
+            raise CheckpointChangedError(
+                f"{path} changed (it ended after {offset + done} bytes, {n - done} short of what was "
+                "read before): the checkpoint changed during the load; wait until whatever writes it "
+                "has finished, then load again."
+            )
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+# --- parsing -----------------------------------------------------------------------------------
 
 
 def _fail(path: str, what: str) -> CheckpointFormatError:
@@ -80,36 +278,87 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def read_header(path: str) -> tuple[dict[str, TensorHeader], dict[str, str]]:
-    """(rank 0) Parse and validate one file's header. Returns (tensors, ``__metadata__``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        from .errors import CheckpointNotFoundError
+class Twice(dict[str, object]):
+    """A JSON object in which some key occurs more than once (``twice`` lists them, in order).
 
-        raise CheckpointNotFoundError(f"{path}: cannot open: {exc.strerror}") from None
+    ``json.loads`` would silently keep the last value; :func:`parse_json` returns this instead so
+    the caller can say which key of which object is ambiguous.
+    """
+
+    twice: tuple[str, ...] = ()
+
+
+def _pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    obj: dict[str, object] = {}
+    twice: list[str] = []
+    for key, value in pairs:
+        if key in obj:
+            twice.append(key)
+        obj[key] = value
+    if not twice:
+        return obj
+    marked = Twice(obj)
+    marked.twice = tuple(twice)
+    return marked
+
+
+def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> object:
+    """Decode untrusted JSON; objects with a repeated key come back as :class:`Twice`.
+
+    Invalid UTF-8 or JSON, a number too long to convert, or nesting too deep for the parser raise
+    ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index").
+    """
     try:
-        size = os.fstat(fd).st_size
-        if size < 8:
-            raise _fail(path, f"file is {size} bytes, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if n > MAX_HEADER_BYTES:
-            raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
-        if 8 + n > size:
-            raise _fail(path, f"header length {n} runs past the end of the {size}-byte file")
-        raw = os.pread(fd, n, 8)
-    finally:
-        os.close(fd)
-    try:
-        header = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail(path, f"header is not valid JSON ({exc})") from None
+        problem = f"{what} is not valid JSON ({exc})"
+    except ValueError as exc:  # int("9" * 5000): Python's integer-string conversion limit
+        problem = f"{what} holds a number too long to parse ({_short(str(exc), 90)})"
+    except RecursionError:
+        problem = f"{what} is nested too deeply to parse"
+    raise fail(problem)
+
+
+def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, TensorHeader], dict[str, str]]:
+    """(rank 0) Parse and validate one file's header. Returns (tensors, ``__metadata__``).
+
+    Args:
+        file: an :class:`OpenFile` (read through its descriptor, left open), or a path (opened,
+            read and closed here).
+
+    Raises:
+        CheckpointNotFoundError: a path that cannot be opened.
+        CheckpointFormatError: not a regular file, or the header is malformed.
+        CheckpointChangedError: the file changed since it was opened.
+    """
+    if not isinstance(file, OpenFile):
+        with OpenFile.open(file) as opened:
+            return read_header(opened)
+    path, fd, size = file.path, file.fd, file.identity.size
+    if size < 8:
+        raise _fail(path, f"file is {size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", read_exact(fd, 8, 0, path))
+    if n > MAX_HEADER_BYTES:
+        raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > size:
+        raise _fail(path, f"header length {n} runs past the end of the {size}-byte file")
+    raw = read_exact(fd, n, 8, path)
+    file.check()  # a header read from a file being rewritten is not evidence of corruption
+    header = parse_json(raw, "header", lambda problem: _fail(path, problem))
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object")
+    if isinstance(header, Twice):
+        raise CheckpointFormatError(
+            f"key {header.twice[0]!r} is stored twice in the header of {path}: a JSON reader keeps "
+            "only one of the two entries, so which tensor is meant is ambiguous. Re-save the "
+            "checkpoint (safetensors.torch.save_file and save_pretrained write each key once)."
+        )
     metadata = header.pop("__metadata__", None)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _fail(path, f"'__metadata__' is {_short(metadata)}: expected an object of strings")
+    if isinstance(metadata, Twice):
+        raise _fail(path, f"'__metadata__' holds key {metadata.twice[0]!r} twice")
     data_start = 8 + n
     data_size = size - data_start
     tensors: dict[str, TensorHeader] = {}
@@ -122,6 +371,8 @@ def read_header(path: str) -> tuple[dict[str, TensorHeader], dict[str, str]]:
 def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size: int) -> TensorHeader:
     if not isinstance(entry, dict):
         raise _fail(path, f"entry for key {key!r} is not an object")
+    if isinstance(entry, Twice):
+        raise _fail(path, f"entry for key {key!r} holds field {entry.twice[0]!r} twice")
     dtype = entry.get("dtype")
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
@@ -132,14 +383,14 @@ def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size:
             f"(known: {', '.join(sorted(DTYPES))})",
         )
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _fail(path, f"key {key!r} has shape {shape!r}: expected a list of non-negative integers")
+        raise _fail(path, f"key {key!r} has shape {_short(shape)}: expected a list of non-negative integers")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(type(o) is int and o >= 0 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _fail(path, f"key {key!r} has data_offsets {offsets!r}: expected [begin, end]")
+        raise _fail(path, f"key {key!r} has data_offsets {_short(offsets)}: expected [begin, end]")
     begin, end = offsets
     if end > data_size:
         raise _fail(
@@ -150,16 +401,30 @@ def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size:
     tshape = tuple(shape)
     if dtype == "F4":
         if not tshape or tshape[-1] % 2:
-            raise _fail(path, f"key {key!r}: F4 shape {shape} needs an even last dimension")
+            raise _fail(path, f"key {key!r}: F4 shape {_short(shape)} needs an even last dimension")
         tshape = (*tshape[:-1], tshape[-1] // 2)
-    nbytes = math.prod(tshape) * DTYPES[dtype].itemsize
-    if end - begin != nbytes:
+    nbytes = _nbytes(tshape, DTYPES[dtype].itemsize, data_size)
+    if nbytes is None or end - begin != nbytes:
+        needs = f"more than the {data_size} data bytes" if nbytes is None else f"{nbytes} bytes"
         raise _fail(
             path,
-            f"key {key!r} ({dtype}, shape {shape}) needs {nbytes} bytes but data_offsets "
+            f"key {key!r} ({dtype}, shape {_short(shape)}) needs {needs} but data_offsets "
             f"[{begin}, {end}] span {end - begin}",
         )
     return TensorHeader(path, key, dtype, tshape, data_start + begin, nbytes)
+
+
+def _nbytes(shape: tuple[int, ...], itemsize: int, limit: int) -> int | None:
+    """``prod(shape) * itemsize``, or None once it exceeds ``limit``: a header may hold millions of
+    huge dimensions, whose full product would take minutes to compute for nothing."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for d in shape:
+        n *= d
+        if n > limit:
+            return None
+    return n
 
 
 def _check_coverage(path: str, tensors: dict[str, TensorHeader], data_start: int, data_size: int) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._format import DTYPES, TensorHeader, read_header
+from ._format import DTYPES, OpenFile, TensorHeader, read_header
 from ._meta import ModelLayout
 from ._source import Source
 from .errors import CheckpointFormatError, ModelMismatchError, format_keys
@@ -49,11 +49,15 @@ class Manifest:
     total_bytes: int = 0
 
 
-def _headers(source: Source) -> dict[str, TensorHeader]:
-    """All tensors of all files; cross-checked against the index when there is one."""
+def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
+    """All tensors of all files; cross-checked against the index when there is one.
+
+    ``files``: the source's files already opened (``_format.open_files(source.files)``); each
+    header is then read through its descriptor. Without it, each file is opened by path.
+    """
     found: dict[str, TensorHeader] = {}
     for path in source.files:
-        tensors, _ = read_header(path)
+        tensors, _ = read_header(files[path] if files is not None else path)
         for key, t in tensors.items():
             if key in found:
                 raise CheckpointFormatError(

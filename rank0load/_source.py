@@ -11,18 +11,25 @@ checkpoint may not exist on their node.
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import re
+import stat
 from dataclasses import dataclass
 
+from ._format import OpenFile, Twice, not_regular, parse_json, read_exact
 from .errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["Source", "resolve"]
 
+logger = logging.getLogger(__name__)
+
 _SAFE = ".safetensors"
 _INDEX = ".safetensors.index.json"
+_SINGLE = "model" + _SAFE
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# An index maps names to files: a few MB for the largest models. Anything far bigger is not one.
+_MAX_INDEX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -33,12 +40,28 @@ class Source:
     files: tuple[str, ...]
     weight_map: dict[str, str] | None  # checkpoint key -> absolute file path
     description: str
+    # Weight files the directory also held but precedence passed over (model.safetensors wins over
+    # an index, as in transformers); logged at INFO when resolved.
+    ignored: tuple[str, ...] = ()
 
 
 def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> Source:
     """(rank 0) Find the files of the checkpoint. Raises CheckpointNotFoundError / CheckpointFormatError."""
     path = os.fspath(ckpt_path)
-    if not os.path.exists(path):
+    try:
+        mode: int | None = os.stat(path).st_mode  # follows symlinks: what open() would reach
+    except (FileNotFoundError, NotADirectoryError):  # "org/name" may be a repo id while ./org is a file
+        mode = None
+    except OSError as exc:
+        raise CheckpointNotFoundError(
+            f"checkpoint {path!r} cannot be read: {exc.strerror}. Check its permissions and path."
+        ) from None
+    if mode is None:
+        if os.path.islink(path):
+            raise CheckpointNotFoundError(
+                f"checkpoint {path!r} is a symlink to {os.readlink(path)!r}, which does not exist. "
+                "Fix the link or pass the checkpoint's real location."
+            )
         if _REPO_ID.match(path) and not path.startswith((".", "/")):
             snapshot = _from_hub(path, revision)
             # The Hub cache links snapshots/<commit>/<file> to blobs/<sha>: the repo's cache
@@ -48,14 +71,14 @@ def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> S
             f"checkpoint {path!r} does not exist. Pass a directory, a .safetensors file, a "
             "*.safetensors.index.json file, or a Hugging Face Hub repo id ('org/name')."
         )
-    if os.path.isdir(path):
+    if stat.S_ISDIR(mode):
         return _from_dir(path, boundary=_cache_repo(path))
+    if not stat.S_ISREG(mode):  # a FIFO, socket or device: opening it could block rank 0
+        raise not_regular(path, mode)
     if path.endswith(".json"):
         return _from_index(path, boundary=_cache_repo(os.path.dirname(os.path.abspath(path))))
-    if path.endswith(_SAFE) or os.path.isfile(path):
-        real = os.path.realpath(path)
-        return Source(os.path.dirname(real), (real,), None, path)
-    raise CheckpointNotFoundError(f"checkpoint {path!r} is neither a file nor a directory")
+    real = os.path.realpath(path)
+    return Source(os.path.dirname(real), (real,), None, path)
 
 
 def _cache_repo(directory: str) -> str | None:
@@ -77,11 +100,29 @@ def _cache_repo(directory: str) -> str | None:
 
 
 def _from_dir(path: str, boundary: str | None = None) -> Source:
+    """Precedence, as transformers' ``from_pretrained`` on a local directory: ``model.safetensors``
+    first, then ``model.safetensors.index.json`` (transformers 5.23 modeling_utils.py,
+    ``_get_resolved_checkpoint_files``: ``os.path.isfile(SAFE_WEIGHTS_NAME)`` is tested before
+    ``SAFE_WEIGHTS_INDEX_NAME``; its Hub branch also asks for SAFE_WEIGHTS_NAME first). Then a
+    single other index, then every ``*.safetensors`` file."""
     try:
         names = sorted(os.listdir(path))
     except OSError as exc:
         raise CheckpointNotFoundError(f"cannot list checkpoint directory {path!r}: {exc.strerror}") from None
+    root = os.path.realpath(path)
     indexes = [n for n in names if n.endswith(_INDEX)]
+    if _SINGLE in names:
+        single = _inside(root, _SINGLE, path, boundary)
+        if indexes:
+            logger.info(
+                "%s holds both %s and %s: loading %s and ignoring the index, as transformers' "
+                "from_pretrained does",
+                path,
+                _SINGLE,
+                ", ".join(indexes),
+                _SINGLE,
+            )
+        return Source(root, (single,), None, path, tuple(os.path.join(root, n) for n in indexes))
     if "model" + _INDEX in indexes:
         indexes = ["model" + _INDEX]
     if len(indexes) > 1:
@@ -90,25 +131,24 @@ def _from_dir(path: str, boundary: str | None = None) -> Source:
         )
     if indexes:
         return _from_index(os.path.join(path, indexes[0]), boundary)
-    files = [n for n in names if n.endswith(_SAFE) and os.path.isfile(os.path.join(path, n))]
-    if "model" + _SAFE in files:
-        files = ["model" + _SAFE]
+    files = [n for n in names if n.endswith(_SAFE)]
     if not files:
         raise CheckpointNotFoundError(
             f"checkpoint directory {path!r} holds no *.safetensors file and no "
             "*.safetensors.index.json. Save the model with save_pretrained(..., safe_serialization=True) "
             "or safetensors.torch.save_file."
         )
-    root = os.path.realpath(path)
     checked = tuple(_inside(root, n, path, boundary) for n in files)
     return Source(root, checked, None, path)
 
 
 def _inside(root: str, name: object, where: str, boundary: str | None = None) -> str:
-    """Absolute path of ``name`` under ``root``; refuse anything that escapes ``boundary`` (default
-    ``root``; a Hub cache's repo folder, whose snapshots link into its blobs)."""
+    """Absolute path of ``name`` under ``root``, a regular file; refuse anything that escapes
+    ``boundary`` (default ``root``; a Hub cache's repo folder, whose snapshots link into its blobs)."""
     if not isinstance(name, str) or not name:
-        raise CheckpointFormatError(f"{where}: file name {name!r} is not a non-empty string")
+        raise CheckpointFormatError(
+            f"{where}: file name {name!r} is not a non-empty string. Re-download or re-save the checkpoint."
+        )
     parts = name.replace("\\", "/").split("/")
     if os.path.isabs(name) or re.match(r"^[A-Za-z]:", name) or ".." in parts:
         raise CheckpointFormatError(
@@ -122,45 +162,72 @@ def _inside(root: str, name: object, where: str, boundary: str | None = None) ->
             f"{where}: refusing file {name!r}: it resolves to {full!r}, outside the checkpoint "
             f"directory {boundary!r} (a symlink that escapes?)"
         )
-    if not os.path.isfile(full):
+    try:
+        mode = os.stat(full).st_mode
+    except OSError:
         raise CheckpointNotFoundError(
             f"{where}: names file {name!r}, which does not exist in {root!r}. "
             "Was the download interrupted? Re-download the missing shard."
-        )
+        ) from None
+    if not stat.S_ISREG(mode):
+        raise not_regular(os.path.join(root, name), mode, where)
     return full
 
 
+def _index_error(index_path: str, problem: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{index_path}: {problem}. Re-download or re-save the checkpoint (save_pretrained writes the "
+        "index last: an interrupted save leaves it incomplete), or pass a single .safetensors file "
+        "as ckpt_path."
+    )
+
+
+def _read_index(index_path: str) -> object:
+    """The index's JSON, read through one descriptor of a regular file (never blocks on a FIFO)."""
+    with OpenFile.open(index_path) as f:
+        size = f.identity.size
+        if size > _MAX_INDEX_BYTES:
+            raise _index_error(
+                index_path, f"index is {size} bytes, more than the {_MAX_INDEX_BYTES} an index can need"
+            )
+        raw = read_exact(f.fd, size, 0, index_path)
+        f.check()
+    return parse_json(raw, "index", lambda problem: _index_error(index_path, problem))
+
+
 def _from_index(index_path: str, boundary: str | None = None) -> Source:
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except OSError as exc:
-        raise CheckpointNotFoundError(f"cannot read index {index_path!r}: {exc.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointFormatError(
-            f"{index_path}: index is not valid JSON ({exc}). Re-download or re-save the checkpoint "
-            "(save_pretrained writes the index last: an interrupted save leaves it incomplete)."
-        ) from None
+    index = _read_index(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointFormatError(
-            f"{index_path}: index has no 'weight_map' object mapping tensor names to files. "
-            "Re-download or re-save the checkpoint, or pass a single .safetensors file as ckpt_path."
+        raise _index_error(index_path, "index has no 'weight_map' object mapping tensor names to files")
+    if isinstance(weight_map, Twice):
+        raise _index_error(
+            index_path,
+            f"key {weight_map.twice[0]!r} is listed twice in 'weight_map' (a JSON reader keeps only the "
+            "last, so which file holds it is ambiguous)",
         )
     # The index's own directory, not its symlink target's (a Hub cache links the index to a blob).
     root = os.path.realpath(os.path.dirname(os.path.abspath(index_path)))
     resolved: dict[str, str] = {}
     mapped: dict[str, str] = {}
     for key, name in weight_map.items():
+        if not isinstance(key, str) or not isinstance(name, str):
+            raise _index_error(
+                index_path,
+                f"'weight_map' maps key {key!r} to {_short(name)}: expected a file name (a string)",
+            )
         if name not in resolved:
             resolved[name] = _inside(root, name, index_path, boundary)
         mapped[key] = resolved[name]
     files = tuple(sorted(set(resolved.values())))
     if not files:
-        raise CheckpointFormatError(
-            f"{index_path}: 'weight_map' is empty. Re-download or re-save the checkpoint."
-        )
+        raise _index_error(index_path, "'weight_map' is empty")
     return Source(root, files, mapped, index_path)
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # What a load needs from a Hub repo: weights, their index, and the model config (for callers that

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointFormatError",
     "ModelMismatchError",
     "RankMismatchError",
+    "CheckpointChangedError",
 ]
 
 
@@ -33,6 +34,10 @@ class CheckpointFormatError(LoadError, ValueError):
 
 class ModelMismatchError(LoadError, ValueError):
     """The checkpoint does not fit the model: missing/unexpected keys, shapes, dtypes, ties."""
+
+
+class CheckpointChangedError(LoadError):
+    """A checkpoint file changed (replaced, rewritten, truncated) while it was being loaded."""
 
 
 class RankMismatchError(LoadError):
