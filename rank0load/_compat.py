@@ -1,16 +1,38 @@
-"""The one place rank0load leans on DTensor behaviour that could change between torch releases.
+"""The one place rank0load leans on private torch and transformers behaviour that could change.
 
-``tests/test_compat.py`` fails loudly if it does.
+Every name here wraps something that is not a public API of torch or transformers (or a
+public method rank0load patches). ``tests/test_compat.py`` checks each of them and fails loudly
+when a release changes it.
+
+(all ranks, no collectives)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-__all__ = ["host_bytes", "local_tensor"]
+# Private: FSDP2 places it on top of a tensor-parallel Shard of the same dimension.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+__all__ = [
+    "StridedShard",
+    "clear_hf_initialized",
+    "hf_init_weights",
+    "host_bytes",
+    "local_tensor",
+    "no_split_modules",
+    "non_persistent_buffers",
+    "one_dim_placement",
+    "parameters_on_meta",
+    "split_chunks",
+]
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
@@ -35,3 +57,100 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
         return t
     with torch.no_grad():
         return t.to_local()
+
+
+def one_dim_placement(placement: object, dim: int) -> Placement | None:
+    """``placement`` as it acts on tensor dimension ``dim`` alone, as a placement of a 1-D tensor;
+    None for ``Partial`` or a placement rank0load does not know."""
+    if type(placement) is Replicate:
+        return Replicate()
+    if isinstance(placement, StridedShard):
+        return StridedShard(0, split_factor=placement.split_factor) if placement.dim == dim else Replicate()
+    if type(placement) is Shard:
+        return Shard(0) if placement.dim == dim else Replicate()
+    return None
+
+
+def split_chunks(placement: Placement, t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """The ``parts`` pieces DTensor's own split gives dimension 0 of ``t`` under ``placement``
+    (``Shard(0)`` or ``_StridedShard(0)``), one per mesh coordinate, without padding: what
+    ``distribute_tensor(..., src_data_rank=None)`` keeps on the rank at each coordinate.
+    Private: ``Placement._split_tensor``."""
+    chunks, _ = placement._split_tensor(t, parts, with_padding=False, contiguous=False)  # type: ignore[attr-defined]
+    return list(chunks)
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers kept out of its state dict (``persistent=False``)."""
+    return module._non_persistent_buffers_set
+
+
+def no_split_modules(model: nn.Module) -> set[str]:
+    """transformers' ``_no_split_modules``: class names of the model's decoder/encoder layers."""
+    names = getattr(model, "_no_split_modules", None) or ()
+    return {names} if isinstance(names, str) else set(names)
+
+
+def hf_init_weights(model: nn.Module, module_name: str) -> Callable[[nn.Module], object] | None:
+    """The nearest ancestor's (or the module's own) ``_init_weights`` (transformers' per-module
+    initialiser, the one ``from_pretrained`` gives new heads), or None."""
+    parts = module_name.split(".") if module_name else []
+    for depth in range(len(parts), -1, -1):
+        ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
+        init = getattr(ancestor, "_init_weights", None)
+        if callable(init):
+            return init
+    return None
+
+
+def clear_hf_initialized(module: nn.Module, tensors: list[torch.Tensor]) -> None:
+    """Drop transformers' ``_is_hf_initialized`` flags, with which ``_init_weights`` skips tensors
+    it believes a checkpoint already filled."""
+    module.__dict__.pop("_is_hf_initialized", None)
+    for t in tensors:
+        if hasattr(t, "_is_hf_initialized"):
+            del t._is_hf_initialized
+
+
+_patch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Patch ``nn.Module.register_parameter`` so every registered parameter lives on meta.
+
+    A parameter object registered twice (a tie made by assigning one ``Parameter`` to two modules)
+    maps to one meta parameter, so ties made during construction survive. (accelerate's
+    ``init_empty_weights`` patches the same method.)
+    """
+    original = nn.Module.register_parameter
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            hit = replaced.get(id(param))
+            if hit is not None and hit[0] is param:
+                meta_param = hit[1]
+            else:
+                meta_param = _to_meta(param)
+                # Keep `param` alive in the dict so its id() cannot be reused during the build.
+                replaced[id(param)] = (param, meta_param)
+            param = meta_param
+        original(self, name, param)
+
+    with _patch_lock:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _to_meta(param: nn.Parameter) -> nn.Parameter:
+    data = param.detach().to("meta")
+    if type(param) is nn.Parameter:
+        return nn.Parameter(data, requires_grad=param.requires_grad)
+    # Parameter subclasses carry extra state in __dict__ (as accelerate's init_empty_weights does).
+    kwargs = dict(param.__dict__)
+    kwargs["requires_grad"] = param.requires_grad
+    return type(param)(data, **kwargs)

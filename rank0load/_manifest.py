@@ -8,18 +8,19 @@ that every rank will iterate during streaming. Any problem raises a :class:`Load
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from ._format import DTYPES, OpenFile, TensorHeader, read_header
+from ._format import DTYPES, OpenFile, TensorHeader, open_files, read_header
 from ._meta import ModelLayout
-from ._source import Source
-from .errors import CheckpointFormatError, ModelMismatchError, format_keys
+from ._source import Source, resolve
+from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 
-__all__ = ["Entry", "Manifest", "build_manifest", "FLOAT_WIRE"]
+__all__ = ["Entry", "Manifest", "build_manifest", "read_manifest", "FLOAT_WIRE"]
 
 # Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
 # Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
@@ -112,9 +113,11 @@ def build_manifest(
     *,
     strict: bool,
     key_map: Callable[[str], str | None] | None,
+    files: dict[str, OpenFile] | None = None,
 ) -> Manifest:
-    """(rank 0) Validate the checkpoint against the model and list what to move, in file order."""
-    headers = _headers(source)
+    """(rank 0) Validate the checkpoint against the model and list what to move, in file order.
+    ``files``: the source's files, opened once (see :func:`read_manifest`)."""
+    headers = _headers(source, files)
 
     # checkpoint key -> model key (key_map first, then the model's own aliases).
     by_model_key: dict[str, list[TensorHeader]] = {}
@@ -218,3 +221,27 @@ def _check_tied_equal(model_key: str, found: list[TensorHeader], chunk: int = 8 
                 f"{os.path.basename(other.file)}. The model ties them to one tensor; keep one "
                 "in the checkpoint or untie them in model_fn."
             )
+
+
+def read_manifest(
+    ckpt_path: str | os.PathLike[str],
+    revision: str | None,
+    layout: ModelLayout,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    stack: contextlib.ExitStack,
+) -> tuple[Manifest | LoadError, dict[str, OpenFile]]:
+    """(rank 0) Resolve the checkpoint, open its files once (closed by ``stack``), read and validate
+    their headers against the model. Returns the manifest, or the LoadError to share with every
+    rank (anything unforeseen is wrapped in one), and the open files the stream reads from."""
+    files: dict[str, OpenFile] = {}
+    try:
+        source = resolve(ckpt_path, revision)
+        files = open_files(source.files)
+        stack.callback(lambda: [f.close() for f in files.values()])
+        return build_manifest(source, layout, strict=strict, key_map=key_map, files=files), files
+    except LoadError as exc:
+        return exc, files
+    except Exception as exc:  # anything unforeseen must still reach every rank
+        message = f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
+        return LoadError(message), files

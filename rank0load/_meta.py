@@ -9,62 +9,19 @@ No collectives happen here.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta
+
 __all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
-
-_patch_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Patch ``nn.Module.register_parameter`` so every registered parameter lives on meta.
-
-    A parameter object registered twice (a tie made by assigning one ``Parameter`` to two modules)
-    maps to one meta parameter, so ties made during construction survive.
-    """
-    original = nn.Module.register_parameter
-    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-
-    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            hit = replaced.get(id(param))
-            if hit is not None and hit[0] is param:
-                meta_param = hit[1]
-            else:
-                meta_param = _to_meta(param)
-                # Keep `param` alive in the dict so its id() cannot be reused during the build.
-                replaced[id(param)] = (param, meta_param)
-            param = meta_param
-        original(self, name, param)
-
-    with _patch_lock:
-        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _to_meta(param: nn.Parameter) -> nn.Parameter:
-    data = param.detach().to("meta")
-    if type(param) is nn.Parameter:
-        return nn.Parameter(data, requires_grad=param.requires_grad)
-    # Parameter subclasses carry extra state in __dict__ (as accelerate's init_empty_weights does).
-    kwargs = dict(param.__dict__)
-    kwargs["requires_grad"] = param.requires_grad
-    return type(param)(data, **kwargs)
-
 
 def build_on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module:
     """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real."""
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
@@ -139,19 +96,8 @@ def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(prefix) if prefix else model), leaf
 
 
-def hf_init_weights(model: nn.Module, module_name: str) -> Callable[[nn.Module], object] | None:
-    """The nearest ancestor's (or the module's own) ``_init_weights`` (transformers), or None."""
-    parts = module_name.split(".") if module_name else []
-    for depth in range(len(parts), -1, -1):
-        ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
-        init = getattr(ancestor, "_init_weights", None)
-        if callable(init):
-            return init
-    return None
-
-
 def _initialiser(model: nn.Module, module_name: str) -> bool:
-    """Whether the module that owns a parameter can be re-initialised (see ``_api._init_missing``)."""
+    """Whether the module that owns a parameter can be re-initialised (see ``_model.init_missing``)."""
     module = model.get_submodule(module_name) if module_name else model
     return (
         callable(getattr(module, "reset_parameters", None)) or hf_init_weights(model, module_name) is not None
@@ -188,7 +134,7 @@ def describe(model: nn.Module) -> ModelLayout:
             if buf is None:
                 continue
             name = f"{module_name}.{leaf}" if module_name else leaf
-            if leaf in module._non_persistent_buffers_set:
+            if leaf in non_persistent_buffers(module):
                 non_persistent.add(name)
                 continue
             if id(buf) in first_name:

@@ -1,34 +1,38 @@
 """How each manifest entry travels: which rank gets which bytes (all ranks; no collectives).
 
-Every rank derives the same sequence of :class:`Piece` from the manifest and the mesh, so sender
-and receivers agree on every message without exchanging anything. A piece is a contiguous byte
-range of the checkpoint (wire dtype) and its place in the destination's local tensor.
+Every rank derives the same sequence of :class:`Piece` from the manifest, the agreed kinds and the
+mesh (:func:`build_plan` -> :class:`Plan`), so sender and receivers agree on every message without
+exchanging anything more. A piece is a contiguous byte range of the checkpoint (wire dtype) and its
+place in the destination's local tensor.
 
-* ``SHARDED`` entries (a DTensor whose placements are only ``Shard(0)`` and ``Replicate``): each
-  rank's local tensor is a contiguous range of rows, so its bytes are one contiguous range of
-  the file. Rank 0 sends each rank exactly its rows, point to point, in pieces of at most
-  ``piece_bytes``; the rows it keeps itself are read straight into its local shard.
-* ``PLAIN`` entries (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
-* ``BLOCK`` entries (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``, e.g. tensor
-  parallel ``Shard(1)``, or the ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): each
-  rank's local tensor is the cross product of index runs, one list per dimension (:func:`block_runs`,
-  computed by DTensor's own split on every rank and gathered by rank 0 when the ranks agree). Rank 0
-  reads the tensor in chunks of whole rows (at most half a staging slot), cuts each rank's block
-  out of the chunk and sends it point to point (:class:`Delivery`); a block is exactly a run of the
-  rank's local rows, so it lands straight in the local shard. No rank ever holds the full tensor.
-* ``GENERIC`` entries (placements DTensor may add that are none of the above, a non-contiguous
-  local shard, or rows wider than half a staging slot): one piece; rank 0 reads the full tensor and
-  broadcasts it, and every rank cuts its own shard locally (see ``_distribute._generic``).
+* ``SHARDED`` (a DTensor whose placements are only ``Shard(0)`` and ``Replicate``): each rank's
+  local tensor is a contiguous range of rows, one contiguous range of the file. Rank 0 sends each
+  rank exactly its rows, point to point, in pieces of at most ``piece_bytes``; the rows it keeps
+  itself are read straight into its local shard.
+* ``PLAIN`` (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
+* ``BLOCK`` (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``: tensor-parallel
+  ``Shard(1)``, the ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): each rank's local
+  tensor is the cross product of index runs, one list per dimension. Rank 0 computes every rank's
+  runs itself (:func:`runs_at`, DTensor's own split at that rank's coordinate; each rank checks the
+  result against its real shard at agreement, so nothing per rank is exchanged). It reads the
+  tensor in chunks of whole rows (at most half a staging slot), cuts each rank's block out of the
+  chunk and sends it point to point (:class:`Delivery`). No rank ever holds the full tensor.
+* ``GENERIC`` (placements that are none of the above, a non-contiguous local shard, rows wider than
+  half a staging slot): broadcast in pieces into a full-size tensor on every rank, which then cuts
+  its own shard locally (outside the staging budget; reported in ``LoadReport.broadcast_whole``).
 
 A DTensor may live on a sub-mesh of the load mesh (``fully_shard(m, mesh=mesh["dp"])`` on a
 ("dp", "tp") mesh leaves embeddings and norms on the "dp" sub-mesh). :func:`placements_on` lifts its
-placements to the load mesh, with ``Replicate`` on the dimensions the sub-mesh lacks: each tp group
-member holds the same shard. Without lifting, a collective on the sub-mesh would only reach the
-sub-mesh instance that contains rank 0, and the others would receive nothing.
+placements to the load mesh, with ``Replicate`` on the dimensions the sub-mesh lacks.
+
+The stream is cut into *rounds* of whole entries (at least :data:`ROUND_PIECES` staging pieces of
+bytes each): at the end of each round every rank says whether it failed, so a failure reaches every
+rank within one round and the ranks stop in step (``_distribute.stream``).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import math
@@ -38,50 +42,70 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._compat import local_tensor
+from ._compat import local_tensor, one_dim_placement, split_chunks
 from ._manifest import Entry
-from .errors import LoadError
+from .errors import RankMismatchError
 
 __all__ = [
-    "BLOCK",
-    "BROADCAST",
-    "FAN_OUT",
+    "ALIGN",
     "Delivery",
-    "GENERIC",
-    "PLAIN",
-    "SHARDED",
+    "Kind",
     "Piece",
+    "Plan",
+    "Route",
     "block_chunk_rows",
     "block_half",
-    "block_runs",
+    "build_plan",
     "cut",
     "deliveries",
-    "entry_kind",
-    "entry_layout",
-    "pieces",
+    "kind_of",
+    "layout_flags",
+    "local_kind",
     "placements_on",
+    "rank_coordinates",
     "row_bytes",
     "rows_of",
+    "runs_at",
 ]
 
-SHARDED, PLAIN, BLOCK, GENERIC = "sharded", "plain", "block", "generic"
-BROADCAST = -1  # Piece.dst for a broadcast to every rank
-FAN_OUT = -2  # Piece.dst for a BLOCK chunk on rank 0: read once, cut into Deliveries
+ALIGN = 64  # piece boundaries stay multiples of every element size
+ROUND_PIECES = 64  # a round carries at least this many pieces' worth of bytes (256 MiB by default)
 
 Runs = tuple[tuple[tuple[int, int], ...], ...]  # per tensor dimension: [start, stop) runs of global indices
-ALIGN = 64  # piece boundaries stay multiples of every element size
+
+
+class Kind(enum.Enum):
+    """How an entry travels (see the module docstring)."""
+
+    SHARDED = "sharded"
+    PLAIN = "plain"
+    BLOCK = "block"
+    GENERIC = "generic"
+
+
+class Route(enum.Enum):
+    """Where a piece goes."""
+
+    TO_RANK = "to_rank"  # point to point to ``Piece.dst`` (rank 0 itself: read in place)
+    BROADCAST = "broadcast"  # to every rank
+    FAN_OUT = "fan_out"  # (rank 0 only) a BLOCK chunk, read once and cut into Deliveries
+
+
+# Bits of layout_flags, AND-ed over the ranks at agreement.
+ROWS_OK = 1  # this rank's shard is the row range rows_of() computes
+RUNS_OK = 2  # this rank's shard is the block runs_at() computes
 
 
 @dataclass(frozen=True)
 class Piece:
     index: int  # manifest entry index
-    dst: int  # global rank, or BROADCAST
+    route: Route
+    dst: int  # global rank for Route.TO_RANK; -1 otherwise
     file_offset: int  # absolute offset in the entry's file
     nbytes: int
     local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor
-    kind: str
+    kind: Kind
 
 
 def _chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
@@ -95,17 +119,17 @@ def _chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def rows_of(
-    mesh: DeviceMesh, placements: Sequence[object], nrows: int, coord: Sequence[int]
+    mesh_shape: Sequence[int], placements: Sequence[object], nrows: int, coord: Sequence[int]
 ) -> tuple[int, int]:
     """The row range [lo, hi) that the rank at mesh coordinate ``coord`` holds."""
     lo, hi = 0, nrows
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
-            lo, hi = _chunk(lo, hi, mesh.size(dim), coord[dim])
+            lo, hi = _chunk(lo, hi, mesh_shape[dim], coord[dim])
     return lo, hi
 
 
-def _fast_placements(placements: Sequence[object]) -> bool:
+def _row_placements(placements: Sequence[object]) -> bool:
     return all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements)
 
 
@@ -114,7 +138,7 @@ def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
 
     A DTensor on ``mesh`` itself keeps its placements. One on a sub-mesh made by slicing named
     dimensions of ``mesh`` (``mesh["dp"]``) gets ``Replicate`` on the dimensions it lacks. Any other
-    mesh (a flattened dimension, dimensions reordered, an unrelated mesh) raises :class:`LoadError`:
+    mesh (a flattened dimension, dimensions reordered, an unrelated mesh) raises :class:`RankMismatchError`:
     rank 0 could not reach every rank's shard through it.
     """
     sub = target.device_mesh
@@ -137,49 +161,52 @@ def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
             for i, d in enumerate(dims):
                 lifted[d] = target.placements[i]
             return tuple(lifted)
-    raise LoadError(
+    raise RankMismatchError(
         f"a parameter lives on device mesh {sub} (dims {sub_names}), which is neither the load mesh "
         f"{mesh} (dims {names}) nor a slice of its named dimensions (mesh['dp']). Pass load_sharded "
         "the root mesh your shard_fn slices, with mesh_dim_names."
     )
 
 
-def entry_layout(target: torch.Tensor, mesh: DeviceMesh) -> tuple[str, Runs | None]:
-    """(all ranks) How ``target`` travels, and for BLOCK this rank's :func:`block_runs`: SHARDED when
-    every rank's local piece is a row range we can compute, BLOCK when it is a cross product of index
-    runs, else GENERIC (PLAIN for a plain tensor).
+def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
+    """(all ranks) Which fast paths this rank's shard of ``target`` allows (``ROWS_OK | RUNS_OK``);
+    0 for a plain tensor, a 0-d DTensor or a layout only ``GENERIC`` can move.
 
     Raises LoadError (see :func:`placements_on`) for a DTensor on a mesh rank 0 cannot reach through.
     """
-    if not isinstance(target, DTensor):
-        return PLAIN, None
+    if not isinstance(target, DTensor) or target.ndim == 0:
+        return 0
     placements = placements_on(target, mesh)
-    if target.ndim == 0:
-        return GENERIC, None
-    if _fast_placements(placements):
-        coord = mesh.get_coordinate()
-        if coord is not None:
-            lo, hi = rows_of(mesh, placements, target.shape[0], coord)
-            if tuple(local_tensor(target).shape) == (hi - lo, *target.shape[1:]):
-                return SHARDED, None
-    runs = block_runs(target)
-    return (BLOCK, runs) if runs is not None else (GENERIC, None)
+    coord = mesh.get_coordinate()
+    local = local_tensor(target)
+    if coord is None:
+        return 0
+    flags = 0
+    if _row_placements(placements):
+        lo, hi = rows_of(mesh.shape, placements, target.shape[0], coord)
+        if tuple(local.shape) == (hi - lo, *target.shape[1:]):
+            flags |= ROWS_OK
+    mine = block_runs(target)
+    simulated = runs_at(placements, tuple(mesh.shape), tuple(coord), tuple(target.shape))
+    if mine is not None and mine == simulated:
+        flags |= RUNS_OK
+    return flags
 
 
-def entry_kind(target: torch.Tensor, mesh: DeviceMesh) -> str:
-    """(all ranks) The kind alone of :func:`entry_layout`."""
-    return entry_layout(target, mesh)[0]
+def kind_of(target: torch.Tensor, flags: int) -> Kind:
+    """The kind every rank takes for ``target`` given the flags AND-ed over all ranks."""
+    if not isinstance(target, DTensor):
+        return Kind.PLAIN
+    if flags & ROWS_OK:
+        return Kind.SHARDED
+    if flags & RUNS_OK:
+        return Kind.BLOCK
+    return Kind.GENERIC
 
 
-def _one_dim(placement: object, dim: int) -> Placement | None:
-    """``placement`` as it acts on tensor dimension ``dim`` alone, as a placement of a 1-D tensor."""
-    if type(placement) is Replicate:
-        return Replicate()
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(0, split_factor=placement.split_factor) if placement.dim == dim else Replicate()
-    if type(placement) is Shard:
-        return Shard(0) if placement.dim == dim else Replicate()
-    return None  # Partial, or a placement this module does not know
+def local_kind(target: torch.Tensor, mesh: DeviceMesh) -> Kind:
+    """(all ranks) The kind this rank alone would give ``target`` (the load ANDs every rank's flags)."""
+    return kind_of(target, layout_flags(target, mesh))
 
 
 def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
@@ -196,9 +223,9 @@ def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
 def _dim_runs(
     mesh: DeviceMesh, coord: tuple[int, ...] | None, size: int, one: tuple[Placement, ...]
 ) -> tuple[tuple[int, int], ...]:
-    """This rank's indices along one dimension of ``size`` under ``one`` (see :func:`block_runs`).
-    ``coord``, this rank's place in ``mesh``, is part of the cache key only: a later process group
-    may give this process another place in an equal mesh."""
+    """This rank's indices along one dimension of ``size`` under ``one``, by ``distribute_tensor``
+    itself. ``coord`` is part of the cache key only: a later process group may give this process
+    another place in an equal mesh."""
     if all(type(p) is Replicate for p in one):
         return ((0, size),) if size else ()
     index = torch.arange(size)  # moved to the mesh device by distribute_tensor
@@ -207,22 +234,17 @@ def _dim_runs(
 
 
 def block_runs(target: DTensor) -> Runs | None:
-    """(all ranks) The global indices this rank's local shard holds, per dimension, as runs; or None.
-
-    DTensor's own split computes them: for each dimension, an ``arange`` over it is distributed with
-    the placements that act on that dimension (``src_data_rank=None``: no communication) and the
-    local piece read back. Sharding acts on each dimension separately, so the local shard is the
-    cross product of these index lists (checked against its shape; None if it does not match, if a
-    placement is neither ``Shard``, ``_StridedShard`` nor ``Replicate``, or if the shard is not
-    contiguous).
-    """
+    """(all ranks) The global indices this rank's local shard holds, per dimension, as runs; or None
+    (a placement that is neither ``Shard``, ``_StridedShard`` nor ``Replicate``, a non-contiguous
+    shard, or runs that do not match the shard's shape). Sharding acts on each dimension separately,
+    so the local shard is the cross product of these index lists."""
     local = local_tensor(target)
     if target.ndim == 0 or not local.is_contiguous():
         return None
     coord = target.device_mesh.get_coordinate()
     per_dim: list[tuple[tuple[int, int], ...]] = []
     for dim, size in enumerate(target.shape):
-        one = [_one_dim(p, dim) for p in target.placements]
+        one = [one_dim_placement(p, dim) for p in target.placements]
         if any(p is None for p in one):
             return None
         per_dim.append(_dim_runs(target.device_mesh, tuple(coord) if coord else None, size, tuple(one)))  # type: ignore[arg-type]
@@ -230,6 +252,35 @@ def block_runs(target: DTensor) -> Runs | None:
     if tuple(_count(r) for r in runs) != tuple(local.shape):
         return None
     return runs
+
+
+@functools.lru_cache(maxsize=65536)
+def _dim_runs_at(
+    mesh_shape: tuple[int, ...], coord: tuple[int, ...], size: int, one: tuple[Placement, ...]
+) -> tuple[tuple[int, int], ...]:
+    index = torch.arange(size)
+    for mesh_dim, placement in enumerate(one):
+        if type(placement) is not Replicate:  # distribute_tensor's order: mesh dimension by dimension
+            index = split_chunks(placement, index, mesh_shape[mesh_dim])[coord[mesh_dim]]
+    return _runs(index.tolist())
+
+
+def runs_at(
+    placements: Sequence[Placement],
+    mesh_shape: tuple[int, ...],
+    coord: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> Runs | None:
+    """The block runs of the rank at ``coord`` of a mesh of ``mesh_shape`` (placements on that mesh),
+    computed without that rank: DTensor's split applied mesh dimension by mesh dimension, as
+    ``distribute_tensor`` does. None for a placement that is not Shard/_StridedShard/Replicate."""
+    per_dim = []
+    for dim, size in enumerate(shape):
+        one = tuple(one_dim_placement(p, dim) for p in placements)
+        if any(p is None for p in one):
+            return None
+        per_dim.append(_dim_runs_at(mesh_shape, coord, size, one))  # type: ignore[arg-type]
+    return tuple(per_dim)
 
 
 def _count(runs: Sequence[tuple[int, int]]) -> int:
@@ -304,80 +355,99 @@ def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Ite
             position += stop - start
 
 
-def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
-    """Global rank -> its coordinate in the mesh."""
+def rank_coordinates(mesh: DeviceMesh) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(global rank, its coordinate in the mesh), sorted by rank."""
     grid = mesh.mesh
-    return {int(grid[idx]): tuple(int(i) for i in idx) for idx in _indices(tuple(grid.shape))}
+    coords = itertools.product(*(range(n) for n in grid.shape))
+    return tuple(sorted((int(grid[idx]), tuple(idx)) for idx in coords))
 
 
-def _indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not shape:
-        yield ()
-        return
-    for i in range(shape[0]):
-        for rest in _indices(shape[1:]):
-            yield (i, *rest)
+@dataclass(frozen=True)
+class Plan:
+    """(all ranks, identical everywhere) What moves where, in manifest order."""
 
+    entries: tuple[Entry, ...]
+    kinds: tuple[Kind, ...]
+    placements: tuple[tuple[Placement, ...] | None, ...]  # lifted to the load mesh; None: plain tensor
+    mesh_shape: tuple[int, ...]
+    coords: tuple[tuple[int, tuple[int, ...]], ...]  # (global rank, mesh coordinate), by rank
+    piece_bytes: int
+    rounds: tuple[int, ...]  # the entry index just past each round's last entry
 
-def pieces(
-    entries: Sequence[Entry],
-    kinds: Sequence[str],
-    placements: Sequence[Sequence[object] | None],
-    mesh: DeviceMesh,
-    piece_bytes: int,
-    runs: Sequence[dict[int, Runs] | None] = (),
-    me: int = 0,
-) -> Iterator[Piece]:
-    """(all ranks) The agreed sequence of messages, in manifest order.
+    @functools.cached_property
+    def coord_of(self) -> dict[int, tuple[int, ...]]:
+        return dict(self.coords)
 
-    ``runs[i]``, for a BLOCK entry: rank -> :func:`block_runs` (every rank's on rank 0; on other
-    ranks their own). Rank ``me`` = 0 gets a BLOCK entry as FAN_OUT chunks; another rank gets the
-    pieces its own deliveries become (``dst`` = ``me``), so it receives them like row pieces.
-    """
-    piece_bytes = max(ALIGN, piece_bytes // ALIGN * ALIGN)
-    coords: list[tuple[int, tuple[int, ...]]] | None = None  # SHARDED entries only
-    for index, (entry, kind) in enumerate(zip(entries, kinds, strict=True)):
-        if kind == BLOCK:
-            block_layouts = runs[index]
-            assert block_layouts is not None  # set for every BLOCK entry by the caller
-            rows = block_chunk_rows(entry, piece_bytes)
+    @property
+    def broadcast_whole(self) -> tuple[str, ...]:
+        """Keys broadcast whole and cut on every rank (outside the staging budget)."""
+        return tuple(e.key for e, k in zip(self.entries, self.kinds) if k is Kind.GENERIC)
+
+    def block_layouts(self, index: int, ranks: Sequence[int]) -> dict[int, Runs]:
+        """Rank -> block runs of BLOCK entry ``index``, for ``ranks`` (rank 0: all; others: itself)."""
+        placements = self.placements[index]
+        assert placements is not None  # BLOCK entries are DTensors
+        coord = self.coord_of
+        shape = self.entries[index].shape
+        out = {}
+        for r in ranks:
+            runs = runs_at(placements, self.mesh_shape, coord[r], shape)
+            assert runs is not None  # every rank checked runs_at at agreement (RUNS_OK)
+            out[r] = runs
+        return out
+
+    def pieces(self, me: int) -> Iterator[Piece]:
+        """(all ranks) The agreed messages as rank ``me`` sees them, in manifest order.
+
+        Rank 0 gets a BLOCK entry as FAN_OUT chunks; another rank gets the pieces its own deliveries
+        become (``dst`` = ``me``), so it receives them like row pieces.
+        """
+        for index, kind in enumerate(self.kinds):
+            yield from self._entry_pieces(index, kind, me)
+
+    def _entry_pieces(self, index: int, kind: Kind, me: int) -> Iterator[Piece]:
+        entry = self.entries[index]
+        if entry.nbytes == 0:  # zero-width: nothing to move
+            return
+        step = self.piece_bytes
+        if kind is Kind.BLOCK:
+            rows = block_chunk_rows(entry, step)
             size = row_bytes(entry)
+            mine = None if me == 0 else self.block_layouts(index, [me])
             for first in range(0, entry.shape[0], rows):
                 n = min(rows, entry.shape[0] - first)
-                chunk = Piece(index, FAN_OUT, entry.offset + first * size, n * size, first, kind)
-                if me == 0:
+                chunk = Piece(index, Route.FAN_OUT, -1, entry.offset + first * size, n * size, first, kind)
+                if mine is None:
                     yield chunk
                     continue
-                for d in deliveries(chunk, entry, {me: block_layouts[me]}):
-                    yield Piece(index, me, chunk.file_offset, d.nbytes, d.local_offset, kind)
-            continue
-        if kind == GENERIC:
-            yield Piece(index, BROADCAST, entry.offset, entry.nbytes, 0, kind)
-            continue
-        if kind == PLAIN:
-            for start in range(0, entry.nbytes, piece_bytes):
-                n = min(piece_bytes, entry.nbytes - start)
-                yield Piece(index, BROADCAST, entry.offset + start, n, start, kind)
-            continue
-        nrows = entry.shape[0]
+                for d in deliveries(chunk, entry, mine):
+                    yield Piece(index, Route.TO_RANK, me, chunk.file_offset, d.nbytes, d.local_offset, kind)
+            return
+        if kind in (Kind.PLAIN, Kind.GENERIC):
+            for start in range(0, entry.nbytes, step):
+                n = min(step, entry.nbytes - start)
+                yield Piece(index, Route.BROADCAST, -1, entry.offset + start, n, start, kind)
+            return
+        placements = self.placements[index]
+        assert placements is not None  # SHARDED entries are DTensors
         row = row_bytes(entry)
         per_rank = []
-        if coords is None:
-            coords = sorted(rank_coordinates(mesh).items())
-        for rank, coord in coords:
-            lo, hi = rows_of(mesh, placements[index], nrows, coord)  # type: ignore[arg-type]
+        # Rank 0 sends every rank's pieces; another rank needs only its own.
+        for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
+            lo, hi = rows_of(self.mesh_shape, placements, entry.shape[0], coord)
             size = (hi - lo) * row
             per_rank.append(
                 [
                     Piece(
                         index,
+                        Route.TO_RANK,
                         rank,
                         entry.offset + lo * row + start,
-                        min(piece_bytes, size - start),
+                        min(step, size - start),
                         start,
                         kind,
                     )
-                    for start in range(0, size, piece_bytes)
+                    for start in range(0, size, step)
                 ]
             )
         # Round-robin over the destinations: while rank 0 reads its own rows straight into its
@@ -385,3 +455,41 @@ def pieces(
         # sees its own pieces in order.
         for round_ in itertools.zip_longest(*per_rank):
             yield from (p for p in round_ if p is not None)
+
+
+def build_plan(
+    entries: Sequence[Entry],
+    targets: Sequence[torch.Tensor],
+    flags: Sequence[int],
+    mesh: DeviceMesh,
+    piece_bytes: int,
+) -> Plan:
+    """(all ranks) The plan for ``entries`` (the manifest's), given each entry's target tensor and
+    its layout flags AND-ed over the ranks. BLOCK entries whose rows are wider than half a staging
+    slot go GENERIC."""
+    piece_bytes = max(ALIGN, piece_bytes // ALIGN * ALIGN)
+    kinds = []
+    placements: list[tuple[Placement, ...] | None] = []
+    for entry, target, f in zip(entries, targets, flags, strict=True):
+        kind = kind_of(target, f)
+        if kind is Kind.BLOCK and block_chunk_rows(entry, piece_bytes) == 0:
+            kind = Kind.GENERIC
+        kinds.append(kind)
+        placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)
+    rounds, carried = [], 0
+    for index, entry in enumerate(entries):
+        carried += entry.nbytes
+        if carried >= ROUND_PIECES * piece_bytes:
+            rounds.append(index + 1)
+            carried = 0
+    if not rounds or rounds[-1] != len(entries):
+        rounds.append(len(entries))
+    return Plan(
+        entries=tuple(entries),
+        kinds=tuple(kinds),
+        placements=tuple(placements),
+        mesh_shape=tuple(mesh.shape),
+        coords=rank_coordinates(mesh),
+        piece_bytes=piece_bytes,
+        rounds=tuple(rounds),
+    )

@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from ._compat import no_split_modules
+
 __all__ = ["default_shard_fn", "find_blocks"]
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,7 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     Modules whose class is named in ``model._no_split_modules`` (transformers' list of decoder /
     encoder layers); failing that, the children of the model's largest ``nn.ModuleList``.
     """
-    names = getattr(model, "_no_split_modules", None) or ()
-    names = {names} if isinstance(names, str) else set(names)
+    names = no_split_modules(model)
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if not blocks:
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]

@@ -1,10 +1,10 @@
 """Rank 0's reader: file bytes into a few reusable staging slots, one thread ahead of the sender.
 
 (rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._plan.Piece` it
-either reads straight into the final destination (rank 0's own shard or a plain tensor, when no
-cast is needed and the tensor is on the CPU) or into one of ``slots`` staging buffers of
-``piece_bytes`` each. The sender hands slots back once their bytes are sent, so host RAM spent
-on staging never exceeds ``slots * piece_bytes`` whatever the checkpoint's size. Reads use
+either reads straight into the final destination (rank 0's own rows, when no cast is needed and
+the shard is on the CPU) or into one of the staging buffers allocated before the stream. The sender
+hands buffers back once their bytes are sent, so host RAM spent on staging never exceeds the
+staging budget whatever the checkpoint's size. Reads use
 ``os.preadv`` at file offsets: no file is mapped, so page-cache pages never count in RSS.
 """
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,74 +50,97 @@ class Staged:
 
 
 class Reader:
-    """Background reader. Iterate it to get :class:`Staged` pieces in order; call :meth:`release`."""
+    """Background reader. Iterate it to get :class:`Staged` pieces in order; call :meth:`release`.
+
+    Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
+    ``_format.OpenFile``), never by re-opening a path. Each file's identity is checked when the
+    reader leaves it and once more for every file at the end: a file replaced, rewritten or
+    truncated during the load is a failure. The first failure of any piece (an I/O error, a changed
+    file, an allocation) is kept in :attr:`failed`; the remaining pieces still flow, unread, so that
+    every rank completes the same messages, and the sender reports it at the end of the round.
+    """
 
     _DONE = object()
 
     def __init__(
         self,
         pieces: Iterable[Piece],
-        files: list[str],
+        paths: list[str],
+        files: Mapping[str, Any],
         direct: Callable[[Piece], torch.Tensor | None],
-        *,
-        slots: int,
-        piece_bytes: int,
-        pin: bool = False,
+        buffers: list[torch.Tensor],
     ) -> None:
         self._pieces = pieces
+        self._paths = paths
         self._files = files
         self._direct = direct
-        self._buffers = [torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(slots)]
+        self._buffers = buffers
         self._free: queue.Queue[int] = queue.Queue()
-        for i in range(slots):
+        for i in range(len(buffers)):
             self._free.put(i)
-        self._ready: queue.Queue[object] = queue.Queue(maxsize=slots + 1)
+        self._ready: queue.Queue[object] = queue.Queue(maxsize=len(buffers) + 1)
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self.failed: LoadError | None = None  # the first read error (I/O error, file changed)
+        self.failed: BaseException | None = None  # the first failure (I/O error, file changed, ...)
         self._thread = threading.Thread(target=self._run, name="rank0load-reader", daemon=True)
         self._thread.start()
 
+    def _fail(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = exc
+
+    def _read(self, piece: Piece, path: str, data: torch.Tensor) -> None:
+        opened = self._files.get(path)
+        if opened is None:
+            raise LoadError(f"internal error: {path} was not opened when its header was read")
+        try:
+            read_into(opened.fd, data, piece.file_offset, path)
+        except OSError as exc:
+            raise LoadError(
+                f"rank 0 could not read {path} at byte {piece.file_offset}: {exc.strerror or exc}. "
+                "Check the disk and the file (was it moved or changed during the load?) and retry."
+            ) from None
+
+    def _check(self, path: str | None) -> None:
+        opened = self._files.get(path) if path is not None else None
+        if opened is not None and self.failed is None:
+            try:
+                opened.check()
+            except Exception as exc:
+                self._fail(exc)
+
     def _run(self) -> None:
-        fds: dict[str, int] = {}
+        current: str | None = None
         try:
             for piece in self._pieces:
                 if self._stop.is_set():
                     return
-                path = self._files[piece.index]
-                target = self._direct(piece)
+                path = self._paths[piece.index]
+                if path != current:  # the manifest is in file order: leaving a file, check it
+                    self._check(current)
+                    current = path
+                data: torch.Tensor | None = None
                 slot: int | None = None
-                if target is None:
+                try:
+                    data = self._direct(piece)
+                except Exception as exc:
+                    self._fail(exc)
+                if data is None:
                     slot = self._get_slot()
                     if slot is None:
                         return
                     data = self._buffers[slot][: piece.nbytes]
-                else:
-                    data = target
                 if self.failed is None:
                     try:
-                        fd = fds.get(path)
-                        if fd is None:
-                            for old in fds.values():  # one file open at a time; manifest is in file order
-                                os.close(old)
-                            fds.clear()
-                            fd = fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                        read_into(fd, data, piece.file_offset, path)
-                    except LoadError as exc:
-                        self.failed = exc
-                    except OSError as exc:
-                        self.failed = LoadError(
-                            f"rank 0 could not read {path} at byte {piece.file_offset}: {exc.strerror or exc}. "
-                            "Check the disk and the file (was it moved or changed during the load?) and retry."
-                        )
-                # After a read error the remaining pieces still flow (unread bytes) so that every
-                # rank completes the same collectives; the sender then reports ``failed`` to all.
+                        self._read(piece, path, data)
+                    except Exception as exc:
+                        self._fail(exc)
                 self._put(Staged(piece, data, slot))
+            for path in dict.fromkeys(self._paths):  # every file, once more, after the last read
+                self._check(path)
         except BaseException as exc:  # handed to the consumer, re-raised there
             self._error = exc
         finally:
-            for fd in fds.values():
-                os.close(fd)
             self._put(self._DONE)
 
     def _get_slot(self) -> int | None:
@@ -135,10 +159,6 @@ class Reader:
             except queue.Full:
                 continue
 
-    def buffer(self, slot: int) -> torch.Tensor:
-        """The whole staging buffer behind ``slot`` (``Staged.data`` is its first bytes)."""
-        return self._buffers[slot]
-
     def release(self, slot: int | None) -> None:
         if slot is not None:
             self._free.put(slot)
@@ -155,4 +175,3 @@ class Reader:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._buffers.clear()

@@ -84,7 +84,7 @@ def _status(field: str) -> int:
 def _kinds(model, mesh) -> dict[str, str]:
     from rank0load import _plan
 
-    return {n: _plan.entry_kind(p, mesh) for n, p in model.named_parameters()}
+    return {n: _plan.local_kind(p, mesh).value for n, p in model.named_parameters()}
 
 
 def _runs(model) -> dict[str, object]:
@@ -178,7 +178,7 @@ def _bounded(rank: int, world: int, path: str) -> dict:
     local = model[0].weight.to_local()
     resident = local.numel() * local.element_size()
     return {
-        "kind": _plan.entry_kind(model[0].weight, mesh),
+        "kind": _plan.local_kind(model[0].weight, mesh).value,
         "transient": peak - before - resident,
         "checksum": float(model[0].weight.detach().full_tensor().double().sum()),
     }

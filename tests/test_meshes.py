@@ -91,7 +91,7 @@ def _summary(model, mesh) -> dict:
     return {
         "placements": {n: str(p.placements) for n, p in model.named_parameters()},
         "submesh": sorted(n for n, p in model.named_parameters() if p.device_mesh != mesh),
-        "kinds": {n: _plan.entry_kind(p, mesh) for n, p in model.named_parameters()},
+        "kinds": {n: _plan.local_kind(p, mesh).value for n, p in model.named_parameters()},
         "local_dtypes": {p._local_tensor.dtype for p in model.parameters() if isinstance(p, DTensor)},
         "devices": {p._local_tensor.device.type for p in model.parameters()}
         | {b.device.type for b in model.buffers()},

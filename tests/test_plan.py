@@ -6,15 +6,30 @@ Pure planning, no process group: the multi-rank tests in test_blocks and test_me
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate, Shard
 
 from rank0load import _plan
+from rank0load._compat import StridedShard
 from rank0load._manifest import Entry
+
+
+def _fixed_plan(entry: Entry, per_rank: dict, piece_bytes: int) -> _plan.Plan:
+    """A one-entry BLOCK plan whose ranks hold the drawn runs (not ones a mesh would give)."""
+
+    class Fixed(_plan.Plan):
+        def block_layouts(self, index, ranks):
+            return {r: per_rank[r] for r in ranks}
+
+    world = len(per_rank)
+    coords = tuple((r, (r,)) for r in range(world))
+    return Fixed((entry,), (_plan.Kind.BLOCK,), (None,), (world,), coords, piece_bytes, (1,))
 
 
 @st.composite
@@ -48,11 +63,12 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     want = {r: full[np.ix_(*[indices(d) for d in runs])].reshape(-1) for r, runs in per_rank.items()}
     got = {r: torch.full((w.numel(),), -1.0) for r, w in want.items()}
     sent: dict[int, list[tuple[int, int]]] = {r: [] for r in per_rank}
-    chunks = list(_plan.pieces([entry], [_plan.BLOCK], [None], None, piece_bytes, [per_rank], me=0))  # type: ignore[arg-type]
+    plan = _fixed_plan(entry, per_rank, piece_bytes)
+    chunks = list(plan.pieces(0))
     row_bytes = entry.nbytes // shape[0]
     assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
     for c in chunks:
-        assert c.dst == _plan.FAN_OUT and c.nbytes <= _plan.block_half(piece_bytes)
+        assert c.route is _plan.Route.FAN_OUT and c.nbytes <= _plan.block_half(piece_bytes)
         first = (c.file_offset - entry.offset) // row_bytes
         chunk = full[first : first + c.nbytes // row_bytes]
         for d in _plan.deliveries(c, entry, per_rank):
@@ -67,6 +83,41 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
         assert torch.equal(got[r], want[r]), r
         if r == 0:
             continue
-        own = list(_plan.pieces([entry], [_plan.BLOCK], [None], None, piece_bytes, [{r: per_rank[r]}], me=r))  # type: ignore[arg-type]
+        own = list(plan.pieces(r))
         assert [(p.local_offset, p.nbytes) for p in own] == sent[r]
-        assert all(p.dst == r and p.kind == _plan.BLOCK for p in own)
+        assert all(p.dst == r and p.route is _plan.Route.TO_RANK and p.kind is _plan.Kind.BLOCK for p in own)
+
+
+@st.composite
+def meshes(draw):
+    mesh_shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    shape = tuple(draw(st.lists(st.integers(0, 13), min_size=1, max_size=3)))
+    placements = []
+    for _ in mesh_shape:
+        choice = draw(st.integers(0, 2))
+        dim = draw(st.integers(0, len(shape) - 1))
+        if choice == 0:
+            placements.append(Replicate())
+        elif choice == 1:
+            placements.append(Shard(dim))
+        else:
+            placements.append(StridedShard(dim, split_factor=draw(st.integers(1, 3))))
+    return mesh_shape, tuple(placements), shape
+
+
+@settings(max_examples=300, deadline=None)
+@given(meshes())
+def test_runs_at_every_coordinate_tile_the_tensor(layout):
+    """Rank 0 computes every rank's block with runs_at: over all coordinates, each element is held
+    by exactly as many ranks as the Replicate dimensions multiply to (and each rank's own runs are
+    checked against its real shard at agreement: _plan.layout_flags)."""
+    mesh_shape, placements, shape = layout
+    counts = torch.zeros(shape, dtype=torch.int64)
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        runs = _plan.runs_at(placements, mesh_shape, coord, shape)
+        assert runs is not None
+        index = [[i for a, b in dim_runs for i in range(a, b)] for dim_runs in runs]
+        if all(index):
+            counts[np.ix_(*index)] += 1
+    copies = math.prod(n for n, p in zip(mesh_shape, placements) if type(p) is Replicate)
+    assert torch.all(counts == copies), (layout, counts)

@@ -1,0 +1,167 @@
+"""The model around the stream: build and shard it, allocate its shards, initialise what the
+checkpoint lacks, and put it back together afterwards (all ranks; no collectives).
+
+(all ranks) :func:`build_sharded` runs ``model_fn`` on meta and the sharding policy, and describes
+the result (:class:`~._meta.ModelLayout`) and each tensor's layout flags for the agreement.
+(all ranks) :func:`materialise` allocates every local shard and puts back the real buffers;
+:func:`init_missing` gives parameters absent from the checkpoint the model's own initialisation
+(``strict=False``); :func:`finish` re-ties shared parameters and checks that nothing is left on meta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ._compat import clear_hf_initialized, hf_init_weights, local_tensor
+from ._memory import prefault
+from ._meta import ModelLayout, build_on_meta, describe, resolve_module
+from ._plan import layout_flags, rank_coordinates
+from ._shard import default_shard_fn
+from .errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
+
+__all__ = ["Built", "build_sharded", "finish", "init_missing", "materialise", "targets"]
+
+
+@dataclass
+class Built:
+    """One rank's model after building and sharding, before any data moves."""
+
+    model: nn.Module
+    layout: ModelLayout
+    flags: dict[str, int]  # canonical key -> _plan.layout_flags on this rank
+
+
+def check_mesh(mesh: DeviceMesh, world_size: int) -> None:
+    """(all ranks) The mesh must span every rank, with global rank 0 at its origin."""
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if ranks != list(range(world_size)):
+        raise LoadError(
+            f"the mesh spans ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} but the world has "
+            f"{world_size} ranks: load_sharded needs a mesh over every rank"
+        )
+    coord = dict(rank_coordinates(mesh))[0]
+    if any(coord):
+        raise LoadError(f"global rank 0 sits at mesh coordinate {coord}; rank0load needs it at the origin")
+
+
+def build_sharded(
+    model_fn: Callable[[], nn.Module],
+    mesh: DeviceMesh,
+    shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
+    dtype: torch.dtype | None,
+) -> Built:
+    """(all ranks) ``model_fn()`` on meta, cast to ``dtype``, sharded by ``shard_fn`` (or the default
+    policy), described. Raises whatever the caller's code raises; the caller agrees on it."""
+    model = build_on_meta(model_fn)
+    if dtype is not None:
+        model.to(dtype)
+    (shard_fn or default_shard_fn)(model, mesh)
+    layout = describe(model)
+    found = targets(model, layout)
+    return Built(model, layout, {key: layout_flags(t, mesh) for key, t in found.items()})
+
+
+def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """Canonical key -> the model's tensor (DTensor parameter, plain parameter or buffer)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, info in layout.tensors.items():
+        module, leaf = resolve_module(model, key)
+        out[key] = module._parameters[leaf] if info.is_param else module._buffers[leaf]  # type: ignore[assignment]
+    return out
+
+
+def materialise(model: nn.Module, device: torch.device) -> None:
+    """(all ranks) Allocate every local shard on ``device``; keep the real buffers built by model_fn.
+
+    ``to_empty`` is FSDP2's supported way to allocate sharded parameters (it re-pads the local
+    shards and keeps tied parameters one object), but it also empties buffers: save and restore them.
+    Local shards are faulted in, and their storage's bytes outside the shard zeroed (see _memory).
+    Plain buffers are made contiguous so pieces can land in them directly.
+    """
+    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                saved.append((module, name, buf))
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            prefault(local_tensor(p))
+    moved: dict[int, torch.Tensor] = {}
+    for module, name, buf in saved:
+        new = moved.get(id(buf))
+        if new is None:
+            new = moved[id(buf)] = buf.to(device).contiguous()
+        module._buffers[name] = new
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor) and not p.is_contiguous():
+            raise LoadError(f"parameter {name!r} is not contiguous after allocation")
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and bool(torch.isnan(local_tensor(t)).any())
+
+
+def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]) -> None:
+    """(all ranks, strict=False) Give parameters absent from the checkpoint the model's own init.
+
+    The nearest ancestor's ``_init_weights(module)`` (transformers: the same init
+    ``from_pretrained`` gives new heads), else the owning module's ``reset_parameters()``. Floating
+    parameters are first filled with NaN, so a parameter that neither initialiser wrote is caught
+    (on every rank) instead of leaving uninitialised memory. Runs before streaming: loaded values win.
+    """
+    owners: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
+    for key in missing:
+        if layout.tensors[key].is_param:
+            module, leaf = resolve_module(model, key)
+            param = module._parameters[leaf]
+            if param is not None:
+                owners.setdefault(key.rpartition(".")[0], (module, []))[1].append(param)
+    left: list[str] = []
+    with torch.no_grad():
+        for module_name, (module, params) in owners.items():
+            clear_hf_initialized(module, params)
+            for t in params:
+                if t.is_floating_point():
+                    local_tensor(t).fill_(float("nan"))
+            init = hf_init_weights(model, module_name)
+            if init is not None:
+                init(module)
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset) and (init is None or any(_has_nan(t) for t in params)):
+                reset()
+            left += [
+                f"{module_name}.{n}" for n, t in module._parameters.items() if t is not None and _has_nan(t)
+            ]
+    if left:  # load_sharded's agreement step raises this on every rank
+        raise ModelMismatchError(
+            "strict=False: parameters absent from the checkpoint were not initialised by the model's "
+            f"_init_weights() or reset_parameters(): {left[:10]}. Give their "
+            "module a reset_parameters() or add them to the checkpoint."
+        )
+
+
+def finish(model: nn.Module, layout: ModelLayout) -> None:
+    """(all ranks) Re-tie every name of a tied parameter to one object; nothing may be left on meta.
+
+    ``to_empty`` and FSDP2's re-registration can leave a second name pointing at another object.
+    """
+    for group in layout.tie_groups:
+        first_module, first_leaf = resolve_module(model, group[0])
+        is_param = first_leaf in first_module._parameters
+        primary = (first_module._parameters if is_param else first_module._buffers)[first_leaf]
+        for name in group[1:]:
+            module, leaf = resolve_module(model, name)
+            store = module._parameters if is_param else module._buffers
+            if store[leaf] is not primary:
+                store[leaf] = primary  # type: ignore[assignment]
+    left = [n for n, p in model.named_parameters() if p.is_meta or local_tensor(p).is_meta]
+    left += [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RankMismatchError(f"tensors left on meta after loading: {format_keys(left)}")

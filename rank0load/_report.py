@@ -1,0 +1,87 @@
+"""What a load did: :class:`LoadReport` (every rank) and rank 0's log lines (no collectives)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Clock", "LoadReport", "log_summary"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    """What a load did (on every rank; byte counts are the checkpoint's)."""
+
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    stream_seconds: float = 0.0
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
+    files: tuple[str, ...] = field(default=())
+    # Keys broadcast whole and cut on every rank (see Limits in the README): each one was, for a
+    # moment, held in full on every rank, outside the staging budget. Empty for FSDP, HSDP and TP.
+    broadcast_whole: tuple[str, ...] = ()
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per pipeline phase, this rank
+    peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the load finished
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.stream_seconds if self.stream_seconds > 0 else 0.0
+
+
+class Clock:
+    """Records the seconds since the previous mark under each phase name."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
+
+
+def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
+    """(rank 0) Warnings for what the load skipped or could not bound, then one INFO line.
+    ``sizes``: bytes of each key in ``report.broadcast_whole``."""
+    if report.missing:
+        logger.warning(
+            "initialised %d tensors absent from the checkpoint: %s",
+            len(report.missing),
+            ", ".join(report.missing[:10]),
+        )
+    if report.unexpected:
+        logger.warning(
+            "skipped %d unexpected checkpoint keys: %s",
+            len(report.unexpected),
+            ", ".join(report.unexpected[:10]),
+        )
+    whole = report.broadcast_whole
+    if whole:
+        largest = max(whole, key=lambda k: sizes[k])
+        logger.warning(
+            "%d tensors were broadcast whole and cut on every rank, outside max_staging_bytes "
+            "(their placements are not Shard/_StridedShard/Replicate, or their rows are wider than "
+            "max_staging_bytes / 8); the largest, %s, holds %.1f MB: %s",
+            len(whole),
+            largest,
+            sizes[largest] / 1e6,
+            ", ".join(whole[:10]),
+        )
+    logger.info(
+        "rank0load: %d tensors, %.2f GB in %.2f s (stream %.2f GB/s) over %d ranks, rank 0 peak RSS %.0f MB",
+        report.tensors,
+        report.bytes / 1e9,
+        report.seconds,
+        report.gb_per_s,
+        report.world_size,
+        report.peak_rss_bytes / 1e6,
+    )
