@@ -135,10 +135,12 @@ def first_failure(error: BaseException | None) -> int:
     return _scalar(dist.get_rank() if error is not None else dist.get_world_size(), dist.ReduceOp.MIN)
 
 
-def raise_failure(first: int, error: BaseException | None, stage: str, todo: str) -> None:
+def raise_failure(
+    first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
+) -> None:
     """(all ranks, after :func:`first_failure` returned ``first`` < world) Raise on every rank the
     error of rank ``first``, worded once: its LoadError subclass and message, or, for any other
-    exception, a RankMismatchError naming the stage, the rank, its type and message, and ``todo``."""
+    exception, a ``wrap`` naming the stage, the rank, the exception's type and message, and ``todo``."""
     world = dist.get_world_size()
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
     mine = None
@@ -146,7 +148,7 @@ def raise_failure(first: int, error: BaseException | None, stage: str, todo: str
         if isinstance(error, LoadError):
             mine = Failure(first, type(error), str(error), is_load_error=True)
         else:
-            mine = Failure(first, RankMismatchError, f"{type(error).__name__}: {error}", is_load_error=False)
+            mine = Failure(first, wrap, f"{type(error).__name__}: {error}", is_load_error=False)
     failure: Failure = _broadcast_object(mine, src=first)
     if failure.is_load_error and count == world:  # the same check failed everywhere: its own words
         raise failure.cls(failure.message)

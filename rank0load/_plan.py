@@ -380,8 +380,9 @@ class Plan:
 
     @property
     def broadcast_whole(self) -> tuple[str, ...]:
-        """Keys broadcast whole and cut on every rank (outside the staging budget)."""
-        return tuple(e.key for e, k in zip(self.entries, self.kinds) if k is Kind.GENERIC)
+        """Keys broadcast whole and cut on every rank (outside the staging budget); zero-size
+        tensors move nothing and are not counted."""
+        return tuple(e.key for e, k in zip(self.entries, self.kinds) if k is Kind.GENERIC and e.nbytes)
 
     def block_layouts(self, index: int, ranks: Sequence[int]) -> dict[int, Runs]:
         """Rank -> block runs of BLOCK entry ``index``, for ``ranks`` (rank 0: all; others: itself)."""

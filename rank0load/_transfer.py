@@ -191,7 +191,8 @@ def stream(
                 first,
                 faults.error,
                 "moving tensor data",
-                "No model was returned; fix the cause and load again.",
+                "No model was returned; the process group is still usable: fix the cause and load again.",
+                wrap=LoadError,
             )
     except LoadError:
         raise
