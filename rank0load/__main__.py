@@ -1,11 +1,13 @@
-"""``python -m rank0load inspect PATH_OR_REPO [--model MODULE:FACTORY]`` (also the ``rank0load`` script).
+"""``python -m rank0load inspect PATH_OR_REPO [--model MODULE:FACTORY [--key-map MODULE:FUNCTION]]``
+(also the ``rank0load`` script).
 
 Reads headers only (one process, no process group, no tensor data). Exit codes, for scripts:
 
     0  the checkpoint is readable (and, with --model, fits the model exactly)
     1  --model given: missing, unexpected or mismatched (shape / dtype) keys were found
     2  the checkpoint cannot be found or read (malformed file or index), or a bad command line
-    3  --model: the factory could not be imported or failed to build the model
+    3  --model / --key-map: could not be imported, the factory failed to build the model, or
+       the key map failed on a key (raised, returned a non-str, mapped two keys to one)
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ._inspect import Inspection, inspect_checkpoint, load_factory
-from .errors import LoadError
+from .errors import LoadError, ModelMismatchError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_MODEL = 0, 1, 2, 3
 
@@ -47,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="zero-argument callable building the model, e.g. mypkg.models:build",
     )
+    ins.add_argument(
+        "--key-map",
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="the key_map load_sharded would get: checkpoint key -> model key, or None to drop the key "
+        "(needs --model)",
+    )
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
@@ -69,7 +79,7 @@ def _keys(title: str, keys: Sequence[str], limit: int = 20) -> list[str]:
     return lines
 
 
-def _text(result: Inspection, model_spec: str | None) -> str:
+def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) -> str:
     lines = [f"checkpoint: {result.description}", f"files: {len(result.files)}"]
     for f in result.files:
         lines.append(f"  {f.name}  {_size(f.bytes)}  {f.tensors} tensors")
@@ -79,11 +89,16 @@ def _text(result: Inspection, model_spec: str | None) -> str:
         t = result.largest
         lines.append(f"largest: {t.key} {t.dtype} {list(t.shape)} {_size(t.nbytes)}")
     if result.model_checked:
-        lines.append(f"model {model_spec}: {result.model_tensors} tensors")
+        mapped = f" (key map {key_map_spec})" if key_map_spec else ""
+        lines.append(
+            f"model {model_spec}: {result.model_tensors} tensors, {result.matched} found in the checkpoint{mapped}"
+        )
         lines += _keys("missing from the checkpoint", result.missing)
         lines += _keys("unexpected in the checkpoint", result.unexpected)
         lines += _keys("mismatched", result.mismatched)
-        lines += _keys("ignored (non-persistent buffers in the model)", result.ignored)
+        lines += _keys(
+            "ignored (dropped by the key map, or non-persistent buffers in the model)", result.ignored
+        )
         lines.append("fits the model" if result.fits else "does NOT fit the model")
     return "\n".join(lines)
 
@@ -108,6 +123,8 @@ def _json(result: Inspection) -> str:
                 "bytes": largest.nbytes,
             },
             "model_checked": result.model_checked,
+            "model_tensors": result.model_tensors,
+            "matched": result.matched,
             "missing": list(result.missing),
             "unexpected": list(result.unexpected),
             "mismatched": list(result.mismatched),
@@ -120,19 +137,29 @@ def _json(result: Inspection) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code (see the module docstring)."""
-    args = _parser().parse_args(argv)  # a bad command line exits with 2
-    model_fn = None
-    if args.model is not None:
+    parser = _parser()
+    args = parser.parse_args(argv)  # a bad command line exits with 2
+    if args.key_map is not None and args.model is None:
+        parser.error("--key-map needs --model: it maps checkpoint keys to the model's")
+    loaded: dict[str, Callable[..., Any]] = {}
+    for option, spec in (("--model", args.model), ("--key-map", args.key_map)):
+        if spec is None:
+            continue
         try:
-            model_fn = load_factory(args.model)
+            loaded[option] = load_factory(spec, option)
         except (ImportError, AttributeError, ValueError, TypeError) as exc:
             print(
-                f"rank0load inspect: cannot load --model {args.model!r}: {type(exc).__name__}: {exc}",
+                f"rank0load inspect: cannot load {option} {spec!r}: {type(exc).__name__}: {exc}",
                 file=sys.stderr,
             )
             return EXIT_MODEL
     try:
-        result = inspect_checkpoint(args.path, revision=args.revision, model_fn=model_fn)
+        result = inspect_checkpoint(
+            args.path, revision=args.revision, model_fn=loaded.get("--model"), key_map=loaded.get("--key-map")
+        )
+    except ModelMismatchError as exc:  # only the key map raises it: key mismatches are reported
+        print(f"rank0load inspect: --key-map {args.key_map}: {exc}", file=sys.stderr)
+        return EXIT_MODEL
     except LoadError as exc:  # resolving or reading the checkpoint
         print(f"rank0load inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
@@ -142,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_MODEL
-    print(_json(result) if args.json else _text(result, args.model))
+    print(_json(result) if args.json else _text(result, args.model, args.key_map))
     return EXIT_OK if result.fits else EXIT_MISMATCH
 
 

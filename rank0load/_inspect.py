@@ -3,9 +3,10 @@
 (one process; no collectives, no process group) :func:`inspect_checkpoint` resolves the checkpoint
 like ``load_sharded`` does on rank 0 (directory, file, index or Hub repo id), validates every
 header and the index, and summarises files, tensors, dtypes and sizes. Given a ``model_fn``, it
-builds the model on meta (nothing is allocated) and lists missing, unexpected and mismatched keys,
-all of them rather than the first. No tensor data is read. ``python -m rank0load inspect`` is the
-command-line front end (``__main__``).
+builds the model on meta (nothing is allocated), matches keys exactly as a load does
+(``_manifest.match_keys``: ``key_map``, non-persistent buffers, tied and wrapper aliases) and lists
+missing, unexpected and mismatched keys, all of them rather than the first. No tensor data is read.
+``python -m rank0load inspect`` is the command-line front end (``__main__``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch import nn
 
 from ._format import TensorHeader
-from ._manifest import _check_fits, _headers
+from ._manifest import _check_fits, _headers, match_keys
 from ._meta import build_on_meta, describe
 from ._source import resolve
 from .errors import LoadError, ModelMismatchError
@@ -47,10 +49,11 @@ class Inspection:
     largest: TensorHeader | None
     model_checked: bool = False
     model_tensors: int = 0
+    matched: int = 0  # model tensors the checkpoint holds (after key_map)
     missing: tuple[str, ...] = ()  # model keys the checkpoint lacks
     unexpected: tuple[str, ...] = ()  # checkpoint keys the model lacks
     mismatched: tuple[str, ...] = field(default=())  # one message per key whose shape/dtype cannot load
-    ignored: tuple[str, ...] = ()  # checkpoint keys the model keeps as non-persistent buffers
+    ignored: tuple[str, ...] = ()  # checkpoint keys key_map dropped or non-persistent in the model
 
     @property
     def fits(self) -> bool:
@@ -58,22 +61,24 @@ class Inspection:
         return not (self.missing or self.unexpected or self.mismatched)
 
 
-def load_factory(spec: str) -> Callable[[], nn.Module]:
+def load_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
     """``"package.module:factory"`` (the attribute may be dotted) -> the callable.
 
+    ``option``: the command-line option that named ``spec``, for the error messages.
+
     Raises:
-        ValueError: ``spec`` is not ``MODULE:FACTORY``.
+        ValueError: ``spec`` is not ``MODULE:CALLABLE``.
         TypeError: the attribute is not callable.
         ImportError / AttributeError: the module or attribute does not exist.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. 'mypkg.models:build_llama'")
+        raise ValueError(f"{option} {spec!r}: expected MODULE:CALLABLE, e.g. 'mypkg.models:build_llama'")
     obj: object = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TypeError(f"--model {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
+        raise TypeError(f"{option} {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
     return obj  # type: ignore[return-value]
 
 
@@ -82,6 +87,7 @@ def inspect_checkpoint(
     *,
     revision: str | None = None,
     model_fn: Callable[[], nn.Module] | None = None,
+    key_map: Callable[[str], str | None] | None = None,
 ) -> Inspection:
     """Summarise a checkpoint and, with ``model_fn``, check its keys, shapes and dtypes against the model.
 
@@ -89,15 +95,22 @@ def inspect_checkpoint(
         ckpt_path: directory, ``.safetensors`` file, index ``.json`` or Hub repo id.
         revision: Hub revision for a repo id.
         model_fn: zero-argument callable building the model; it runs with parameters on meta.
+        key_map: checkpoint key -> model key, or None to drop the key; as ``load_sharded`` takes it.
+            Needs ``model_fn``.
 
     Returns:
         An :class:`Inspection`.
 
     Raises:
+        ValueError: ``key_map`` without ``model_fn``.
         LoadError: the checkpoint cannot be found or is malformed (``CheckpointNotFoundError``,
             ``CheckpointFormatError``).
+        ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
+            checkpoint keys to one model key (what ``load_sharded`` raises too).
         Exception: whatever ``model_fn`` raises.
     """
+    if key_map is not None and model_fn is None:
+        raise ValueError("key_map maps checkpoint keys to model keys: pass model_fn as well")
     source = resolve(ckpt_path, revision)
     headers = _headers(source)
     per_file: dict[str, int] = {path: 0 for path in source.files}
@@ -127,32 +140,24 @@ def inspect_checkpoint(
         return summary
 
     layout = describe(build_on_meta(model_fn))
-    matched: set[str] = set()
-    unexpected: list[str] = []
+    match = match_keys(headers, layout, key_map)
     mismatched: list[str] = []
-    ignored: list[str] = []
-    for key, t in headers.items():
-        if key in layout.non_persistent:
-            ignored.append(key)
-            continue
-        canonical = layout.canonical(key)
-        if canonical is None:
-            unexpected.append(key)
-            continue
-        matched.add(canonical)
-        info = layout.tensors[canonical]
-        try:
-            _check_fits(t, canonical, info.shape, info.dtype)
-        except ModelMismatchError as exc:
-            mismatched.append(str(exc))
+    for model_key, found in match.by_model_key.items():
+        info = layout.tensors[model_key]
+        for t in found:
+            try:
+                _check_fits(t, model_key, info.shape, info.dtype)
+            except ModelMismatchError as exc:
+                mismatched.append(str(exc))
     return replace(
         summary,
         model_checked=True,
         model_tensors=len(layout.tensors),
-        missing=tuple(sorted(k for k in layout.tensors if k not in matched)),
-        unexpected=tuple(sorted(unexpected)),
+        matched=len(match.by_model_key),
+        missing=match.missing,
+        unexpected=match.unexpected,
         mismatched=tuple(sorted(mismatched)),
-        ignored=tuple(sorted(ignored)),
+        ignored=match.ignored,
     )
 
 

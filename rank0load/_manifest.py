@@ -1,9 +1,10 @@
 """Match the checkpoint's headers to the model and produce the manifest (rank 0; no collectives).
 
-(rank 0) :func:`build_manifest` reads every header, maps checkpoint keys to model keys, checks
-keys, shapes and dtypes, and returns a :class:`Manifest`: the ordered list of :class:`Entry`
-that every rank will iterate during streaming. Any problem raises a :class:`LoadError`, which
-``_api`` broadcasts so every rank raises it too.
+(rank 0) :func:`build_manifest` reads every header, maps checkpoint keys to model keys
+(:func:`match_keys`, which ``inspect`` shares so its dry run matches keys exactly as a load does),
+checks keys, shapes and dtypes, and returns a :class:`Manifest`: the ordered list of
+:class:`Entry` that every rank will iterate during streaming. Any problem raises a
+:class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ._meta import ModelLayout
 from ._source import Source, resolve
 from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 
-__all__ = ["Entry", "Manifest", "build_manifest", "read_manifest", "FLOAT_WIRE"]
+__all__ = ["Entry", "FLOAT_WIRE", "KeyMatch", "Manifest", "build_manifest", "match_keys", "read_manifest"]
 
 # Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
 # Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
@@ -107,19 +108,31 @@ def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: 
     )
 
 
-def build_manifest(
-    source: Source,
-    layout: ModelLayout,
-    *,
-    strict: bool,
-    key_map: Callable[[str], str | None] | None,
-    files: dict[str, OpenFile] | None = None,
-) -> Manifest:
-    """(rank 0) Validate the checkpoint against the model and list what to move, in file order.
-    ``files``: the source's files, opened once (see :func:`read_manifest`)."""
-    headers = _headers(source, files)
+@dataclass(frozen=True)
+class KeyMatch:
+    """How the checkpoint's keys map onto the model's (see :func:`match_keys`)."""
 
-    # checkpoint key -> model key (key_map first, then the model's own aliases).
+    # canonical model key -> the checkpoint tensors stored under its names, in header order
+    # (more than one: a tied parameter stored under several of its names)
+    by_model_key: dict[str, tuple[TensorHeader, ...]]
+    unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
+    ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
+    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted
+
+
+def match_keys(
+    headers: dict[str, TensorHeader],
+    layout: ModelLayout,
+    key_map: Callable[[str], str | None] | None,
+) -> KeyMatch:
+    """(rank 0, or one process for ``inspect``) Map every checkpoint key to a canonical model key:
+    ``key_map`` first, then the model's non-persistent buffers (ignored) and its own aliases
+    (:meth:`ModelLayout.canonical`). Shapes and dtypes are not checked here.
+
+    Raises:
+        ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
+            checkpoint keys to one model key.
+    """
     by_model_key: dict[str, list[TensorHeader]] = {}
     mapped_from: dict[str, str] = {}
     unexpected: list[str] = []
@@ -155,8 +168,26 @@ def build_manifest(
             unexpected.append(ckpt_key)
             continue
         by_model_key.setdefault(canonical, []).append(t)
+    return KeyMatch(
+        by_model_key={k: tuple(found) for k, found in by_model_key.items()},
+        unexpected=tuple(sorted(unexpected)),
+        ignored=tuple(sorted(ignored)),
+        missing=tuple(sorted(k for k in layout.tensors if k not in by_model_key)),
+    )
 
-    missing = sorted(k for k in layout.tensors if k not in by_model_key)
+
+def build_manifest(
+    source: Source,
+    layout: ModelLayout,
+    *,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    files: dict[str, OpenFile] | None = None,
+) -> Manifest:
+    """(rank 0) Validate the checkpoint against the model and list what to move, in file order.
+    ``files``: the source's files, opened once (see :func:`read_manifest`)."""
+    match = match_keys(_headers(source, files), layout, key_map)
+    missing, unexpected = match.missing, match.unexpected
     if strict and (missing or unexpected):
         parts = []
         if missing:
@@ -179,7 +210,7 @@ def build_manifest(
         )
 
     entries: list[Entry] = []
-    for model_key, found in by_model_key.items():
+    for model_key, found in match.by_model_key.items():
         info = layout.tensors[model_key]
         for t in found:
             _check_fits(t, model_key, info.shape, info.dtype)
@@ -192,15 +223,15 @@ def build_manifest(
     entries.sort(key=lambda e: (order[e.file], e.offset))
     return Manifest(
         entries=tuple(entries),
-        missing=tuple(missing),
-        unexpected=tuple(sorted(unexpected)),
-        ignored=tuple(sorted(ignored)),
+        missing=missing,
+        unexpected=unexpected,
+        ignored=match.ignored,
         files=source.files,
         total_bytes=sum(e.nbytes for e in entries),
     )
 
 
-def _check_tied_equal(model_key: str, found: list[TensorHeader], chunk: int = 8 << 20) -> None:
+def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], chunk: int = 8 << 20) -> None:
     """Several names of one tied parameter are stored: they must hold the same bytes."""
     first = found[0]
     for other in found[1:]:

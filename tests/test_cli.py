@@ -1,5 +1,6 @@
-"""``python -m rank0load inspect``, run as subprocesses: the summary, the --model dry run and the
-exit codes (0 fits / readable, 1 mismatches, 2 unreadable checkpoint, 3 model factory failed).
+"""``python -m rank0load inspect``, run as subprocesses: the summary, the --model dry run (with a
+--key-map too) and the exit codes (0 fits / readable, 1 mismatches, 2 unreadable checkpoint or bad
+command line, 3 model factory or key map failed).
 
 The subprocesses start together from one fixture (each spends seconds importing torch)."""
 
@@ -30,6 +31,25 @@ def _mismatched_checkpoint(path: str) -> None:
     save_file(state, path)
 
 
+def _prefixed_checkpoint(path: str) -> None:
+    """The toy's keys under ``model.``, plus an optimizer entry the model has no place for."""
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in trained_toy().state_dict().items() if k != "head.weight"}
+    state = {f"model.{k}": v for k, v in state.items()}
+    state["optimizer.step"] = torch.tensor(5)
+    save_file(state, path)
+
+
+def from_prefixed(key: str) -> str | None:
+    """--key-map for _prefixed_checkpoint: drop the optimizer entry, strip ``model.``."""
+    return None if key.startswith("optimizer.") else key.removeprefix("model.")
+
+
+def broken_key_map(key: str) -> str:
+    raise KeyError(key)
+
+
 def _sharded_checkpoint(path) -> None:
     """Two shards and an index, the layout save_pretrained writes."""
     from safetensors.torch import save_file
@@ -50,10 +70,19 @@ def cli(tmp_path_factory):
     _sharded_checkpoint(tmp / "sharded")
     save_state(trained_toy(), str(tmp / "toy.safetensors"))
     _mismatched_checkpoint(str(tmp / "mismatched.safetensors"))
+    _prefixed_checkpoint(str(tmp / "prefixed.safetensors"))
     commands = {
         "summary": [str(tmp / "sharded"), "--json"],
         "fits": [str(tmp / "toy.safetensors"), "--model", "tests.models:toy"],
         "mismatched": [str(tmp / "mismatched.safetensors"), "--model", "tests.models:toy", "--json"],
+        "key_map": [
+            str(tmp / "prefixed.safetensors"),
+            "--model",
+            "tests.models:toy",
+            "--key-map",
+            "tests.test_cli:from_prefixed",
+            "--json",
+        ],
         "absent": [str(tmp / "absent")],
         "no_module": [str(tmp / "toy.safetensors"), "--model", "tests.no_such_module:build"],
     }
@@ -135,3 +164,42 @@ def test_model_factory_failure_exit_3(cli, capsys):
         main(["inspect", str(tmp / "toy.safetensors"), "--model", "tests.hf:Factory"]) == 3
     )  # needs an argument
     assert "failed to build" in capsys.readouterr().err
+
+
+def test_key_map_renamed_keys_match(cli):
+    code, out, err = cli[1]["key_map"]
+    assert code == 0, out + err
+    got = json.loads(out)
+    model_keys = set(trained_toy().state_dict()) - {"head.weight"}  # head.weight: tied to emb.weight
+    assert got["matched"] == got["model_tensors"] == len(model_keys)
+    assert got["missing"] == [] and got["unexpected"] == [] and got["mismatched"] == []
+    assert got["fits"] is True
+
+
+def test_key_map_none_lists_the_key_as_ignored(cli):
+    got = json.loads(cli[1]["key_map"][1])
+    assert got["ignored"] == ["optimizer.step"]
+
+
+def test_key_map_without_it_nothing_matches(cli, capsys):
+    tmp, _ = cli
+    assert main(["inspect", str(tmp / "prefixed.safetensors"), "--model", "tests.models:toy", "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["matched"] == 0 and "model.emb.weight" in got["unexpected"] and "emb.weight" in got["missing"]
+
+
+def test_key_map_failures(cli, capsys):
+    tmp, _ = cli
+    ckpt = str(tmp / "prefixed.safetensors")
+    # The same ModelMismatchError load_sharded raises, as a key-map failure (exit 3).
+    assert (
+        main(["inspect", ckpt, "--model", "tests.models:toy", "--key-map", "tests.test_cli:broken_key_map"])
+        == 3
+    )
+    err = capsys.readouterr().err
+    assert "--key-map tests.test_cli:broken_key_map: key_map('model." in err and "raised KeyError" in err
+    assert main(["inspect", ckpt, "--model", "tests.models:toy", "--key-map", "tests.test_cli:absent"]) == 3
+    assert "cannot load --key-map 'tests.test_cli:absent': AttributeError" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect", ckpt, "--key-map", "tests.test_cli:from_prefixed"])
+    assert exc.value.code == 2 and "--key-map needs --model" in capsys.readouterr().err
