@@ -28,7 +28,6 @@ __all__ = [
     "TensorHeader",
     "open_files",
     "read_header",
-    "torch_dtype",
 ]
 
 # safetensors dtype string -> torch dtype (what torch 2.13 can hold). "F4" is float4_e2m1fn_x2:
@@ -63,10 +62,6 @@ for _name, _attr in (
 # The safetensors format's own limit (MAX_HEADER_SIZE = 100_000_000 in safetensors/src/tensor.rs):
 # a header the reference implementation refuses is refused here too.
 MAX_HEADER_BYTES = 100_000_000
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
 
 
 @dataclass(frozen=True)
