@@ -1,40 +1,277 @@
-"""What rank0load assumes of torch's DTensor / FSDP2 (see rank0load/_compat.py): fail loudly when a
-torch release changes it."""
+"""What rank0load assumes of private torch and transformers behaviour (rank0load/_compat.py): each
+test fails loudly when a release changes what the wrapper relies on.
+
+All multi-rank checks share one spawn of 3 gloo ranks (3: sizes 7 and 11 split unevenly, and a
+size-2 dimension leaves the last rank empty)."""
 
 from __future__ import annotations
 
-import torch
+import inspect
 
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from rank0load._compat import (
+    StridedShard,
+    clear_hf_initialized,
+    hf_init_weights,
+    host_bytes,
+    local_tensor,
+    no_split_modules,
+    non_persistent_buffers,
+    one_dim_placement,
+    parameters_on_meta,
+    split_chunks,
+)
 from tests import _dist
 
+WORLD = 3
+SIZES = (7, 2, 11)
+PLACEMENTS = {
+    "Shard(0)": Shard(0),
+    "StridedShard(0, split_factor=2)": StridedShard(0, split_factor=2),
+    "StridedShard(0, split_factor=3)": StridedShard(0, split_factor=3),
+}
 
-def _check(rank: int, world: int) -> dict:
+
+def _index(placements: tuple, mesh_shape: tuple[int, ...], coord: tuple[int, ...], dim: int, size: int):
+    """The global indices of tensor dimension ``dim`` the rank at ``coord`` holds, from the _compat
+    helpers alone: ``one_dim_placement`` then ``split_chunks`` mesh dimension by mesh dimension."""
+    index = torch.arange(size)
+    for mesh_dim, p in enumerate(placements):
+        one = one_dim_placement(p, dim)
+        assert one is not None, p
+        if type(one) is not Replicate:
+            index = split_chunks(one, index, mesh_shape[mesh_dim])[coord[mesh_dim]]
+    return index
+
+
+def _ranks(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from rank0load._compat import local_tensor
-
+    out: dict = {"split": {}, "block": {}}
     mesh = init_device_mesh("cpu", (world,))
+
+    # split_chunks: what distribute_tensor(..., src_data_rank=None) keeps at this coordinate (it does
+    # not communicate: each rank cuts its own piece of the tensor it is given).
+    for size in SIZES:
+        t = torch.arange(size)
+        for name, p in PLACEMENTS.items():
+            kept = distribute_tensor(t, mesh, [p], src_data_rank=None).to_local()
+            out["split"][size, name] = (kept.tolist(), split_chunks(p, t, world)[rank].tolist())
+
+    # one_dim_placement: a 2-D tensor's local block is the cross product of per-dimension indices.
+    full = torch.arange(5 * 11).reshape(5, 11)
+    for p in (Shard(0), Shard(1), StridedShard(1, split_factor=2), Replicate()):
+        kept = distribute_tensor(full, mesh, [p], src_data_rank=None).to_local()
+        rows, cols = (_index((p,), (world,), (rank,), d, full.shape[d]) for d in (0, 1))
+        out["block"][repr(p)] = (kept.tolist(), full[rows][:, cols].tolist())
+
+    # FSDP2 over a colwise tensor-parallel shard stores the weight as our StridedShard; writing each
+    # rank's predicted rows into local_tensor() loads the parameter (what rank0load's BLOCK path does).
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
-        model = torch.nn.Linear(4, 5)  # 5 rows over 2 ranks: uneven, FSDP2 pads rank 1's shard
-    fully_shard(model, mesh=mesh)
+        model = nn.Sequential(nn.Linear(4, 7, bias=False))
+    parallelize_module(model, mesh2["tp"], {"0": ColwiseParallel()})
+    fully_shard(model, mesh=mesh2["dp"])
     model.to_empty(device="cpu")
-    local = local_tensor(model.weight)
-    local.copy_(torch.full_like(local, float(rank + 1)))  # writing the local tensor loads the parameter
-    full = model.weight.full_tensor()
-    return {
-        "full": full,
-        "is_view_of_param": local.untyped_storage().data_ptr()
-        == model.weight.to_local().untyped_storage().data_ptr(),
-        "contiguous": local.is_contiguous(),
-        "rows": local.shape[0],
-    }
+    weight = model[0].weight
+    want = torch.arange(7 * 4, dtype=torch.float32).reshape(7, 4)
+    rows = _index(tuple(weight.placements), tuple(mesh2.shape), tuple(mesh2.get_coordinate()), 0, 7)
+    local_tensor(weight).copy_(want[rows])
+    out["fsdp_tp_placements"] = [type(p).__name__ for p in weight.placements]
+    out["fsdp_tp_is_strided"] = type(weight.placements[0]) is StridedShard
+    out["fsdp_tp_loaded"] = torch.equal(weight.full_tensor(), want)
+
+    # local_tensor: the storage FSDP2 keeps (writing it loads the parameter), torch.chunk row counts.
+    with torch.device("meta"):
+        linear = nn.Linear(4, 7)  # 7 rows over 3 ranks: chunk gives 3, 3, 1 (an even split: 3, 2, 2)
+    fully_shard(linear, mesh=mesh)
+    linear.to_empty(device="cpu")
+    local = local_tensor(linear.weight)
+    local.copy_(torch.full_like(local, float(rank + 1)))
+    out["local_full"] = linear.weight.full_tensor()
+    out["local_is_storage"] = (
+        local.untyped_storage().data_ptr() == linear.weight.to_local().untyped_storage().data_ptr()
+    )
+    out["local_contiguous"] = local.is_contiguous()
+    out["local_rows"] = local.shape[0]
+    return out
 
 
-def test_local_tensor_is_the_parameters_storage():
-    results = _dist.ok(_dist.run(_check, 2))
-    want = torch.tensor([1.0] * 3 + [2.0] * 2).unsqueeze(1).expand(5, 4)
-    for r in results:
-        assert r["is_view_of_param"] and r["contiguous"]
-        assert torch.equal(r["full"], want)
-    assert [r["rows"] for r in results] == [3, 2]  # torch.chunk semantics, as _plan.rows_of assumes
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return _dist.ok(_dist.run(_ranks, WORLD))
+
+
+def test_split_chunks_is_what_distribute_tensor_keeps(ranks):
+    for rank, r in enumerate(ranks):
+        for size in SIZES:
+            for name in PLACEMENTS:
+                kept, predicted = r["split"][size, name]
+                assert predicted == kept, f"rank {rank}, size {size}, {name}: {predicted} != {kept}"
+    # The uneven cases really are uneven (and strided ones strided), so the check means something.
+    assert [r["split"][7, "Shard(0)"][0] for r in ranks] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert ranks[0]["split"][11, "StridedShard(0, split_factor=2)"][0] == [0, 1, 6, 7]
+    assert ranks[2]["split"][2, "Shard(0)"][0] == []
+
+
+def test_one_dim_placement_gives_each_dimensions_indices(ranks):
+    for rank, r in enumerate(ranks):
+        assert len(r["block"]) == 4
+        for name, (kept, predicted) in r["block"].items():
+            assert predicted == kept, f"rank {rank}, {name}: {predicted} != {kept}"
+
+
+def test_fsdp2_over_tensor_parallel_uses_strided_shard(ranks):
+    for r in ranks:
+        assert r["fsdp_tp_placements"] == ["_StridedShard", "Shard"]
+        assert r["fsdp_tp_is_strided"], (
+            "FSDP2 no longer places torch's _StridedShard: update _compat.StridedShard"
+        )
+        assert r["fsdp_tp_loaded"]
+
+
+def test_local_tensor_is_the_parameters_storage(ranks):
+    want = torch.tensor([1.0] * 3 + [2.0] * 3 + [3.0]).unsqueeze(1).expand(7, 4)
+    for r in ranks:
+        assert r["local_is_storage"] and r["local_contiguous"]
+        assert torch.equal(r["local_full"], want)
+    assert [r["local_rows"] for r in ranks] == [3, 3, 1]  # torch.chunk semantics, as _plan.rows_of assumes
+    plain = torch.zeros(3)
+    assert local_tensor(plain) is plain
+
+
+def test_one_dim_placement_and_strided_shard_fields():
+    strided = StridedShard(1, split_factor=4)
+    assert (strided.dim, strided.split_factor) == (1, 4)  # the fields one_dim_placement reads
+    assert one_dim_placement(Shard(1), 1) == Shard(0)
+    assert one_dim_placement(Shard(1), 0) == Replicate()
+    got = one_dim_placement(strided, 1)
+    assert isinstance(got, StridedShard) and (got.dim, got.split_factor) == (0, 4)
+    assert one_dim_placement(strided, 0) == Replicate()
+    assert one_dim_placement(Replicate(), 0) == Replicate()
+    assert one_dim_placement(Partial(), 0) is None
+
+
+def test_host_bytes_is_a_writable_alias():
+    t = torch.arange(6, dtype=torch.uint8)
+    view = host_bytes(t)
+    assert bytes(view) == bytes(range(6)) and view.format == "B" and not view.readonly
+    view[2:4] = b"\xff\xfe"
+    assert t.tolist() == [0, 1, 255, 254, 4, 5]
+    assert len(host_bytes(torch.empty(0, dtype=torch.uint8))) == 0
+    with pytest.raises(ValueError, match="contiguous uint8 CPU tensor"):
+        host_bytes(torch.zeros(3))
+    with pytest.raises(ValueError, match="contiguous uint8 CPU tensor"):
+        host_bytes(torch.zeros(4, 4, dtype=torch.uint8).t())
+
+
+def test_non_persistent_buffers_is_what_state_dict_skips():
+    m = nn.Module()
+    m.register_buffer("kept", torch.zeros(2))
+    m.register_buffer("computed", torch.ones(2), persistent=False)
+    assert non_persistent_buffers(m) == {"computed"}
+    assert set(m.state_dict()) == {"kept"}
+    non_persistent_buffers(m).add("kept")  # the set itself is what state_dict consults
+    assert set(m.state_dict()) == set()
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 5)
+        self.head = nn.Linear(5, 7, bias=False)
+        self.head.weight = self.emb.weight  # a tie made during construction
+        self.bn = nn.BatchNorm1d(5)
+        self.register_buffer("scale", torch.arange(5.0), persistent=False)
+
+
+def test_parameters_on_meta_keeps_ties_and_real_buffers():
+    original = nn.Module.register_parameter
+    with parameters_on_meta():
+        model = _Tied()
+    assert nn.Module.register_parameter is original  # the patch is undone
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.head.weight is model.emb.weight
+    assert [n for n, _ in model.named_parameters()] == ["emb.weight", "bn.weight", "bn.bias"]
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    assert torch.equal(model.scale, torch.arange(5.0)) and torch.equal(model.bn.running_var, torch.ones(5))
+    assert model.emb.weight.requires_grad and type(model.emb.weight) is nn.Parameter
+
+    with pytest.raises(RuntimeError, match="boom"), parameters_on_meta():
+        raise RuntimeError("boom")
+    assert nn.Module.register_parameter is original  # undone on an exception too
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+# --- transformers -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_no_split_modules_names_the_decoder_layer(llama):
+    names = no_split_modules(llama)
+    assert "LlamaDecoderLayer" in names
+    assert type(llama.model.layers[0]).__name__ in names  # what _shard.find_blocks matches on
+    string = nn.Module()
+    string._no_split_modules = "Block"  # type: ignore[assignment]
+    assert no_split_modules(string) == {"Block"} and no_split_modules(nn.Linear(2, 2)) == set()
+
+
+def test_hf_init_weights_writes_the_modules_parameters(llama):
+    up = llama.model.layers[0].mlp.up_proj
+    norm = llama.model.layers[1].input_layernorm
+    init = hf_init_weights(llama, "model.layers.0.mlp.up_proj")
+    assert init is not None and init.__self__ is llama.model  # the nearest PreTrainedModel ancestor
+    with torch.no_grad():
+        up.weight.fill_(float("nan"))
+        norm.weight.zero_()
+        init(up)
+        init(norm)
+    assert not up.weight.isnan().any() and up.weight.std() > 0
+    assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+    assert hf_init_weights(nn.Sequential(nn.Linear(2, 2)), "0") is None
+
+
+def test_clear_hf_initialized_lets_init_weights_write_again(llama):
+    from transformers import PreTrainedModel
+
+    down = llama.model.layers[0].mlp.down_proj
+    init = hf_init_weights(llama, "model.layers.0.mlp.down_proj")
+    assert init is not None
+    with torch.no_grad():
+        down.weight.fill_(float("nan"))
+        down.weight._is_hf_initialized = True  # what from_pretrained sets on loaded tensors
+        down._is_hf_initialized = True
+        init(down)
+        assert down.weight.isnan().all(), "transformers no longer skips flagged tensors: review _compat"
+        clear_hf_initialized(down, [down.weight])
+        assert not hasattr(down.weight, "_is_hf_initialized") and "_is_hf_initialized" not in vars(down)
+        init(down)
+    assert not down.weight.isnan().any()
+    # The module flag: transformers skips a flagged module before calling _init_weights on it.
+    source = inspect.getsource(PreTrainedModel._initialize_weights)
+    assert 'getattr(module, "_is_hf_initialized", False)' in source, (
+        "transformers no longer reads the module's _is_hf_initialized: review _compat.clear_hf_initialized"
+    )
