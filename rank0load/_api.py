@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _distribute, _model, _transfer
 from ._manifest import Manifest, read_manifest
-from ._plan import ALIGN, build_plan
+from ._plan import ALIGN, Plan, build_plan
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock, LoadReport, log_summary
 from .errors import LoadError
@@ -87,24 +88,11 @@ def load_sharded(
         )
     clock, rank = Clock(), dist.get_rank()
     mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
-    built, proposal, error = None, None, None
-    try:  # every rank's outcome is agreed on below, so nothing raises here
-        _check_options(dtype, max_staging_bytes)
-        _model.check_mesh(mesh, dist.get_world_size())
-        built = _model.build_sharded(model_fn, mesh, shard_fn, dtype)
-        options = _distribute.options_of(
-            strict=strict,
-            dtype=dtype,
-            max_staging_bytes=max_staging_bytes,
-            mesh=(mesh.shape, mesh.mesh_dim_names),
-        )
-        proposal = _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
-    except Exception as exc:
-        error = exc
+    options = {"strict": strict, "dtype": dtype, "max_staging_bytes": max_staging_bytes}
+    built, error = _attempt(lambda: _build(model_fn, mesh, shard_fn, options))
     clock("build")
-    agreed = _distribute.agree(proposal, error)
+    flags = _distribute.agree(built.proposal if built else None, error)
     assert built is not None  # agree() raised otherwise
-    flags = dict(zip(built.flags, agreed))
     clock("agree")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
         result, files = (
@@ -115,50 +103,82 @@ def load_sharded(
         manifest: Manifest = _distribute.share(result)
         clock("manifest")
         comm = _distribute.mesh_device(mesh.device_type)
-        try:
-            _model.materialise(built.model, comm)
-            _model.init_missing(built.model, built.layout, manifest.missing)
-            found = _model.targets(built.model, built.layout)
-            plan = build_plan(
-                manifest.entries,
-                [found[e.key] for e in manifest.entries],
-                [flags[e.key] for e in manifest.entries],
-                mesh,
-                max_staging_bytes // _transfer.SLOTS,
-            )
-            staging = _transfer.allocate_staging(rank, plan.piece_bytes, comm)
-            error = None
-        except Exception as exc:
-            error = exc
+        ready, error = _attempt(lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes))
         _distribute.settle(
-            error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
+            error, "allocating or initialising the model", "No data was moved; fix it and retry."
         )
+        assert ready is not None  # settle() raised otherwise
         clock("allocate")
         with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
-            targets = [_transfer.target_of(found[e.key]) for e in manifest.entries]
-            _transfer.stream(plan, targets, staging, comm, files, on_bytes)
+            _transfer.stream(ready.plan, ready.targets, ready.staging, comm, files, on_bytes)
         clock("stream")
     _model.finish(built.model, built.layout)
     clock("finish")
-    report = LoadReport(
-        tensors=len(manifest.entries),
-        bytes=manifest.total_bytes,
-        seconds=time.perf_counter() - clock.started,
-        stream_seconds=clock.phases["stream"],
-        missing=manifest.missing,
-        unexpected=manifest.unexpected,
-        ignored=manifest.ignored,
-        broadcast_whole=plan.broadcast_whole,
-        files=manifest.files,
-        phases=clock.phases,
-        peak_rss_bytes=peak_rss_bytes(),
-        rank=rank,
-        world_size=dist.get_world_size(),
-    )
+    report = LoadReport.of(manifest, ready.plan, clock, peak_rss_bytes())
     built.model.rank0load_report = report  # type: ignore[assignment]
     if rank == 0:
         log_summary(report, {e.key: e.nbytes for e in manifest.entries})
     return built.model
+
+
+R = TypeVar("R")
+
+
+def _attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
+    """Run a step whose failure every rank must learn of before raising: (result, None) or (None, error)."""
+    try:
+        return step(), None
+    except Exception as exc:
+        return None, exc
+
+
+def _build(
+    model_fn: Callable[[], nn.Module],
+    mesh: DeviceMesh,
+    shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
+    options: dict[str, Any],
+) -> _model.Built:
+    """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
+    _check_options(options["dtype"], options["max_staging_bytes"])
+    _model.check_mesh(mesh, dist.get_world_size())
+    built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"])
+    options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
+    built.proposal = _distribute.Proposal(
+        built.layout.fingerprint(), _distribute.options_of(**options), tuple(built.flags.values())
+    )
+    return built
+
+
+@dataclass
+class _Ready:
+    plan: Plan
+    targets: list[_transfer.Target]
+    staging: _transfer.Staging
+
+
+def _prepare(
+    built: _model.Built,
+    manifest: Manifest,
+    flags: tuple[int, ...],
+    mesh: DeviceMesh,
+    comm: torch.device,
+    max_staging_bytes: int,
+) -> _Ready:
+    """(all ranks) Allocate the shards and the staging, initialise what the checkpoint lacks, plan."""
+    _model.materialise(built.model, comm)
+    _model.init_missing(built.model, built.layout, manifest.missing)
+    found = _model.targets(built.model, built.layout)
+    agreed = dict(zip(built.flags, flags))
+    entries = manifest.entries
+    plan = build_plan(
+        entries,
+        [found[e.key] for e in entries],
+        [agreed[e.key] for e in entries],
+        mesh,
+        max_staging_bytes // _transfer.SLOTS,
+    )
+    staging = _transfer.allocate_staging(dist.get_rank(), plan.piece_bytes, comm)
+    return _Ready(plan, [_transfer.target_of(found[e.key]) for e in entries], staging)
 
 
 def _default_device_type() -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +176,7 @@ class Proposal:
 
     model: tuple[Any, ...]  # ModelLayout.fingerprint(): names, shapes, dtypes, ties, buffers
     options: tuple[tuple[str, str], ...]  # arguments that shape the messages or the result
-    flags: tuple[int, ...]  # _plan.layout_flags per canonical key, in the model's key order
+    flags: tuple[int, ...]  # _layout.layout_flags per canonical key, in the model's key order
 
     def digest(self) -> bytes:
         return hashlib.sha256(repr((self.model, self.options)).encode()).digest()
@@ -256,7 +255,3 @@ def share(result: object | LoadError | None) -> Any:
 def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:
     """The options a Proposal compares, as (name, repr) pairs."""
     return tuple((k, repr(v)) for k, v in kwargs.items())
-
-
-def flags_of(keys: Sequence[str], flags: dict[str, int]) -> tuple[int, ...]:
-    return tuple(flags[k] for k in keys)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,9 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._compat import clear_hf_initialized, hf_init_weights, local_tensor
+from ._layout import layout_flags, rank_coordinates
 from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
-from ._plan import layout_flags, rank_coordinates
 from ._shard import default_shard_fn
 from .errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 
@@ -34,7 +35,8 @@ class Built:
 
     model: nn.Module
     layout: ModelLayout
-    flags: dict[str, int]  # canonical key -> _plan.layout_flags on this rank
+    flags: dict[str, int]  # canonical key -> _layout.layout_flags on this rank
+    proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
 
 
 def check_mesh(mesh: DeviceMesh, world_size: int) -> None:

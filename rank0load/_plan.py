@@ -12,22 +12,17 @@ place in the destination's local tensor.
 * ``PLAIN`` (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
 * ``BLOCK`` (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``: tensor-parallel
   ``Shard(1)``, the ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): each rank's local
-  tensor is the cross product of index runs, one list per dimension. Rank 0 computes every rank's
-  runs itself (:func:`runs_at`, DTensor's own split at that rank's coordinate; each rank checks the
-  result against its real shard at agreement, so nothing per rank is exchanged). It reads the
+  tensor is the cross product of index runs, one list per dimension, which rank 0 computes for
+  every rank itself (``_layout.runs_at``; see there why nothing per rank is exchanged). It reads the
   tensor in chunks of whole rows (at most half a staging slot), cuts each rank's block out of the
   chunk and sends it point to point (:class:`Delivery`). No rank ever holds the full tensor.
 * ``GENERIC`` (placements that are none of the above, a non-contiguous local shard, rows wider than
   half a staging slot): broadcast in pieces into a full-size tensor on every rank, which then cuts
   its own shard locally (outside the staging budget; reported in ``LoadReport.broadcast_whole``).
 
-A DTensor may live on a sub-mesh of the load mesh (``fully_shard(m, mesh=mesh["dp"])`` on a
-("dp", "tp") mesh leaves embeddings and norms on the "dp" sub-mesh). :func:`placements_on` lifts its
-placements to the load mesh, with ``Replicate`` on the dimensions the sub-mesh lacks.
-
 The stream is cut into *rounds* of whole entries (at least :data:`ROUND_PIECES` staging pieces of
 bytes each): at the end of each round every rank says whether it failed, so a failure reaches every
-rank within one round and the ranks stop in step (``_distribute.stream``).
+rank within one round and the ranks stop in step (``_transfer.stream``).
 """
 
 from __future__ import annotations
@@ -41,11 +36,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement
 
-from ._compat import local_tensor, one_dim_placement, split_chunks
+from ._layout import ROWS_OK, RUNS_OK, Runs, placements_on, rank_coordinates, rows_of, runs_at
 from ._manifest import Entry
-from .errors import RankMismatchError
 
 __all__ = [
     "ALIGN",
@@ -60,19 +54,11 @@ __all__ = [
     "cut",
     "deliveries",
     "kind_of",
-    "layout_flags",
-    "local_kind",
-    "placements_on",
-    "rank_coordinates",
     "row_bytes",
-    "rows_of",
-    "runs_at",
 ]
 
 ALIGN = 64  # piece boundaries stay multiples of every element size
 ROUND_PIECES = 64  # a round carries at least this many pieces' worth of bytes (256 MiB by default)
-
-Runs = tuple[tuple[tuple[int, int], ...], ...]  # per tensor dimension: [start, stop) runs of global indices
 
 
 class Kind(enum.Enum):
@@ -92,11 +78,6 @@ class Route(enum.Enum):
     FAN_OUT = "fan_out"  # (rank 0 only) a BLOCK chunk, read once and cut into Deliveries
 
 
-# Bits of layout_flags, AND-ed over the ranks at agreement.
-ROWS_OK = 1  # this rank's shard is the row range rows_of() computes
-RUNS_OK = 2  # this rank's shard is the block runs_at() computes
-
-
 @dataclass(frozen=True)
 class Piece:
     index: int  # manifest entry index
@@ -108,91 +89,6 @@ class Piece:
     kind: Kind
 
 
-def _chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
-    """torch.chunk semantics (what DTensor's Shard and FSDP2 use): ceil-sized chunks, trailing empty."""
-    n = stop - start
-    if n == 0:
-        return start, start
-    size = math.ceil(n / parts)
-    lo = min(start + index * size, stop)
-    return lo, min(lo + size, stop)
-
-
-def rows_of(
-    mesh_shape: Sequence[int], placements: Sequence[object], nrows: int, coord: Sequence[int]
-) -> tuple[int, int]:
-    """The row range [lo, hi) that the rank at mesh coordinate ``coord`` holds."""
-    lo, hi = 0, nrows
-    for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            lo, hi = _chunk(lo, hi, mesh_shape[dim], coord[dim])
-    return lo, hi
-
-
-def _row_placements(placements: Sequence[object]) -> bool:
-    return all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements)
-
-
-def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """(all ranks) ``target``'s placements expressed on the load ``mesh``.
-
-    A DTensor on ``mesh`` itself keeps its placements. One on a sub-mesh made by slicing named
-    dimensions of ``mesh`` (``mesh["dp"]``) gets ``Replicate`` on the dimensions it lacks. Any other
-    mesh (a flattened dimension, dimensions reordered, an unrelated mesh) raises :class:`RankMismatchError`:
-    rank 0 could not reach every rank's shard through it.
-    """
-    sub = target.device_mesh
-    if sub == mesh:
-        return tuple(target.placements)
-    names, sub_names = mesh.mesh_dim_names, sub.mesh_dim_names
-    dims = (
-        [names.index(n) for n in sub_names] if names and sub_names and set(sub_names) <= set(names) else None
-    )
-    coord = mesh.get_coordinate()
-    if (
-        dims is not None
-        and dims == sorted(dims)
-        and coord is not None
-        and sub.device_type == mesh.device_type
-    ):
-        index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
-        if torch.equal(mesh.mesh[index], sub.mesh):
-            lifted: list[Placement] = [Replicate()] * mesh.ndim
-            for i, d in enumerate(dims):
-                lifted[d] = target.placements[i]
-            return tuple(lifted)
-    raise RankMismatchError(
-        f"a parameter lives on device mesh {sub} (dims {sub_names}), which is neither the load mesh "
-        f"{mesh} (dims {names}) nor a slice of its named dimensions (mesh['dp']). Pass load_sharded "
-        "the root mesh your shard_fn slices, with mesh_dim_names."
-    )
-
-
-def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
-    """(all ranks) Which fast paths this rank's shard of ``target`` allows (``ROWS_OK | RUNS_OK``);
-    0 for a plain tensor, a 0-d DTensor or a layout only ``GENERIC`` can move.
-
-    Raises LoadError (see :func:`placements_on`) for a DTensor on a mesh rank 0 cannot reach through.
-    """
-    if not isinstance(target, DTensor) or target.ndim == 0:
-        return 0
-    placements = placements_on(target, mesh)
-    coord = mesh.get_coordinate()
-    local = local_tensor(target)
-    if coord is None:
-        return 0
-    flags = 0
-    if _row_placements(placements):
-        lo, hi = rows_of(mesh.shape, placements, target.shape[0], coord)
-        if tuple(local.shape) == (hi - lo, *target.shape[1:]):
-            flags |= ROWS_OK
-    mine = block_runs(target)
-    simulated = runs_at(placements, tuple(mesh.shape), tuple(coord), tuple(target.shape))
-    if mine is not None and mine == simulated:
-        flags |= RUNS_OK
-    return flags
-
-
 def kind_of(target: torch.Tensor, flags: int) -> Kind:
     """The kind every rank takes for ``target`` given the flags AND-ed over all ranks."""
     if not isinstance(target, DTensor):
@@ -202,89 +98,6 @@ def kind_of(target: torch.Tensor, flags: int) -> Kind:
     if flags & RUNS_OK:
         return Kind.BLOCK
     return Kind.GENERIC
-
-
-def local_kind(target: torch.Tensor, mesh: DeviceMesh) -> Kind:
-    """(all ranks) The kind this rank alone would give ``target`` (the load ANDs every rank's flags)."""
-    return kind_of(target, layout_flags(target, mesh))
-
-
-def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=1024)  # layers repeat: one split per distinct (mesh, size, placements)
-def _dim_runs(
-    mesh: DeviceMesh, coord: tuple[int, ...] | None, size: int, one: tuple[Placement, ...]
-) -> tuple[tuple[int, int], ...]:
-    """This rank's indices along one dimension of ``size`` under ``one``, by ``distribute_tensor``
-    itself. ``coord`` is part of the cache key only: a later process group may give this process
-    another place in an equal mesh."""
-    if all(type(p) is Replicate for p in one):
-        return ((0, size),) if size else ()
-    index = torch.arange(size)  # moved to the mesh device by distribute_tensor
-    mine = distribute_tensor(index, mesh, one, src_data_rank=None)
-    return _runs(local_tensor(mine).cpu().tolist())
-
-
-def block_runs(target: DTensor) -> Runs | None:
-    """(all ranks) The global indices this rank's local shard holds, per dimension, as runs; or None
-    (a placement that is neither ``Shard``, ``_StridedShard`` nor ``Replicate``, a non-contiguous
-    shard, or runs that do not match the shard's shape). Sharding acts on each dimension separately,
-    so the local shard is the cross product of these index lists."""
-    local = local_tensor(target)
-    if target.ndim == 0 or not local.is_contiguous():
-        return None
-    coord = target.device_mesh.get_coordinate()
-    per_dim: list[tuple[tuple[int, int], ...]] = []
-    for dim, size in enumerate(target.shape):
-        one = [one_dim_placement(p, dim) for p in target.placements]
-        if any(p is None for p in one):
-            return None
-        per_dim.append(_dim_runs(target.device_mesh, tuple(coord) if coord else None, size, tuple(one)))  # type: ignore[arg-type]
-    runs = tuple(per_dim)
-    if tuple(_count(r) for r in runs) != tuple(local.shape):
-        return None
-    return runs
-
-
-@functools.lru_cache(maxsize=65536)
-def _dim_runs_at(
-    mesh_shape: tuple[int, ...], coord: tuple[int, ...], size: int, one: tuple[Placement, ...]
-) -> tuple[tuple[int, int], ...]:
-    index = torch.arange(size)
-    for mesh_dim, placement in enumerate(one):
-        if type(placement) is not Replicate:  # distribute_tensor's order: mesh dimension by dimension
-            index = split_chunks(placement, index, mesh_shape[mesh_dim])[coord[mesh_dim]]
-    return _runs(index.tolist())
-
-
-def runs_at(
-    placements: Sequence[Placement],
-    mesh_shape: tuple[int, ...],
-    coord: tuple[int, ...],
-    shape: tuple[int, ...],
-) -> Runs | None:
-    """The block runs of the rank at ``coord`` of a mesh of ``mesh_shape`` (placements on that mesh),
-    computed without that rank: DTensor's split applied mesh dimension by mesh dimension, as
-    ``distribute_tensor`` does. None for a placement that is not Shard/_StridedShard/Replicate."""
-    per_dim = []
-    for dim, size in enumerate(shape):
-        one = tuple(one_dim_placement(p, dim) for p in placements)
-        if any(p is None for p in one):
-            return None
-        per_dim.append(_dim_runs_at(mesh_shape, coord, size, one))  # type: ignore[arg-type]
-    return tuple(per_dim)
-
-
-def _count(runs: Sequence[tuple[int, int]]) -> int:
-    return sum(stop - start for start, stop in runs)
 
 
 @dataclass(frozen=True)
@@ -339,7 +152,7 @@ def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Ite
     for rank in sorted(runs_by_rank):
         runs = runs_by_rank[rank]
         inner = runs[1:]
-        row_elems = math.prod(_count(r) for r in inner)
+        row_elems = math.prod(sum(b - a for a, b in r) for r in inner)
         position = 0  # the local row where the current run starts
         for start, stop in runs[0]:
             lo, hi = max(start, first), min(stop, last)
@@ -353,13 +166,6 @@ def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Ite
                     inner,
                 )
             position += stop - start
-
-
-def rank_coordinates(mesh: DeviceMesh) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """(global rank, its coordinate in the mesh), sorted by rank."""
-    grid = mesh.mesh
-    coords = itertools.product(*(range(n) for n in grid.shape))
-    return tuple(sorted((int(grid[idx]), tuple(idx)) for idx in coords))
 
 
 @dataclass(frozen=True)

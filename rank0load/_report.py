@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
 
 __all__ = ["Clock", "LoadReport", "log_summary"]
 
@@ -26,10 +29,33 @@ class LoadReport:
     # Keys broadcast whole and cut on every rank (see Limits in the README): each one was, for a
     # moment, held in full on every rank, outside the staging budget. Empty for FSDP, HSDP and TP.
     broadcast_whole: tuple[str, ...] = ()
+    # How each loaded tensor travelled: "sharded" (rows), "block" (cut by rank 0), "plain"
+    # (broadcast in pieces) or "generic" (broadcast whole), by model key.
+    kinds: dict[str, str] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per pipeline phase, this rank
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the load finished
     rank: int = 0
     world_size: int = 1
+
+    @classmethod
+    def of(cls, manifest: Any, plan: Any, clock: Clock, peak_rss: int) -> LoadReport:
+        """(all ranks) The report of a load that has just finished."""
+        return cls(
+            tensors=len(manifest.entries),
+            bytes=manifest.total_bytes,
+            seconds=time.perf_counter() - clock.started,
+            stream_seconds=clock.phases.get("stream", 0.0),
+            missing=manifest.missing,
+            unexpected=manifest.unexpected,
+            ignored=manifest.ignored,
+            broadcast_whole=plan.broadcast_whole,
+            kinds={e.key: k.value for e, k in zip(plan.entries, plan.kinds)},
+            files=manifest.files,
+            phases=clock.phases,
+            peak_rss_bytes=peak_rss,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+        )
 
     @property
     def gb_per_s(self) -> float:

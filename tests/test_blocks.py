@@ -82,15 +82,13 @@ def _status(field: str) -> int:
 
 
 def _kinds(model, mesh) -> dict[str, str]:
-    from rank0load import _plan
-
-    return {n: _plan.local_kind(p, mesh).value for n, p in model.named_parameters()}
+    return {n: model.rank0load_report.kinds[n] for n, _ in model.named_parameters()}
 
 
 def _runs(model) -> dict[str, object]:
-    from rank0load import _plan
+    from rank0load import _layout
 
-    return {n: _plan.block_runs(getattr(model, n)) for n in ("strided_rows", "strided_cols")}
+    return {n: _layout.block_runs(getattr(model, n)) for n in ("strided_rows", "strided_cols")}
 
 
 def _three_ranks(rank: int, world: int, f32: str, bf16: str) -> dict:
@@ -157,7 +155,6 @@ def _bounded(rank: int, world: int, path: str) -> dict:
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     import rank0load
-    from rank0load import _plan
 
     mesh = init_device_mesh("cpu", (world,))
 
@@ -178,7 +175,7 @@ def _bounded(rank: int, world: int, path: str) -> dict:
     local = model[0].weight.to_local()
     resident = local.numel() * local.element_size()
     return {
-        "kind": _plan.local_kind(model[0].weight, mesh).value,
+        "kind": model.rank0load_report.kinds["0.weight"],
         "transient": peak - before - resident,
         "checksum": float(model[0].weight.detach().full_tensor().double().sum()),
     }

@@ -86,12 +86,10 @@ class WithPolicy:
 def _summary(model, mesh) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from rank0load import _plan
-
     return {
         "placements": {n: str(p.placements) for n, p in model.named_parameters()},
         "submesh": sorted(n for n, p in model.named_parameters() if p.device_mesh != mesh),
-        "kinds": {n: _plan.local_kind(p, mesh).value for n, p in model.named_parameters()},
+        "kinds": {n: model.rank0load_report.kinds[n] for n, _ in model.named_parameters()},
         "local_dtypes": {p._local_tensor.dtype for p in model.parameters() if isinstance(p, DTensor)},
         "devices": {p._local_tensor.device.type for p in model.parameters()}
         | {b.device.type for b in model.buffers()},

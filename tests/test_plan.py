@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from rank0load import _plan
+from rank0load import _layout, _plan
 from rank0load._compat import StridedShard
 from rank0load._manifest import Entry
 
@@ -40,7 +40,7 @@ def layouts(draw):
     for rank in range(world):
         # Any ordered subset of each dimension: row ranges, strided runs, empty shards.
         per_rank[rank] = tuple(
-            _plan._runs(sorted(draw(st.sets(st.integers(0, n - 1), max_size=n)))) for n in shape
+            _layout._runs(sorted(draw(st.sets(st.integers(0, n - 1), max_size=n)))) for n in shape
         )
     piece_bytes = draw(st.integers(2, 40)) * _plan.ALIGN
     return shape, per_rank, piece_bytes
@@ -110,11 +110,11 @@ def meshes(draw):
 def test_runs_at_every_coordinate_tile_the_tensor(layout):
     """Rank 0 computes every rank's block with runs_at: over all coordinates, each element is held
     by exactly as many ranks as the Replicate dimensions multiply to (and each rank's own runs are
-    checked against its real shard at agreement: _plan.layout_flags)."""
+    checked against its real shard at agreement: _layout.layout_flags)."""
     mesh_shape, placements, shape = layout
     counts = torch.zeros(shape, dtype=torch.int64)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        runs = _plan.runs_at(placements, mesh_shape, coord, shape)
+        runs = _layout.runs_at(placements, mesh_shape, coord, shape)
         assert runs is not None
         index = [[i for a, b in dim_runs for i in range(a, b)] for dim_runs in runs]
         if all(index):
