@@ -269,7 +269,8 @@ def read_manifest(
     try:
         source = resolve(ckpt_path, revision)
         files = open_files(source.files)
-        stack.callback(lambda: [f.close() for f in files.values()])
+        for opened in files.values():
+            stack.callback(opened.close)
         return build_manifest(source, layout, strict=strict, key_map=key_map, files=files), files
     except LoadError as exc:
         return exc, files
