@@ -138,6 +138,14 @@ def _cases(rank: int, world: int, root: str, good: str) -> dict:
     for name in ("fifo_path", "fifo_dir", "fifo_shard"):
         out[name] = _attempt(lambda: rank0load.load_sharded(toy, os.path.join(root, name)))
     out["fifo:good"] = good_load()
+
+    # Header and index edge cases: format errors, worded as such, on every rank.
+    for name in HEADER_CASES:
+        out[name] = _attempt(lambda: rank0load.load_sharded(toy, os.path.join(root, name)))
+    out["header:good"] = good_load()
+
+    # model.safetensors beside an index of stale shards: the single file wins, as in transformers.
+    out["precedence"] = gather(rank0load.load_sharded(toy, os.path.join(root, "both")))
     return out
 
 
@@ -161,6 +169,49 @@ def _write_fifos(root: str) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
+def _raw(path: str, header: str, data: bytes = b"") -> None:
+    import struct
+
+    raw = header.encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+HEADER_CASES = {
+    "huge_number": ("number too long to parse",),
+    "deep_header": ("nested too deeply",),
+    "key_twice": ("'w' is stored twice",),
+    "index_lists": ("model.safetensors.index.json", "weight_map"),
+}
+
+
+def _write_headers(root: str) -> None:
+    import json
+
+    _raw(
+        os.path.join(root, "huge_number"),
+        '{"w": {"dtype": "F32", "shape": [' + "1" * 5000 + '], "data_offsets": [0, 4]}}',
+    )
+    _raw(os.path.join(root, "deep_header"), '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    _raw(os.path.join(root, "key_twice"), '{"w": ' + entry + ', "w": ' + entry + "}", b"\0" * 4)
+    d = os.path.join(root, "index_lists")
+    os.makedirs(d)
+    save_state(trained_toy(), os.path.join(d, "model-00001-of-00001.safetensors"))
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"emb.weight": ["model-00001-of-00001.safetensors"]}}, f)
+    both = os.path.join(root, "both")
+    os.makedirs(both)
+    save_state(trained_toy(), os.path.join(both, "model.safetensors"))
+    save_state(trained_toy(seed=5), os.path.join(both, "model-00001-of-00001.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(both, "model-00001-of-00001.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    with open(os.path.join(both, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": dict.fromkeys(keys, "model-00001-of-00001.safetensors")}, f)
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("protocol"))
@@ -170,6 +221,7 @@ def outcomes(tmp_path_factory):
         save_state(trained_toy(), os.path.join(root, f"{how}.safetensors"))
     save_state(trained_toy(), os.path.join(root, "bf16.safetensors"), dtype=torch.bfloat16)
     _write_fifos(root)
+    _write_headers(root)
     results = _dist.ok(_dist.run(_cases, 2, root, good, timeout=600, pg_timeout=60))
     return results
 
@@ -303,3 +355,21 @@ def test_zero_width_parameters_load(tmp_path, world):
     for got in _dist.ok(_dist.run(_thin, world, path)):
         assert_same(got["tensors"], reference(ref))
         assert got["whole"] == ()
+
+
+@pytest.mark.parametrize("case", list(HEADER_CASES))
+def test_header_and_index_edge_cases_are_format_errors(outcomes, case):
+    message = _same_everywhere(outcomes, case, "CheckpointFormatError")
+    for w in HEADER_CASES[case]:
+        assert w in message, f"{case}: message lacks {w!r}: {message}"
+
+
+def test_good_load_after_header_errors(outcomes):
+    _good_after(outcomes, "header")
+
+
+def test_single_file_wins_over_a_stale_index(outcomes):
+    """transformers' precedence: model.safetensors, not the index's (older) shards."""
+    want = reference(trained_toy())
+    for r in outcomes:
+        assert_same(r["precedence"], want)
