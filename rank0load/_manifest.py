@@ -21,7 +21,7 @@ from ._meta import ModelLayout
 from ._source import Source, resolve
 from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 
-__all__ = ["Entry", "FLOAT_WIRE", "KeyMatch", "Manifest", "build_manifest", "match_keys", "read_manifest"]
+__all__ = ["Entry", "FLOAT_WIRE", "Part", "KeyMatch", "Manifest", "build_manifest", "match_keys", "read_manifest"]
 
 # Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
 # Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
@@ -29,16 +29,47 @@ FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 @dataclass(frozen=True)
+class Part:
+    """One checkpoint tensor's bytes, as a run of an entry's bytes (see :attr:`Entry.parts`)."""
+
+    file: str  # absolute path on rank 0
+    ckpt_key: str
+    offset: int  # absolute offset in ``file``
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Entry:
-    """One tensor to move: model key <- (file, checkpoint key), with its wire dtype and shape."""
+    """One model tensor to move, in the wire dtype (the checkpoint's) and the model's shape.
+
+    Its bytes are those of one checkpoint tensor (``file``, ``ckpt_key``, ``offset``), or, for a
+    tensor assembled from several (``parts``: stacked experts), the parts' bytes one after the other
+    in the model tensor's row-major order. Pieces address an entry's bytes from 0 to ``nbytes``;
+    :meth:`extents` says where in the files they are.
+    """
 
     key: str  # canonical model key
-    file: str  # absolute path on rank 0 (informational elsewhere)
-    ckpt_key: str
+    file: str  # absolute path on rank 0 (informational elsewhere); the first part's, if any
+    ckpt_key: str  # the first part's, if any
     dtype: str  # wire dtype: the checkpoint's
-    shape: tuple[int, ...]
-    offset: int
+    shape: tuple[int, ...]  # the model tensor's
+    offset: int  # absolute offset in ``file``
     nbytes: int
+    parts: tuple[Part, ...] = ()  # several checkpoint tensors, in order; empty: just the one above
+
+    def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
+        """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)."""
+        if not self.parts:
+            return [(self.file, self.offset + start, nbytes, 0)]
+        out, base, stop = [], 0, start + nbytes
+        for part in self.parts:  # a few hundred parts at most (experts x sources): a scan is enough
+            lo, hi = max(start, base), min(stop, base + part.nbytes)
+            if lo < hi:
+                out.append((part.file, part.offset + lo - base, hi - lo, lo - start))
+            base += part.nbytes
+            if base >= stop:
+                break
+        return out
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class Piece:
     index: int  # manifest entry index
     route: Route
     dst: int  # global rank for Route.TO_RANK; -1 otherwise
-    file_offset: int  # absolute offset in the entry's file
+    start: int  # offset in the entry's bytes (``Entry.extents`` says where they are in the files)
     nbytes: int
     local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor
     kind: Kind
@@ -223,17 +223,17 @@ class Plan:
             mine = None if me == 0 else self.block_layouts(index, [me])
             for first in range(0, entry.shape[0], rows):
                 n = min(rows, entry.shape[0] - first)
-                chunk = Piece(index, Route.FAN_OUT, -1, entry.offset + first * size, n * size, first, kind)
+                chunk = Piece(index, Route.FAN_OUT, -1, first * size, n * size, first, kind)
                 if mine is None:
                     yield chunk
                     continue
                 for d in deliveries(chunk, entry, mine):
-                    yield Piece(index, Route.TO_RANK, me, chunk.file_offset, d.nbytes, d.local_offset, kind)
+                    yield Piece(index, Route.TO_RANK, me, chunk.start, d.nbytes, d.local_offset, kind)
             return
         if kind in (Kind.PLAIN, Kind.GENERIC):
             for start in range(0, entry.nbytes, step):
                 n = min(step, entry.nbytes - start)
-                yield Piece(index, Route.BROADCAST, -1, entry.offset + start, n, start, kind)
+                yield Piece(index, Route.BROADCAST, -1, start, n, start, kind)
             return
         placements = self.placements[index]
         assert placements is not None  # SHARDED entries are DTensors
@@ -249,7 +249,7 @@ class Plan:
                         index,
                         Route.TO_RANK,
                         rank,
-                        entry.offset + lo * row + start,
+                        lo * row + start,
                         min(step, size - start),
                         start,
                         kind,

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ._compat import host_bytes
+from ._manifest import Entry
 from ._plan import Piece
 from .errors import CheckpointFormatError, LoadError
 
@@ -65,13 +66,14 @@ class Reader:
     def __init__(
         self,
         pieces: Iterable[Piece],
-        paths: list[str],
+        entries: Sequence[Entry],
         files: Mapping[str, Any],
         direct: Callable[[Piece], torch.Tensor | None],
         buffers: list[torch.Tensor],
     ) -> None:
         self._pieces = pieces
-        self._paths = paths
+        self._entries = entries
+        self._current: str | None = None  # the file read last
         self._files = files
         self._direct = direct
         self._buffers = buffers
@@ -89,17 +91,22 @@ class Reader:
         if self.failed is None:
             self.failed = exc
 
-    def _read(self, piece: Piece, path: str, data: torch.Tensor) -> None:
-        opened = self._files.get(path)
-        if opened is None:
-            raise LoadError(f"internal error: {path} was not opened when its header was read")
-        try:
-            read_into(opened.fd, data, piece.file_offset, path)
-        except OSError as exc:
-            raise LoadError(
-                f"rank 0 could not read {path} at byte {piece.file_offset}: {exc.strerror or exc}. "
-                "Check the disk and the file (was it moved or changed during the load?) and retry."
-            ) from None
+    def _read(self, piece: Piece, data: torch.Tensor) -> None:
+        """Read ``piece`` into ``data``, from the one or several checkpoint tensors it spans."""
+        for path, offset, nbytes, at in self._entries[piece.index].extents(piece.start, piece.nbytes):
+            if path != self._current:  # the manifest is in file order: leaving a file, check it
+                self._check(self._current)
+                self._current = path
+            opened = self._files.get(path)
+            if opened is None:
+                raise LoadError(f"internal error: {path} was not opened when its header was read")
+            try:
+                read_into(opened.fd, data[at : at + nbytes], offset, path)
+            except OSError as exc:
+                raise LoadError(
+                    f"rank 0 could not read {path} at byte {offset}: {exc.strerror or exc}. "
+                    "Check the disk and the file (was it moved or changed during the load?) and retry."
+                ) from None
 
     def _check(self, path: str | None) -> None:
         opened = self._files.get(path) if path is not None else None
@@ -110,15 +117,10 @@ class Reader:
                 self._fail(exc)
 
     def _run(self) -> None:
-        current: str | None = None
         try:
             for piece in self._pieces:
                 if self._stop.is_set():
                     return
-                path = self._paths[piece.index]
-                if path != current:  # the manifest is in file order: leaving a file, check it
-                    self._check(current)
-                    current = path
                 data: torch.Tensor | None = None
                 slot: int | None = None
                 try:
@@ -132,11 +134,11 @@ class Reader:
                     data = self._buffers[slot][: piece.nbytes]
                 if self.failed is None:
                     try:
-                        self._read(piece, path, data)
+                        self._read(piece, data)
                     except Exception as exc:
                         self._fail(exc)
                 self._put(Staged(piece, data, slot))
-            for path in dict.fromkeys(self._paths):  # every file, once more, after the last read
+            for path in self._files:  # every file, once more, after the last read
                 self._check(path)
         except BaseException as exc:  # handed to the consumer, re-raised there
             self._error = exc

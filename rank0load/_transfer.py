@@ -219,7 +219,7 @@ def _send(
             return _landing(target, piece, wires[piece.index])
         return None
 
-    reader = Reader(plan.pieces(0), [e.file for e in entries], files, direct, staging.slots)
+    reader = Reader(plan.pieces(0), entries, files, direct, staging.slots)
     pending: collections.deque[tuple[Any, int | None]] = collections.deque()
     whole = _Whole(comm)
     layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, [r for r, _ in plan.coords]))

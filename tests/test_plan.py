@@ -69,7 +69,7 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
     for c in chunks:
         assert c.route is _plan.Route.FAN_OUT and c.nbytes <= _plan.block_half(piece_bytes)
-        first = (c.file_offset - entry.offset) // row_bytes
+        first = c.start // row_bytes
         chunk = full[first : first + c.nbytes // row_bytes]
         for d in _plan.deliveries(c, entry, per_rank):
             block = _plan.cut(chunk, d).reshape(-1)
