@@ -6,6 +6,7 @@ model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
 from __future__ import annotations
 
 from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
+from ._convert import StackExperts
 from ._shard import default_shard_fn
 from .errors import (
     CheckpointChangedError,
@@ -19,6 +20,7 @@ from .errors import (
 __all__ = [
     "load_sharded",
     "default_shard_fn",
+    "StackExperts",
     "LoadReport",
     "DEFAULT_STAGING_BYTES",
     "LoadError",

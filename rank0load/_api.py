@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _distribute, _model, _transfer
+from ._convert import StackExperts
 from ._manifest import Manifest, read_manifest
 from ._plan import ALIGN, Plan, build_plan
 from ._progress import peak_rss_bytes, progress_bar
@@ -47,6 +48,7 @@ def load_sharded(
     key_map: Callable[[str], str | None] | None = None,
     revision: str | None = None,
     max_staging_bytes: int = DEFAULT_STAGING_BYTES,
+    conversions: Sequence[StackExperts] = (),
 ) -> nn.Module:
     """Build ``model_fn()`` sharded with FSDP2 over ``mesh`` and load a safetensors checkpoint into it.
 
@@ -70,6 +72,9 @@ def load_sharded(
         key_map: maps a checkpoint key to a model key, or to ``None`` to drop it (used on rank 0).
         revision: the Hub revision, when ``ckpt_path`` is a repo id (used on rank 0).
         max_staging_bytes: host RAM the loader may use for staging on each rank.
+        conversions: checkpoint tensors assembled into model tensors (:class:`StackExperts`), tried
+            for keys the model does not have, before transformers' own conversions (applied
+            automatically to a transformers model: per-expert Hub checkpoints into fused experts).
 
     Returns:
         The sharded model, its parameters DTensors on the mesh device, ready for training.
@@ -89,14 +94,14 @@ def load_sharded(
     clock, rank = Clock(), dist.get_rank()
     mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
     options = {"strict": strict, "dtype": dtype, "max_staging_bytes": max_staging_bytes}
-    built, error = _attempt(lambda: _build(model_fn, mesh, shard_fn, options))
+    built, error = _attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions))
     clock("build")
     flags = _distribute.agree(built.proposal if built else None, error)
     assert built is not None  # agree() raised otherwise
     clock("agree")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
         result, files = (
-            read_manifest(ckpt_path, revision, built.layout, strict, key_map, opened)
+            read_manifest(ckpt_path, revision, built.layout, strict, key_map, opened, built.conversions)
             if rank == 0
             else (None, {})
         )
@@ -137,11 +142,12 @@ def _build(
     mesh: DeviceMesh,
     shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
     options: dict[str, Any],
+    conversions: Sequence[StackExperts],
 ) -> _model.Built:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
     _check_options(options["dtype"], options["max_staging_bytes"])
     _model.check_mesh(mesh, dist.get_world_size())
-    built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"])
+    built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
     built.proposal = _distribute.Proposal(
         built.layout.fingerprint(), _distribute.options_of(**options), tuple(built.flags.values())

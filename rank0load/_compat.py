@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 __all__ = [
     "StridedShard",
     "clear_hf_initialized",
+    "hf_conversions",
+    "hf_rename",
+    "is_transformers_model",
     "hf_init_weights",
     "host_bytes",
     "local_tensor",
@@ -154,3 +158,41 @@ def _to_meta(param: nn.Parameter) -> nn.Parameter:
     kwargs = dict(param.__dict__)
     kwargs["requires_grad"] = param.requires_grad
     return type(param)(data, **kwargs)
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel``, without importing transformers for
+    a model that is not one."""
+    if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def hf_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """transformers' checkpoint conversions for ``model`` (``get_model_conversion_mapping``): its
+    ``WeightRenaming`` and ``WeightConverter`` objects. Some are looked up by class name: call this
+    before ``fully_shard`` renames the classes."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    return (
+        [t for t in transforms if isinstance(t, WeightRenaming)],
+        [t for t in transforms if isinstance(t, WeightConverter)],
+    )
+
+
+def hf_rename(
+    key: str,
+    renamings: list[Any],
+    converters: list[Any],
+    prefix: str | None,
+    model_keys: dict[str, Any] | None,
+) -> tuple[str, str | None]:
+    """transformers' ``rename_source_key``: the key after the renamings and at most one converter,
+    and the converter's source pattern that matched (None if none)."""
+    from transformers.core_model_loading import rename_source_key
+
+    return rename_source_key(key, renamings, converters, prefix, model_keys)

@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from ._convert import Conversion, ConversionMatch
 from ._format import DTYPES, OpenFile, TensorHeader, open_files, read_header
 from ._meta import ModelLayout
 from ._source import Source, resolve
 from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 
-__all__ = ["Entry", "FLOAT_WIRE", "Part", "KeyMatch", "Manifest", "build_manifest", "match_keys", "read_manifest"]
+__all__ = [
+    "Entry",
+    "FLOAT_WIRE",
+    "Part",
+    "KeyMatch",
+    "Manifest",
+    "build_manifest",
+    "match_keys",
+    "read_manifest",
+]
 
 # Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
 # Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
@@ -149,22 +159,31 @@ class KeyMatch:
     unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
     ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
     missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted
+    # canonical model key -> the checkpoint tensors a conversion assembles it from
+    stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
+    # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
+    unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
 
 def match_keys(
     headers: dict[str, TensorHeader],
     layout: ModelLayout,
     key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion] = (),
 ) -> KeyMatch:
     """(rank 0, or one process for ``inspect``) Map every checkpoint key to a canonical model key:
     ``key_map`` first, then the model's non-persistent buffers (ignored) and its own aliases
-    (:meth:`ModelLayout.canonical`). Shapes and dtypes are not checked here.
+    (:meth:`ModelLayout.canonical`); a key the model does not have is offered to ``conversions``
+    (renamed, or one of the parts of a stacked parameter). Keys the model has win: a checkpoint
+    already in the model's layout loads as it is. Shapes and dtypes are not checked here.
 
     Raises:
         ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
             checkpoint keys to one model key.
     """
     by_model_key: dict[str, list[TensorHeader]] = {}
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
+    unsupported: dict[str, tuple[str, str, str]] = {}
     mapped_from: dict[str, str] = {}
     unexpected: list[str] = []
     ignored: list[str] = []
@@ -195,16 +214,44 @@ def match_keys(
             ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
             continue
         canonical = layout.canonical(model_key)
+        converted = None
         if canonical is None:
+            converted = _convert(model_key, layout, conversions)
+            canonical = converted.target if converted is not None else None
+        if canonical is None or converted is not None and converted.unsupported is not None:
+            if converted is not None and canonical is not None:
+                unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
             unexpected.append(ckpt_key)
-            continue
-        by_model_key.setdefault(canonical, []).append(t)
+        elif converted is not None and converted.expert is not None:
+            stacked.setdefault(canonical, []).append((converted, t))
+        else:
+            by_model_key.setdefault(canonical, []).append(t)
+    both = sorted(set(stacked) & set(by_model_key))
+    if both:
+        raise ModelMismatchError(
+            f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
+            "layout (re-save it, or drop one set of keys with key_map)."
+        )
     return KeyMatch(
         by_model_key={k: tuple(found) for k, found in by_model_key.items()},
         unexpected=tuple(sorted(unexpected)),
         ignored=tuple(sorted(ignored)),
-        missing=tuple(sorted(k for k in layout.tensors if k not in by_model_key)),
+        missing=tuple(sorted(k for k in layout.tensors if k not in by_model_key and k not in stacked)),
+        stacked={k: tuple(found) for k, found in stacked.items()},
+        unsupported=unsupported,
     )
+
+
+def _convert(
+    model_key: str, layout: ModelLayout, conversions: Sequence[Conversion]
+) -> ConversionMatch | None:
+    """The first conversion that maps ``model_key`` onto a tensor of the model (target canonical)."""
+    for conversion in conversions:
+        found = conversion.match(model_key)
+        target = layout.canonical(found.target) if found is not None else None
+        if found is not None and target is not None:
+            return replace(found, target=target)
+    return None
 
 
 def build_manifest(
@@ -214,11 +261,22 @@ def build_manifest(
     strict: bool,
     key_map: Callable[[str], str | None] | None,
     files: dict[str, OpenFile] | None = None,
+    conversions: Sequence[Conversion] = (),
 ) -> Manifest:
     """(rank 0) Validate the checkpoint against the model and list what to move, in file order.
     ``files``: the source's files, opened once (see :func:`read_manifest`)."""
-    match = match_keys(_headers(source, files), layout, key_map)
+    match = match_keys(_headers(source, files), layout, key_map, conversions)
     missing, unexpected = match.missing, match.unexpected
+    cannot = {k: v for k, v in match.unsupported.items() if k in missing}
+    if cannot:
+        target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
+        raise ModelMismatchError(
+            f"{source.description}: model tensor {target!r} would come from checkpoint key {ckpt_key!r} "
+            f"through the conversion {rule}, which {why}; rank0load assembles only stacked experts "
+            f"(MergeModulelist(dim=0), then Concatenate(dim=1)). {len(cannot)} tensors are affected. "
+            "Convert the checkpoint to the model's layout first (from_pretrained, then save_pretrained "
+            "with save_original_format=False), or pass key_map."
+        )
     if strict and (missing or unexpected):
         parts = []
         if missing:
@@ -249,6 +307,10 @@ def build_manifest(
             _check_tied_equal(model_key, found)
         t = found[0]
         entries.append(Entry(model_key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes))
+    for model_key, members in match.stacked.items():
+        entries.append(
+            _assemble(model_key, members, layout.tensors[model_key].shape, layout.tensors[model_key].dtype)
+        )
 
     order = {path: i for i, path in enumerate(source.files)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
@@ -259,6 +321,65 @@ def build_manifest(
         ignored=match.ignored,
         files=source.files,
         total_bytes=sum(e.nbytes for e in entries),
+    )
+
+
+def _assemble(
+    key: str,
+    members: tuple[tuple[ConversionMatch, TensorHeader], ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> Entry:
+    """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
+    ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in
+    (expert, source) order, which is the fused tensor's row-major byte order."""
+    rule = members[0][0].rule
+    sources = members[0][0].sources
+    experts = shape[0] if shape else 0
+    seen: dict[tuple[int, int], TensorHeader] = {}
+    for m, t in members:
+        if m.expert >= experts or (m.expert, m.source) in seen:  # type: ignore[operator]
+            what = "beyond the model's" if m.expert >= experts else "stored twice"  # type: ignore[operator]
+            raise ModelMismatchError(
+                f"model tensor {key!r} (shape {shape}): checkpoint key {t.key!r} is expert {m.expert}, {what} "
+                f"{experts} experts ({rule}). Does model_fn build the checkpoint's config (num_experts)?"
+            )
+        seen[(m.expert, m.source)] = t  # type: ignore[index]
+    absent = [(e, s) for e in range(experts) for s in range(sources) if (e, s) not in seen]
+    if absent:
+        e, s = absent[0]
+        raise ModelMismatchError(
+            f"model tensor {key!r}: the checkpoint has no expert {e} for source {s} of {rule} "
+            f"({len(absent)} expert tensors are missing). The checkpoint is incomplete: re-download it, "
+            "or check that model_fn builds its config."
+        )
+    first = seen[(0, 0)]
+    parts = [seen[(e, s)] for e in range(experts) for s in range(sources)]
+    heads = [seen[(0, s)].shape for s in range(sources)]
+    if sources == 1:
+        fits = heads[0] == shape[1:]
+    else:
+        fits = all(len(h) == len(shape) - 1 and h[1:] == shape[2:] for h in heads)
+        fits = fits and sum(h[0] for h in heads) == shape[1]
+    same = all(t.shape == heads[s] for (e, s), t in seen.items())
+    dtypes = sorted({t.dtype for t in parts})
+    if not (fits and same and len(dtypes) == 1):
+        raise ModelMismatchError(
+            f"model tensor {key!r} (shape {shape}, {rule}): its per-expert tensors do not stack to it "
+            f"(expert 0: shapes {heads}; all experts alike: {same}; dtypes {dtypes}). "
+            "Does model_fn build the checkpoint's config?"
+        )
+    _check_fits(replace(first, shape=shape), key, shape, dtype)
+    nbytes = sum(t.nbytes for t in parts)
+    return Entry(
+        key,
+        first.file,
+        first.key,
+        first.dtype,
+        shape,
+        first.offset,
+        nbytes,
+        tuple(Part(t.file, t.key, t.offset, t.nbytes) for t in parts),
     )
 
 
@@ -292,6 +413,7 @@ def read_manifest(
     strict: bool,
     key_map: Callable[[str], str | None] | None,
     stack: contextlib.ExitStack,
+    conversions: Sequence[Conversion] = (),
 ) -> tuple[Manifest | LoadError, dict[str, OpenFile]]:
     """(rank 0) Resolve the checkpoint, open its files once (closed by ``stack``), read and validate
     their headers against the model. Returns the manifest, or the LoadError to share with every
@@ -302,7 +424,10 @@ def read_manifest(
         files = open_files(source.files)
         for opened in files.values():
             stack.callback(opened.close)
-        return build_manifest(source, layout, strict=strict, key_map=key_map, files=files), files
+        manifest = build_manifest(
+            source, layout, strict=strict, key_map=key_map, files=files, conversions=conversions
+        )
+        return manifest, files
     except LoadError as exc:
         return exc, files
     except Exception as exc:  # anything unforeseen must still reach every rank

@@ -10,8 +10,8 @@ the result (:class:`~._meta.ModelLayout`) and each tensor's layout flags for the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._compat import clear_hf_initialized, hf_init_weights, local_tensor
+from ._convert import conversions_for
 from ._layout import layout_flags, rank_coordinates
 from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
@@ -37,6 +38,7 @@ class Built:
     layout: ModelLayout
     flags: dict[str, int]  # canonical key -> _layout.layout_flags on this rank
     proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
+    conversions: list[Any] = field(default_factory=list)  # _convert: for rank 0's manifest
 
 
 def check_mesh(mesh: DeviceMesh, world_size: int) -> None:
@@ -57,16 +59,22 @@ def build_sharded(
     mesh: DeviceMesh,
     shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
     dtype: torch.dtype | None,
+    conversions: Sequence[Any] = (),
 ) -> Built:
     """(all ranks) ``model_fn()`` on meta, cast to ``dtype``, sharded by ``shard_fn`` (or the default
-    policy), described. Raises whatever the caller's code raises; the caller agrees on it."""
+    policy), described. The checkpoint conversions (the caller's, then transformers' for a
+    transformers model) are looked up before sharding renames the classes. Raises whatever the
+    caller's code raises; the caller agrees on it."""
     model = build_on_meta(model_fn)
     if dtype is not None:
         model.to(dtype)
+    keys = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    found_conversions = conversions_for(model, keys, conversions)
     (shard_fn or default_shard_fn)(model, mesh)
     layout = describe(model)
     found = targets(model, layout)
-    return Built(model, layout, {key: layout_flags(t, mesh) for key, t in found.items()})
+    flags = {key: layout_flags(t, mesh) for key, t in found.items()}
+    return Built(model, layout, flags, conversions=found_conversions)
 
 
 def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:

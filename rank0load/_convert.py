@@ -1,0 +1,152 @@
+"""Checkpoint tensors that become a model tensor of another name or layout (rank 0 matches).
+
+Hub MoE checkpoints store one tensor per expert (``experts.{e}.w1.weight`` [I, H]); transformers 5
+models hold them fused (``experts.gate_up_proj`` [E, 2I, H]). A :class:`Conversion` says, for a
+checkpoint key the model does not have, which model tensor it belongs to and where: the expert
+index ``e`` (the leading dimension) and its place among the sources concatenated in each expert's
+slice. Because each expert's slice is the sources one after the other in row-major order, the
+fused tensor's bytes are the parts' bytes in (expert, source) order: the manifest describes it as
+one entry made of parts (``_manifest.Entry.parts``) and the stream moves it like any other tensor,
+each byte once, straight into its owner's shard. No rank ever holds a fused parameter whole.
+
+* :class:`StackExperts` — the public way to declare such a conversion for any model.
+* :class:`TransformersConversions` — built from transformers' own conversion mapping for a
+  transformers model (``conversion_mapping.get_model_conversion_mapping``; renamings and
+  converters), before ``fully_shard`` renames its classes. Only ``MergeModulelist(dim=0)``,
+  optionally followed by ``Concatenate(dim=1)``, can be assembled this way; a key that needs any
+  other operation is reported with the converter's name (a ``ModelMismatchError`` when the model
+  tensor has no other source), never skipped.
+
+(all ranks build the conversions before sharding; rank 0 alone matches keys; no collectives)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import nn
+
+from . import _compat
+
+__all__ = ["Conversion", "ConversionMatch", "StackExperts", "TransformersConversions", "conversions_for"]
+
+
+@dataclass(frozen=True)
+class ConversionMatch:
+    """Where one checkpoint tensor goes."""
+
+    target: str  # model key
+    expert: int | None  # index along the target's dimension 0; None: the whole target (a renaming)
+    source: int  # position among the sources concatenated in each expert's slice
+    sources: int  # how many sources each expert's slice concatenates
+    rule: str  # the conversion, for messages
+    unsupported: str | None = None  # why rank0load cannot assemble it, if it cannot
+
+
+class Conversion(Protocol):
+    def match(self, key: str) -> ConversionMatch | None:
+        """Where checkpoint ``key`` goes, or None if this conversion does not apply to it."""
+
+
+def _segment_regex(pattern: str) -> str:
+    """``*`` is one dotted segment, captured; ``{e}`` is the expert index, captured as ``e``."""
+    out = re.escape(pattern).replace(r"\*", r"([^.]+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return f"^{out}$"
+
+
+@dataclass(frozen=True)
+class StackExperts:
+    """Per-expert checkpoint tensors stacked into one model parameter.
+
+    ``target[e]`` is the concatenation, along their first dimension, of ``sources[0]`` for expert
+    ``e``, ``sources[1]`` for expert ``e``, and so on (transformers' ``MergeModulelist(dim=0)`` then
+    ``Concatenate(dim=1)``; with one source, plain stacking). In the patterns, ``{e}`` is the expert
+    index and ``*`` one dotted name segment (a layer index), matched in order between each source
+    and the target::
+
+        StackExperts(
+            target="layers.*.moe.experts.w13",
+            sources=("layers.*.feed_forward.experts.{e}.w1.weight",
+                     "layers.*.feed_forward.experts.{e}.w3.weight"),
+        )
+
+    Every expert ``0 .. E-1`` must be present exactly once per source (E: the target's first
+    dimension), with shapes that concatenate to the target's.
+    """
+
+    target: str
+    sources: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sources, str):
+            object.__setattr__(self, "sources", (self.sources,))
+        for pattern in self.sources:
+            if pattern.count("{e}") != 1:
+                raise ValueError(
+                    f"StackExperts source {pattern!r} needs exactly one '{{e}}' (the expert index)"
+                )
+            if pattern.count("*") != self.target.count("*"):
+                raise ValueError(
+                    f"StackExperts source {pattern!r} and target {self.target!r} need as many '*' each"
+                )
+        object.__setattr__(self, "_compiled", tuple(re.compile(_segment_regex(p)) for p in self.sources))
+
+    def match(self, key: str) -> ConversionMatch | None:
+        for index, regex in enumerate(self._compiled):  # type: ignore[attr-defined]
+            found = regex.match(key)
+            if found is None:
+                continue
+            stars = [g for i, g in enumerate(found.groups(), start=1) if i != regex.groupindex["e"]]
+            target = self.target
+            for value in stars:
+                target = target.replace("*", value, 1)
+            return ConversionMatch(target, int(found.group("e")), index, len(self.sources), repr(self))
+        return None
+
+
+_STACKABLE = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+
+
+class TransformersConversions:
+    """transformers' own renamings and converters for ``model`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
+        self._renamings, self._converters = _compat.hf_conversions(model)
+        self._prefix = getattr(model, "base_model_prefix", None)
+        self._model_keys = dict.fromkeys(model_keys, True)
+
+    def match(self, key: str) -> ConversionMatch | None:
+        renamed, pattern = _compat.hf_rename(
+            key, self._renamings, self._converters, self._prefix, self._model_keys
+        )
+        if pattern is None:
+            return ConversionMatch(renamed, None, 0, 1, "transformers renaming") if renamed != key else None
+        converter = next(c for c in self._converters if pattern in c.source_patterns)
+        name = f"{type(converter).__name__}({converter.source_patterns} -> {converter.target_patterns})"
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        index, total = converter.source_patterns.index(pattern), len(converter.source_patterns)
+        if ops not in _STACKABLE or len(converter.target_patterns) != 1:
+            what = ", ".join(f"{n}(dim={d})" if d is not None else n for n, d in ops)
+            return ConversionMatch(renamed, None, index, total, name, f"needs {what}")
+        expert = self._expert(key, pattern)
+        if expert is None:
+            return ConversionMatch(renamed, None, index, total, name, "no expert index found in the key")
+        return ConversionMatch(renamed, expert, index, total, name)
+
+    def _expert(self, key: str, pattern: str) -> int | None:
+        """The integer the pattern's ``*`` stands for in ``key`` (after the renamings)."""
+        renamed = _compat.hf_rename(key, self._renamings, [], None, None)[0]
+        # transformers' source patterns are regular expressions in which "*" is an index
+        found = re.search(pattern.replace("*", r"(\d+)"), renamed)
+        return int(found.group(1)) if found is not None and found.groups() else None
+
+
+def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
+    """(all ranks, before sharding) The caller's conversions, then transformers' for a transformers model."""
+    out = list(extra)
+    if _compat.is_transformers_model(model):
+        out.append(TransformersConversions(model, model_keys))
+    return out
