@@ -26,6 +26,7 @@ __all__ = [
     "StridedShard",
     "clear_hf_initialized",
     "hf_conversions",
+    "hf_keep_in_fp32",
     "hf_rename",
     "is_transformers_model",
     "hf_init_weights",
@@ -196,3 +197,16 @@ def hf_rename(
     from transformers.core_model_loading import rename_source_key
 
     return rename_source_key(key, renamings, converters, prefix, model_keys)
+
+
+def hf_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:
+    """Which tensor names transformers keeps in float32 when the rest is cast to ``dtype``
+    (``_keep_in_fp32_modules`` for float16, ``_keep_in_fp32_modules_strict`` for float16 and
+    bfloat16, through ``PreTrainedModel._get_dtype_plan``), or None for none."""
+    plan = model._get_dtype_plan(dtype)  # type: ignore[operator]
+    if not plan:
+        return None
+    from transformers.core_model_loading import build_glob_alternation
+
+    pattern = build_glob_alternation(list(plan))[0]
+    return lambda name: pattern.search(name) is not None

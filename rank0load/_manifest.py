@@ -18,6 +18,9 @@ import torch
 
 from ._convert import Conversion, ConversionMatch
 from ._format import DTYPES, OpenFile, TensorHeader, open_files, read_header
+from ._fp8 import FP8_WIRE
+from ._fp8 import block_size as fp8_block_size
+from ._fp8 import scale_for as fp8_scale_for
 from ._meta import ModelLayout
 from ._source import Source, resolve
 from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
@@ -66,13 +69,24 @@ class Entry:
     offset: int  # absolute offset in ``file``
     nbytes: int
     parts: tuple[Part, ...] = ()  # several checkpoint tensors, in order; empty: just the one above
+    # float8 block-quantised (see _fp8): each part's scale grid, in part order; the block size;
+    # each part's rows (its columns are the entry's last dimension). Empty: not quantised.
+    scales: tuple[Part, ...] = ()
+    block: tuple[int, int] = (0, 0)
+    part_rows: tuple[int, ...] = ()
 
-    def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
-        """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)."""
-        if not self.parts:
+    @property
+    def scale_nbytes(self) -> int:
+        return sum(p.nbytes for p in self.scales)
+
+    def extents(self, start: int, nbytes: int, scales: bool = False) -> list[tuple[str, int, int, int]]:
+        """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)
+        (of its scale grids, with ``scales``)."""
+        parts = self.scales if scales else self.parts
+        if not parts:
             return [(self.file, self.offset + start, nbytes, 0)]
         out, base, stop = [], 0, start + nbytes
-        for part in self.parts:  # a few hundred parts at most (experts x sources): a scan is enough
+        for part in parts:  # a few hundred parts at most (experts x sources): a scan is enough
             lo, hi = max(start, base), min(stop, base + part.nbytes)
             if lo < hi:
                 out.append((part.file, part.offset + lo - base, hi - lo, lo - start))
@@ -265,8 +279,11 @@ def build_manifest(
 ) -> Manifest:
     """(rank 0) Validate the checkpoint against the model and list what to move, in file order.
     ``files``: the source's files, opened once (see :func:`read_manifest`)."""
-    match = match_keys(_headers(source, files), layout, key_map, conversions)
-    missing, unexpected = match.missing, match.unexpected
+    headers = _headers(source, files)
+    match = match_keys(headers, layout, key_map, conversions)
+    quantised = _quantised(match, layout)  # float8 checkpoint tensors for floating model tensors
+    scales = {k + "_scale_inv" for k in quantised} & set(headers)
+    missing, unexpected = match.missing, tuple(k for k in match.unexpected if k not in scales)
     cannot = {k: v for k, v in match.unsupported.items() if k in missing}
     if cannot:
         target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
@@ -299,18 +316,28 @@ def build_manifest(
         )
 
     entries: list[Entry] = []
+    block = fp8_block_size(source.root) if quantised else None
     for model_key, found in match.by_model_key.items():
         info = layout.tensors[model_key]
+        if found[0].key in quantised:
+            if found[0].shape != info.shape:
+                _check_fits(found[0], model_key, info.shape, info.dtype)  # raises: the shapes differ
+            entries.append(
+                _with_scales(_single(model_key, found[0]), (found[0],), headers, block, info.dtype)
+            )
+            continue
         for t in found:
             _check_fits(t, model_key, info.shape, info.dtype)
         if len(found) > 1:
             _check_tied_equal(model_key, found)
-        t = found[0]
-        entries.append(Entry(model_key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes))
+        entries.append(_single(model_key, found[0]))
     for model_key, members in match.stacked.items():
-        entries.append(
-            _assemble(model_key, members, layout.tensors[model_key].shape, layout.tensors[model_key].dtype)
-        )
+        info = layout.tensors[model_key]
+        entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
+        if members[0][1].key in quantised:
+            ordered = [headers[p.ckpt_key] for p in entry.parts]
+            entry = _with_scales(entry, ordered, headers, block, info.dtype)
+        entries.append(entry)
 
     order = {path: i for i, path in enumerate(source.files)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
@@ -324,11 +351,52 @@ def build_manifest(
     )
 
 
+def _single(key: str, t: TensorHeader) -> Entry:
+    return Entry(key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes)
+
+
+def _quantised(match: KeyMatch, layout: ModelLayout) -> set[str]:
+    """Checkpoint keys of float8 tensors that go into floating (not float8) model tensors: they are
+    dequantised with their ``_scale_inv`` (see _fp8)."""
+    out = set()
+    floating = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    for key, found in match.by_model_key.items():
+        if found[0].dtype in FP8_WIRE and layout.tensors[key].dtype in floating:
+            out.add(found[0].key)
+    for key, members in match.stacked.items():
+        if layout.tensors[key].dtype in floating:
+            out |= {t.key for _, t in members if t.dtype in FP8_WIRE}
+    return out
+
+
+def _with_scales(
+    entry: Entry,
+    parts: Sequence[TensorHeader],
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> Entry:
+    """``entry`` (float8 parts) with each part's scale grid, checked; dequantised on arrival."""
+    found = [fp8_scale_for(entry.key, t, headers, block, dtype) for t in parts]
+    blocks = {b for _, b in found}
+    if len(blocks) > 1:
+        raise ModelMismatchError(
+            f"model tensor {entry.key!r}: its float8 parts use different block sizes {sorted(blocks)}"
+        )
+    return replace(
+        entry,
+        scales=tuple(Part(s.file, s.key, s.offset, s.nbytes) for s, _ in found),
+        block=blocks.pop(),
+        part_rows=tuple(t.shape[0] for t in parts),
+    )
+
+
 def _assemble(
     key: str,
     members: tuple[tuple[ConversionMatch, TensorHeader], ...],
     shape: tuple[int, ...],
     dtype: torch.dtype,
+    quantised: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Entry:
     """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
     ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in
@@ -348,8 +416,14 @@ def _assemble(
     absent = [(e, s) for e in range(experts) for s in range(sources) if (e, s) not in seen]
     if absent:
         e, s = absent[0]
+        like = next((t.key for (e2, s2), t in seen.items() if s2 == s), None)
+        named = ""
+        if like is not None:  # the present expert's key with the missing expert's index
+            other = next(e2 for (e2, s2), t in seen.items() if t.key == like)
+            head, sep, tail = like.rpartition(f".{other}.")
+            named = f" ({head}.{e}.{tail!s})" if sep else ""
         raise ModelMismatchError(
-            f"model tensor {key!r}: the checkpoint has no expert {e} for source {s} of {rule} "
+            f"model tensor {key!r}: the checkpoint has no expert {e} for source {s}{named} of {rule} "
             f"({len(absent)} expert tensors are missing). The checkpoint is incomplete: re-download it, "
             "or check that model_fn builds its config."
         )
@@ -369,7 +443,8 @@ def _assemble(
             f"(expert 0: shapes {heads}; all experts alike: {same}; dtypes {dtypes}). "
             "Does model_fn build the checkpoint's config?"
         )
-    _check_fits(replace(first, shape=shape), key, shape, dtype)
+    if first.key not in quantised:
+        _check_fits(replace(first, shape=shape), key, shape, dtype)
     nbytes = sum(t.nbytes for t in parts)
     return Entry(
         key,

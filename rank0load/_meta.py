@@ -19,6 +19,7 @@ from ._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta
 
 __all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
 
+
 def build_on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module:
     """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real."""
     with parameters_on_meta():

@@ -19,7 +19,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._compat import clear_hf_initialized, hf_init_weights, local_tensor
+from ._compat import (
+    clear_hf_initialized,
+    hf_init_weights,
+    hf_keep_in_fp32,
+    is_transformers_model,
+    local_tensor,
+)
 from ._convert import conversions_for
 from ._layout import layout_flags, rank_coordinates
 from ._memory import prefault
@@ -67,7 +73,7 @@ def build_sharded(
     caller's code raises; the caller agrees on it."""
     model = build_on_meta(model_fn)
     if dtype is not None:
-        model.to(dtype)
+        cast(model, dtype)
     keys = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     found_conversions = conversions_for(model, keys, conversions)
     (shard_fn or default_shard_fn)(model, mesh)
@@ -75,6 +81,24 @@ def build_sharded(
     found = targets(model, layout)
     flags = {key: layout_flags(t, mesh) for key, t in found.items()}
     return Built(model, layout, flags, conversions=found_conversions)
+
+
+def cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """(all ranks) ``model.to(dtype)``, except what transformers keeps in float32 under ``dtype``
+    (``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's ``e_score_correction_bias``), as
+    ``from_pretrained(dtype=...)`` does."""
+    model.to(dtype)
+    keep = hf_keep_in_fp32(model, dtype) if is_transformers_model(model) else None
+    if keep is None:
+        return
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for leaf, p in module._parameters.items():
+            if p is not None and p.is_floating_point() and keep(prefix + leaf):
+                p.data = p.data.to(torch.float32)
+        for leaf, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and keep(prefix + leaf):
+                module._buffers[leaf] = b.to(torch.float32)
 
 
 def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:

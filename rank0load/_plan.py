@@ -76,6 +76,7 @@ class Route(enum.Enum):
     TO_RANK = "to_rank"  # point to point to ``Piece.dst`` (rank 0 itself: read in place)
     BROADCAST = "broadcast"  # to every rank
     FAN_OUT = "fan_out"  # (rank 0 only) a BLOCK chunk, read once and cut into Deliveries
+    SCALES = "scales"  # to every rank: a float8 entry's scale grids, before its data (see _fp8)
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,8 @@ class Plan:
         if entry.nbytes == 0:  # zero-width: nothing to move
             return
         step = self.piece_bytes
+        for start in range(0, entry.scale_nbytes, step):  # every rank needs the scales first
+            yield Piece(index, Route.SCALES, -1, start, min(step, entry.scale_nbytes - start), start, kind)
         if kind is Kind.BLOCK:
             rows = block_chunk_rows(entry, step)
             size = row_bytes(entry)
@@ -279,8 +282,8 @@ def build_plan(
     placements: list[tuple[Placement, ...] | None] = []
     for entry, target, f in zip(entries, targets, flags, strict=True):
         kind = kind_of(target, f)
-        if kind is Kind.BLOCK and block_chunk_rows(entry, piece_bytes) == 0:
-            kind = Kind.GENERIC
+        if kind is Kind.BLOCK and (block_chunk_rows(entry, piece_bytes) == 0 or entry.scales):
+            kind = Kind.GENERIC  # (float8 blocks are dequantised whole: their columns need their scales)
         kinds.append(kind)
         placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)
     rounds, carried = [], 0

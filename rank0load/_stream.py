@@ -21,7 +21,7 @@ import torch
 
 from ._compat import host_bytes
 from ._manifest import Entry
-from ._plan import Piece
+from ._plan import Piece, Route
 from .errors import CheckpointFormatError, LoadError
 
 __all__ = ["Reader", "Staged", "read_into"]
@@ -93,7 +93,8 @@ class Reader:
 
     def _read(self, piece: Piece, data: torch.Tensor) -> None:
         """Read ``piece`` into ``data``, from the one or several checkpoint tensors it spans."""
-        for path, offset, nbytes, at in self._entries[piece.index].extents(piece.start, piece.nbytes):
+        entry = self._entries[piece.index]
+        for path, offset, nbytes, at in entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES):
             if path != self._current:  # the manifest is in file order: leaving a file, check it
                 self._check(self._current)
                 self._current = path

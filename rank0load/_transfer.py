@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from . import _distribute
 from ._compat import local_tensor
 from ._format import DTYPES
-from ._manifest import Entry
+from ._fp8 import dequantize
 from ._plan import Kind, Piece, Plan, Route, block_half, cut, deliveries, row_bytes
 from ._stream import Reader
 from .errors import LoadError
@@ -90,15 +90,6 @@ class _Faults:
             self.error = exc
 
 
-def _cast_into(dst: torch.Tensor, local_offset: int, data: torch.Tensor, wire: torch.dtype) -> None:
-    """Copy wire bytes ``data`` into ``dst``'s elements from byte ``local_offset`` (wire dtype)."""
-    if not dst.is_contiguous():
-        raise LoadError("internal error: cast into a non-contiguous tensor")  # ensured by _model
-    start = local_offset // wire.itemsize
-    values = data.view(wire)
-    dst.view(-1)[start : start + values.numel()].copy_(values)
-
-
 def _landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
     """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
     t = target.tensor
@@ -107,33 +98,101 @@ def _landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | 
     return t.reshape(-1).view(torch.uint8)[piece.local_offset : piece.local_offset + piece.nbytes]
 
 
-class _Whole:
-    """(all ranks) A GENERIC entry assembled from its broadcast pieces into a full-size buffer, then
-    cut to this rank's shard with DTensor's own split (``src_data_rank=None``: no communication).
-    Exact for every placement DTensor supports; the price is the full tensor on every rank."""
+class _Assembly:
+    """A full-size buffer filled piece by piece, for one entry at a time: a GENERIC entry's bytes, or
+    a float8 entry's scale grids."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = -1
         self.buffer: torch.Tensor | None = None
 
-    def land(self, piece: Piece, entry: Entry) -> torch.Tensor:
+    def land(self, piece: Piece, nbytes: int) -> torch.Tensor:
         if piece.index != self.index:
             self.index, self.buffer = piece.index, None
-            self.buffer = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         assert self.buffer is not None
-        return self.buffer[piece.local_offset : piece.local_offset + piece.nbytes]
+        return self.buffer[piece.start : piece.start + piece.nbytes]
 
-    def complete(self, piece: Piece, entry: Entry, target: Target, wire: torch.dtype) -> None:
-        if piece.local_offset + piece.nbytes < entry.nbytes or self.buffer is None:
+
+class _Sink:
+    """(all ranks) This rank's local work on arriving bytes: cast or dequantise them into the target,
+    assemble GENERIC entries (then cut this rank's shard with DTensor's own split,
+    ``src_data_rank=None``: no communication) and float8 scale grids. After the first local failure
+    it does nothing more (see :class:`_Faults`)."""
+
+    def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
+        self.entries, self.targets = plan.entries, targets
+        self.wires = [DTYPES[e.dtype] for e in plan.entries]
+        self.device = device
+        self.faults = _Faults()
+        self.whole = _Assembly(device)
+        self.scales = _Assembly(device)
+
+    def landing(self, piece: Piece) -> torch.Tensor | None:
+        """(receivers) Where a broadcast piece can land without staging; None: stage it."""
+        if self.faults.error is not None:
+            return None
+        entry, target = self.entries[piece.index], self.targets[piece.index]
+        try:
+            if piece.route is Route.SCALES:
+                return self.scales.land(piece, entry.scale_nbytes)
+            if piece.kind is Kind.GENERIC:
+                return self.whole.land(piece, entry.nbytes)  # the full-size buffer may not fit
+        except Exception as exc:
+            self.faults.note(exc)
+            return None
+        return (
+            _landing(target, piece, self.wires[piece.index]) if target.tensor.device == self.device else None
+        )
+
+    def broadcast(self, piece: Piece, data: torch.Tensor, landed: bool) -> None:
+        """(all ranks) The local work of a broadcast piece (``landed``: it arrived where it belongs)."""
+        entry = self.entries[piece.index]
+        if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
+            into = self.scales if piece.route is Route.SCALES else self.whole
+            size = entry.scale_nbytes if piece.route is Route.SCALES else entry.nbytes
+            if not landed:
+                self.faults.run(lambda: into.land(piece, size).copy_(data))
+            if piece.route is not Route.SCALES and piece.start + piece.nbytes == entry.nbytes:
+                self.faults.run(self._cut_whole, piece.index)
             return
+        self.write(piece, data)
+
+    def write(self, piece: Piece, data: torch.Tensor, local_offset: int | None = None) -> None:
+        """Wire bytes ``data`` (entry bytes from ``piece.start``) into the target at ``local_offset``."""
+        self.faults.run(
+            self._write, piece, data, piece.local_offset if local_offset is None else local_offset
+        )
+
+    def _write(self, piece: Piece, data: torch.Tensor, local_offset: int) -> None:
+        wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
+        if not dst.is_contiguous():
+            raise LoadError("internal error: a write into a non-contiguous tensor")  # ensured by _model
+        start = local_offset // wire.itemsize
+        values = self._decode(piece.index, data.view(wire), piece.start // wire.itemsize)
+        dst.view(-1)[start : start + values.numel()].copy_(values)
+
+    def _decode(self, index: int, values: torch.Tensor, first: int) -> torch.Tensor:
+        """Wire values of elements ``first ..`` of entry ``index``; float8 ones dequantised."""
+        entry = self.entries[index]
+        if not entry.scales:
+            return values
+        if self.scales.index != index or self.scales.buffer is None:
+            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+        grids = self.scales.buffer.view(torch.float32)
+        return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids)
+
+    def _cut_whole(self, index: int) -> None:
+        target = self.targets[index]
         dt = target.dtensor
-        if dt is None:
+        if dt is None or self.whole.buffer is None:
             raise LoadError("internal error: GENERIC entry without a DTensor target")
-        value = self.buffer.view(wire).reshape(dt.shape).to(dtype=dt.dtype)
+        value = self._decode(index, self.whole.buffer.view(self.wires[index]), 0)
+        value = value.reshape(dt.shape).to(dtype=dt.dtype)
         local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
         target.tensor.copy_(local)
-        self.buffer = None
+        self.whole.buffer = None
 
 
 T = TypeVar("T")
@@ -180,16 +239,16 @@ def stream(
 ) -> None:
     """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``
     (path -> ``_format.OpenFile``). Raises the same error on every rank if any rank failed."""
-    faults = _Faults()
+    sink = _Sink(plan, targets, comm)
     try:
         if dist.get_rank() == 0:
-            first = _send(plan, targets, staging, comm, files or {}, faults, on_bytes)
+            first = _send(plan, staging, files or {}, sink, on_bytes)
         else:
-            first = _receive(plan, targets, staging, comm, faults)
+            first = _receive(plan, staging, sink)
         if first < dist.get_world_size():
             _distribute.raise_failure(
                 first,
-                faults.error,
+                sink.faults.error,
                 "moving tensor data",
                 "No model was returned; the process group is still usable: fix the cause and load again.",
                 wrap=LoadError,
@@ -202,26 +261,22 @@ def stream(
 
 def _send(
     plan: Plan,
-    targets: list[Target],
     staging: Staging,
-    comm: torch.device,
     files: Mapping[str, Any],
-    faults: _Faults,
+    sink: _Sink,
     on_bytes: Callable[[int], None] | None,
 ) -> int:
     """(rank 0) Read and send round by round; returns the first failing rank (world: none)."""
-    on_cpu = comm.type == "cpu"
-    entries, wires = plan.entries, [DTYPES[e.dtype] for e in plan.entries]
+    on_cpu = sink.device.type == "cpu"
 
     def direct(piece: Piece) -> torch.Tensor | None:  # rank 0's own rows, read in place
-        target = targets[piece.index]
+        target = sink.targets[piece.index]
         if piece.route is Route.TO_RANK and piece.dst == 0 and target.tensor.device.type == "cpu":
-            return _landing(target, piece, wires[piece.index])
+            return _landing(target, piece, sink.wires[piece.index])
         return None
 
-    reader = Reader(plan.pieces(0), entries, files, direct, staging.slots)
+    reader = Reader(plan.pieces(0), plan.entries, files, direct, staging.slots)
     pending: collections.deque[tuple[Any, int | None]] = collections.deque()
-    whole = _Whole(comm)
     layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, [r for r, _ in plan.coords]))
 
     def drain(keep: int = 0) -> None:
@@ -235,7 +290,6 @@ def _send(
         for stop in plan.rounds:
             for staged in rounds.until(stop):
                 piece, data, slot = staged.piece, staged.data, staged.slot
-                i = piece.index
                 own = piece.route is Route.TO_RANK and piece.dst == 0
                 if not on_cpu and not own:  # through the one device buffer, once earlier sends are done
                     drain()
@@ -245,80 +299,53 @@ def _send(
                 if piece.route is Route.FAN_OUT:
                     spare = staging.slots[slot] if on_cpu and slot is not None else staging.device
                     assert spare is not None
-                    spare = spare[block_half(plan.piece_bytes) :]
-                    runs = layouts(i)
-                    pending.append(
-                        (_fan_out(piece, data, spare, entries[i], runs, targets[i], wires[i], faults), slot)
+                    blocks = _fan_out(
+                        piece, data, spare[block_half(plan.piece_bytes) :], layouts(piece.index), sink
                     )
+                    pending.append((blocks, slot))
                 elif own:
                     if slot is not None:
-                        faults.run(_cast_into, targets[i].tensor, piece.local_offset, data, wires[i])
+                        sink.write(piece, data)
                     reader.release(slot)
                 elif piece.route is Route.TO_RANK:
                     pending.append((dist.isend(data, dst=piece.dst), slot))
-                else:  # BROADCAST
+                else:  # BROADCAST, SCALES
                     _distribute._broadcast(data, 0)
-                    _after_broadcast(piece, data, False, entries[i], targets[i], wires[i], whole, faults)
+                    sink.broadcast(piece, data, landed=False)
                     reader.release(slot)
                 drain(keep=max(1, len(staging.slots) - 1))
-                if on_bytes is not None:
+                if on_bytes is not None and piece.route is not Route.SCALES:
                     on_bytes(piece.nbytes)
             drain()
-            if stop == len(entries):
+            if stop == len(plan.entries):
                 for _ in rounds.until(stop + 1):  # the reader's last checks come with its end
                     pass
-            first = _distribute.first_failure(faults.error or reader.failed)
+            if sink.faults.error is None and reader.failed is not None:
+                sink.faults.note(reader.failed)
+            first = _distribute.first_failure(sink.faults.error)
             if first < dist.get_world_size():
-                if faults.error is None:
-                    faults.error = reader.failed
                 return first
         return dist.get_world_size()
     finally:
         reader.close()
 
 
-def _after_broadcast(
-    piece: Piece,
-    data: torch.Tensor,
-    in_whole: bool,
-    entry: Entry,
-    target: Target,
-    wire: torch.dtype,
-    whole: _Whole,
-    faults: _Faults,
-) -> None:
-    """(all ranks) A broadcast piece's local work: cast into a plain tensor, or assemble a GENERIC
-    one (``in_whole``: the piece was received straight into the full-size buffer)."""
-    if piece.kind is Kind.GENERIC:
-        if not in_whole:
-            faults.run(lambda: whole.land(piece, entry).copy_(data))
-        faults.run(whole.complete, piece, entry, target, wire)
-    else:
-        faults.run(_cast_into, target.tensor, piece.local_offset, data, wire)
-
-
 def _fan_out(
-    piece: Piece,
-    data: torch.Tensor,
-    spare: torch.Tensor,
-    entry: Entry,
-    per_rank: dict[int, Any],
-    target: Target,
-    wire: torch.dtype,
-    faults: _Faults,
+    piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: _Sink
 ) -> _All:
     """(rank 0) Cut a BLOCK chunk (whole rows, in ``data``) into every rank's block: rank 0's own is
-    copied into its shard, the others are sent. A block that is not a contiguous part of the chunk is
+    written into its shard, the others are sent. A block that is not a contiguous part of the chunk is
     packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
     share one copy, so the packed blocks never exceed the chunk. After a local failure the blocks
     still go out, as scratch bytes of the right size."""
+    entry, wire = sink.entries[piece.index], sink.wires[piece.index]
     made: dict[tuple[Any, ...], torch.Tensor] = {}
     works: list[Any] = []
     keep: list[torch.Tensor] = []
     used = 0
     for d in deliveries(piece, entry, per_rank):
         payload: torch.Tensor | None = None
-        if faults.error is None:
+        if sink.faults.error is None:
             try:
                 key = (d.row_lo, d.row_hi, d.inner)
                 block = made.get(key)
@@ -332,12 +359,11 @@ def _fan_out(
                         block = packed
                     made[key] = block
                 payload = block.reshape(-1).view(torch.uint8)
-                if d.dst == 0:
-                    _cast_into(target.tensor, d.local_offset, payload, wire)
             except Exception as exc:
-                faults.note(exc)
-                payload = None
+                sink.faults.note(exc)
         if d.dst == 0:
+            if payload is not None:
+                sink.write(piece, payload, local_offset=d.local_offset)
             continue
         if payload is None:
             payload = data[: d.nbytes]  # scratch: the receiver discards it
@@ -346,21 +372,19 @@ def _fan_out(
     return _All(works, keep)
 
 
-def _receive(plan: Plan, targets: list[Target], staging: Staging, comm: torch.device, faults: _Faults) -> int:
+def _receive(plan: Plan, staging: Staging, sink: _Sink) -> int:
     """(ranks other than 0) Post up to ``slots`` receives ahead, straight into the local shard when
-    the wire dtype is the target's, else into a staging slot, then cast. Returns the first failing rank."""
+    the wire dtype is the target's, else into a staging slot, then cast or dequantise. Returns the
+    first failing rank (world: none)."""
     me = dist.get_rank()
-    entries, wires = plan.entries, [DTYPES[e.dtype] for e in plan.entries]
     free = collections.deque(range(len(staging.slots)))
     pending: collections.deque[tuple[Any, Piece, int | None]] = collections.deque()
-    whole = _Whole(comm)
 
     def complete_oldest() -> None:
         work, piece, slot = pending.popleft()
         work.wait()
         if slot is not None:
-            data = staging.slots[slot][: piece.nbytes]
-            faults.run(_cast_into, targets[piece.index].tensor, piece.local_offset, data, wires[piece.index])
+            sink.write(piece, staging.slots[slot][: piece.nbytes])
             free.append(slot)
 
     def stage(piece: Piece) -> tuple[torch.Tensor, int]:
@@ -374,25 +398,21 @@ def _receive(plan: Plan, targets: list[Target], staging: Staging, comm: torch.de
         for piece in rounds.until(stop):
             if piece.route is Route.TO_RANK and piece.dst != me:
                 continue
-            target, wire = targets[piece.index], wires[piece.index]
-            if piece.route is Route.BROADCAST:
+            if piece.route in (Route.BROADCAST, Route.SCALES):
                 while pending:
                     complete_oldest()
-                into = _broadcast_landing(piece, entries[piece.index], target, wire, whole, comm, faults)
-                slot = None
+                into, slot = sink.landing(piece), None
                 if into is None:
                     into, slot = stage(piece)
                 _distribute._broadcast(into, 0)
-                in_whole = slot is None and piece.kind is Kind.GENERIC
-                _after_broadcast(piece, into, in_whole, entries[piece.index], target, wire, whole, faults)
+                sink.broadcast(piece, into, landed=slot is None)
                 if slot is not None:
                     free.append(slot)
                 continue
-            view = (
-                _landing(target, piece, wire)
-                if faults.error is None and target.tensor.device == comm
-                else None
-            )
+            target = sink.targets[piece.index]
+            view = None
+            if sink.faults.error is None and target.tensor.device == sink.device:
+                view = _landing(target, piece, sink.wires[piece.index])
             if view is not None:
                 pending.append((dist.irecv(view, src=0), piece, None))
             else:
@@ -402,29 +422,7 @@ def _receive(plan: Plan, targets: list[Target], staging: Staging, comm: torch.de
                 complete_oldest()
         while pending:
             complete_oldest()
-        first = _distribute.first_failure(faults.error)
+        first = _distribute.first_failure(sink.faults.error)
         if first < dist.get_world_size():
             return first
     return dist.get_world_size()
-
-
-def _broadcast_landing(
-    piece: Piece,
-    entry: Entry,
-    target: Target,
-    wire: torch.dtype,
-    whole: _Whole,
-    comm: torch.device,
-    faults: _Faults,
-) -> torch.Tensor | None:
-    """(receivers) Where a broadcast piece can land without staging: a GENERIC entry's full-size
-    buffer, or a plain tensor's own bytes; None after a local failure (then: a staging slot)."""
-    if faults.error is not None:
-        return None
-    if piece.kind is Kind.GENERIC:
-        try:
-            return whole.land(piece, entry)
-        except Exception as exc:  # the full-size buffer could not be allocated
-            faults.note(exc)
-            return None
-    return _landing(target, piece, wire) if target.tensor.device == comm else None

@@ -1,0 +1,141 @@
+"""FP8 block-quantised checkpoints (MiniMax-M2, DeepSeek-V3) dequantised on the receiving rank.
+
+A quantised weight ``w`` [R, C] is stored as float8 with ``w_scale_inv`` float32
+[ceil(R/bm), ceil(C/bn)]; its value is ``float32(w[r, c]) * scale[r // bm, c // bn]``, then cast to
+the model's dtype: transformers' ``Fp8Dequantize`` (``integrations/finegrained_fp8.py``), bit for
+bit. The wire carries the float8 bytes (one per element) and the scales (4 bytes per block of
+``bm * bn`` elements); each rank dequantises exactly the elements it receives.
+
+(rank 0) :func:`block_size` reads ``quantization_config.weight_block_size`` from the checkpoint's
+``config.json``, :func:`scale_for` finds and checks a weight's scale. (all ranks) :func:`dequantize`
+turns a run of an entry's elements into float32, bounded temporaries, whole rows vectorised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from ._format import TensorHeader
+from .errors import ModelMismatchError
+
+__all__ = ["FP8_WIRE", "block_size", "dequantize", "scale_for"]
+
+FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
+_ROWS_AT_ONCE_BYTES = 1 << 20  # float32 temporaries per step of dequantize
+
+
+def block_size(root: str) -> tuple[int, int] | None:
+    """(rank 0) ``quantization_config.weight_block_size`` of ``root/config.json``, or None."""
+    try:
+        with open(os.path.join(root, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    size = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if isinstance(size, list) and len(size) == 2 and all(type(b) is int and b > 0 for b in size):
+        return size[0], size[1]
+    return None
+
+
+def scale_for(
+    key: str,
+    weight: TensorHeader,
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> tuple[TensorHeader, tuple[int, int]]:
+    """(rank 0) The ``weight_scale_inv`` of float8 ``weight`` (checkpoint key ``weight.key``), checked
+    against its shape, and the block size. Raises ModelMismatchError naming what is wrong: a float8
+    weight is never loaded unscaled into a floating model."""
+    where = os.path.basename(weight.file)
+    scale = headers.get(weight.key + "_scale_inv")
+    if scale is None:
+        raise ModelMismatchError(
+            f"model tensor {key!r} ({dtype}): checkpoint key {weight.key!r} in {where} is {weight.dtype} "
+            f"but the checkpoint has no {weight.key + '_scale_inv'!r} to dequantise it with; loading it "
+            "unscaled would give wrong weights. Re-download the checkpoint, or build the model in the "
+            "checkpoint's float8 dtype."
+        )
+    if len(weight.shape) != 2 or len(scale.shape) != 2 or scale.dtype != "F32":
+        raise ModelMismatchError(
+            f"model tensor {key!r}: {weight.key!r} {weight.shape} with scale {scale.key!r} {scale.shape} "
+            f"({scale.dtype}): rank0load dequantises 2-D float8 weights with a 2-D float32 scale grid"
+        )
+    rows, cols = weight.shape
+    if block is None:  # inferred from the grid, then checked like a declared one
+        block = (_infer(rows, scale.shape[0]), _infer(cols, scale.shape[1]))
+    want = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if scale.shape != want:
+        raise ModelMismatchError(
+            f"model tensor {key!r}: scale {scale.key!r} in {os.path.basename(scale.file)} has shape "
+            f"{scale.shape}, but {weight.key!r} {weight.shape} in blocks of {block} needs {want}. "
+            "The checkpoint's scales do not fit its weights (or config.json's weight_block_size is wrong)."
+        )
+    return scale, block
+
+
+def _infer(size: int, blocks: int) -> int:
+    """A block size giving ``blocks`` blocks over ``size``: the smallest power of two at least
+    ``ceil(size / blocks)`` (grids do not determine partial blocks: 24 rows in 2 blocks are blocks of
+    16, as weight_block_size [16, 16] says, not 12; real checkpoints use 128)."""
+    least = math.ceil(size / max(1, blocks))
+    power = 1 << max(0, least - 1).bit_length()
+    return power if math.ceil(size / power) == blocks else least
+
+
+def dequantize(
+    values: torch.Tensor,
+    start: int,
+    part_rows: list[int],
+    cols: int,
+    block: tuple[int, int],
+    scales: torch.Tensor,
+) -> torch.Tensor:
+    """float32 values of elements ``[start, start + len(values))`` of an entry made of 2-D parts
+    of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales`` holds the
+    parts' scale grids (float32), one after the other."""
+    out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
+    bm, bn = block
+    grid_cols = math.ceil(cols / bn)
+    done, base, grid_base = 0, 0, 0
+    for rows in part_rows:
+        size = rows * cols
+        lo, hi = max(start, base), min(start + values.numel(), base + size)
+        if lo < hi:
+            grid = scales[grid_base : grid_base + math.ceil(rows / bm) * grid_cols].view(-1, grid_cols)
+            _part(values[lo - start : hi - start], out[lo - start : hi - start], lo - base, cols, block, grid)
+            done += hi - lo
+        base += size
+        grid_base += math.ceil(rows / bm) * grid_cols
+        if done == values.numel():
+            break
+    return out
+
+
+def _part(
+    values: torch.Tensor, out: torch.Tensor, first: int, cols: int, block: tuple[int, int], grid: torch.Tensor
+) -> None:
+    """Elements ``first ..`` of one [rows, cols] part: a partial first row, whole rows in steps of
+    bounded size, a partial last row."""
+    bm, bn = block
+    pos, n = 0, values.numel()
+    step_rows = max(1, _ROWS_AT_ONCE_BYTES // (4 * cols))
+    while pos < n:
+        row, col = divmod(first + pos, cols)
+        if col or n - pos < cols:  # part of one row
+            take = min(n - pos, cols - col)
+            scale = grid[row // bm].repeat_interleave(bn)[col : col + take]
+            torch.mul(values[pos : pos + take].to(torch.float32), scale, out=out[pos : pos + take])
+        else:
+            rows = min(step_rows, (n - pos) // cols)
+            take = rows * cols
+            index = torch.arange(row, row + rows, device=grid.device) // bm
+            scale = grid.index_select(0, index).repeat_interleave(bn, dim=1)[:, :cols]
+            chunk = values[pos : pos + take].view(rows, cols).to(torch.float32)
+            torch.mul(chunk, scale, out=out[pos : pos + take].view(rows, cols))
+        pos += take
