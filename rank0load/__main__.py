@@ -95,6 +95,7 @@ def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) 
         )
         lines += _keys("missing from the checkpoint", result.missing)
         lines += _keys("unexpected in the checkpoint", result.unexpected)
+        lines += _keys("assembled or dequantised (conversions)", result.converted)
         lines += _keys("mismatched", result.mismatched)
         lines += _keys(
             "ignored (dropped by the key map, or non-persistent buffers in the model)", result.ignored
@@ -129,6 +130,7 @@ def _json(result: Inspection) -> str:
             "unexpected": list(result.unexpected),
             "mismatched": list(result.mismatched),
             "ignored": list(result.ignored),
+            "converted": list(result.converted),
             "fits": result.fits,
         },
         indent=2,

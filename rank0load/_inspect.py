@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
+from ._convert import conversions_for
 from ._format import TensorHeader
-from ._manifest import _check_fits, _headers, match_keys
+from ._manifest import _headers, build_entries, match_keys, unconsumed
 from ._meta import build_on_meta, describe
 from ._source import resolve
-from .errors import LoadError, ModelMismatchError
+from .errors import LoadError
 
 __all__ = ["FileSummary", "Inspection", "inspect_checkpoint", "load_factory"]
 
@@ -54,6 +55,7 @@ class Inspection:
     unexpected: tuple[str, ...] = ()  # checkpoint keys the model lacks
     mismatched: tuple[str, ...] = field(default=())  # one message per key whose shape/dtype cannot load
     ignored: tuple[str, ...] = ()  # checkpoint keys key_map dropped or non-persistent in the model
+    converted: tuple[str, ...] = ()  # model tensors assembled from several tensors or dequantised
 
     @property
     def fits(self) -> bool:
@@ -88,6 +90,7 @@ def inspect_checkpoint(
     revision: str | None = None,
     model_fn: Callable[[], nn.Module] | None = None,
     key_map: Callable[[str], str | None] | None = None,
+    conversions: Sequence[Any] = (),
 ) -> Inspection:
     """Summarise a checkpoint and, with ``model_fn``, check its keys, shapes and dtypes against the model.
 
@@ -97,6 +100,8 @@ def inspect_checkpoint(
         model_fn: zero-argument callable building the model; it runs with parameters on meta.
         key_map: checkpoint key -> model key, or None to drop the key; as ``load_sharded`` takes it.
             Needs ``model_fn``.
+        conversions: :class:`~rank0load.StackExperts` rules, as ``load_sharded`` takes them
+            (transformers' own conversions apply to a transformers model without them).
 
     Returns:
         An :class:`Inspection`.
@@ -139,25 +144,32 @@ def inspect_checkpoint(
     if model_fn is None:
         return summary
 
-    layout = describe(build_on_meta(model_fn))
-    match = match_keys(headers, layout, key_map)
-    mismatched: list[str] = []
-    for model_key, found in match.by_model_key.items():
-        info = layout.tensors[model_key]
-        for t in found:
-            try:
-                _check_fits(t, model_key, info.shape, info.dtype)
-            except ModelMismatchError as exc:
-                mismatched.append(str(exc))
+    model = build_on_meta(model_fn)
+    layout = describe(model)
+    keys = list(layout.tensors) + list(layout.aliases)
+    match = match_keys(headers, layout, key_map, conversions_for(model, keys, conversions))
+    mismatched: list[str] = [
+        f"model tensor {target!r} would come from {ckpt_key!r} through {rule}, which {why}"
+        for target, (ckpt_key, rule, why) in sorted(match.unsupported.items())
+        if target in match.missing
+    ]
+    entries = build_entries(match, layout, headers, source.root, errors=mismatched)
+    converted = tuple(
+        f"{e.key} <- {len(e.parts) or 1} tensors ({e.ckpt_key}, ...)"
+        + (f", float8 dequantised in blocks of {list(e.block)}" if e.scales else "")
+        for e in sorted(entries, key=lambda e: e.key)
+        if e.parts or e.scales
+    )
     return replace(
         summary,
         model_checked=True,
         model_tensors=len(layout.tensors),
-        matched=len(match.by_model_key),
+        matched=len(match.by_model_key) + len(match.stacked),
         missing=match.missing,
-        unexpected=match.unexpected,
+        unexpected=unconsumed(match, layout, headers),
         mismatched=tuple(sorted(mismatched)),
         ignored=match.ignored,
+        converted=converted,
     )
 
 

@@ -26,6 +26,8 @@ from ._source import Source, resolve
 from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 
 __all__ = [
+    "build_entries",
+    "unconsumed",
     "Entry",
     "FLOAT_WIRE",
     "Part",
@@ -281,9 +283,7 @@ def build_manifest(
     ``files``: the source's files, opened once (see :func:`read_manifest`)."""
     headers = _headers(source, files)
     match = match_keys(headers, layout, key_map, conversions)
-    quantised = _quantised(match, layout)  # float8 checkpoint tensors for floating model tensors
-    scales = {k + "_scale_inv" for k in quantised} & set(headers)
-    missing, unexpected = match.missing, tuple(k for k in match.unexpected if k not in scales)
+    missing, unexpected = match.missing, unconsumed(match, layout, headers)
     cannot = {k: v for k, v in match.unsupported.items() if k in missing}
     if cannot:
         target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
@@ -315,30 +315,7 @@ def build_manifest(
             "module a reset_parameters()."
         )
 
-    entries: list[Entry] = []
-    block = fp8_block_size(source.root) if quantised else None
-    for model_key, found in match.by_model_key.items():
-        info = layout.tensors[model_key]
-        if found[0].key in quantised:
-            if found[0].shape != info.shape:
-                _check_fits(found[0], model_key, info.shape, info.dtype)  # raises: the shapes differ
-            entries.append(
-                _with_scales(_single(model_key, found[0]), (found[0],), headers, block, info.dtype)
-            )
-            continue
-        for t in found:
-            _check_fits(t, model_key, info.shape, info.dtype)
-        if len(found) > 1:
-            _check_tied_equal(model_key, found)
-        entries.append(_single(model_key, found[0]))
-    for model_key, members in match.stacked.items():
-        info = layout.tensors[model_key]
-        entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
-        if members[0][1].key in quantised:
-            ordered = [headers[p.ckpt_key] for p in entry.parts]
-            entry = _with_scales(entry, ordered, headers, block, info.dtype)
-        entries.append(entry)
-
+    entries = build_entries(match, layout, headers, source.root)
     order = {path: i for i, path in enumerate(source.files)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
     return Manifest(
@@ -349,6 +326,58 @@ def build_manifest(
         files=source.files,
         total_bytes=sum(e.nbytes for e in entries),
     )
+
+
+def unconsumed(match: KeyMatch, layout: ModelLayout, headers: dict[str, TensorHeader]) -> tuple[str, ...]:
+    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised."""
+    scales = {k + "_scale_inv" for k in _quantised(match, layout)} & set(headers)
+    return tuple(k for k in match.unexpected if k not in scales)
+
+
+def build_entries(
+    match: KeyMatch,
+    layout: ModelLayout,
+    headers: dict[str, TensorHeader],
+    root: str,
+    errors: list[str] | None = None,
+) -> list[Entry]:
+    """(rank 0, or ``inspect``) One entry per model tensor found: shapes and dtypes checked, stacked
+    experts assembled, float8 tensors given their scales. Raises the first ModelMismatchError, or,
+    with ``errors`` (``inspect``: headers only), collects every message there and reads no data
+    (tied names stored twice are then not compared)."""
+    quantised = _quantised(match, layout)  # float8 checkpoint tensors for floating model tensors
+    block = fp8_block_size(root) if quantised else None
+    entries: list[Entry] = []
+
+    def one(model_key: str) -> Entry:
+        info = layout.tensors[model_key]
+        members = match.stacked.get(model_key)
+        if members is not None:
+            entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
+            if members[0][1].key in quantised:
+                entry = _with_scales(
+                    entry, [headers[p.ckpt_key] for p in entry.parts], headers, block, info.dtype
+                )
+            return entry
+        found = match.by_model_key[model_key]
+        if found[0].key in quantised:
+            if found[0].shape != info.shape:
+                _check_fits(found[0], model_key, info.shape, info.dtype)  # raises: the shapes differ
+            return _with_scales(_single(model_key, found[0]), (found[0],), headers, block, info.dtype)
+        for t in found:
+            _check_fits(t, model_key, info.shape, info.dtype)
+        if len(found) > 1 and errors is None:
+            _check_tied_equal(model_key, found)
+        return _single(model_key, found[0])
+
+    for model_key in [*match.by_model_key, *match.stacked]:
+        try:
+            entries.append(one(model_key))
+        except ModelMismatchError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
+    return entries
 
 
 def _single(key: str, t: TensorHeader) -> Entry:

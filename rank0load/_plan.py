@@ -32,7 +32,7 @@ import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -88,6 +88,10 @@ class Piece:
     nbytes: int
     local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor
     kind: Kind
+    # A BLOCK chunk of rows of dimension 1 inside one index of dimension 0 (a 3-D tensor whose
+    # dimension-0 slices are wider than half a staging slot, e.g. one expert): that index. -1:
+    # a chunk of whole dimension-0 rows.
+    outer: int = -1
 
 
 def kind_of(target: torch.Tensor, flags: int) -> Kind:
@@ -126,9 +130,29 @@ def row_bytes(entry: Entry) -> int:
 
 def block_chunk_rows(entry: Entry, piece_bytes: int) -> int:
     """Rows per BLOCK chunk: whole rows filling at most half a staging slot (the other half holds
-    the cut blocks); 0 when a single row is wider than that (the entry then goes GENERIC)."""
+    the cut blocks); 0 when a single row is wider than that (see :func:`inner_entry`)."""
     size = row_bytes(entry)
     return block_half(piece_bytes) // size if size else 0
+
+
+def inner_entry(entry: Entry) -> Entry | None:
+    """``entry`` seen from inside one index of dimension 0 (one expert of [E, 2I, H]), for chunks
+    of dimension-1 rows when a whole dimension-0 slice is too wide; None below 3 dimensions."""
+    if len(entry.shape) < 3 or not entry.shape[0]:
+        return None
+    return Entry(
+        entry.key, entry.file, entry.ckpt_key, entry.dtype, entry.shape[1:], 0, entry.nbytes // entry.shape[0]
+    )
+
+
+def _position(runs: tuple[tuple[int, int], ...], index: int) -> int | None:
+    """Where global ``index`` sits among the indices ``runs`` hold, or None."""
+    position = 0
+    for start, stop in runs:
+        if start <= index < stop:
+            return position + index - start
+        position += stop - start
+    return None
 
 
 def cut(chunk: torch.Tensor, d: Delivery) -> torch.Tensor:
@@ -147,6 +171,19 @@ def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Ite
     """(all ranks) The blocks of the BLOCK chunk ``piece`` for the ranks in ``runs_by_rank``, in
     rank order, then row order: rank 0 sends them in this order and each rank receives its own
     in this order."""
+    if piece.outer >= 0:  # dimension-1 rows of one dimension-0 index: the same, one level down
+        sub = inner_entry(entry)
+        assert sub is not None  # such chunks are only made for 3-D and wider entries
+        size = entry.nbytes // max(1, math.prod(entry.shape))
+        for rank in sorted(runs_by_rank):
+            rank_runs = runs_by_rank[rank]
+            at = _position(rank_runs[0], piece.outer)
+            if at is None:
+                continue
+            base = at * math.prod(sum(b - a for a, b in r) for r in rank_runs[1:]) * size
+            for d in deliveries(replace(piece, outer=-1), sub, {rank: rank_runs[1:]}):
+                yield replace(d, local_offset=d.local_offset + base)
+        return
     itemsize = entry.nbytes // math.prod(entry.shape)
     first = piece.local_offset  # a chunk's first row
     last = first + piece.nbytes // row_bytes(entry)
@@ -221,12 +258,8 @@ class Plan:
         for start in range(0, entry.scale_nbytes, step):  # every rank needs the scales first
             yield Piece(index, Route.SCALES, -1, start, min(step, entry.scale_nbytes - start), start, kind)
         if kind is Kind.BLOCK:
-            rows = block_chunk_rows(entry, step)
-            size = row_bytes(entry)
             mine = None if me == 0 else self.block_layouts(index, [me])
-            for first in range(0, entry.shape[0], rows):
-                n = min(rows, entry.shape[0] - first)
-                chunk = Piece(index, Route.FAN_OUT, -1, first * size, n * size, first, kind)
+            for chunk in _block_chunks(index, entry, step):
                 if mine is None:
                     yield chunk
                     continue
@@ -267,6 +300,34 @@ class Plan:
             yield from (p for p in round_ if p is not None)
 
 
+def _block_chunks(index: int, entry: Entry, step: int) -> Iterator[Piece]:
+    """A BLOCK entry's chunks, in file order: whole dimension-0 rows, or, when one is wider than half
+    a slot, dimension-1 rows of each dimension-0 index in turn."""
+    rows, size = block_chunk_rows(entry, step), row_bytes(entry)
+    if rows:
+        for first in range(0, entry.shape[0], rows):
+            n = min(rows, entry.shape[0] - first)
+            yield Piece(index, Route.FAN_OUT, -1, first * size, n * size, first, Kind.BLOCK)
+        return
+    inner = inner_entry(entry)
+    assert inner is not None  # build_plan made it GENERIC otherwise
+    sub_rows, sub = block_chunk_rows(inner, step), row_bytes(inner)
+    for outer in range(entry.shape[0]):
+        for first in range(0, inner.shape[0], sub_rows):
+            n = min(sub_rows, inner.shape[0] - first)
+            yield Piece(
+                index, Route.FAN_OUT, -1, outer * size + first * sub, n * sub, first, Kind.BLOCK, outer
+            )
+
+
+def _fits_block(entry: Entry, piece_bytes: int) -> bool:
+    """Whole rows, or dimension-1 rows of one dimension-0 index, fit half a staging slot."""
+    if block_chunk_rows(entry, piece_bytes):
+        return True
+    inner = inner_entry(entry)
+    return inner is not None and block_chunk_rows(inner, piece_bytes) > 0
+
+
 def build_plan(
     entries: Sequence[Entry],
     targets: Sequence[torch.Tensor],
@@ -282,7 +343,7 @@ def build_plan(
     placements: list[tuple[Placement, ...] | None] = []
     for entry, target, f in zip(entries, targets, flags, strict=True):
         kind = kind_of(target, f)
-        if kind is Kind.BLOCK and (block_chunk_rows(entry, piece_bytes) == 0 or entry.scales):
+        if kind is Kind.BLOCK and (not _fits_block(entry, piece_bytes) or entry.scales):
             kind = Kind.GENERIC  # (float8 blocks are dequantised whole: their columns need their scales)
         kinds.append(kind)
         placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)

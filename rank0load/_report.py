@@ -32,6 +32,9 @@ class LoadReport:
     # How each loaded tensor travelled: "sharded" (rows), "block" (cut by rank 0), "plain"
     # (broadcast in pieces) or "generic" (broadcast whole), by model key.
     kinds: dict[str, str] = field(default_factory=dict)
+    # (checkpoint tensors, model tensors): per-expert tensors assembled into fused parameters
+    assembled: tuple[int, int] = (0, 0)
+    dequantised: int = 0  # model tensors loaded from float8 block-quantised checkpoint tensors
     phases: dict[str, float] = field(default_factory=dict)  # seconds per pipeline phase, this rank
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the load finished
     rank: int = 0
@@ -50,6 +53,11 @@ class LoadReport:
             ignored=manifest.ignored,
             broadcast_whole=plan.broadcast_whole,
             kinds={e.key: k.value for e, k in zip(plan.entries, plan.kinds)},
+            assembled=(
+                sum(len(e.parts) for e in manifest.entries if e.parts),
+                sum(1 for e in manifest.entries if e.parts),
+            ),
+            dequantised=sum(1 for e in manifest.entries if e.scales),
             files=manifest.files,
             phases=clock.phases,
             peak_rss_bytes=peak_rss,
@@ -101,6 +109,13 @@ def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
             largest,
             sizes[largest] / 1e6,
             ", ".join(whole[:10]),
+        )
+    if report.assembled[1] or report.dequantised:
+        logger.info(
+            "assembled %d checkpoint tensors into %d model tensors; dequantised %d float8 tensors",
+            report.assembled[0],
+            report.assembled[1],
+            report.dequantised,
         )
     logger.info(
         "rank0load: %d tensors, %.2f GB in %.2f s (stream %.2f GB/s) over %d ranks, rank 0 peak RSS %.0f MB",

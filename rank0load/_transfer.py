@@ -28,7 +28,7 @@ from . import _distribute
 from ._compat import local_tensor
 from ._format import DTYPES
 from ._fp8 import dequantize
-from ._plan import Kind, Piece, Plan, Route, block_half, cut, deliveries, row_bytes
+from ._plan import Kind, Piece, Plan, Route, block_half, cut, deliveries
 from ._stream import Reader
 from .errors import LoadError
 
@@ -350,7 +350,8 @@ def _fan_out(
                 key = (d.row_lo, d.row_hi, d.inner)
                 block = made.get(key)
                 if block is None:
-                    chunk = data.view(wire).view(piece.nbytes // row_bytes(entry), *entry.shape[1:])
+                    shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
+                    chunk = data.view(wire).view(-1, *shape)
                     block = cut(chunk, d)
                     if not block.is_contiguous():
                         packed = spare[used : used + d.nbytes].view(wire).view(block.shape)

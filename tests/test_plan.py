@@ -35,6 +35,8 @@ def _fixed_plan(entry: Entry, per_rank: dict, piece_bytes: int) -> _plan.Plan:
 @st.composite
 def layouts(draw):
     shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+    if draw(st.booleans()):  # 3-D with wide dimension-0 slices: chunks inside one index (experts)
+        shape = (draw(st.integers(1, 5)), draw(st.integers(1, 9)), draw(st.integers(8, 30)))
     world = draw(st.integers(1, 4))
     per_rank = {}
     for rank in range(world):
@@ -53,7 +55,7 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     numel = math.prod(shape)
     entry = Entry("w", "f", "w", "F32", shape, 4096, numel * 4)
     full = torch.arange(numel, dtype=torch.float32).reshape(shape)
-    if _plan.block_chunk_rows(entry, piece_bytes) == 0:  # rows wider than half a slot: GENERIC
+    if not _plan._fits_block(entry, piece_bytes):  # even one dimension-1 row is too wide: GENERIC
         assert math.prod(shape[1:]) * 4 > _plan.block_half(piece_bytes)
         return
 
@@ -69,8 +71,13 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
     for c in chunks:
         assert c.route is _plan.Route.FAN_OUT and c.nbytes <= _plan.block_half(piece_bytes)
-        first = c.start // row_bytes
-        chunk = full[first : first + c.nbytes // row_bytes]
+        if c.outer < 0:  # whole dimension-0 rows
+            first = c.start // row_bytes
+            chunk = full[first : first + c.nbytes // row_bytes]
+        else:  # dimension-1 rows of one dimension-0 index (one expert)
+            sub_bytes = row_bytes // shape[1]
+            assert c.start == c.outer * row_bytes + c.local_offset * sub_bytes
+            chunk = full[c.outer, c.local_offset : c.local_offset + c.nbytes // sub_bytes]
         for d in _plan.deliveries(c, entry, per_rank):
             block = _plan.cut(chunk, d).reshape(-1)
             assert block.numel() * 4 == d.nbytes
