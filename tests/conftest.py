@@ -1,4 +1,45 @@
+"""Shared fixtures: checkpoints of ``trained_toy()`` (tests/models.py), written once per session.
+
+The files are shared by every test that asks for them, so tests only read them: a test that needs
+a changed copy, or files beside the checkpoint, writes its own into ``tmp_path``.
+
+Markers: ``slow`` (registered in pyproject.toml) marks what ``python -m pytest -m "not slow"``, the
+quick development loop, leaves out; plain ``python -m pytest`` (CI) runs everything.
+"""
+
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a ``model.safetensors`` holding ``trained_toy()``, saved like ``save_pretrained``
+    (the tied head stored once), alone in its directory."""
+    from tests.models import save_state, trained_toy
+
+    path = str(tmp_path_factory.mktemp("toy") / "model.safetensors")
+    save_state(trained_toy(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_sharded(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory holding ``trained_toy()`` as two shards and ``model.safetensors.index.json``."""
+    from tests.models import save_sharded, toy_state
+
+    directory = tmp_path_factory.mktemp("toy-sharded")
+    save_sharded(toy_state(), str(directory))
+    return str(directory)
+
+
+@pytest.fixture
+def toy_reference() -> dict:
+    """Every parameter and buffer of ``trained_toy()`` (tied names included), a fresh copy per test:
+    what a load of ``toy_checkpoint`` or ``toy_sharded`` must give, bit for bit."""
+    from tests.models import reference, trained_toy
+
+    return reference(trained_toy())

@@ -65,6 +65,37 @@ def save_state(model: nn.Module, path: str, dtype: torch.dtype | None = None) ->
     save_model(model, path)
 
 
+def toy_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """``trained_toy(seed)``'s state dict as a checkpoint stores it: the tied ``head.weight`` (an alias
+    of ``emb.weight``) left out, every tensor contiguous and detached."""
+    state = trained_toy(seed).state_dict()
+    return {k: v.detach().contiguous().clone() for k, v in state.items() if k != "head.weight"}
+
+
+def save_sharded(state: dict[str, torch.Tensor], directory: str) -> dict[str, str]:
+    """Two shards and ``model.safetensors.index.json`` in ``directory``, laid out the way
+    ``save_pretrained`` does (sorted keys, first half in shard 1). Returns the weight map."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    keys = sorted(state)
+    halves = {
+        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+    }
+    weight_map = {}
+    for name, part in halves.items():
+        save_file({k: state[k] for k in part}, os.path.join(directory, name))
+        weight_map.update({k: name for k in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+    index["weight_map"] = weight_map
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    return weight_map
+
+
 def gather(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full tensor and every buffer, on CPU (collective on DTensors)."""
     from torch.distributed.tensor import DTensor

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tests import _dist
-from tests.models import assert_same, gather, reference, save_state, trained_toy
+from tests.models import assert_same, gather, reference, save_state
 
 
 class TPNet(nn.Module):
@@ -181,6 +181,7 @@ def _bounded(rank: int, world: int, path: str) -> dict:
     }
 
 
+@pytest.mark.slow  # a 64 MiB weight, loaded twice
 def test_tensor_parallel_host_ram_stays_bounded(tmp_path):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4096, 4096, bias=False))  # 64 MiB in fp32
@@ -202,11 +203,8 @@ def _different_budgets(rank: int, world: int, path: str) -> None:
     rank0load.load_sharded(toy, path, max_staging_bytes=(1 + rank) << 20)
 
 
-def test_ranks_with_different_staging_budgets_fail_together(tmp_path):
-    save_state(trained_toy(), str(tmp_path / "toy.safetensors"))
-    err = _dist.same_error(
-        _dist.run(_different_budgets, 2, str(tmp_path / "toy.safetensors")), "RankMismatchError"
-    )
+def test_ranks_with_different_staging_budgets_fail_together(toy_checkpoint):
+    err = _dist.same_error(_dist.run(_different_budgets, 2, toy_checkpoint), "RankMismatchError")
     assert "max_staging_bytes" in err.message
 
 
@@ -248,6 +246,7 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
     return {"error": error, "tensors": gather(model)}
 
 
+@pytest.mark.slow
 def test_read_error_while_blocks_stream_fails_every_rank(tmp_path):
     ref = trained_net()
     path = str(tmp_path / "f32.safetensors")
@@ -284,6 +283,7 @@ def _dies_while_cutting(rank: int, world: int, path: str, marker: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_rank0_dying_while_blocks_stream_fails_the_others(tmp_path):
     path = str(tmp_path / "f32.safetensors")
     save_state(trained_net(), path)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tests import _dist, hf
-from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
+from tests.models import assert_same, gather, reference, save_sharded, save_state, toy, toy_state, trained_toy
 
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
@@ -55,42 +55,21 @@ def _load_hidden(rank: int, world: int, hidden: str, ckpt: str) -> dict:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
-@pytest.mark.parametrize("layout", ["dir", "index"])
-def test_only_rank0_touches_the_checkpoint(tmp_path, layout):
+@pytest.mark.parametrize("layout", [pytest.param("dir", marks=pytest.mark.slow), "index"])
+def test_only_rank0_touches_the_checkpoint(tmp_path, toy_reference, layout):
     """The checkpoint does not exist for ranks other than 0 (a tmpfs hides it): they load anyway."""
-    root = tmp_path / "node0"
+    root = tmp_path / "node0"  # in tmp_path, which the other ranks hide: not a shared fixture
     root.mkdir()
-    ref = trained_toy()
     if layout == "dir":
-        save_state(ref, str(root / "model.safetensors"))
+        save_state(trained_toy(), str(root / "model.safetensors"))
         ckpt = str(root)
     else:
-        _save_index(ref, root)
+        save_sharded(toy_state(), str(root))
         ckpt = str(root / "model.safetensors.index.json")
     results = _dist.ok(_dist.run(_load_hidden, 3, str(tmp_path), ckpt))
     for r in results:
-        assert_same(r["tensors"], reference(ref))
+        assert_same(r["tensors"], toy_reference)
         assert r["touched"] == []
-
-
-def _save_index(model: nn.Module, root) -> None:
-    """Two shards and an index, the way save_pretrained lays them out."""
-    import json
-
-    from safetensors.torch import save_file
-
-    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
-    keys = sorted(state)
-    half = len(keys) // 2
-    shards = {
-        "model-00001-of-00002.safetensors": keys[:half],
-        "model-00002-of-00002.safetensors": keys[half:],
-    }
-    weight_map = {}
-    for name, ks in shards.items():
-        save_file({k: state[k].contiguous() for k in ks}, str(root / name))
-        weight_map.update({k: name for k in ks})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def _load(rank: int, world: int, ckpt: str, kwargs: dict, fn=toy) -> dict:
@@ -100,19 +79,17 @@ def _load(rank: int, world: int, ckpt: str, kwargs: dict, fn=toy) -> dict:
     return {"tensors": gather(model), "report": model.rank0load_report}
 
 
-def test_ways_to_name_a_checkpoint(tmp_path):
+@pytest.mark.slow  # four 2-rank spawns
+def test_ways_to_name_a_checkpoint(tmp_path, toy_sharded, toy_reference):
     """A .safetensors file, an index .json, and a directory holding either; 2 ranks each."""
-    ref = trained_toy()
     single = tmp_path / "single"
     single.mkdir()
-    save_state(ref, str(single / "weights.safetensors"))  # not named model.safetensors
-    sharded = tmp_path / "sharded"
-    sharded.mkdir()
-    _save_index(ref, sharded)
-    for ckpt in (single / "weights.safetensors", single, sharded / "model.safetensors.index.json", sharded):
+    save_state(trained_toy(), str(single / "weights.safetensors"))  # not named model.safetensors
+    index = os.path.join(toy_sharded, "model.safetensors.index.json")
+    for ckpt in (single / "weights.safetensors", single, index, toy_sharded):
         results = _dist.ok(_dist.run(_load, 2, str(ckpt), {}))
         for r in results:
-            assert_same(r["tensors"], reference(ref))
+            assert_same(r["tensors"], toy_reference)
 
 
 def _renaming(key: str) -> str | None:
@@ -121,17 +98,16 @@ def _renaming(key: str) -> str | None:
     return key.replace("backbone.", "").replace("tok_embeddings", "emb")
 
 
-def test_key_map(tmp_path):
+@pytest.mark.slow
+def test_key_map(tmp_path, toy_reference):
     from safetensors.torch import save_file
 
-    ref = trained_toy()
-    state = {k: v for k, v in ref.state_dict().items() if k != "head.weight"}
-    renamed = {f"backbone.{k}".replace("emb", "tok_embeddings"): v for k, v in state.items()}
+    renamed = {f"backbone.{k}".replace("emb", "tok_embeddings"): v for k, v in toy_state().items()}
     renamed["debug.note"] = torch.zeros(3)
     save_file(renamed, str(tmp_path / "model.safetensors"))
     results = _dist.ok(_dist.run(_load, 3, str(tmp_path), {"key_map": _renaming}))
     for r in results:
-        assert_same(r["tensors"], reference(ref))
+        assert_same(r["tensors"], toy_reference)
         assert r["report"].ignored == ("debug.note",)
 
 
@@ -149,17 +125,17 @@ def _with_head() -> nn.Module:
     return WithHead()
 
 
-def test_new_head_strict_false(tmp_path):
+@pytest.mark.slow  # two 2-rank spawns
+def test_new_head_strict_false(tmp_path, toy_reference):
     """Missing parameters get the model's own initialisation (reset_parameters), never
     uninitialised memory; the body loads bit for bit; strict=True refuses."""
-    ref = trained_toy()
     from safetensors.torch import save_file
 
-    state = {f"body.{k}": v for k, v in ref.state_dict().items() if k != "head.weight"}
+    state = {f"body.{k}": v for k, v in toy_state().items()}
     save_file(state, str(tmp_path / "model.safetensors"))
 
     results = _dist.ok(_dist.run(_load, 2, str(tmp_path), {"strict": False}, _with_head))
-    want = {f"body.{k}": v for k, v in reference(ref).items()}
+    want = {f"body.{k}": v for k, v in toy_reference.items()}
     for r in results:
         got = r["tensors"]
         for k, v in want.items():
@@ -193,6 +169,7 @@ def _hf_classifier(rank: int, world: int, ckpt: str) -> dict:
     return {"tensors": gather(model), "report": model.rank0load_report}
 
 
+@pytest.mark.slow  # imports transformers on every rank
 def test_transformers_new_head_uses_init_weights(tmp_path):
     """A causal-LM checkpoint loaded into the sequence-classification model: `score` is new and
     gets transformers' own _init_weights (normal, std=initializer_range), the body loads exactly."""
@@ -240,6 +217,7 @@ def _mixed_dtype_forward(rank: int, world: int, ckpt: str) -> dict:
     }
 
 
+@pytest.mark.slow  # 3 ranks, forward and backward
 def test_default_policy_separates_a_head_of_another_dtype(tmp_path):
     torch.manual_seed(0)
     ref = BodyAndFp32Head()

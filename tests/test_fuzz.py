@@ -307,6 +307,7 @@ def _two_rank_outcomes(rank: int, world: int, paths: list[str]) -> list:
     return [outcome(p) for p in paths]
 
 
+@pytest.mark.slow  # a 2-rank spawn; the in-process examples above stay in the quick loop
 def test_mutated_files_on_two_ranks(tmp_path):
     paths = []
     for i, raw in enumerate(_mutants()):

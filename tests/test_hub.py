@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import _dist
-from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
+from tests.models import assert_same, gather, reference, save_sharded, save_state, toy, toy_state, trained_toy
 from tests.test_progress import FakeTTY
 
 MAIN = "a" * 40
@@ -51,23 +51,10 @@ def _weights(tmp, seed: int) -> bytes:
 
 def _sharded(tmp, seed: int) -> dict[str, bytes]:
     """Two shards and an index, as save_pretrained writes them (in the cache, the index is a blob too)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    state = {k: v.contiguous() for k, v in trained_toy(seed).state_dict().items() if k != "head.weight"}
-    keys = sorted(state)
-    parts = {
-        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
-        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
-    }
-    files: dict[str, bytes] = {}
-    for name, part in parts.items():
-        save_file({k: state[k] for k in part}, str(tmp / name))
-        files[name] = (tmp / name).read_bytes()
-    index = {"metadata": {}, "weight_map": {k: name for name, part in parts.items() for k in part}}
-    files["model.safetensors.index.json"] = json.dumps(index).encode()
-    return files
+    directory = tmp / f"sharded{seed}"
+    directory.mkdir()
+    save_sharded(toy_state(seed), str(directory))
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
 def _rank(rank: int, world: int, hf_home: str) -> dict:
@@ -141,6 +128,7 @@ def hub_results(tmp_path_factory):
     return str(hf_home), results, (cli.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_repo_id_from_offline_cache_on_rank0_only(hub_results):
     hf_home, results, _ = hub_results
     for rank, r in enumerate(results):
@@ -153,6 +141,7 @@ def test_repo_id_from_offline_cache_on_rank0_only(hub_results):
             assert r["touched"] == [], r["touched"]
 
 
+@pytest.mark.slow
 def test_progress_bar_disabled_by_environment(hub_results):
     """HF_HUB_DISABLE_PROGRESS_BARS=1 turns rank 0's bar off although stderr is a terminal (this
     spawn sets it; tests/test_progress.py shows the bar appearing without it)."""
@@ -160,6 +149,7 @@ def test_progress_bar_disabled_by_environment(hub_results):
     assert [r["stderr"] for r in results] == ["", ""]
 
 
+@pytest.mark.slow
 def test_revision_selects_the_snapshot(hub_results):
     _, results, _ = hub_results
     for r in results:
@@ -167,6 +157,7 @@ def test_revision_selects_the_snapshot(hub_results):
         assert not torch.equal(r["v1"]["emb.weight"], r["main"]["emb.weight"])
 
 
+@pytest.mark.slow
 def test_sharded_snapshot_with_index_by_commit_hash(hub_results):
     _, results, _ = hub_results
     for r in results:
@@ -174,6 +165,7 @@ def test_sharded_snapshot_with_index_by_commit_hash(hub_results):
         assert_same(r["sharded"], reference(trained_toy(2)))
 
 
+@pytest.mark.slow
 def test_absent_repo_offline_raises_everywhere(hub_results):
     _, results, _ = hub_results
     errors = {r["absent"] for r in results}
@@ -183,22 +175,21 @@ def test_absent_repo_offline_raises_everywhere(hub_results):
     assert "'org/absent'" in message and "HF_HUB_OFFLINE" in message
 
 
-def test_only_weights_index_and_config_are_fetched(tmp_path, monkeypatch):
+def test_only_weights_index_and_config_are_fetched(toy_checkpoint, monkeypatch):
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
     from rank0load import _source
 
-    save_state(trained_toy(), str(tmp_path / "model.safetensors"))
     calls = []
 
     def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kwargs):
         calls.append((repo_id, revision, allow_patterns, kwargs))
-        return str(tmp_path)
+        return os.path.dirname(toy_checkpoint)  # a snapshot holding model.safetensors alone
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     source = _source.resolve("org/name", "v2")
-    assert source.files == (os.path.realpath(tmp_path / "model.safetensors"),)
+    assert source.files == (os.path.realpath(toy_checkpoint),)
     [(repo_id, revision, patterns, kwargs)] = calls
     assert (repo_id, revision, kwargs) == ("org/name", "v2", {})
     repo_files = [
@@ -221,6 +212,7 @@ def test_only_weights_index_and_config_are_fetched(tmp_path, monkeypatch):
     ]
 
 
+@pytest.mark.slow
 def test_inspect_repo_id_offline(hub_results):
     hf_home, _, (code, out, err) = hub_results
     assert code == 0, err
@@ -244,6 +236,7 @@ def _snapshot_paths(rank: int, world: int, paths: list[str]) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_snapshot_directory_passed_as_a_path(tmp_path):
     """A cache snapshot passed as a local path (as users copy it from `huggingface-cli scan-cache`):
     its files link into the repo's blobs/, which is allowed; a link leaving the repo is still refused."""

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from tests import _dist, hf
-from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
+from tests.models import assert_same, gather, reference, toy, trained_toy
+
+# Slow: one 4-rank spawn that imports transformers, 25-30 s on 2 cores.
+pytestmark = pytest.mark.slow
 
 IDS = torch.tensor([[1, 2, 3, 6], [0, 5, 4, 4]])
 
@@ -148,10 +151,9 @@ def _scenarios(rank: int, world: int, toy_path: str, llama_path: str, tp_path: s
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def loaded(tmp_path_factory, toy_checkpoint):
     tmp = tmp_path_factory.mktemp("meshes")
     toy_ref = trained_toy()
-    save_state(toy_ref, str(tmp / "toy.safetensors"))
     llama_ref = hf.pretrained("llama")
     llama_ref.save_pretrained(tmp / "llama", max_shard_size="20KB")
     torch.manual_seed(1)
@@ -161,9 +163,7 @@ def loaded(tmp_path_factory):
             p.normal_(0, 0.5)
     tp_ref.save_pretrained(tmp / "tp", max_shard_size="20KB")
     results = _dist.ok(
-        _dist.run(
-            _scenarios, 4, str(tmp / "toy.safetensors"), str(tmp / "llama"), str(tmp / "tp"), timeout=240
-        )
+        _dist.run(_scenarios, 4, toy_checkpoint, str(tmp / "llama"), str(tmp / "tp"), timeout=240)
     )
     return {"toy": toy_ref, "llama": llama_ref, "tp": tp_ref}, results
 

@@ -54,18 +54,15 @@ def _cases(rank: int, world: int, plain_path: str, compiled_path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def loaded(tmp_path_factory, toy_checkpoint):
     tmp = tmp_path_factory.mktemp("names")
     ref = trained_toy()
-    save_state(ref, str(tmp / "plain.safetensors"))
     save_state(torch.compile(ref), str(tmp / "compiled.safetensors"))
     from safetensors import safe_open
 
     with safe_open(str(tmp / "compiled.safetensors"), "pt") as f:
         assert all(k.startswith("_orig_mod.") for k in f.keys())
-    results = _dist.ok(
-        _dist.run(_cases, 2, str(tmp / "plain.safetensors"), str(tmp / "compiled.safetensors"))
-    )
+    results = _dist.ok(_dist.run(_cases, 2, toy_checkpoint, str(tmp / "compiled.safetensors")))
     with torch.no_grad():
         out = ref(IDS)
     return reference(ref), out, results

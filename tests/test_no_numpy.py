@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from tests.models import assert_same, reference, save_state, trained_toy
+from tests.models import assert_same
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,15 +29,13 @@ assert "numpy" not in sys.modules or sys.modules["numpy"] is None
 """
 
 
-def test_loads_without_numpy(tmp_path):
-    ref = trained_toy()
-    save_state(ref, str(tmp_path / "toy.safetensors"))
+def test_loads_without_numpy(tmp_path, toy_checkpoint, toy_reference):
     out = tmp_path / "loaded.pt"
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "toy.safetensors"), str(out), REPO],
+        [sys.executable, "-c", SCRIPT, toy_checkpoint, str(out), REPO],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same(torch.load(out), reference(ref))
+    assert_same(torch.load(out), toy_reference)

@@ -21,6 +21,9 @@ import torch
 from tests import hf
 from tests.models import assert_same, reference
 
+# Slow: two torchrun launches of 2 ranks each, with transformers, half a minute at best.
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = r"""

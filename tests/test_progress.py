@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import _dist
-from tests.models import save_state, toy, trained_toy
+from tests.models import toy
 
 
 class FakeTTY(io.StringIO):
@@ -82,23 +82,22 @@ def _rank(rank: int, world: int, path: str, partial_path: str) -> dict:
     return out
 
 
-def _checkpoints(tmp) -> tuple[str, str, dict]:
+def _partial(path: str, tmp) -> tuple[str, dict]:
+    """The checkpoint at ``path`` less ``bn.weight`` plus an ``extra.weight``; and its full state."""
     from safetensors.torch import load_file, save_file
 
-    path = str(tmp / "model.safetensors")
-    save_state(trained_toy(), path)
     state = load_file(path)
     partial = dict(state)
     del partial["bn.weight"]
     partial["extra.weight"] = torch.ones(3)
     save_file(partial, str(tmp / "partial.safetensors"))
-    return path, str(tmp / "partial.safetensors"), state
+    return str(tmp / "partial.safetensors"), state
 
 
 @pytest.fixture(scope="module")
-def shown(tmp_path_factory):
-    path, partial, state = _checkpoints(tmp_path_factory.mktemp("progress"))
-    return state, _dist.ok(_dist.run(_rank, 2, path, partial))
+def shown(tmp_path_factory, toy_checkpoint):
+    partial, state = _partial(toy_checkpoint, tmp_path_factory.mktemp("progress"))
+    return state, _dist.ok(_dist.run(_rank, 2, toy_checkpoint, partial))
 
 
 def test_bar_on_rank0_terminal_only(shown):

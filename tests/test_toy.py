@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests import _dist
-from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
+from tests.models import assert_same, gather, toy, trained_toy
 
 
 def _load(rank: int, world: int, path: str, kwargs: dict) -> dict:
@@ -28,17 +28,15 @@ def _load(rank: int, world: int, path: str, kwargs: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_toy_bit_exact(tmp_path, world):
+# 3 ranks (uneven shards) stay in the quick loop; 2 ranks, in CI, cover little more.
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_toy_bit_exact(toy_checkpoint, toy_reference, world):
     ref = trained_toy()
-    path = str(tmp_path / "model.safetensors")
-    save_state(ref, path)
-    results = _dist.ok(_dist.run(_load, world, path, {}))
-    want = reference(ref)
+    results = _dist.ok(_dist.run(_load, world, toy_checkpoint, {}))
     with torch.no_grad():
         out_ref = ref(torch.tensor([[1, 2, 3, 6], [0, 5, 4, 4]]))
     for r in results:
-        assert_same(r["tensors"], want)
+        assert_same(r["tensors"], toy_reference)
         assert r["tied"] and r["nonpersistent"]
         assert r["nparams"] == len(list(ref.parameters()))
         torch.testing.assert_close(r["out"], out_ref, rtol=0, atol=1e-6)

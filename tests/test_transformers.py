@@ -13,6 +13,9 @@ import torch
 from tests import _dist, hf
 from tests.models import assert_same, gather, reference
 
+# Slow: 15 spawns of 2-3 ranks that each import transformers, about 2 minutes in all.
+pytestmark = pytest.mark.slow
+
 MODELS = ["llama", "qwen2", "gemma", "gpt2", "t5", "bert"]
 
 
