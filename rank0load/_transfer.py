@@ -37,6 +37,7 @@ __all__ = ["Staging", "Target", "allocate_staging", "stream", "target_of"]
 logger = logging.getLogger(__name__)
 
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
+_DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
 
 
 @dataclass
@@ -169,9 +170,11 @@ class _Sink:
         wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
         if not dst.is_contiguous():
             raise LoadError("internal error: a write into a non-contiguous tensor")  # ensured by _model
-        start = local_offset // wire.itemsize
-        values = self._decode(piece.index, data.view(wire), piece.start // wire.itemsize)
-        dst.view(-1)[start : start + values.numel()].copy_(values)
+        start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
+        step = _DEQUANTISE_STEP if self.entries[piece.index].scales else max(1, values.numel())
+        for at in range(0, values.numel(), step):  # float8: float32 temporaries of one step at a time
+            part = self._decode(piece.index, values[at : at + step], first + at)
+            dst.view(-1)[start + at : start + at + part.numel()].copy_(part)
 
     def _decode(self, index: int, values: torch.Tensor, first: int) -> torch.Tensor:
         """Wire values of elements ``first ..`` of entry ``index``; float8 ones dequantised."""
