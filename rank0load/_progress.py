@@ -1,6 +1,6 @@
 """Rank 0's progress bar over bytes, and the peak-RSS probe (no collectives).
 
-(rank 0) :func:`progress_bar` returns a byte counter for ``_distribute.stream(on_bytes=...)``: a bar
+(rank 0) :func:`progress_bar` returns a byte counter for ``_transfer.stream(on_bytes=...)``: a bar
 with throughput, drawn with huggingface_hub's ``tqdm`` so that ``HF_HUB_DISABLE_PROGRESS_BARS=1``
 (or ``huggingface_hub.utils.disable_progress_bars("rank0load")``) turns it off, and only when
 stderr is a terminal, so logs of batch jobs stay clean. Other ranks never call it (and so never
