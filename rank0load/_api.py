@@ -110,7 +110,7 @@ def load_sharded(
         comm = _distribute.mesh_device(mesh.device_type)
         ready, error = _attempt(lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes))
         _distribute.settle(
-            error, "allocating or initialising the model", "No data was moved; fix it and retry."
+            error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
         )
         assert ready is not None  # settle() raised otherwise
         clock("allocate")
