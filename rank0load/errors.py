@@ -17,6 +17,7 @@ __all__ = [
     "ModelMismatchError",
     "RankMismatchError",
     "CheckpointChangedError",
+    "SaveError",
 ]
 
 
@@ -42,6 +43,10 @@ class CheckpointChangedError(LoadError):
 
 class RankMismatchError(LoadError):
     """Ranks disagree: ``model_fn``/``shard_fn`` failed on some ranks or built different models."""
+
+
+class SaveError(LoadError):
+    """Saving failed: the model could not be written as a checkpoint (``save_sharded``)."""
 
 
 def format_keys(keys: object, limit: int = 10) -> str:
