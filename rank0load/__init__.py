@@ -1,12 +1,14 @@
 """rank0load: stream a safetensors checkpoint from rank 0 into an FSDP2-sharded model.
 
 model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
+rank0load.save_sharded(model, out_dir)
 """
 
 from __future__ import annotations
 
 from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
 from ._convert import StackExperts
+from ._save import SaveReport, save_sharded
 from ._shard import default_shard_fn
 from .errors import (
     CheckpointChangedError,
@@ -15,10 +17,13 @@ from .errors import (
     LoadError,
     ModelMismatchError,
     RankMismatchError,
+    SaveError,
 )
 
 __all__ = [
     "load_sharded",
+    "save_sharded",
+    "SaveReport",
     "default_shard_fn",
     "StackExperts",
     "LoadReport",
@@ -29,5 +34,6 @@ __all__ = [
     "ModelMismatchError",
     "RankMismatchError",
     "CheckpointChangedError",
+    "SaveError",
 ]
 __version__ = "0.1.0"
