@@ -193,6 +193,32 @@ def test_hsdp_replicas_sent_once(tmp_path) -> None:
     assert_same(read_checkpoint(out), expected())
 
 
+def _tp(rank: int, world: int, out: str) -> dict:
+    """fc rowwise-parallel over "tp" then FSDP2 over "dp": fc.weight is (Shard(0), Shard(1)),
+    gathered whole; the rest lives on the "dp" sub-mesh and is sent row by row."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    import rank0load
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = trained(dim=6)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"fc": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return {"report": rank0load.save_sharded(model, out)}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gathers_only_what_it_must(tmp_path) -> None:
+    out = str(tmp_path / "ckpt")
+    results = _dist.ok(_dist.run(_tp, 4, out))
+    assert results[0]["report"].gathered_whole == ("blocks.0.fc.weight", "blocks.1.fc.weight")
+    assert_same(read_checkpoint(out), expected(dim=6))
+
+
 # -------------------------------------------------------------------------------------- transformers
 
 
