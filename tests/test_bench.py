@@ -1,7 +1,9 @@
 """Smoke test of ``python -m rank0load.bench``: a tiny checkpoint, 2 gloo ranks, every method, 1 round.
 
 Checks that every figure is there and sane, that verification ran on every loading method, and that
-it fails when the loaded data is wrong (one tensor of a copied checkpoint corrupted on disk).
+it fails when the loaded data is wrong (one tensor of a copied checkpoint corrupted on disk). The
+same for ``--model moe`` (a per-expert Qwen3-MoE checkpoint into transformers' fused experts), and
+that its checkpoint is exactly what ``save_pretrained`` writes.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import json
 import os
 import shutil
 import struct
+from dataclasses import asdict
 
 import pytest
 
 from rank0load import bench
+from rank0load.bench import moe
 from rank0load.bench.methods import METHODS
-from rank0load.bench.model import config_for_size, tensor_specs
+from rank0load.bench.model import config_for_size, tensor_digest, tensor_specs
 
 SIZE = "0.005"  # GB: hidden 256, 2 layers, vocab 4000, 3 shards
 
@@ -105,3 +109,119 @@ def test_verification_catches_wrong_data(smoke, tmp_path):
     for s in res["summary"]:
         assert s["ok"] is False, s
         assert key in s["failure"]
+
+
+# --- the MoE checkpoint: ``--model moe`` ---------------------------------------------------------------
+
+MOE_SIZE = "0.005"  # GB: Qwen3-MoE, hidden 128, 3 layers of 16 experts, vocab 4000, 5 shards
+
+
+@pytest.fixture(scope="module")
+def moe_smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-moe")
+    readme = out / "README.md"
+    readme.write_text("# title\n\n<!-- bench:results:start -->\nllama\n<!-- bench:results:end -->\n\ntail\n")
+    argv = ["--model", "moe", "--size-gb", MOE_SIZE, "--rounds", "1", "--out", str(out)]
+    rc = bench.main([*argv, "--update-readme", str(readme)])
+    with open(out / "bench.json") as f:
+        return rc, json.load(f), out, readme
+
+
+@pytest.mark.slow
+def test_moe_every_method_reports_and_verifies(moe_smoke):
+    rc, doc, _, _ = moe_smoke
+    assert rc == 0
+    (res,) = doc["results"]
+    assert doc["model"] == res["model"] == "moe"
+    cfg = moe.config_for_size(float(MOE_SIZE))
+    assert res["checkpoint"]["config"] == asdict(cfg)
+    specs = moe.tensor_specs(cfg)
+    assert res["checkpoint"]["tensors"] == len(specs) and res["checkpoint"]["shards"] >= 2
+    # every model parameter compared: the non-expert tensors, and two fused tensors per layer
+    n_params = sum(1 for key, _ in specs if ".mlp.experts." not in key) + 2 * cfg.layers
+    by_method = {s["method"]: s for s in res["summary"]}
+    assert list(by_method) == list(METHODS)
+    for method, s in by_method.items():
+        assert s["ok"], (method, s)
+        assert s["seconds"] > 0 and len(s["per_rank"]) == 2
+        assert s["tie_kept"] is None  # the MoE model's head is not tied
+        for r in s["per_rank"]:
+            assert r["rss_before"] > 0 and r["resident"] > 0
+            assert r["transient"] == r["peak_rss"] - r["rss_before"] - r["resident"]
+        raw = res["raw"][method][0]
+        if method == "build-only":
+            assert s["verified"] is None
+        else:
+            # bit-exact: every full parameter's SHA-256 against the one recorded while writing
+            assert s["verified"] is True and s["tensors_checked"] == n_params
+            assert all(r["verified"] and r["problem_count"] == 0 for r in raw)
+    assert by_method["rank0load"]["stream_gbps"] > 0
+
+
+@pytest.mark.slow
+def test_moe_readme_section_added(moe_smoke):
+    _, _, _, readme = moe_smoke
+    text = readme.read_text()
+    llama, moe_part = text.split("## MoE checkpoint")
+    assert "llama" in llama and "tail" in llama  # the Llama section is left as it was
+    assert "<!-- bench:results-moe:start -->" in moe_part and "<!-- bench:results-moe:end -->" in moe_part
+    assert "| rank0load |" in moe_part and "| every-rank |" in moe_part and "--model moe" in moe_part
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_is_what_save_pretrained_writes(tmp_path):
+    """The writer's keys, dtypes and shapes are save_pretrained's for the same config (per-expert
+    layout), and transformers' own from_pretrained of it matches every recorded digest (fused
+    experts included): the reference verification compares with is transformers', not the bench's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = moe.config_for_size(float(MOE_SIZE))
+    meta = moe.write_checkpoint(cfg, str(tmp_path / "ckpt"), log=lambda s: None)
+    moe.build_model(cfg).save_pretrained(tmp_path / "ref", max_shard_size="1MB")
+
+    def headers(path):
+        out = {}
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                with open(path / name, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(n))
+                header.pop("__metadata__", None)
+                out.update({k: (v["dtype"], v["shape"]) for k, v in header.items()})
+        return out
+
+    ours, theirs = headers(tmp_path / "ckpt"), headers(tmp_path / "ref")
+    assert ours == theirs and any(".mlp.experts.15.down_proj." in k for k in ours)
+    with open(tmp_path / "ref" / "config.json") as f, open(tmp_path / "ckpt" / "config.json") as g:
+        assert json.load(f) == json.load(g)
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16)
+    params = dict(loaded.named_parameters())
+    assert set(params) == set(meta["digests"])
+    for name, p in params.items():
+        assert tensor_digest(p) == meta["digests"][name], name
+
+
+@pytest.mark.slow
+def test_moe_verification_catches_a_wrong_expert(moe_smoke, tmp_path):
+    """One expert's up_proj damaged on disk: the fused gate_up_proj it lands in fails verification."""
+    _, doc, _, _ = moe_smoke
+    src = doc["results"][0]["checkpoint"]["dir"]
+    out = tmp_path / "corrupt"
+    dst = out / os.path.basename(src)
+    shutil.copytree(src, dst)
+    with open(dst / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    _corrupt(
+        str(dst / weight_map["model.layers.1.mlp.experts.5.up_proj.weight"]),
+        "model.layers.1.mlp.experts.5.up_proj.weight",
+    )
+
+    argv = ["--model", "moe", "--size-gb", MOE_SIZE, "--rounds", "1", "--out", str(out)]
+    assert bench.main([*argv, "--methods", "rank0load"]) == 1
+    with open(out / "bench.json") as f:
+        (res,) = json.load(f)["results"]
+    assert res["checkpoint"]["dir"] == str(dst)  # the corrupted copy was loaded, not regenerated
+    (s,) = res["summary"]
+    assert s["ok"] is False and "model.layers.1.mlp.experts.gate_up_proj" in s["failure"], s

@@ -3,7 +3,8 @@
 ``python -m rank0load.bench [args]`` runs it (see :mod:`rank0load.bench.driver` for the flags).
 :mod:`~.driver` drives the runs and writes the tables, :mod:`~.worker` is one rank of one run
 (``python -m rank0load.bench.worker '<json spec>'``), :mod:`~.methods` holds the loading methods
-compared and :mod:`~.model` the benchmark's model and checkpoint writer.
+compared, :mod:`~.model` the benchmark's Llama-style model and checkpoint writer, and :mod:`~.moe`
+the MoE one (``--model moe``: a per-expert Qwen3-MoE checkpoint into transformers' fused experts).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .driver import (
 )
 from .methods import METHOD_NOTES, METHODS
 from .model import BenchConfig, cached_checkpoint, config_for_size, tensor_specs, write_checkpoint
+from .moe import MoeConfig
 
 __all__ = [
     "main",
@@ -43,6 +45,7 @@ __all__ = [
     "METHODS",
     "METHOD_NOTES",
     "BenchConfig",
+    "MoeConfig",
     "cached_checkpoint",
     "config_for_size",
     "tensor_specs",

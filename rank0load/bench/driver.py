@@ -8,6 +8,11 @@ verifies the result bit-exact. A method's figures are its fastest round whose re
 
     python -m rank0load.bench                                   # 0.8 GB, 2 ranks, all methods, 2 rounds
     python -m rank0load.bench --sweep 0.2,0.8,3.2 --plot --update-readme
+    python -m rank0load.bench --model moe                       # a Qwen3-MoE per-expert checkpoint instead
+
+``--model moe`` writes a Qwen3-MoE checkpoint in the per-expert Hub layout and loads it into
+transformers' ``Qwen3MoeForCausalLM`` (fused experts) built with ``AutoModelForCausalLM.from_config``
+(see :mod:`rank0load.bench.moe`); it needs transformers.
 
 This is a script: it prints progress to stdout (the library itself only logs).
 """
@@ -26,24 +31,38 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from .methods import METHOD_NOTES, METHODS
-from .model import BenchConfig, cached_checkpoint, config_for_size, write_checkpoint
+from . import model as llama
+from . import moe
+from .methods import METHOD_NOTES, METHODS, Config
+from .model import cached_checkpoint
+
+MODELS = ("llama", "moe")
 
 __all__ = ["main", "parse_args", "run_size"]
 
 MiB = 1 << 20
 
 
-def _markers(ranks: int) -> tuple[str, str]:
-    """The README section each rank count rewrites: the 2-rank default, and one per other count."""
-    name = "results" if ranks == 2 else f"results-{ranks}ranks"
+def _markers(ranks: int, model: str = "llama") -> tuple[str, str]:
+    """The README section each model and rank count rewrites: the 2-rank Llama default, and one per
+    other model or count."""
+    name = "results" + ("" if model == "llama" else f"-{model}") + ("" if ranks == 2 else f"-{ranks}ranks")
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
+
+def config_for(model: str, size_gb: float) -> Config:
+    """The checkpoint shape of ``model`` ("llama" or "moe") for ``size_gb``."""
+    if model == "moe":
+        return moe.config_for_size(size_gb)
+    if model == "llama":
+        return llama.config_for_size(size_gb)
+    raise ValueError(f"unknown model {model!r}; choose from {MODELS}")
 
 
 # ------------------------------------------------------------------------------------------ running
 
 
-def ensure_checkpoint(cfg: BenchConfig, out: str) -> tuple[str, dict]:
+def ensure_checkpoint(cfg: Config, out: str) -> tuple[str, dict]:
     """The checkpoint directory for ``cfg`` under ``out``, written unless a complete one is there."""
     directory = os.path.join(out, f"ckpt-{cfg.tag}")
     meta = cached_checkpoint(cfg, directory)
@@ -54,7 +73,8 @@ def ensure_checkpoint(cfg: BenchConfig, out: str) -> tuple[str, dict]:
         return directory, meta
     print(f"checkpoint: writing {directory} ({cfg.tag})", flush=True)
     started = time.perf_counter()
-    meta = write_checkpoint(cfg, directory, log=lambda s: print(s, flush=True))
+    writer = moe.write_checkpoint if isinstance(cfg, moe.MoeConfig) else llama.write_checkpoint
+    meta = writer(cfg, directory, log=lambda s: print(s, flush=True))  # type: ignore[arg-type]
     print(
         f"checkpoint: {meta['total_bytes'] / 1e9:.3f} GB in {len(meta['files'])} shards, "
         f"{time.perf_counter() - started:.1f} s"
@@ -72,7 +92,7 @@ def warm_page_cache(directory: str, meta: dict) -> None:
 
 def run_once(
     method: str,
-    cfg: BenchConfig,
+    cfg: Config,
     ckpt: str,
     ranks: int,
     timeout: float,
@@ -95,6 +115,7 @@ def run_once(
                 "world": ranks,
                 "store": store,
                 "ckpt": ckpt,
+                "model": "moe" if isinstance(cfg, moe.MoeConfig) else "llama",
                 "config": cfg.__dict__,
                 "out": outs[r],
                 "timeout": timeout,
@@ -186,7 +207,8 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
         stream_gbps=best[0].get("stream_gbps"),
         stream_seconds=best[0].get("stream_seconds"),
         phases=[r.get("phases") for r in best] if best[0].get("phases") else None,
-        tie_kept=all(r.get("tie_kept") for r in best),
+        # None: the model has no tie (MoE)
+        tie_kept=None if best[0].get("tie_kept") is None else all(r.get("tie_kept") for r in best),
         verified=best[0].get("verified"),
         tensors_checked=best[0].get("tensors_checked"),
         per_rank=[
@@ -214,9 +236,10 @@ def run_size(
     timeout: float,
     warm_up: bool = True,
     options: dict | None = None,
+    model: str = "llama",
 ) -> dict:
     """Every method x round at one checkpoint size; returns the JSON-able results."""
-    cfg = config_for_size(size_gb)
+    cfg = config_for(model, size_gb)
     ckpt, meta = ensure_checkpoint(cfg, out)
     print("warming the page cache ...", flush=True)
     warm_page_cache(ckpt, meta)
@@ -224,7 +247,7 @@ def run_size(
     for rnd in range(rounds):
         order = list(methods) if rnd % 2 == 0 else list(reversed(methods))  # alternate, no fixed order bias
         for method in order:
-            print(f"[{size_gb:g} GB, round {rnd + 1}/{rounds}] {method:<16} ...", end=" ", flush=True)
+            print(f"[{model} {size_gb:g} GB, round {rnd + 1}/{rounds}] {method:<16} ...", end=" ", flush=True)
             results = run_once(method, cfg, ckpt, ranks, timeout, warm_up, options)
             raw[method].append(results)
             print(_round_line(results), flush=True)
@@ -233,12 +256,13 @@ def run_size(
                     print(f"  rank {r['rank']}: {r['traceback']}", file=sys.stderr)
     summary = [summarise(m, raw[m], meta["total_bytes"]) for m in methods]
     return {
+        "model": model,
         "size_gb_requested": size_gb,
         "checkpoint": {
             "dir": ckpt,
             "bytes": meta["total_bytes"],
             "shards": len(meta["files"]),
-            "tensors": len(meta["digests"]),
+            "tensors": meta.get("checkpoint_tensors", len(meta["digests"])),
             "config": meta["config"],
         },
         "ranks": ranks,
@@ -286,10 +310,19 @@ def environment() -> dict:
 def results_table(res: dict) -> str:
     """Markdown: one summary row per method, then one row per method and rank."""
     gb = res["checkpoint"]["bytes"] / 1e9
+    if res.get("model", "llama") == "moe":
+        c = res["checkpoint"]["config"]
+        kind = (
+            f"bf16, Qwen3-MoE: {c['layers']} layers of {c['experts']} experts stored one tensor per expert, "
+            f"loaded into transformers' fused experts; hidden {c['hidden']}, expert width "
+            f"{c['moe_intermediate']}, head not tied"
+        )
+    else:
+        kind = "bf16, tied head"
     lines = [
         (
             f"Checkpoint {gb:.3g} GB ({res['checkpoint']['shards']} shards, {res['checkpoint']['tensors']} tensors, "
-            f"bf16, tied head), {res['ranks']} gloo ranks on CPU, best of {res['rounds']} rounds"
+            f"{kind}), {res['ranks']} gloo ranks on CPU, best of {res['rounds']} rounds"
             f"{'' if res.get('warm_up', True) else ', torch lazy imports inside the measurement (--no-warm-up)'}"
             f"{''.join(f', {m} options {o}' for m, o in res.get('options', {}).items())}."
         ),
@@ -307,12 +340,13 @@ def results_table(res: dict) -> str:
         load_gbps = "-" if s["load_gbps"] is None else f"{s['load_gbps']:.2f}"
         stream = "-" if not s["stream_gbps"] else f"{s['stream_gbps']:.2f}"
         verified = "n/a" if s["verified"] is None else ("yes" if s["verified"] else "NO")
+        tie = "n/a" if s["tie_kept"] is None else ("yes" if s["tie_kept"] else "no")
         if s["rounds_ok"] < s["rounds"]:
             verified += f" ({s['rounds_ok']}/{s['rounds']} rounds ok)"
         lines.append(
             f"| {s['method']} | {s['seconds']:.2f} | {s.get('node_cpu_seconds', 0.0):.2f} | {load_gbps} | {stream} | "
             f"{_fmt_mib(s['max_transient'])} | "
-            f"{_fmt_mib(s['node_transient'])} | {_fmt_mib(s['node_peak'])} | {'yes' if s['tie_kept'] else 'no'} | "
+            f"{_fmt_mib(s['node_transient'])} | {_fmt_mib(s['node_peak'])} | {tie} | "
             f"{verified} |"
         )
     lines += [
@@ -394,8 +428,9 @@ def readme_section(
     main_res: dict, sweep: list[dict] | None, env: dict, argv: Sequence[str], plot_name: str | None
 ) -> str:
     cmd = "python -m rank0load.bench" + ("" if not argv else " " + " ".join(argv))
+    model = main_res.get("model", "llama")
     parts = [
-        _markers(main_res["ranks"])[0],
+        _markers(main_res["ranks"], model)[0],
         f"_Generated by `{cmd}` on {env['date']}._",
         "",
         (
@@ -410,12 +445,12 @@ def readme_section(
         parts += ["", "### Sweep: transient RAM as the checkpoint grows", "", sweep_table(sweep)]
         if plot_name:
             parts += ["", f"![transient RAM per method]({plot_name})"]
-    parts.append(_markers(main_res["ranks"])[1])
+    parts.append(_markers(main_res["ranks"], model)[1])
     return "\n".join(parts)
 
 
-def update_readme(path: str, section: str, ranks: int = 2) -> None:
-    start, end = _markers(ranks)
+def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama") -> None:
+    start, end = _markers(ranks, model)
     text = ""
     if os.path.exists(path):
         with open(path) as f:
@@ -425,7 +460,9 @@ def update_readme(path: str, section: str, ranks: int = 2) -> None:
         tail = rest.split(end, 1)[1]
         text = head + section + tail
     else:
-        title = "## Results" if ranks == 2 else f"## Results on {ranks} ranks"
+        title = "## Results" if model == "llama" else "## MoE checkpoint"
+        if ranks != 2:
+            title += f" on {ranks} ranks"
         text = text.rstrip() + f"\n\n{title}\n\n" + section + "\n"
     with open(path, "w") as f:
         f.write(text)
@@ -436,6 +473,13 @@ def update_readme(path: str, section: str, ranks: int = 2) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rank0load.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model",
+        choices=MODELS,
+        default="llama",
+        help="llama: the Llama-style checkpoint (default); moe: a Qwen3-MoE checkpoint with one tensor "
+        "per expert, loaded into transformers' fused experts (needs transformers)",
+    )
     p.add_argument("--size-gb", type=float, default=0.8, help="checkpoint size in GB (default 0.8)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks on the CPU (default 2)")
     p.add_argument(
@@ -497,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     env = environment()
     print(
-        f"rank0load bench: sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
+        f"rank0load bench: {args.model} model, sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
         f"methods {', '.join(args.methods)}; torch {env['torch']}, {env['cores']} cores; output {args.out}",
         flush=True,
     )
@@ -512,9 +556,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=args.timeout,
             warm_up=args.warm_up,
             options=args.options,
+            model=args.model,
         )
         all_results.append(res)
-        with open(os.path.join(args.out, f"results-{size:g}gb-{args.ranks}ranks.json"), "w") as f:
+        prefix = "results" if args.model == "llama" else f"results-{args.model}"
+        with open(os.path.join(args.out, f"{prefix}-{size:g}gb-{args.ranks}ranks.json"), "w") as f:
             json.dump({"environment": environment(), **res}, f, indent=1)
         print()
         print(results_table(res))
@@ -524,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {
         "environment": env,
         "argv": argv,
+        "model": args.model,
         "sizes": args.sizes,
         "methods": {m: METHOD_NOTES[m] for m in args.methods},
         "results": all_results,
@@ -536,8 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(all_results) > 1:
         print(sweep_table(all_results))
     plot_path = None
+    plot_file = "transient_ram.png" if args.model == "llama" else f"transient_ram_{args.model}.png"
     if args.plot:
-        plot_path = os.path.join(args.out, "transient_ram.png")
+        plot_path = os.path.join(args.out, plot_file)
         if plot(all_results, plot_path):
             print(f"wrote {plot_path}")
         else:
@@ -547,10 +595,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if plot_path:  # keep the picture next to the README so the link works
             import shutil
 
-            plot_name = "transient_ram.png"
+            plot_name = plot_file
             shutil.copyfile(plot_path, os.path.join(os.path.dirname(args.update_readme) or ".", plot_name))
         update_readme(
-            args.update_readme, readme_section(main_res, all_results, env, argv, plot_name), args.ranks
+            args.update_readme,
+            readme_section(main_res, all_results, env, argv, plot_name),
+            args.ranks,
+            args.model,
         )
         print(f"updated {args.update_readme}")
     failed = [s["method"] for r in all_results for s in r["summary"] if not s.get("ok")]

@@ -1,14 +1,21 @@
 """The loading methods the benchmark compares (all ranks call the same function, in lock step).
 
 Each method takes ``(cfg, ckpt_dir, mesh, options)`` and returns ``(model, info)``: the FSDP2-sharded
-:class:`~.model.BenchLlama` with real data, and a dict of method-specific facts
-(``tie_kept``: whether the head was still the embedding's Parameter when the method returned,
-before the benchmark re-tied it; ``stream_seconds`` where the method reports one). ``options``
-holds keyword arguments for the method under its name (``{"rank0load": {"max_staging_bytes": ...}}``).
+model with real data — :class:`~.model.BenchLlama` for a :class:`~.model.BenchConfig`, transformers'
+Qwen3-MoE for a :class:`~.moe.MoeConfig` — and a dict of method-specific facts (``tie_kept``:
+whether the head was still the embedding's Parameter when the method returned, before the
+benchmark re-tied it, None for the untied MoE model; ``stream_seconds`` where the method reports
+one). ``options`` holds keyword arguments for the method under its name
+(``{"rank0load": {"max_staging_bytes": ...}}``).
 
 The torch-native methods build the model the same way (meta build, ``fully_shard`` on each
-decoder layer then on the root, ``to_empty``, the rotary buffer recomputed) so that only the
+decoder layer then on the root, ``to_empty``, the rotary buffers recomputed) so that only the
 loading differs; rank0load builds it itself inside :func:`rank0load.load_sharded`.
+
+The MoE checkpoint stores one tensor per expert, the model holds them fused: ``broadcast-rank0``
+and ``every-rank`` fuse them in the full state dict (:func:`~.moe.fuse_experts`, ``torch.stack`` /
+``torch.cat``), ``dcp-hf`` hands DCP views of each rank's own experts under their checkpoint keys
+(:func:`~.moe.expert_views`), rank0load converts them itself (transformers' conversion mapping).
 """
 
 from __future__ import annotations
@@ -22,40 +29,60 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rank0load._api import LoadReport
 from rank0load._compat import local_tensor
 from rank0load._memory import prefault
 
+from . import moe
 from .model import BenchConfig, BenchLlama, expected_inv_freq
 
-__all__ = ["METHODS", "METHOD_NOTES"]
+__all__ = ["METHODS", "METHOD_NOTES", "build_sharded", "model_fn"]
 
-Method = Callable[[BenchConfig, str, DeviceMesh, dict], tuple[nn.Module, dict]]
+Config = BenchConfig | moe.MoeConfig
+Method = Callable[[Config, str, DeviceMesh, dict], tuple[nn.Module, dict]]
 
 
 def _tied(model: nn.Module) -> bool:
     return model.get_parameter("lm_head.weight") is model.get_parameter("model.embed_tokens.weight")
 
 
-def build_sharded(cfg: BenchConfig, mesh: DeviceMesh) -> BenchLlama:
+def model_fn(cfg: Config) -> Callable[[], nn.Module]:
+    """The zero-argument constructor of ``cfg``'s model (what rank0load is given)."""
+    if isinstance(cfg, moe.MoeConfig):
+        return lambda: moe.build_model(cfg)
+    return lambda: BenchLlama(cfg)
+
+
+def build_sharded(cfg: Config, mesh: DeviceMesh) -> nn.Module:
     """(all ranks) Meta build, fully_shard each layer then the root, allocate the local shards."""
     with torch.device("meta"):
-        model = BenchLlama(cfg)
-    for layer in model.model.layers:
+        model = model_fn(cfg)()
+    layers = model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList)
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
-    # to_empty leaves the non-persistent rotary buffer uninitialised; recompute it.
-    model.model.rotary_emb.inv_freq = expected_inv_freq(cfg)
+    # to_empty leaves the non-persistent rotary buffers uninitialised; recompute them.
+    rotary = model.get_submodule("model.rotary_emb")
+    if isinstance(cfg, moe.MoeConfig):
+        for name, value in moe.expected_buffers(cfg).items():
+            setattr(rotary, name.rsplit(".", 1)[1], value)
+    else:
+        rotary.inv_freq = expected_inv_freq(cfg)
     return model
 
 
-def _finish(model: BenchLlama) -> dict:
-    """Record whether the tie survived, then make sure it holds (a broken tie is what a user must fix)."""
+def _finish(model: nn.Module, cfg: Config) -> dict:
+    """Record whether the tie survived, then make sure it holds (a broken tie is what a user must fix).
+    The MoE model has no tie: None."""
+    if isinstance(cfg, moe.MoeConfig):
+        return {"tie_kept": None}
     kept = _tied(model)
     if not kept:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.model.embed_tokens.weight  # type: ignore[union-attr]
     return {"tie_kept": kept}
 
 
@@ -65,34 +92,38 @@ def _shard_files(ckpt: str) -> list[str]:
     return [os.path.join(ckpt, name) for name in sorted(set(weight_map.values()))]
 
 
-def _full_state_dict(ckpt: str) -> dict[str, torch.Tensor]:
+def _full_state_dict(ckpt: str, cfg: Config) -> dict[str, torch.Tensor]:
+    """Every shard ``load_file``d into one dict; the MoE experts then fused, as the model holds them."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for path in _shard_files(ckpt):
         state.update(load_file(path))
+    if isinstance(cfg, moe.MoeConfig):
+        moe.fuse_experts(state, cfg)
     return state
 
 
-def build_only(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+def build_only(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Meta build + fully_shard + allocate the local shards and fault them in (rank0load's own
     ``prefault``: the cheapest way to make them resident, so nobody is charged more than this)."""
     model = build_sharded(cfg, mesh)
     with torch.no_grad():
         for p in model.parameters():
             prefault(local_tensor(p))
-    return model, _finish(model)
+    return model, _finish(model, cfg)
 
 
-def rank0load_method(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
-    """``rank0load.load_sharded``: rank 0 reads, each rank receives its own shard."""
+def rank0load_method(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+    """``rank0load.load_sharded``: rank 0 reads, each rank receives its own shard (MoE experts
+    assembled into the fused parameters by rank0load, from transformers' conversion mapping)."""
     import rank0load
 
-    model = rank0load.load_sharded(lambda: BenchLlama(cfg), ckpt, mesh, **options.get("rank0load", {}))
+    model = rank0load.load_sharded(model_fn(cfg), ckpt, mesh, **options.get("rank0load", {}))
     report: LoadReport = model.rank0load_report  # type: ignore[assignment]
     # No re-tie here: rank0load must keep the tie itself (verification requires it).
     return model, {
-        "tie_kept": _tied(model),
+        "tie_kept": None if isinstance(cfg, moe.MoeConfig) else _tied(model),
         "stream_seconds": report.stream_seconds,
         "stream_gbps": report.gb_per_s,
         "report_bytes": report.bytes,
@@ -100,41 +131,48 @@ def rank0load_method(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dic
     }
 
 
-def broadcast_rank0(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+def broadcast_rank0(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Rank 0 holds the full state dict (``load_file``); ``set_model_state_dict(full_state_dict=True,
     broadcast_from_rank0=True)`` broadcasts every tensor and each rank keeps its shard.
 
     ``strict=False`` because the checkpoint stores the tied head once (as the embedding): with it the
-    embedding is broadcast once, not twice; verification still checks every tensor.
+    embedding is broadcast once, not twice; verification still checks every tensor. MoE: rank 0
+    fuses the experts in its state dict first (:func:`~.moe.fuse_experts`).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = build_sharded(cfg, mesh)
-    state = _full_state_dict(ckpt) if dist.get_rank() == 0 else {}
+    state = _full_state_dict(ckpt, cfg) if dist.get_rank() == 0 else {}
     set_model_state_dict(
         model,
         state,  # type: ignore[arg-type]  # a dict[str, Tensor] is a valid state dict
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
     )
     del state
-    return model, _finish(model)
+    return model, _finish(model, cfg)
 
 
-def every_rank(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
-    """Every rank ``load_file``s the whole checkpoint, then ``set_model_state_dict(full_state_dict=True)``
-    (torch's ``distribute_tensor`` per tensor keeps the local shard)."""
+def every_rank(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+    """Every rank ``load_file``s the whole checkpoint (MoE: and fuses the experts), then
+    ``set_model_state_dict(full_state_dict=True)`` (torch's ``distribute_tensor`` per tensor keeps
+    the local shard)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = build_sharded(cfg, mesh)
-    state = _full_state_dict(ckpt)
+    state = _full_state_dict(ckpt, cfg)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))  # type: ignore[arg-type]
     del state
-    return model, _finish(model)
+    return model, _finish(model, cfg)
 
 
-def dcp_hf(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+def dcp_hf(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """``dcp.load`` with ``HuggingFaceStorageReader``: every rank reads the slices of its own shards
-    straight into the model's sharded state dict (in place)."""
+    straight into the model's sharded state dict (in place).
+
+    MoE: DCP cannot map per-expert checkpoint keys to a fused parameter, so each fused expert
+    parameter is replaced in the state dict by plain-tensor views of this rank's own experts
+    (whole experts: FSDP2 shards dim 0, the expert index) under their checkpoint keys; DCP reads
+    each owned expert's tensors into them, and no other expert's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -148,9 +186,17 @@ def dcp_hf(cfg: BenchConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tupl
         else:
             first[id(p)] = name
     state = {k: v for k, v in model.state_dict().items() if k not in alias}
+    if isinstance(cfg, moe.MoeConfig):
+        for name in [k for k in state if moe.is_fused_expert(k)]:
+            param = state.pop(name)
+            local = local_tensor(param)
+            offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[
+                1
+            ]
+            state.update(moe.expert_views(name, local, offset[0], cfg))
     dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
     del state
-    return model, _finish(model)
+    return model, _finish(model, cfg)
 
 
 METHODS: dict[str, Method] = {
@@ -164,7 +210,7 @@ METHODS: dict[str, Method] = {
 METHOD_NOTES: dict[str, str] = {
     "build-only": "meta build + `fully_shard` + allocate the local shards and fault them in: the cost every method shares; loads nothing",
     "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 reads, sends each rank its rows",
-    "broadcast-rank0": "rank 0 `load_file`s every shard; `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
-    "dcp-hf": "`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(ckpt))`: every rank reads its slices",
-    "every-rank": "every rank `load_file`s every shard; `set_model_state_dict(full_state_dict=True)`",
+    "broadcast-rank0": "rank 0 `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
+    "dcp-hf": "`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(ckpt))`: every rank reads its slices (MoE: each fused expert parameter replaced by views of the rank's own experts under their checkpoint keys)",
+    "every-rank": "every rank `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True)`",
 }

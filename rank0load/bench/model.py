@@ -19,7 +19,7 @@ import os
 import shutil
 import zlib
 from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -243,8 +243,11 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def _plan_shards(cfg: BenchConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """Greedy packing in file order into about four shards (never splitting a tensor)."""
-    specs = tensor_specs(cfg)
+    return _pack(tensor_specs(cfg))
+
+
+def _pack(specs: list[tuple[str, tuple[int, ...]]]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Greedy packing of bf16 tensors in file order into about four shards (never splitting a tensor)."""
     sizes = [2 * math.prod(s) for _, s in specs]
     limit = max(max(sizes), math.ceil(sum(sizes) / 4))
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
@@ -303,8 +306,9 @@ def write_checkpoint(cfg: BenchConfig, directory: str, log=print) -> dict:
     return meta
 
 
-def cached_checkpoint(cfg: BenchConfig, directory: str) -> dict | None:
-    """The metadata of a complete checkpoint for ``cfg`` in ``directory``, or None."""
+def cached_checkpoint(cfg: Any, directory: str) -> dict | None:
+    """The metadata of a complete checkpoint for ``cfg`` (a :class:`BenchConfig` or a
+    :class:`~.moe.MoeConfig`) in ``directory``, or None."""
     try:
         with open(os.path.join(directory, META_FILE)) as f:
             meta = json.load(f)

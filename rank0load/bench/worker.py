@@ -58,14 +58,25 @@ def _resident_bytes(model) -> int:
     return sum(storages.values())
 
 
+def _expected_buffers(cfg) -> dict:
+    """The non-persistent buffers every rank must hold, computed the way the model's constructor does."""
+    from .model import BenchConfig, expected_inv_freq
+    from .moe import MoeConfig, expected_buffers
+
+    if isinstance(cfg, MoeConfig):
+        return expected_buffers(cfg)
+    assert isinstance(cfg, BenchConfig)
+    return {"model.rotary_emb.inv_freq": expected_inv_freq(cfg)}
+
+
 def _verify(model, cfg, ckpt: str) -> dict:
     """(all ranks, collective) Every parameter's full_tensor() against the recorded digests (on rank 0),
-    the rotary buffer against its formula (on every rank), nothing left on meta."""
+    the rotary buffers against their formula (on every rank), nothing left on meta."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from .model import META_FILE, expected_inv_freq, tensor_digest
+    from .model import META_FILE, tensor_digest
 
     rank = dist.get_rank()
     problems: list[str] = []
@@ -95,17 +106,14 @@ def _verify(model, cfg, ckpt: str) -> dict:
     if rank == 0:
         never = sorted(set(digests) - checked)
         problems += [f"{k}: in the checkpoint, no parameter holds it" for k in never]
-    inv_freq = model.model.rotary_emb.inv_freq
-    if (
-        inv_freq.is_meta
-        or inv_freq.dtype != torch.float32
-        or not torch.equal(inv_freq, expected_inv_freq(cfg))
-    ):
-        problems.append(
-            f"rank {rank}: model.rotary_emb.inv_freq is wrong ({inv_freq.dtype}, meta={inv_freq.is_meta})"
-        )
-    if "inv_freq" not in model.model.rotary_emb._non_persistent_buffers_set:
-        problems.append(f"rank {rank}: model.rotary_emb.inv_freq became persistent")
+    for name, expected in _expected_buffers(cfg).items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        buf = getattr(module, leaf)
+        if buf.is_meta or buf.dtype != torch.float32 or not torch.equal(buf, expected):
+            problems.append(f"rank {rank}: {name} is wrong ({buf.dtype}, meta={buf.is_meta})")
+        if leaf not in module._non_persistent_buffers_set:
+            problems.append(f"rank {rank}: {name} became persistent")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
     every = [p for rank_problems in gathered for p in rank_problems]
@@ -117,14 +125,29 @@ def _verify(model, cfg, ckpt: str) -> dict:
     }
 
 
-def _warm_up(mesh) -> None:
+def _warm_up(mesh, model: str) -> None:
     """Pay torch's one-time lazy imports (meta kernels, FSDP2 internals) before the measurement:
     build, shard and allocate a tiny model of the same classes, then drop it. No collectives."""
     from .methods import build_sharded
     from .model import BenchConfig
+    from .moe import MoeConfig
 
-    tiny = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
+    tiny: BenchConfig | MoeConfig
+    if model == "moe":
+        tiny = MoeConfig(
+            hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, head_dim=16, moe_intermediate=32
+        )
+    else:
+        tiny = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
     build_sharded(tiny, mesh)  # the same code path as the methods' own build; dropped at once
+
+
+def config_from_spec(spec: dict):
+    """The spec's model config: a BenchConfig (``"model": "llama"``, the default) or a MoeConfig."""
+    from .model import BenchConfig
+    from .moe import MoeConfig
+
+    return (MoeConfig if spec.get("model", "llama") == "moe" else BenchConfig)(**spec["config"])
 
 
 def main(spec: dict) -> dict:
@@ -141,7 +164,13 @@ def main(spec: dict) -> dict:
     import rank0load  # noqa: F401
 
     from .methods import METHODS
-    from .model import BenchConfig
+
+    if spec.get("model", "llama") == "moe":
+        # transformers, the model's module and what rank0load uses of it (its conversion mapping)
+        import transformers.conversion_mapping
+        import transformers.core_model_loading  # noqa: F401
+        from transformers import AutoModelForCausalLM  # noqa: F401
+        from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
 
     rank, world = spec["rank"], spec["world"]
     dist.init_process_group(
@@ -153,10 +182,10 @@ def main(spec: dict) -> dict:
     )
     try:
         mesh = init_device_mesh("cpu", (world,))
-        cfg = BenchConfig(**spec["config"])
+        cfg = config_from_spec(spec)
         method = METHODS[spec["method"]]
         if spec.get("warm_up", True):
-            _warm_up(mesh)
+            _warm_up(mesh, spec.get("model", "llama"))
         dist.barrier()
         gc.collect()
         before = _status("VmRSS")
@@ -193,7 +222,7 @@ def main(spec: dict) -> dict:
             result.update(verified=None, problems=[], problem_count=0, tensors_checked=0)
         else:
             result.update(_verify(model, cfg, spec["ckpt"]))
-            if spec["method"] == "rank0load" and not info.get("tie_kept"):
+            if spec["method"] == "rank0load" and info.get("tie_kept") is False:
                 result["verified"] = False
                 result["problems"] = [*result["problems"], "rank0load broke the lm_head / embed_tokens tie"]
         return result
