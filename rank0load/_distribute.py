@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ from .errors import LoadError, RankMismatchError
 
 __all__ = [
     "Failure",
+    "Faults",
     "Proposal",
     "Traffic",
     "agree",
@@ -50,13 +53,42 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def peer_failure(what: str, exc: BaseException) -> LoadError:
-    """The LoadError for a collective that failed: a peer died (connection reset) or stalled (timeout)."""
-    return LoadError(
+def peer_failure(
+    what: str,
+    exc: BaseException,
+    cls: type[LoadError] = LoadError,
+    todo: str = "No model was returned; fix the cause and load again.",
+) -> LoadError:
+    """The error for a collective that failed: a peer died (connection reset) or stalled (timeout)."""
+    return cls(
         f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
         "died or stalled (see its log); the wait is bounded by the process-group timeout "
-        "(dist.init_process_group(timeout=...)). No model was returned; fix the cause and load again."
+        f"(dist.init_process_group(timeout=...)). {todo}"
     )
+
+
+class Faults:
+    """This rank's first local failure. Once it is set, the transfer skips local work and only keeps
+    the messages flowing to the end of the round (see ``_transfer``). Thread-safe: a reader or writer
+    thread may note one too."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[..., object], *args: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.note(exc)
+
+    def note(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                logger.debug("rank %d: local failure", dist.get_rank(), exc_info=exc)
+                self.error = exc
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -157,16 +189,21 @@ def raise_failure(
     raise failure.cls(f"{stage} failed on {where}: rank {first}: {failure.message}. {todo}")
 
 
-def settle(error: BaseException | None, stage: str, todo: str) -> None:
-    """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's."""
+def settle(
+    error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
+) -> None:
+    """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's (see
+    :func:`raise_failure`); a collective that fails is a :func:`peer_failure` of class ``wrap``'s
+    family (LoadError, or ``wrap`` itself when it is not a RankMismatchError)."""
     try:
         first = first_failure(error)
         if first < dist.get_world_size():
-            raise_failure(first, error, stage, todo)
+            raise_failure(first, error, stage, todo, wrap=wrap)
     except LoadError:
         raise
     except RuntimeError as exc:
-        raise peer_failure(f"agreeing with the other ranks after {stage}", exc) from exc
+        cls = LoadError if wrap is RankMismatchError else wrap
+        raise peer_failure(f"agreeing with the other ranks after {stage}", exc, cls, todo) from exc
 
 
 @dataclass(frozen=True)

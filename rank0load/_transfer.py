@@ -71,26 +71,6 @@ def allocate_staging(rank: int, piece_bytes: int, comm: torch.device) -> Staging
     return Staging(slots, device)
 
 
-class _Faults:
-    """This rank's first local failure; after it, local work is skipped and only messages flow."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    def run(self, fn: Callable[..., object], *args: Any) -> None:
-        if self.error is not None:
-            return
-        try:
-            fn(*args)
-        except Exception as exc:
-            self.note(exc)
-
-    def note(self, exc: BaseException) -> None:
-        if self.error is None:
-            logger.debug("rank %d: local failure during the stream", dist.get_rank(), exc_info=exc)
-            self.error = exc
-
-
 def _landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
     """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
     t = target.tensor
@@ -120,13 +100,13 @@ class _Sink:
     """(all ranks) This rank's local work on arriving bytes: cast or dequantise them into the target,
     assemble GENERIC entries (then cut this rank's shard with DTensor's own split,
     ``src_data_rank=None``: no communication) and float8 scale grids. After the first local failure
-    it does nothing more (see :class:`_Faults`)."""
+    it does nothing more (see ``_distribute.Faults``)."""
 
     def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
         self.entries, self.targets = plan.entries, targets
         self.wires = [DTYPES[e.dtype] for e in plan.entries]
         self.device = device
-        self.faults = _Faults()
+        self.faults = _distribute.Faults()
         self.whole = _Assembly(device)
         self.scales = _Assembly(device)
 

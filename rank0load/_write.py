@@ -132,21 +132,11 @@ def pieces(plan: SavePlan, index: int) -> Iterator[Piece]:
 def settle(error: BaseException | None, stage: str) -> None:
     """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's, as a
     :class:`SaveError` (or that rank's own LoadError class)."""
-    try:
-        first = _distribute.first_failure(error)
-        if first < dist.get_world_size():
-            _distribute.raise_failure(first, error, stage, _TODO, wrap=SaveError)
-    except LoadError:
-        raise
-    except RuntimeError as exc:
-        raise _peer_failure(stage, exc) from exc
+    _distribute.settle(error, stage, _TODO, wrap=SaveError)
 
 
-def _peer_failure(stage: str, exc: BaseException) -> SaveError:
-    return SaveError(
-        f"rank {dist.get_rank()}: {stage} failed ({type(exc).__name__}: {exc}). Another rank probably "
-        "died or stalled (see its log); the wait is bounded by the process-group timeout. " + _TODO
-    )
+def _peer_failure(stage: str, exc: BaseException) -> LoadError:
+    return _distribute.peer_failure(stage, exc, SaveError, _TODO)
 
 
 @dataclass
@@ -257,32 +247,11 @@ def allocate_staging(piece_bytes: int, comm: torch.device) -> Staging:
     return Staging(slots, device)
 
 
-class _Faults:
-    """This rank's first local failure; after it, local work is skipped and only messages flow."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def run(self, fn: Callable[..., object], *args: Any) -> None:
-        if self.error is None:
-            try:
-                fn(*args)
-            except Exception as exc:
-                self.note(exc)
-
-    def note(self, exc: BaseException) -> None:
-        with self._lock:
-            if self.error is None:
-                logger.debug("rank %d: local failure during the save", dist.get_rank(), exc_info=exc)
-                self.error = exc
-
-
 class _Writer:
     """(rank 0) A thread that ``pwrite``s queued pieces at their offsets and hands their slots back.
     After the first failure it writes nothing more but still hands slots back."""
 
-    def __init__(self, fds: list[int], slots: int, faults: _Faults) -> None:
+    def __init__(self, fds: list[int], slots: int, faults: _distribute.Faults) -> None:
         self.fds, self.faults = fds, faults
         self.jobs: queue.Queue[tuple[int, int, memoryview, int | None, Any] | None] = queue.Queue()
         self.free: queue.Queue[int] = queue.Queue()
@@ -321,7 +290,7 @@ def stream(
 ) -> tuple[str, ...]:
     """(all ranks) Move every item's bytes into rank 0's files (``outputs``, rank 0 only). Returns the
     keys gathered whole. Raises the same SaveError on every rank if any rank failed."""
-    faults = _Faults()
+    faults = _distribute.Faults()
     gathered: list[str] = []
     try:
         if dist.get_rank() == 0:
@@ -357,7 +326,7 @@ def _rank0(
     tensors: dict[str, torch.Tensor],
     outputs: Outputs,
     staging: Staging,
-    faults: _Faults,
+    faults: _distribute.Faults,
     gathered: list[str],
     on_bytes: Callable[[int], None] | None,
 ) -> int:
@@ -422,7 +391,11 @@ def _rank0(
 
 
 def _sender(
-    plan: SavePlan, tensors: dict[str, torch.Tensor], staging: Staging, faults: _Faults, gathered: list[str]
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    staging: Staging,
+    faults: _distribute.Faults,
+    gathered: list[str],
 ) -> int:
     """(ranks other than 0) Send this rank's pieces, cast into a staging slot when the saved dtype
     differs, with up to ``SLOTS`` sends in flight; returns the first failing rank (world: none)."""
