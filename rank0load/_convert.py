@@ -6,7 +6,7 @@ checkpoint key the model does not have, which model tensor it belongs to and whe
 index ``e`` (the leading dimension) and its place among the sources concatenated in each expert's
 slice. Because each expert's slice is the sources one after the other in row-major order, the
 fused tensor's bytes are the parts' bytes in (expert, source) order: the manifest describes it as
-one entry made of parts (``_manifest.Entry.parts``) and the stream moves it like any other tensor,
+one entry made of parts (``_entries.Entry.parts``) and the stream moves it like any other tensor,
 each byte once, straight into its owner's shard. No rank ever holds a fused parameter whole.
 
 * :class:`StackExperts` — the public way to declare such a conversion for any model.

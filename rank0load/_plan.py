@@ -38,8 +38,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from ._entries import Entry
 from ._layout import ROWS_OK, RUNS_OK, Runs, placements_on, rank_coordinates, rows_of, runs_at
-from ._manifest import Entry
 
 __all__ = [
     "ALIGN",

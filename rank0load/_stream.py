@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._compat import host_bytes
-from ._manifest import Entry
+from ._entries import Entry
 from ._plan import Piece, Route
 from .errors import CheckpointFormatError, LoadError
 

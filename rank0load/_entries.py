@@ -1,0 +1,291 @@
+"""What moves: one :class:`Entry` per model tensor, built from the matched headers (rank 0 builds
+them; every rank reads them; no collectives).
+
+(rank 0, or ``inspect``) :func:`build_entries` turns a ``_manifest.KeyMatch`` into entries: shapes
+and dtypes checked against the model (:func:`_check_fits`), tied names stored twice compared,
+per-expert tensors assembled into one entry of :class:`Part` (:func:`_assemble`), float8 tensors
+given their scale grids (:func:`_with_scales`, see ``_fp8``). ``_manifest`` re-exports the types.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._convert import ConversionMatch
+from ._format import DTYPES, TensorHeader
+from ._fp8 import FP8_WIRE
+from ._fp8 import block_size as fp8_block_size
+from ._fp8 import scale_for as fp8_scale_for
+from ._meta import ModelLayout
+from .errors import ModelMismatchError
+
+if TYPE_CHECKING:
+    from ._manifest import KeyMatch
+
+__all__ = ["Entry", "FLOAT_WIRE", "Part", "build_entries", "unconsumed"]
+
+
+# Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
+# Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
+FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint tensor's bytes, as a run of an entry's bytes (see :attr:`Entry.parts`)."""
+
+    file: str  # absolute path on rank 0
+    ckpt_key: str
+    offset: int  # absolute offset in ``file``
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One model tensor to move, in the wire dtype (the checkpoint's) and the model's shape.
+
+    Its bytes are those of one checkpoint tensor (``file``, ``ckpt_key``, ``offset``), or, for a
+    tensor assembled from several (``parts``: stacked experts), the parts' bytes one after the other
+    in the model tensor's row-major order. Pieces address an entry's bytes from 0 to ``nbytes``;
+    :meth:`extents` says where in the files they are.
+    """
+
+    key: str  # canonical model key
+    file: str  # absolute path on rank 0 (informational elsewhere); the first part's, if any
+    ckpt_key: str  # the first part's, if any
+    dtype: str  # wire dtype: the checkpoint's
+    shape: tuple[int, ...]  # the model tensor's
+    offset: int  # absolute offset in ``file``
+    nbytes: int
+    parts: tuple[Part, ...] = ()  # several checkpoint tensors, in order; empty: just the one above
+    # float8 block-quantised (see _fp8): each part's scale grid, in part order; the block size;
+    # each part's rows (its columns are the entry's last dimension). Empty: not quantised.
+    scales: tuple[Part, ...] = ()
+    block: tuple[int, int] = (0, 0)
+    part_rows: tuple[int, ...] = ()
+
+    @property
+    def scale_nbytes(self) -> int:
+        return sum(p.nbytes for p in self.scales)
+
+    def extents(self, start: int, nbytes: int, scales: bool = False) -> list[tuple[str, int, int, int]]:
+        """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)
+        (of its scale grids, with ``scales``)."""
+        parts = self.scales if scales else self.parts
+        if not parts:
+            return [(self.file, self.offset + start, nbytes, 0)]
+        out, base, stop = [], 0, start + nbytes
+        for part in parts:  # a few hundred parts at most (experts x sources): a scan is enough
+            lo, hi = max(start, base), min(stop, base + part.nbytes)
+            if lo < hi:
+                out.append((part.file, part.offset + lo - base, hi - lo, lo - start))
+            base += part.nbytes
+            if base >= stop:
+                break
+        return out
+
+
+def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    where = os.path.basename(t.file)
+    if t.shape != shape:
+        raise ModelMismatchError(
+            f"key {model_key!r}: checkpoint shape {t.shape} != model {shape} in {where}. "
+            "Does model_fn build the same config as the checkpoint?"
+        )
+    wire = DTYPES[t.dtype]
+    if wire == dtype:
+        return
+    if t.dtype in FLOAT_WIRE and dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        return
+    raise ModelMismatchError(
+        f"key {model_key!r}: checkpoint dtype {t.dtype} ({wire}) cannot be loaded into the model's "
+        f"{dtype} in {where}: only float64/32/16 and bfloat16 are cast; integers, bools, complex "
+        "and float8/float4 must match exactly. Build the model with the checkpoint's dtype."
+    )
+
+
+def unconsumed(match: KeyMatch, layout: ModelLayout, headers: dict[str, TensorHeader]) -> tuple[str, ...]:
+    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised."""
+    scales = {k + "_scale_inv" for k in _quantised(match, layout)} & set(headers)
+    return tuple(k for k in match.unexpected if k not in scales)
+
+
+def build_entries(
+    match: KeyMatch,
+    layout: ModelLayout,
+    headers: dict[str, TensorHeader],
+    root: str,
+    errors: list[str] | None = None,
+) -> list[Entry]:
+    """(rank 0, or ``inspect``) One entry per model tensor found: shapes and dtypes checked, stacked
+    experts assembled, float8 tensors given their scales. Raises the first ModelMismatchError, or,
+    with ``errors`` (``inspect``: headers only), collects every message there and reads no data
+    (tied names stored twice are then not compared)."""
+    quantised = _quantised(match, layout)  # float8 checkpoint tensors for floating model tensors
+    block = fp8_block_size(root) if quantised else None
+    entries: list[Entry] = []
+
+    def one(model_key: str) -> Entry:
+        info = layout.tensors[model_key]
+        members = match.stacked.get(model_key)
+        if members is not None:
+            entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
+            if members[0][1].key in quantised:
+                entry = _with_scales(
+                    entry, [headers[p.ckpt_key] for p in entry.parts], headers, block, info.dtype
+                )
+            return entry
+        found = match.by_model_key[model_key]
+        if found[0].key in quantised:
+            if found[0].shape != info.shape:
+                _check_fits(found[0], model_key, info.shape, info.dtype)  # raises: the shapes differ
+            return _with_scales(_single(model_key, found[0]), (found[0],), headers, block, info.dtype)
+        for t in found:
+            _check_fits(t, model_key, info.shape, info.dtype)
+        if len(found) > 1 and errors is None:
+            _check_tied_equal(model_key, found)
+        return _single(model_key, found[0])
+
+    for model_key in [*match.by_model_key, *match.stacked]:
+        try:
+            entries.append(one(model_key))
+        except ModelMismatchError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
+    return entries
+
+
+def _single(key: str, t: TensorHeader) -> Entry:
+    return Entry(key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes)
+
+
+def _quantised(match: KeyMatch, layout: ModelLayout) -> set[str]:
+    """Checkpoint keys of float8 tensors that go into floating (not float8) model tensors: they are
+    dequantised with their ``_scale_inv`` (see _fp8)."""
+    out = set()
+    floating = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    for key, found in match.by_model_key.items():
+        if found[0].dtype in FP8_WIRE and layout.tensors[key].dtype in floating:
+            out.add(found[0].key)
+    for key, members in match.stacked.items():
+        if layout.tensors[key].dtype in floating:
+            out |= {t.key for _, t in members if t.dtype in FP8_WIRE}
+    return out
+
+
+def _with_scales(
+    entry: Entry,
+    parts: Sequence[TensorHeader],
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> Entry:
+    """``entry`` (float8 parts) with each part's scale grid, checked; dequantised on arrival."""
+    found = [fp8_scale_for(entry.key, t, headers, block, dtype) for t in parts]
+    blocks = {b for _, b in found}
+    if len(blocks) > 1:
+        raise ModelMismatchError(
+            f"model tensor {entry.key!r}: its float8 parts use different block sizes {sorted(blocks)}"
+        )
+    return replace(
+        entry,
+        scales=tuple(Part(s.file, s.key, s.offset, s.nbytes) for s, _ in found),
+        block=blocks.pop(),
+        part_rows=tuple(t.shape[0] for t in parts),
+    )
+
+
+def _assemble(
+    key: str,
+    members: tuple[tuple[ConversionMatch, TensorHeader], ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    quantised: set[str] = frozenset(),  # type: ignore[assignment]
+) -> Entry:
+    """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
+    ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in
+    (expert, source) order, which is the fused tensor's row-major byte order."""
+    rule = members[0][0].rule
+    sources = members[0][0].sources
+    experts = shape[0] if shape else 0
+    seen: dict[tuple[int, int], TensorHeader] = {}
+    for m, t in members:
+        if m.expert >= experts or (m.expert, m.source) in seen:  # type: ignore[operator]
+            what = "beyond the model's" if m.expert >= experts else "stored twice"  # type: ignore[operator]
+            raise ModelMismatchError(
+                f"model tensor {key!r} (shape {shape}): checkpoint key {t.key!r} is expert {m.expert}, {what} "
+                f"{experts} experts ({rule}). Does model_fn build the checkpoint's config (num_experts)?"
+            )
+        seen[(m.expert, m.source)] = t  # type: ignore[index]
+    absent = [(e, s) for e in range(experts) for s in range(sources) if (e, s) not in seen]
+    if absent:
+        e, s = absent[0]
+        like = next((t.key for (e2, s2), t in seen.items() if s2 == s), None)
+        named = ""
+        if like is not None:  # the present expert's key with the missing expert's index
+            other = next(e2 for (e2, s2), t in seen.items() if t.key == like)
+            head, sep, tail = like.rpartition(f".{other}.")
+            named = f" ({head}.{e}.{tail!s})" if sep else ""
+        raise ModelMismatchError(
+            f"model tensor {key!r}: the checkpoint has no expert {e} for source {s}{named} of {rule} "
+            f"({len(absent)} expert tensors are missing). The checkpoint is incomplete: re-download it, "
+            "or check that model_fn builds its config."
+        )
+    first = seen[(0, 0)]
+    parts = [seen[(e, s)] for e in range(experts) for s in range(sources)]
+    heads = [seen[(0, s)].shape for s in range(sources)]
+    if sources == 1:
+        fits = heads[0] == shape[1:]
+    else:
+        fits = all(len(h) == len(shape) - 1 and h[1:] == shape[2:] for h in heads)
+        fits = fits and sum(h[0] for h in heads) == shape[1]
+    same = all(t.shape == heads[s] for (e, s), t in seen.items())
+    dtypes = sorted({t.dtype for t in parts})
+    if not (fits and same and len(dtypes) == 1):
+        raise ModelMismatchError(
+            f"model tensor {key!r} (shape {shape}, {rule}): its per-expert tensors do not stack to it "
+            f"(expert 0: shapes {heads}; all experts alike: {same}; dtypes {dtypes}). "
+            "Does model_fn build the checkpoint's config?"
+        )
+    if first.key not in quantised:
+        _check_fits(replace(first, shape=shape), key, shape, dtype)
+    nbytes = sum(t.nbytes for t in parts)
+    return Entry(
+        key,
+        first.file,
+        first.key,
+        first.dtype,
+        shape,
+        first.offset,
+        nbytes,
+        tuple(Part(t.file, t.key, t.offset, t.nbytes) for t in parts),
+    )
+
+
+def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], chunk: int = 8 << 20) -> None:
+    """Several names of one tied parameter are stored: they must hold the same bytes."""
+    first = found[0]
+    for other in found[1:]:
+        same = first.dtype == other.dtype and first.nbytes == other.nbytes
+        if same:
+            with open(first.file, "rb", buffering=0) as fa, open(other.file, "rb", buffering=0) as fb:
+                for pos in range(0, first.nbytes, chunk):
+                    n = min(chunk, first.nbytes - pos)
+                    if os.pread(fa.fileno(), n, first.offset + pos) != os.pread(
+                        fb.fileno(), n, other.offset + pos
+                    ):
+                        same = False
+                        break
+        if not same:
+            raise ModelMismatchError(
+                f"tied parameter {model_key!r} is stored twice with different values: "
+                f"{first.key!r} in {os.path.basename(first.file)} and {other.key!r} in "
+                f"{os.path.basename(other.file)}. The model ties them to one tensor; keep one "
+                "in the checkpoint or untie them in model_fn."
+            )
