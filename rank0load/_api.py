@@ -26,15 +26,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from . import _distribute, _model, _transfer
 from ._convert import StackExperts
 from ._manifest import Manifest, read_manifest
-from ._plan import ALIGN, Plan, build_plan
+from ._plan import Plan, build_plan
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock, LoadReport, log_summary
 from .errors import LoadError
 
 __all__ = ["load_sharded", "LoadReport", "DEFAULT_STAGING_BYTES"]
 
-DEFAULT_STAGING_BYTES = 16 << 20
-MIN_STAGING_BYTES = 2 * ALIGN * _transfer.SLOTS  # two aligned halves per staging slot
+DEFAULT_STAGING_BYTES = _model.DEFAULT_STAGING_BYTES
 
 
 def load_sharded(
@@ -145,7 +144,7 @@ def _build(
     conversions: Sequence[StackExperts],
 ) -> _model.Built:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
-    _check_options(options["dtype"], options["max_staging_bytes"])
+    _model.check_options(options["dtype"], options["max_staging_bytes"])
     _model.check_mesh(mesh, dist.get_world_size())
     built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
@@ -189,16 +188,3 @@ def _prepare(
 
 def _default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _check_options(dtype: object, max_staging_bytes: object) -> None:
-    """(all ranks) Arguments that would fail later, checked before anything is built."""
-    if isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int):
-        raise LoadError(f"max_staging_bytes={max_staging_bytes!r} is not an int (bytes)")
-    if max_staging_bytes < MIN_STAGING_BYTES:
-        raise LoadError(
-            f"max_staging_bytes={max_staging_bytes} is too small: use at least {MIN_STAGING_BYTES} bytes "
-            f"(the default, {DEFAULT_STAGING_BYTES >> 20} MiB, keeps the stream fast)"
-        )
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise LoadError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")

@@ -30,7 +30,9 @@ from ._convert import conversions_for
 from ._layout import layout_flags, rank_coordinates
 from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
+from ._plan import ALIGN
 from ._shard import default_shard_fn
+from ._transfer import SLOTS
 from .errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 
 __all__ = ["Built", "build_sharded", "finish", "init_missing", "materialise", "targets"]
@@ -45,6 +47,23 @@ class Built:
     flags: dict[str, int]  # canonical key -> _layout.layout_flags on this rank
     proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
     conversions: list[Any] = field(default_factory=list)  # _convert: for rank 0's manifest
+
+
+DEFAULT_STAGING_BYTES = 16 << 20
+MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
+
+
+def check_options(dtype: object, max_staging_bytes: object) -> None:
+    """(all ranks) Arguments that would fail later, checked before anything is built."""
+    if isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int):
+        raise LoadError(f"max_staging_bytes={max_staging_bytes!r} is not an int (bytes)")
+    if max_staging_bytes < MIN_STAGING_BYTES:
+        raise LoadError(
+            f"max_staging_bytes={max_staging_bytes} is too small: use at least {MIN_STAGING_BYTES} bytes "
+            f"(the default, {DEFAULT_STAGING_BYTES >> 20} MiB, keeps the stream fast)"
+        )
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise LoadError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
 
 
 def check_mesh(mesh: DeviceMesh, world_size: int) -> None:
