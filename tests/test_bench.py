@@ -225,3 +225,57 @@ def test_moe_verification_catches_a_wrong_expert(moe_smoke, tmp_path):
     assert res["checkpoint"]["dir"] == str(dst)  # the corrupted copy was loaded, not regenerated
     (s,) = res["summary"]
     assert s["ok"] is False and "model.layers.1.mlp.experts.gate_up_proj" in s["failure"], s
+
+
+# --- the save methods: ``--save`` ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_save_methods_report_and_verify(tmp_path):
+    from rank0load.bench.methods import SAVE_METHODS
+
+    readme = tmp_path / "README.md"
+    loads = "<!-- bench:results:start -->\nloads\n<!-- bench:results:end -->"
+    readme.write_text(f"# title\n\n{loads}\n\ntail\n")
+    argv = [
+        "--save",
+        "--size-gb",
+        SIZE,
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--update-readme",
+        str(readme),
+    ]
+    assert bench.main(argv) == 0
+    with open(tmp_path / "bench-save.json") as f:
+        doc = json.load(f)
+    (res,) = doc["results"]
+    assert doc["save"] is True and res["save"] is True
+    n_tensors = len(tensor_specs(config_for_size(float(SIZE))))
+    by_method = {s["method"]: s for s in res["summary"]}
+    assert list(by_method) == list(SAVE_METHODS)
+    for method, s in by_method.items():
+        assert s["ok"] and s["verified"] is True, (method, s)
+        assert s["tensors_checked"] == n_tensors  # every source tensor saved once (the tie once)
+        assert s["written_bytes"] > 0 and s["written_files"]
+        for r in s["per_rank"]:
+            assert r["peak_rss"] >= r["rss_before"] > 0 and r["resident"] > 0
+            assert r["transient"] == r["peak_rss"] - r["rss_before"]  # the model is resident throughout
+        assert all(r["peak_reset"] for r in res["raw"][method][0])
+    assert not (tmp_path / "bench.json").exists()  # the loads' latest record is not overwritten
+    text = readme.read_text()
+    assert loads in text and "## Save" in text and "<!-- bench:save:start -->" in text
+    assert "| save-rank0load |" in text and "--save" in text
+
+
+def test_save_flag_parsing():
+    from rank0load.bench.methods import SAVE_METHODS
+
+    assert bench.parse_args([]).methods == list(METHODS)  # the default run is unchanged
+    assert bench.parse_args(["--save"]).methods == list(SAVE_METHODS)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--save", "--methods", "rank0load"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--save", "--model", "moe"])

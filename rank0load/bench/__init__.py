@@ -5,6 +5,7 @@
 (``python -m rank0load.bench.worker '<json spec>'``), :mod:`~.methods` holds the loading methods
 compared, :mod:`~.model` the benchmark's Llama-style model and checkpoint writer, and :mod:`~.moe`
 the MoE one (``--model moe``: a per-expert Qwen3-MoE checkpoint into transformers' fused experts).
+``--save`` measures the save methods (:data:`~.methods.SAVE_METHODS`) instead of the loads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .driver import (
     update_readme,
     warm_page_cache,
 )
-from .methods import METHOD_NOTES, METHODS
+from .methods import METHOD_NOTES, METHODS, SAVE_METHOD_NOTES, SAVE_METHODS
 from .model import BenchConfig, cached_checkpoint, config_for_size, tensor_specs, write_checkpoint
 from .moe import MoeConfig
 
@@ -44,6 +45,8 @@ __all__ = [
     "update_readme",
     "METHODS",
     "METHOD_NOTES",
+    "SAVE_METHODS",
+    "SAVE_METHOD_NOTES",
     "BenchConfig",
     "MoeConfig",
     "cached_checkpoint",

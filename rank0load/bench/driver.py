@@ -9,10 +9,16 @@ verifies the result bit-exact. A method's figures are its fastest round whose re
     python -m rank0load.bench                                   # 0.8 GB, 2 ranks, all methods, 2 rounds
     python -m rank0load.bench --sweep 0.2,0.8,3.2 --plot --update-readme
     python -m rank0load.bench --model moe                       # a Qwen3-MoE per-expert checkpoint instead
+    python -m rank0load.bench --save --sweep 0.2,0.8            # the save methods instead of the loads
 
 ``--model moe`` writes a Qwen3-MoE checkpoint in the per-expert Hub layout and loads it into
 transformers' ``Qwen3MoeForCausalLM`` (fused experts) built with ``AutoModelForCausalLM.from_config``
 (see :mod:`rank0load.bench.moe`); it needs transformers.
+
+``--save`` runs the save methods instead (``save-rank0load``, ``save-full-sd``, ``save-dcp-hf``): each
+rank loads the model with rank0load outside the measurement, then the save is measured the same
+way (transient = peak - before, the model being resident throughout) and the written files are
+verified against the source checkpoint's digests (Llama model only).
 
 This is a script: it prints progress to stdout (the library itself only logs).
 """
@@ -33,7 +39,7 @@ from collections.abc import Sequence
 
 from . import model as llama
 from . import moe
-from .methods import METHOD_NOTES, METHODS, Config
+from .methods import METHOD_NOTES, METHODS, SAVE_METHOD_NOTES, SAVE_METHODS, Config
 from .model import cached_checkpoint
 
 MODELS = ("llama", "moe")
@@ -43,10 +49,11 @@ __all__ = ["main", "parse_args", "run_size"]
 MiB = 1 << 20
 
 
-def _markers(ranks: int, model: str = "llama") -> tuple[str, str]:
+def _markers(ranks: int, model: str = "llama", save: bool = False) -> tuple[str, str]:
     """The README section each model and rank count rewrites: the 2-rank Llama default, and one per
-    other model or count."""
-    name = "results" + ("" if model == "llama" else f"-{model}") + ("" if ranks == 2 else f"-{ranks}ranks")
+    other model or count; ``save``: the save methods' own ("save", "save-4ranks", ...)."""
+    name = ("save" if save else "results") + ("" if model == "llama" else f"-{model}")
+    name += "" if ranks == 2 else f"-{ranks}ranks"
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
 
 
@@ -122,6 +129,8 @@ def run_once(
                 "warm_up": warm_up,
                 "options": options or {},
             }
+            if method in SAVE_METHODS:  # removed by the worker, and with tmp in any case
+                spec["save_dir"] = os.path.join(tmp, "saved")
             # Output to files, not pipes: a chatty rank must never block on a full pipe.
             with open(os.path.join(tmp, f"rank{r}.log"), "w") as log:
                 procs.append(
@@ -211,6 +220,8 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
         tie_kept=None if best[0].get("tie_kept") is None else all(r.get("tie_kept") for r in best),
         verified=best[0].get("verified"),
         tensors_checked=best[0].get("tensors_checked"),
+        written_bytes=best[0].get("written_bytes"),  # save methods
+        written_files=best[0].get("written_files"),
         per_rank=[
             {
                 k: r.get(k)
@@ -257,6 +268,7 @@ def run_size(
     summary = [summarise(m, raw[m], meta["total_bytes"]) for m in methods]
     return {
         "model": model,
+        "save": all(m in SAVE_METHODS for m in methods),
         "size_gb_requested": size_gb,
         "checkpoint": {
             "dir": ckpt,
@@ -307,8 +319,57 @@ def environment() -> dict:
     }
 
 
+def save_results_table(res: dict) -> str:
+    """Markdown for ``--save``: one summary row per save method, then one row per method and rank."""
+    gb = res["checkpoint"]["bytes"] / 1e9
+    lines = [
+        (
+            f"Model loaded from a {gb:.3g} GB checkpoint ({res['checkpoint']['tensors']} tensors, bf16, tied "
+            f"head) with rank0load outside the measurement, then saved; {res['ranks']} gloo ranks on CPU, "
+            f"best of {res['rounds']} rounds"
+            f"{'' if res.get('warm_up', True) else ', lazy imports inside the measurement (--no-warm-up)'}. "
+            "Transient = peak RSS - RSS before (the model's shards are resident before and after)."
+        ),
+        "",
+        (
+            "| method | save s | node CPU s | GB/s (written / save s) | files | max transient MiB | "
+            "node transient MiB | node peak MiB | verified |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in res["summary"]:
+        if not s.get("ok"):
+            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | |")
+            continue
+        verified = "yes" if s["verified"] else "NO"
+        if s["rounds_ok"] < s["rounds"]:
+            verified += f" ({s['rounds_ok']}/{s['rounds']} rounds ok)"
+        written = s.get("written_bytes") or 0
+        lines.append(
+            f"| {s['method']} | {s['seconds']:.2f} | {s.get('node_cpu_seconds', 0.0):.2f} | "
+            f"{written / 1e9 / s['seconds']:.2f} | {len(s.get('written_files') or [])} | "
+            f"{_fmt_mib(s['max_transient'])} | {_fmt_mib(s['node_transient'])} | {_fmt_mib(s['node_peak'])} | "
+            f"{verified} |"
+        )
+    lines += [
+        "",
+        "| method | rank | save s | CPU s | RSS before MiB | peak RSS MiB | model shards MiB | transient MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in res["summary"]:
+        for r in s.get("per_rank", []):
+            lines.append(
+                f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {r.get('cpu_seconds') or 0.0:.2f} | "
+                f"{_fmt_mib(r['rss_before'])} | "
+                f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |"
+            )
+    return "\n".join(lines)
+
+
 def results_table(res: dict) -> str:
     """Markdown: one summary row per method, then one row per method and rank."""
+    if res.get("save"):
+        return save_results_table(res)
     gb = res["checkpoint"]["bytes"] / 1e9
     if res.get("model", "llama") == "moe":
         c = res["checkpoint"]["config"]
@@ -371,7 +432,8 @@ def results_table(res: dict) -> str:
 
 def sweep_table(results: list[dict]) -> str:
     methods = [s["method"] for s in results[0]["summary"]]
-    head = "| checkpoint GB | " + " | ".join(f"{m} max transient MiB / load s" for m in methods) + " |"
+    verb = "save" if results[0].get("save") else "load"
+    head = "| checkpoint GB | " + " | ".join(f"{m} max transient MiB / {verb} s" for m in methods) + " |"
     lines = [head, "|---:|" + "---:|" * len(methods)]
     for res in results:
         cells = []
@@ -429,13 +491,16 @@ def readme_section(
 ) -> str:
     cmd = "python -m rank0load.bench" + ("" if not argv else " " + " ".join(argv))
     model = main_res.get("model", "llama")
+    save = bool(main_res.get("save"))
     parts = [
-        _markers(main_res["ranks"], model)[0],
+        _markers(main_res["ranks"], model, save)[0],
         f"_Generated by `{cmd}` on {env['date']}._",
         "",
         (
             f"Machine: {env['cpu']}, {env['cores']} cores, {env['mem_gib']} GiB RAM "
-            f"(1-min load average at the end: {env['loadavg_1min_at_end']}); {env['platform']}.  "
+            f"(1-min load average at the end: {env['loadavg_1min_at_end']}"
+            f"{'' if env.get('loadavg_1min_at_start') is None else ', at the start: ' + str(env['loadavg_1min_at_start'])}"
+            f"); {env['platform']}.  "
         ),
         f"Versions: Python {env['python']}, torch {env['torch']}, safetensors {env['safetensors']}.",
         "",
@@ -445,12 +510,12 @@ def readme_section(
         parts += ["", "### Sweep: transient RAM as the checkpoint grows", "", sweep_table(sweep)]
         if plot_name:
             parts += ["", f"![transient RAM per method]({plot_name})"]
-    parts.append(_markers(main_res["ranks"], model)[1])
+    parts.append(_markers(main_res["ranks"], model, save)[1])
     return "\n".join(parts)
 
 
-def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama") -> None:
-    start, end = _markers(ranks, model)
+def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama", save: bool = False) -> None:
+    start, end = _markers(ranks, model, save)
     text = ""
     if os.path.exists(path):
         with open(path) as f:
@@ -461,6 +526,8 @@ def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama")
         text = head + section + tail
     else:
         title = "## Results" if model == "llama" else "## MoE checkpoint"
+        if save:
+            title = "## Save" if model == "llama" else f"## Save ({model})"
         if ranks != 2:
             title += f" on {ranks} ranks"
         text = text.rstrip() + f"\n\n{title}\n\n" + section + "\n"
@@ -483,9 +550,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-gb", type=float, default=0.8, help="checkpoint size in GB (default 0.8)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks on the CPU (default 2)")
     p.add_argument(
+        "--save",
+        action="store_true",
+        help="run the save methods (each loads the model with rank0load first, unmeasured) instead of "
+        "the load methods; Llama model only",
+    )
+    p.add_argument(
         "--methods",
-        default=",".join(METHODS),
-        help=f"comma-separated subset of {','.join(METHODS)} (default all)",
+        default=None,
+        help=f"comma-separated subset of {','.join(METHODS)}, or with --save of {','.join(SAVE_METHODS)} "
+        "(default all)",
     )
     p.add_argument("--rounds", type=int, default=2, help="rounds; methods alternate within each (default 2)")
     p.add_argument(
@@ -518,10 +592,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run's ranks count as hung")
     args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
+    known = SAVE_METHODS if args.save else METHODS
+    if args.save and args.model != "llama":
+        p.error("--save runs on the Llama model only (rank0load saves MoE experts under their fused names)")
+    args.methods = [m.strip() for m in (args.methods or ",".join(known)).split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in known]
     if unknown:
-        p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+        p.error(f"unknown methods {unknown}; choose from {list(known)}")
     if args.ranks < 1 or args.rounds < 1:
         p.error("--ranks and --rounds must be at least 1")
     args.options = {}
@@ -540,8 +617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = environment()
+    load_at_start = env["loadavg_1min_at_end"]  # the 1-min load average now, before any run
     print(
-        f"rank0load bench: {args.model} model, sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
+        f"rank0load bench: {'save, ' if args.save else ''}{args.model} model, sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
         f"methods {', '.join(args.methods)}; torch {env['torch']}, {env['cores']} cores; output {args.out}",
         flush=True,
     )
@@ -559,31 +637,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=args.model,
         )
         all_results.append(res)
-        prefix = "results" if args.model == "llama" else f"results-{args.model}"
+        prefix = ("save" if args.save else "results") + ("" if args.model == "llama" else f"-{args.model}")
         with open(os.path.join(args.out, f"{prefix}-{size:g}gb-{args.ranks}ranks.json"), "w") as f:
             json.dump({"environment": environment(), **res}, f, indent=1)
         print()
         print(results_table(res))
         print()
     env = environment()
+    env["loadavg_1min_at_start"] = load_at_start
     main_res = next(r for r in all_results if r["size_gb_requested"] == args.size_gb)
     doc = {
         "environment": env,
         "argv": argv,
         "model": args.model,
         "sizes": args.sizes,
-        "methods": {m: METHOD_NOTES[m] for m in args.methods},
+        "save": args.save,
+        "methods": {m: {**METHOD_NOTES, **SAVE_METHOD_NOTES}[m] for m in args.methods},
         "results": all_results,
     }
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    for name in (f"bench-{stamp}.json", "bench.json"):  # a dated record, and the latest under a fixed name
+    base = "bench-save" if args.save else "bench"
+    for name in (f"{base}-{stamp}.json", f"{base}.json"):  # a dated record, and the latest under a fixed name
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(doc, f, indent=1)
-    print(f"wrote {os.path.join(args.out, 'bench.json')} (and bench-{stamp}.json)")
+    print(f"wrote {os.path.join(args.out, base + '.json')} (and {base}-{stamp}.json)")
     if len(all_results) > 1:
         print(sweep_table(all_results))
     plot_path = None
-    plot_file = "transient_ram.png" if args.model == "llama" else f"transient_ram_{args.model}.png"
+    plot_file = "transient_ram" + ("_save" if args.save else "")
+    plot_file += ".png" if args.model == "llama" else f"_{args.model}.png"
     if args.plot:
         plot_path = os.path.join(args.out, plot_file)
         if plot(all_results, plot_path):
@@ -602,6 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             readme_section(main_res, all_results, env, argv, plot_name),
             args.ranks,
             args.model,
+            args.save,
         )
         print(f"updated {args.update_readme}")
     failed = [s["method"] for r in all_results for s in r["summary"] if not s.get("ok")]

@@ -38,7 +38,7 @@ from rank0load._memory import prefault
 from . import moe
 from .model import BenchConfig, BenchLlama, expected_inv_freq
 
-__all__ = ["METHODS", "METHOD_NOTES", "build_sharded", "model_fn"]
+__all__ = ["METHODS", "METHOD_NOTES", "SAVE_METHODS", "SAVE_METHOD_NOTES", "build_sharded", "model_fn"]
 
 Config = BenchConfig | moe.MoeConfig
 Method = Callable[[Config, str, DeviceMesh, dict], tuple[nn.Module, dict]]
@@ -213,4 +213,85 @@ METHOD_NOTES: dict[str, str] = {
     "broadcast-rank0": "rank 0 `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
     "dcp-hf": "`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(ckpt))`: every rank reads its slices (MoE: each fused expert parameter replaced by views of the rank's own experts under their checkpoint keys)",
     "every-rank": "every rank `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True)`",
+}
+
+
+# ------------------------------------------------------------------------------------------ saving
+#
+# ``python -m rank0load.bench --save``: each save method takes ``(model, out_dir, options)`` (the
+# FSDP2 model already loaded, outside the measurement) and writes ``out_dir``; it returns a dict of
+# method-specific facts. The worker verifies the top-level ``*.safetensors`` in ``out_dir`` after
+# the measurement.
+
+SaveMethod = Callable[[nn.Module, str, dict], dict]
+
+
+def _unaliased_state(model: nn.Module, state: dict) -> dict:
+    """``state`` without the second name of each tied parameter (the checkpoint stores it once, under
+    its first name; safetensors' ``save_file`` refuses shared tensors)."""
+    first: set[int] = set()
+    alias: set[str] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            alias.add(name)
+        first.add(id(p))
+    return {k: v for k, v in state.items() if k not in alias}
+
+
+def save_rank0load(model: nn.Module, out_dir: str, options: dict) -> dict:
+    """``rank0load.save_sharded(model, out_dir)``: each rank sends its own rows, rank 0 writes."""
+    import rank0load
+
+    report = rank0load.save_sharded(model, out_dir, **options.get("save-rank0load", {}))
+    return {
+        "stream_seconds": report.stream_seconds,
+        "report_bytes": report.bytes,
+        "files": list(report.files),
+    }
+
+
+def save_full_sd(model: nn.Module, out_dir: str, options: dict) -> dict:
+    """``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (rank 0 gets the full state
+    dict, the others an empty one), then rank 0 ``save_file``s it as one ``model.safetensors`` and
+    fsyncs it (rank0load and DCP fsync too). No index: one file."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "model.safetensors")
+        save_file(_unaliased_state(model, state), path, metadata={"format": "pt"})
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    del state
+    return {}
+
+
+def save_dcp_hf(model: nn.Module, out_dir: str, options: dict) -> dict:
+    """``dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(out_dir,
+    save_distributed=True, enable_consolidation=True))``: every rank writes its shards to
+    ``out_dir/sharded``, then the coordinator (rank 0) consolidates them into one full safetensors
+    file in ``out_dir`` (torch's ``consolidate_safetensors_files``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    writer = HuggingFaceStorageWriter(out_dir, save_distributed=True, enable_consolidation=True)
+    dcp.save(_unaliased_state(model, model.state_dict()), storage_writer=writer)
+    return {}
+
+
+SAVE_METHODS: dict[str, SaveMethod] = {
+    "save-rank0load": save_rank0load,
+    "save-full-sd": save_full_sd,
+    "save-dcp-hf": save_dcp_hf,
+}
+
+SAVE_METHOD_NOTES: dict[str, str] = {
+    "save-rank0load": "`rank0load.save_sharded(model, out_dir)`: each rank sends its own rows, rank 0 writes",
+    "save-full-sd": "`get_model_state_dict(model, StateDictOptions(full_state_dict=True, cpu_offload=True))`, then rank 0 `safetensors.torch.save_file` (one file, no index) and fsync",
+    "save-dcp-hf": "`dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(out_dir, save_distributed=True, enable_consolidation=True))`: every rank writes its shards, rank 0 consolidates them into one file",
 }

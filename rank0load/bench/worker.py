@@ -6,6 +6,10 @@ method between barriers (timed), read ``VmHWM`` ("peak"), count the rank's resid
 then — after the measurement, so it cannot inflate the peak — verify the loaded model bit-exact
 against the SHA-256 digests recorded when the checkpoint was written. The result (or the error)
 goes to the JSON file named in the spec.
+
+A save method (``--save``) loads the model with rank0load first, outside the measurement, then
+measures the save the same way (transient = peak - before) and verifies the written files against
+the same digests.
 """
 
 from __future__ import annotations
@@ -142,6 +146,122 @@ def _warm_up(mesh, model: str) -> None:
     build_sharded(tiny, mesh)  # the same code path as the methods' own build; dropped at once
 
 
+def _verify_saved(out_dir: str, ckpt: str) -> dict:
+    """(all ranks, collective) Rank 0 reads every top-level ``*.safetensors`` in ``out_dir`` (one
+    tensor at a time) and compares each tensor's SHA-256 with the digest recorded when the source
+    checkpoint was written; the key sets must match too (the tied head saved once). Every rank gets
+    rank 0's verdict."""
+    import torch
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from .model import META_FILE, tensor_digest
+
+    verdict: list = [None]
+    if dist.get_rank() == 0:
+        with open(os.path.join(ckpt, META_FILE)) as f:
+            digests = json.load(f)["digests"]
+        problems: list[str] = []
+        seen: set[str] = set()
+        written = 0
+        files = sorted(n for n in os.listdir(out_dir) if n.endswith(".safetensors"))
+        if not files:
+            problems.append(f"no .safetensors file in {out_dir}")
+        for name in files:
+            path = os.path.join(out_dir, name)
+            written += os.path.getsize(path)
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    if key in seen:
+                        problems.append(f"{key}: saved twice")
+                    elif key not in digests:
+                        problems.append(f"{key}: not in the source checkpoint")
+                    elif t.dtype != torch.bfloat16:
+                        problems.append(f"{key}: dtype {t.dtype}, source bfloat16")
+                    elif tensor_digest(t) != digests[key]:
+                        problems.append(f"{key}: values differ from the source checkpoint")
+                    seen.add(key)
+                    del t
+        problems += [f"{k}: in the source checkpoint, not saved" for k in sorted(set(digests) - seen)]
+        verdict[0] = {
+            "verified": not problems,
+            "tensors_checked": len(seen),
+            "problems": problems[:10],
+            "problem_count": len(problems),
+            "written_bytes": written,
+            "written_files": files,
+        }
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
+def _remove(path: str) -> None:
+    """(all ranks, collective) Rank 0 removes ``path`` once every rank is done with it."""
+    import shutil
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def _run_save(spec: dict, mesh, cfg, save) -> dict:
+    """One save method: load the model (rank0load, outside the measurement), pay the method's lazy
+    imports on a tiny model saved to a throwaway directory (unless told not to), then measure the
+    save like a load (transient = peak - before: the model is resident before and after), and verify
+    the files written after the measurement."""
+    import torch.distributed as dist
+
+    import rank0load
+
+    from .methods import build_sharded, model_fn
+    from .model import BenchConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    options = spec.get("options", {})
+    out_dir = spec["save_dir"]
+    model = rank0load.load_sharded(model_fn(cfg), spec["ckpt"], mesh)
+    if spec.get("warm_up", True):
+        tiny = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
+        save(build_sharded(tiny, mesh), out_dir + "-warm-up", options)
+        _remove(out_dir + "-warm-up")
+    dist.barrier()
+    gc.collect()
+    before = _status("VmRSS")
+    reset_ok = _reset_peak()
+    dist.barrier()
+    started = time.perf_counter()
+    cpu_started = _cpu_seconds()
+    info = save(model, out_dir, options)
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu_started
+    peak = _status("VmHWM")
+    anon_after, file_after = _status("RssAnon"), _status("RssFile")
+    result = {
+        "method": spec["method"],
+        "rank": rank,
+        "world": world,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "rss_before": before,
+        "peak_rss": peak,
+        "resident": _resident_bytes(model),  # already resident before the save: not subtracted
+        "transient": peak - before,
+        "rss_anon_after": anon_after,
+        "rss_file_after": file_after,
+        "peak_reset": reset_ok,
+        "warm_up": spec.get("warm_up", True),
+        **info,
+    }
+    result.update(_verify_saved(out_dir, spec["ckpt"]))
+    _remove(out_dir)
+    return result
+
+
 def config_from_spec(spec: dict):
     """The spec's model config: a BenchConfig (``"model": "llama"``, the default) or a MoeConfig."""
     from .model import BenchConfig
@@ -163,7 +283,7 @@ def main(spec: dict) -> dict:
 
     import rank0load  # noqa: F401
 
-    from .methods import METHODS
+    from .methods import METHODS, SAVE_METHODS
 
     if spec.get("model", "llama") == "moe":
         # transformers, the model's module and what rank0load uses of it (its conversion mapping)
@@ -183,6 +303,8 @@ def main(spec: dict) -> dict:
     try:
         mesh = init_device_mesh("cpu", (world,))
         cfg = config_from_spec(spec)
+        if spec["method"] in SAVE_METHODS:
+            return _run_save(spec, mesh, cfg, SAVE_METHODS[spec["method"]])
         method = METHODS[spec["method"]]
         if spec.get("warm_up", True):
             _warm_up(mesh, spec.get("model", "llama"))
