@@ -1,7 +1,7 @@
 """``save_sharded``: write an FSDP2 model as a safetensors checkpoint, rank 0 alone writing.
 
 all ranks  describe the model, layout flags, agree (same model, same options)  -> _meta, _layout, _distribute
-rank 0     plan: saved names, dtypes, files split like huggingface_hub, headers -> plan_save (here)
+rank 0     plan: saved names, dtypes, files split like huggingface_hub, headers -> _saveplan.plan_save
 all ranks  share the plan, or rank 0's error                                  -> _distribute.share
 rank 0     create out_dir, open the temporary files, write the headers         -> _write.open_outputs
 all ranks  allocate staging; settle                                           -> _write.settle
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import os
 import time
@@ -24,27 +23,23 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from . import _distribute, _write
 from ._compat import hf_conversions, is_transformers_model, local_tensor
 from ._format import DTYPES
-from ._layout import ROWS_OK, layout_flags, rank_coordinates, rows_of
-from ._meta import ModelLayout, describe, strip_wrappers
+from ._layout import ROWS_OK, layout_flags
+from ._meta import ModelLayout, describe
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock
-from ._write import SaveItem, SaveKind, SavePlan
-from .errors import LoadError, SaveError
+from ._saveplan import ALIGN, SLOTS, SavePlan, parse_size, plan_or_error, plan_save
+from .errors import SaveError
 
 __all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 16 << 20
-ALIGN = 64  # piece sizes stay multiples of every element size
-ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's parse_size_to_int
 
 
 @dataclass
@@ -124,7 +119,7 @@ def save_sharded(
     assert described is not None  # agree() raised otherwise
     layout, tensors, _ = described
     clock("agree")
-    planned = _plan_or_error(layout, tensors, flags, key_map, options) if rank == 0 else None
+    planned = plan_or_error(layout, tensors, flags, key_map, options) if rank == 0 else None
     plan: SavePlan = _distribute.share(planned)
     clock("plan")
     outputs: _write.Outputs | None = None
@@ -163,21 +158,6 @@ def _attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
         return None, exc
 
 
-def parse_size(size: int | str) -> int:
-    """``max_shard_size`` in bytes, parsed as huggingface_hub's ``parse_size_to_int`` does."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    if isinstance(size, str) and size.strip()[-2:].upper() in _UNITS:
-        text = size.strip()
-        try:
-            value = int(float(text[:-2].strip()) * _UNITS[text[-2:].upper()])
-        except ValueError:
-            value = 0
-        if value > 0:
-            return value
-    raise SaveError(f"max_shard_size={size!r} is not a positive number of bytes nor a size like '5GB'")
-
-
 def _describe(
     model: nn.Module, options: dict[str, Any]
 ) -> tuple[ModelLayout, dict[str, torch.Tensor], _distribute.Proposal]:
@@ -185,8 +165,8 @@ def _describe(
     dtype, staging = options["dtype"], options["max_staging_bytes"]
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise SaveError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
-    if isinstance(staging, bool) or not isinstance(staging, int) or staging < ALIGN * _write.SLOTS:
-        raise SaveError(f"max_staging_bytes={staging!r} must be an int of at least {ALIGN * _write.SLOTS}")
+    if isinstance(staging, bool) or not isinstance(staging, int) or staging < ALIGN * SLOTS:
+        raise SaveError(f"max_staging_bytes={staging!r} must be an int of at least {ALIGN * SLOTS}")
     parse_size(options["max_shard_size"])
     layout = describe(model)
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
@@ -208,144 +188,6 @@ def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
         if isinstance(t, DTensor):
             return _distribute.mesh_device(t.device_mesh.device_type)
     return torch.device("cpu")
-
-
-def _plan_or_error(
-    layout: ModelLayout,
-    tensors: dict[str, torch.Tensor],
-    flags: tuple[int, ...],
-    key_map: Callable[[str], str | None] | None,
-    options: dict[str, Any],
-) -> SavePlan | LoadError:
-    """(rank 0) The plan, or the error every rank will raise."""
-    try:
-        return plan_save(layout, tensors, flags, key_map, options)
-    except LoadError as exc:
-        return exc
-    except Exception as exc:
-        return SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}")
-
-
-def plan_save(
-    layout: ModelLayout,
-    tensors: dict[str, torch.Tensor],
-    flags: tuple[int, ...],
-    key_map: Callable[[str], str | None] | None,
-    options: dict[str, Any],
-) -> SavePlan:
-    """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor."""
-    dtype: torch.dtype | None = options["dtype"]
-    rows: list[tuple[str, str, torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]] = []
-    skipped, seen = [], dict[str, str]()
-    for key, flag in zip(layout.tensors, flags):
-        t, plain = tensors[key], strip_wrappers(key)
-        name = key_map(plain) if key_map is not None else plain
-        if name is None:
-            skipped.append(plain)
-            continue
-        if not isinstance(name, str) or not name:
-            raise SaveError(f"key_map({plain!r}) returned {name!r}; return a saved name or None")
-        if name in seen:
-            raise SaveError(f"{seen[name]!r} and {plain!r} would both be saved as {name!r}; fix key_map")
-        seen[name] = plain
-        wire = dtype if dtype is not None and t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
-        if wire not in _NAMES or wire == DTYPES.get("F4"):
-            raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
-        kind = SaveKind.PLAIN if not isinstance(t, DTensor) else SaveKind.ROWS if flag else SaveKind.GATHER
-        rows.append((key, name, wire, kind, _senders(t) if isinstance(t, DTensor) and flag else ()))
-    if not rows:
-        raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
-    piece_bytes = max(ALIGN, options["max_staging_bytes"] // _write.SLOTS // ALIGN * ALIGN)
-    return _lay_out(rows, tensors, parse_size(options["max_shard_size"]), piece_bytes, tuple(skipped))
-
-
-def _senders(t: DTensor) -> tuple[tuple[int, int, int], ...]:
-    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor: the replica at coordinate 0 of
-    every Replicate mesh dimension, each its own row range."""
-    mesh, placements = t.device_mesh, t.placements
-    replicated = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
-    out = []
-    for rank, coord in rank_coordinates(mesh):
-        if all(coord[d] == 0 for d in replicated):
-            lo, hi = rows_of(tuple(mesh.shape), placements, t.shape[0], coord)
-            if hi > lo:
-                out.append((rank, lo, hi))
-    return tuple(sorted(out, key=lambda s: s[1]))
-
-
-def _split(sizes: list[int], limit: int) -> list[list[int]]:
-    """huggingface_hub's split: in order, a new file when the next tensor would tip over the limit;
-    a tensor larger than the limit alone in its own file."""
-    files: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, size in enumerate(sizes):
-        if size > limit:
-            files.append([i])
-            continue
-        if used + size > limit and current:
-            files.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += size
-    if current:
-        files.append(current)
-    return files
-
-
-def _lay_out(
-    rows: list[tuple[str, str, torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]],
-    tensors: dict[str, torch.Tensor],
-    limit: int,
-    piece_bytes: int,
-    skipped: tuple[str, ...],
-) -> SavePlan:
-    """(rank 0) Files, headers and offsets: in each file tensors by element size, largest first, then
-    name (as safetensors orders them), so each is aligned; the JSON header padded with spaces to 8."""
-    nbytes = [tensors[key].numel() * wire.itemsize for key, _, wire, _, _ in rows]
-    groups = _split(nbytes, limit)
-    names = (
-        [_write.SINGLE_NAME]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
-    items: list[SaveItem] = []
-    headers: list[bytes] = []
-    for file, group in enumerate(groups):
-        order = sorted(group, key=lambda i: (-rows[i][2].itemsize, rows[i][1]))
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        at = 0
-        for i in order:
-            shape = tuple(tensors[rows[i][0]].shape)
-            header[rows[i][1]] = {
-                "dtype": _NAMES[rows[i][2]],
-                "shape": list(shape),
-                "data_offsets": [at, at + nbytes[i]],
-            }
-            at += nbytes[i]
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        headers.append(len(text).to_bytes(8, "little") + text)
-        for i in order:
-            key, name, wire, kind, senders = rows[i]
-            start = len(headers[-1]) + header[name]["data_offsets"][0]
-            shape = tuple(tensors[key].shape)
-            items.append(SaveItem(key, name, _NAMES[wire], shape, file, start, nbytes[i], kind, senders))
-    return SavePlan(
-        tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped
-    )
-
-
-def _rounds(items: list[SaveItem], piece_bytes: int) -> tuple[int, ...]:
-    ends, used = [], 0
-    for i, item in enumerate(items):
-        used += item.nbytes
-        if used >= ROUND_PIECES * piece_bytes:
-            ends.append(i + 1)
-            used = 0
-    if not ends or ends[-1] != len(items):
-        ends.append(len(items))
-    return tuple(ends)
 
 
 def _finish(model: nn.Module, outputs: _write.Outputs, plan: SavePlan, original_format: bool) -> None:

@@ -1,8 +1,7 @@
 """Moving a model's bytes into rank 0's files: the saved layout, the files, the stream (save side).
 
-(all ranks) :class:`SavePlan` is what rank 0 decides and broadcasts: every saved tensor's file,
-offset, dtype and, for a row-sharded DTensor, which rank sends which rows. :func:`pieces` cuts an
-item into the messages every rank derives identically from the plan, so nothing else is exchanged.
+(all ranks) The plan (``_saveplan.SavePlan``, rank 0's, shared) fixes every saved tensor's file and
+offset and every message (``_saveplan.pieces``).
 (rank 0) :func:`open_outputs` creates the temporary files (names that never end in ``.safetensors``)
 and writes their headers; :func:`commit` fsyncs and renames them, writes the index last and only
 then removes a previous save's files; :meth:`Outputs.discard` removes the temporary files.
@@ -17,7 +16,6 @@ round every rank learns the first failure (``_distribute.first_failure``) and ra
 from __future__ import annotations
 
 import collections
-import enum
 import json
 import logging
 import os
@@ -26,7 +24,7 @@ import re
 import secrets
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,96 +35,25 @@ from torch.distributed.tensor import DTensor
 from . import _distribute
 from ._compat import host_bytes, local_tensor
 from ._format import DTYPES
+from ._saveplan import SLOTS, Piece, SaveItem, SaveKind, SavePlan, pieces
 from .errors import LoadError, SaveError
 
 __all__ = [
     "INDEX_NAME",
-    "SINGLE_NAME",
     "Outputs",
-    "Piece",
-    "SaveItem",
-    "SaveKind",
-    "SavePlan",
     "Staging",
     "allocate_staging",
     "commit",
     "open_outputs",
-    "pieces",
     "settle",
     "stream",
 ]
 
 logger = logging.getLogger(__name__)
 
-SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
-SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SAVED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 _TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
-
-
-class SaveKind(enum.Enum):
-    """How one saved tensor reaches rank 0's file."""
-
-    ROWS = "rows"  # a DTensor of Shard(0)/Replicate: each row range sent once by the rank holding it
-    PLAIN = "plain"  # a plain tensor (buffer, unsharded parameter): rank 0 writes its own copy
-    GATHER = "gather"  # any other DTensor: full_tensor() on every rank, rank 0 writes it
-
-
-@dataclass(frozen=True)
-class SaveItem:
-    """One saved tensor."""
-
-    key: str  # the canonical model key every rank reads it from
-    name: str  # the saved name
-    dtype: str  # the safetensors dtype it is saved in
-    shape: tuple[int, ...]
-    file: int  # index into SavePlan.files
-    offset: int  # absolute offset of its first byte in that file
-    nbytes: int
-    kind: SaveKind
-    senders: tuple[tuple[int, int, int], ...] = ()  # ROWS: (rank, first row, end row), by row
-
-
-@dataclass(frozen=True)
-class SavePlan:
-    """Rank 0's decision, broadcast to every rank: files, headers and items in write order."""
-
-    files: tuple[str, ...]  # final file names in out_dir
-    headers: tuple[bytes, ...]  # each file's first bytes: 8-byte length + JSON padded to 8
-    items: tuple[SaveItem, ...]  # file by file, offset by offset
-    rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
-    piece_bytes: int  # the largest message
-    skipped: tuple[str, ...] = ()  # model keys key_map dropped
-    total_size: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "total_size", sum(i.nbytes for i in self.items))
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``."""
-
-    index: int
-    src: int  # 0: rank 0 writes it from its own tensor
-    start: int  # byte offset within the saved tensor
-    nbytes: int
-    local: int  # element offset in the sender's local tensor
-
-
-def pieces(plan: SavePlan, index: int) -> Iterator[Piece]:
-    """(all ranks) The messages of item ``index``, in the order every rank uses."""
-    item = plan.items[index]
-    if item.kind is SaveKind.ROWS:
-        row = item.nbytes // item.shape[0] if item.shape[0] else 0
-        ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
-    else:
-        ranges = [(0, 0, item.nbytes)]
-    size = DTYPES[item.dtype].itemsize
-    for src, begin, end in ranges:
-        for at in range(begin, end, plan.piece_bytes):
-            yield Piece(index, src, at, min(plan.piece_bytes, end - at), (at - begin) // size)
 
 
 def settle(error: BaseException | None, stage: str) -> None:

@@ -1,0 +1,263 @@
+"""The file plan of a save: what rank 0 decides and broadcasts before any byte moves.
+
+(rank 0) :func:`plan_save` maps every model tensor to its saved name and dtype, splits the tensors
+into files the way huggingface_hub splits them, lays out each file's header and offsets, and names
+the senders of every row-sharded DTensor's rows; :func:`_plan_or_error` turns a failure into the
+error every rank raises. (all ranks) :class:`SavePlan` is shared as it is; :func:`pieces` cuts an
+item into the messages every rank derives identically from the plan, so nothing else is exchanged.
+No collectives here.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from ._format import DTYPES
+from ._layout import rank_coordinates, rows_of
+from ._meta import ModelLayout, strip_wrappers
+from .errors import LoadError, SaveError
+
+__all__ = [
+    "ALIGN",
+    "SINGLE_NAME",
+    "SLOTS",
+    "Piece",
+    "SaveItem",
+    "SaveKind",
+    "SavePlan",
+    "parse_size",
+    "pieces",
+    "plan_or_error",
+    "plan_save",
+]
+
+SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
+SINGLE_NAME = "model.safetensors"
+ALIGN = 64  # piece sizes stay multiples of every element size
+ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's parse_size_to_int
+
+
+class SaveKind(enum.Enum):
+    """How one saved tensor reaches rank 0's file."""
+
+    ROWS = "rows"  # a DTensor of Shard(0)/Replicate: each row range sent once by the rank holding it
+    PLAIN = "plain"  # a plain tensor (buffer, unsharded parameter): rank 0 writes its own copy
+    GATHER = "gather"  # any other DTensor: full_tensor() on every rank, rank 0 writes it
+
+
+@dataclass(frozen=True)
+class SaveItem:
+    """One saved tensor."""
+
+    key: str  # the canonical model key every rank reads it from
+    name: str  # the saved name
+    dtype: str  # the safetensors dtype it is saved in
+    shape: tuple[int, ...]
+    file: int  # index into SavePlan.files
+    offset: int  # absolute offset of its first byte in that file
+    nbytes: int
+    kind: SaveKind
+    senders: tuple[tuple[int, int, int], ...] = ()  # ROWS: (rank, first row, end row), by row
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """Rank 0's decision, broadcast to every rank: files, headers and items in write order."""
+
+    files: tuple[str, ...]  # final file names in out_dir
+    headers: tuple[bytes, ...]  # each file's first bytes: 8-byte length + JSON padded to 8
+    items: tuple[SaveItem, ...]  # file by file, offset by offset
+    rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
+    piece_bytes: int  # the largest message
+    skipped: tuple[str, ...] = ()  # model keys key_map dropped
+    total_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_size", sum(i.nbytes for i in self.items))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``."""
+
+    index: int
+    src: int  # 0: rank 0 writes it from its own tensor
+    start: int  # byte offset within the saved tensor
+    nbytes: int
+    local: int  # element offset in the sender's local tensor
+
+
+def pieces(plan: SavePlan, index: int) -> Iterator[Piece]:
+    """(all ranks) The messages of item ``index``, in the order every rank uses."""
+    item = plan.items[index]
+    if item.kind is SaveKind.ROWS:
+        row = item.nbytes // item.shape[0] if item.shape[0] else 0
+        ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
+    else:
+        ranges = [(0, 0, item.nbytes)]
+    size = DTYPES[item.dtype].itemsize
+    for src, begin, end in ranges:
+        for at in range(begin, end, plan.piece_bytes):
+            yield Piece(index, src, at, min(plan.piece_bytes, end - at), (at - begin) // size)
+
+
+def parse_size(size: int | str) -> int:
+    """``max_shard_size`` in bytes, parsed as huggingface_hub's ``parse_size_to_int`` does."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str) and size.strip()[-2:].upper() in _UNITS:
+        text = size.strip()
+        try:
+            value = int(float(text[:-2].strip()) * _UNITS[text[-2:].upper()])
+        except ValueError:
+            value = 0
+        if value > 0:
+            return value
+    raise SaveError(f"max_shard_size={size!r} is not a positive number of bytes nor a size like '5GB'")
+
+
+def plan_or_error(
+    layout: ModelLayout,
+    tensors: dict[str, torch.Tensor],
+    flags: tuple[int, ...],
+    key_map: Callable[[str], str | None] | None,
+    options: dict[str, Any],
+) -> SavePlan | LoadError:
+    """(rank 0) The plan, or the error every rank will raise."""
+    try:
+        return plan_save(layout, tensors, flags, key_map, options)
+    except LoadError as exc:
+        return exc
+    except Exception as exc:
+        return SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}")
+
+
+def plan_save(
+    layout: ModelLayout,
+    tensors: dict[str, torch.Tensor],
+    flags: tuple[int, ...],
+    key_map: Callable[[str], str | None] | None,
+    options: dict[str, Any],
+) -> SavePlan:
+    """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor."""
+    dtype: torch.dtype | None = options["dtype"]
+    rows: list[tuple[str, str, torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]] = []
+    skipped, seen = [], dict[str, str]()
+    for key, flag in zip(layout.tensors, flags):
+        t, plain = tensors[key], strip_wrappers(key)
+        name = key_map(plain) if key_map is not None else plain
+        if name is None:
+            skipped.append(plain)
+            continue
+        if not isinstance(name, str) or not name:
+            raise SaveError(f"key_map({plain!r}) returned {name!r}; return a saved name or None")
+        if name in seen:
+            raise SaveError(f"{seen[name]!r} and {plain!r} would both be saved as {name!r}; fix key_map")
+        seen[name] = plain
+        wire = dtype if dtype is not None and t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
+        if wire not in _NAMES or wire == DTYPES.get("F4"):
+            raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
+        kind = SaveKind.PLAIN if not isinstance(t, DTensor) else SaveKind.ROWS if flag else SaveKind.GATHER
+        rows.append((key, name, wire, kind, _senders(t) if isinstance(t, DTensor) and flag else ()))
+    if not rows:
+        raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
+    piece_bytes = max(ALIGN, options["max_staging_bytes"] // SLOTS // ALIGN * ALIGN)
+    return _lay_out(rows, tensors, parse_size(options["max_shard_size"]), piece_bytes, tuple(skipped))
+
+
+def _senders(t: DTensor) -> tuple[tuple[int, int, int], ...]:
+    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor: the replica at coordinate 0 of
+    every Replicate mesh dimension, each its own row range."""
+    mesh, placements = t.device_mesh, t.placements
+    replicated = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    out = []
+    for rank, coord in rank_coordinates(mesh):
+        if all(coord[d] == 0 for d in replicated):
+            lo, hi = rows_of(tuple(mesh.shape), placements, t.shape[0], coord)
+            if hi > lo:
+                out.append((rank, lo, hi))
+    return tuple(sorted(out, key=lambda s: s[1]))
+
+
+def _split(sizes: list[int], limit: int) -> list[list[int]]:
+    """huggingface_hub's split: in order, a new file when the next tensor would tip over the limit;
+    a tensor larger than the limit alone in its own file."""
+    files: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if size > limit:
+            files.append([i])
+            continue
+        if used + size > limit and current:
+            files.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        files.append(current)
+    return files
+
+
+def _lay_out(
+    rows: list[tuple[str, str, torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]],
+    tensors: dict[str, torch.Tensor],
+    limit: int,
+    piece_bytes: int,
+    skipped: tuple[str, ...],
+) -> SavePlan:
+    """(rank 0) Files, headers and offsets: in each file tensors by element size, largest first, then
+    name (as safetensors orders them), so each is aligned; the JSON header padded with spaces to 8."""
+    nbytes = [tensors[key].numel() * wire.itemsize for key, _, wire, _, _ in rows]
+    groups = _split(nbytes, limit)
+    names = (
+        [SINGLE_NAME]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    items: list[SaveItem] = []
+    headers: list[bytes] = []
+    for file, group in enumerate(groups):
+        order = sorted(group, key=lambda i: (-rows[i][2].itemsize, rows[i][1]))
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        at = 0
+        for i in order:
+            shape = tuple(tensors[rows[i][0]].shape)
+            header[rows[i][1]] = {
+                "dtype": _NAMES[rows[i][2]],
+                "shape": list(shape),
+                "data_offsets": [at, at + nbytes[i]],
+            }
+            at += nbytes[i]
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        headers.append(len(text).to_bytes(8, "little") + text)
+        for i in order:
+            key, name, wire, kind, senders = rows[i]
+            start = len(headers[-1]) + header[name]["data_offsets"][0]
+            shape = tuple(tensors[key].shape)
+            items.append(SaveItem(key, name, _NAMES[wire], shape, file, start, nbytes[i], kind, senders))
+    return SavePlan(
+        tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped
+    )
+
+
+def _rounds(items: list[SaveItem], piece_bytes: int) -> tuple[int, ...]:
+    ends, used = [], 0
+    for i, item in enumerate(items):
+        used += item.nbytes
+        if used >= ROUND_PIECES * piece_bytes:
+            ends.append(i + 1)
+            used = 0
+    if not ends or ends[-1] != len(items):
+        ends.append(len(items))
+    return tuple(ends)
