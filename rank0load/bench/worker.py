@@ -208,6 +208,16 @@ def _remove(path: str) -> None:
     dist.barrier()
 
 
+def _malloc_trim() -> None:
+    """glibc's ``malloc_trim(0)``: return freed heap pages to the kernel (a no-op elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_save(spec: dict, mesh, cfg, save) -> dict:
     """One save method: load the model (rank0load, outside the measurement), pay the method's lazy
     imports on a tiny model saved to a throwaway directory (unless told not to), then measure the
@@ -230,6 +240,7 @@ def _run_save(spec: dict, mesh, cfg, save) -> dict:
         _remove(out_dir + "-warm-up")
     dist.barrier()
     gc.collect()
+    _malloc_trim()  # hand back the heap the unmeasured load freed, so no save reuses it unseen
     before = _status("VmRSS")
     reset_ok = _reset_peak()
     dist.barrier()
