@@ -10,6 +10,7 @@ when a release changes it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
@@ -26,6 +27,9 @@ __all__ = [
     "StridedShard",
     "clear_hf_initialized",
     "hf_conversions",
+    "hf_reverse_conversions",
+    "hf_revert_key",
+    "hf_revert_tensor",
     "hf_keep_in_fp32",
     "hf_rename",
     "is_transformers_model",
@@ -183,6 +187,58 @@ def hf_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
         [t for t in transforms if isinstance(t, WeightRenaming)],
         [t for t in transforms if isinstance(t, WeightConverter)],
     )
+
+
+def hf_reverse_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """The reverse of transformers' conversions for ``model``, as ``revert_weight_conversion`` (what
+    ``save_pretrained`` runs) builds them: the model's ``_weight_conversions`` if ``from_pretrained``
+    left them, else ``get_model_conversion_mapping(add_legacy=False)`` without ``PrefixChange``; each
+    reversed, last first. Returns (renamings, converters). After ``fully_shard`` the mapping is found
+    through ``config.model_type`` (the class name is ``FSDP...``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+
+    transforms = getattr(model, "_weight_conversions", None)
+    if transforms is None:
+        transforms = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+        transforms = [t for t in transforms if not isinstance(t, PrefixChange)]
+    reverse = [t.reverse_transform() for t in transforms[::-1]]
+    return (
+        [t for t in reverse if isinstance(t, WeightRenaming)],
+        [t for t in reverse if isinstance(t, WeightConverter)],
+    )
+
+
+def hf_revert_key(
+    key: str, renamings: list[Any], converters: list[Any]
+) -> tuple[str, Any | None, str | None]:
+    """``revert_weight_conversion`` for one key: (the key renamed, None, None) when no reverse
+    converter applies, else (the converter's intermediate name, the converter, its pattern)."""
+    from transformers.core_model_loading import apply_converters, apply_renamings
+
+    renamed, pattern = apply_converters(key, converters)
+    if pattern is None:
+        return apply_renamings(key, renamings), None, None
+    return renamed, next(c for c in converters if pattern in c.source_patterns), pattern
+
+
+def hf_revert_tensor(
+    converter: Any,
+    renamed: str,
+    key: str,
+    pattern: str,
+    tensor: torch.Tensor,
+    model: nn.Module,
+    renamings: list[Any],
+) -> dict[str, torch.Tensor]:
+    """A reverse converter applied to one tensor, as ``revert_weight_conversion`` applies it, the
+    renamings then applied to the names it produces."""
+    from transformers.core_model_loading import apply_renamings
+
+    converter = copy.deepcopy(converter)
+    converter.add_tensor(renamed, key, pattern, tensor)
+    out = converter.convert(renamed, model=model, config=getattr(model, "config", None))
+    return {apply_renamings(n, renamings): v[0] if isinstance(v, list) else v for n, v in out.items()}
 
 
 def hf_rename(

@@ -17,7 +17,12 @@ each byte once, straight into its owner's shard. No rank ever holds a fused para
   other operation is reported with the converter's name (a ``ModelMismatchError`` when the model
   tensor has no other source), never skipped.
 
-(all ranks build the conversions before sharding; rank 0 alone matches keys; no collectives)
+* :class:`TransformersReversal` — the other way, for ``save_sharded(original_format=True)``: a fused
+  model tensor's saved names and shapes, from transformers' own reverse conversions (those
+  ``save_pretrained`` applies), each a contiguous byte range of the fused tensor in row-major order.
+
+(all ranks build the conversions before sharding; rank 0 alone matches keys, and builds the reversal
+when saving; no collectives)
 """
 
 from __future__ import annotations
@@ -27,11 +32,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from . import _compat
+from .errors import SaveError
 
-__all__ = ["Conversion", "ConversionMatch", "StackExperts", "TransformersConversions", "conversions_for"]
+__all__ = [
+    "Conversion",
+    "ConversionMatch",
+    "StackExperts",
+    "TransformersConversions",
+    "TransformersReversal",
+    "conversions_for",
+]
 
 
 @dataclass(frozen=True)
@@ -142,6 +156,50 @@ class TransformersConversions:
         # transformers' source patterns are regular expressions in which "*" is an index
         found = re.search(pattern.replace("*", r"(\d+)"), renamed)
         return int(found.group(1)) if found is not None and found.groups() else None
+
+
+# the reverse of _STACKABLE: Chunk(dim=1) into the sources, then SplitModulelist(dim=0) into the experts
+_SPLITTABLE = ([("SplitModulelist", 0)], [("Chunk", 1), ("SplitModulelist", 0)])
+
+
+class TransformersReversal:
+    """(rank 0) A model tensor's saved names and shapes with transformers' conversions reverted.
+
+    The names come from transformers itself: the reverse converter runs on a stand-in of shape
+    ``[E, S, 1, ...]`` whose values number the (expert, source) slices, so each name it produces
+    says which slice it holds; the real slice ``v`` is bytes ``[v, v + 1) * numel / (E * S)`` of the
+    fused tensor (Chunk along dim 1, then split along dim 0, keep each slice contiguous).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._renamings, self._converters = _compat.hf_reverse_conversions(model)
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        renamed, converter, pattern = _compat.hf_revert_key(name, self._renamings, self._converters)
+        if converter is None or pattern is None:
+            return [(renamed, shape)]
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        sources = len(converter.target_patterns)
+        if ops not in _SPLITTABLE or len(shape) < 2 or shape[1] % sources or (sources > 1) != (len(ops) > 1):
+            what = ", ".join(f"{n}(dim={d})" if d is not None else n for n, d in ops)
+            raise SaveError(
+                f"{name!r} {shape}: transformers reverts it with {what}, which rank0load cannot save as "
+                "byte ranges of the model tensor. Save with original_format=False (the model's own names)."
+            )
+        slices = shape[0] * sources
+        standin = torch.arange(slices).reshape(shape[0], sources, *[1] * (len(shape) - 2))
+        out = _compat.hf_revert_tensor(
+            converter, renamed, name, pattern, standin, self._model, self._renamings
+        )
+        order = {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
+        if len(out) != slices or sorted(order) != list(range(slices)):
+            raise SaveError(
+                f"{name!r} {shape}: transformers' reverse conversion gave {len(out)} tensors, not the "
+                f"{slices} per-expert slices expected. Save with original_format=False."
+            )
+        part = (shape[1] // sources, *shape[2:])
+        return [(order[v], part) for v in range(slices)]
 
 
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:

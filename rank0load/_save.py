@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import time
@@ -26,13 +27,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import _distribute, _write
-from ._compat import hf_conversions, is_transformers_model, local_tensor
+from ._compat import is_transformers_model, local_tensor
+from ._convert import TransformersReversal
 from ._format import DTYPES
 from ._layout import ROWS_OK, layout_flags
 from ._meta import ModelLayout, describe
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock
-from ._saveplan import ALIGN, SLOTS, SavePlan, parse_size, plan_or_error, plan_save
+from ._saveplan import ALIGN, SLOTS, Revert, SavePlan, parse_size, plan_or_error, plan_save
 from .errors import SaveError
 
 __all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
@@ -98,8 +100,10 @@ def save_sharded(
             never cast. ``None``: as the model holds them.
         key_map: maps a model key (wrapper prefixes removed) to its saved name, or to None to skip it
             (called on rank 0). Tied parameters are saved once, under their first name.
-        original_format: accepted for compatibility with the planned MoE reversal; transformers'
-            conversions (fused experts) are not reverted yet: such models save their fused names.
+        original_format: for a transformers model, revert transformers' conversions as
+            ``save_pretrained`` does (its default): a fused MoE parameter (``mlp.experts.gate_up_proj``
+            [E, 2I, H]) is saved as the per-expert tensors it was loaded from, renamed modules get their
+            checkpoint names back. Applied to the names key_map returns. False: the model's own names.
         max_staging_bytes: host RAM for staging on each rank.
 
     Returns:
@@ -119,7 +123,8 @@ def save_sharded(
     assert described is not None  # agree() raised otherwise
     layout, tensors, _ = described
     clock("agree")
-    planned = plan_or_error(layout, tensors, flags, key_map, options) if rank == 0 else None
+    revert = functools.partial(_reversal, model, original_format)  # built by rank 0 in plan_or_error
+    planned = plan_or_error(layout, tensors, flags, key_map, options, revert) if rank == 0 else None
     plan: SavePlan = _distribute.share(planned)
     clock("plan")
     outputs: _write.Outputs | None = None
@@ -135,7 +140,7 @@ def save_sharded(
         clock("stream")
         if rank == 0:
             assert outputs is not None
-            _, error = _attempt(lambda: _finish(model, outputs, plan, original_format))
+            _, error = _attempt(lambda: _finish(model, outputs, plan))
         _write.settle(error, "committing the checkpoint")
         clock("commit")
     finally:
@@ -190,30 +195,22 @@ def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
-def _finish(model: nn.Module, outputs: _write.Outputs, plan: SavePlan, original_format: bool) -> None:
+def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
+    """(rank 0) transformers' conversions reverted, for a transformers model with original_format."""
+    return TransformersReversal(model) if original_format and is_transformers_model(model) else None
+
+
+def _finish(model: nn.Module, outputs: _write.Outputs, plan: SavePlan) -> None:
     """(rank 0) Write a transformers model's config files beside the checkpoint, then commit."""
     extras: list[tuple[str, str]] = []
     if is_transformers_model(model):
-        extras = _hf_configs(model, outputs, plan, original_format)
+        extras = _hf_configs(model, outputs, plan)
     _write.commit(outputs, plan, extras)
 
 
-def _hf_configs(
-    model: nn.Module, outputs: _write.Outputs, plan: SavePlan, original_format: bool
-) -> list[tuple[str, str]]:
+def _hf_configs(model: nn.Module, outputs: _write.Outputs, plan: SavePlan) -> list[tuple[str, str]]:
     """(rank 0) ``config.json`` (its dtype the saved floating tensors') and ``generation_config.json``
     in a temporary folder of out_dir: (temporary path, final name) for :func:`_write.commit`."""
-    if original_format:
-        try:
-            converters = hf_conversions(model)[1]
-        except Exception:  # no conversion mapping for this model
-            converters = []
-        if converters:
-            logger.warning(
-                "original_format=True: transformers' conversions (%d, e.g. fused MoE experts) are not "
-                "reverted yet; the fused names are saved (load them back with rank0load or transformers)",
-                len(converters),
-            )
     folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
     os.makedirs(folder)
     outputs.temps.append(folder)
@@ -233,7 +230,7 @@ def _hf_configs(
 
 def _report(plan: SavePlan, clock: Clock, gathered: tuple[str, ...]) -> SaveReport:
     return SaveReport(
-        tensors=len(plan.items),
+        tensors=sum(len(i.saved) for i in plan.items),
         bytes=plan.total_size,
         seconds=time.perf_counter() - clock.started,
         stream_seconds=clock.phases.get("stream", 0.0),

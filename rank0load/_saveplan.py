@@ -30,8 +30,10 @@ __all__ = [
     "SLOTS",
     "Piece",
     "SaveItem",
+    "Revert",
     "SaveKind",
     "SavePlan",
+    "Saved",
     "parse_size",
     "pieces",
     "plan_or_error",
@@ -43,6 +45,8 @@ SINGLE_NAME = "model.safetensors"
 ALIGN = 64  # piece sizes stay multiples of every element size
 ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# a saved name and shape -> the names and shapes it is saved as (equal byte ranges, in order)
+Revert = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's parse_size_to_int
 
 
@@ -54,19 +58,43 @@ class SaveKind(enum.Enum):
     GATHER = "gather"  # any other DTensor: full_tensor() on every rank, rank 0 writes it
 
 
-@dataclass(frozen=True)
-class SaveItem:
-    """One saved tensor."""
+# (model key, its saved names and shapes, wire dtype, kind, senders)
+_Row = tuple[str, list[tuple[str, tuple[int, ...]]], torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]
 
-    key: str  # the canonical model key every rank reads it from
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor of the saved files: bytes [start, start + nbytes) of its item, row-major."""
+
     name: str  # the saved name
-    dtype: str  # the safetensors dtype it is saved in
     shape: tuple[int, ...]
     file: int  # index into SavePlan.files
     offset: int  # absolute offset of its first byte in that file
+    start: int  # byte offset within the item
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SaveItem:
+    """One model tensor and the saved tensors its bytes become: one, or with ``original_format``
+    a fused MoE parameter's per-expert tensors, each a contiguous byte range of it."""
+
+    key: str  # the canonical model key every rank reads it from
+    dtype: str  # the safetensors dtype it is saved in
+    shape: tuple[int, ...]  # the model tensor's
     nbytes: int
     kind: SaveKind
     senders: tuple[tuple[int, int, int], ...] = ()  # ROWS: (rank, first row, end row), by row
+    saved: tuple[Saved, ...] = ()  # by start; their byte ranges tile [0, nbytes)
+
+    def writes(self, start: int, nbytes: int) -> Iterator[tuple[int, int, int, int]]:
+        """(rank 0) Where bytes [start, start + nbytes) of the item go: (file, offset, first byte
+        of the piece, end byte of the piece), one per saved tensor they touch."""
+        end = start + nbytes
+        for s in self.saved:
+            lo, hi = max(start, s.start), min(end, s.start + s.nbytes)
+            if lo < hi:
+                yield s.file, s.offset + lo - s.start, lo - start, hi - start
 
 
 @dataclass(frozen=True)
@@ -75,7 +103,7 @@ class SavePlan:
 
     files: tuple[str, ...]  # final file names in out_dir
     headers: tuple[bytes, ...]  # each file's first bytes: 8-byte length + JSON padded to 8
-    items: tuple[SaveItem, ...]  # file by file, offset by offset
+    items: tuple[SaveItem, ...]  # by their first saved tensor's file and offset
     rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
     piece_bytes: int  # the largest message
     skipped: tuple[str, ...] = ()  # model keys key_map dropped
@@ -91,7 +119,7 @@ class Piece:
 
     index: int
     src: int  # 0: rank 0 writes it from its own tensor
-    start: int  # byte offset within the saved tensor
+    start: int  # byte offset within the item
     nbytes: int
     local: int  # element offset in the sender's local tensor
 
@@ -131,10 +159,11 @@ def plan_or_error(
     flags: tuple[int, ...],
     key_map: Callable[[str], str | None] | None,
     options: dict[str, Any],
+    revert: Callable[[], Revert | None] = lambda: None,
 ) -> SavePlan | LoadError:
-    """(rank 0) The plan, or the error every rank will raise."""
+    """(rank 0) The plan, or the error every rank will raise (``revert`` builds plan_save's)."""
     try:
-        return plan_save(layout, tensors, flags, key_map, options)
+        return plan_save(layout, tensors, flags, key_map, options, revert())
     except LoadError as exc:
         return exc
     except Exception as exc:
@@ -147,10 +176,13 @@ def plan_save(
     flags: tuple[int, ...],
     key_map: Callable[[str], str | None] | None,
     options: dict[str, Any],
+    revert: Revert | None = None,
 ) -> SavePlan:
-    """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor."""
+    """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
+    ``revert``: a saved name and shape -> the names and shapes it is saved as, in byte order (the
+    model's conversions reverted, ``_convert.TransformersReversal``)."""
     dtype: torch.dtype | None = options["dtype"]
-    rows: list[tuple[str, str, torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]] = []
+    rows: list[_Row] = []
     skipped, seen = [], dict[str, str]()
     for key, flag in zip(layout.tensors, flags):
         t, plain = tensors[key], strip_wrappers(key)
@@ -160,14 +192,16 @@ def plan_save(
             continue
         if not isinstance(name, str) or not name:
             raise SaveError(f"key_map({plain!r}) returned {name!r}; return a saved name or None")
-        if name in seen:
-            raise SaveError(f"{seen[name]!r} and {plain!r} would both be saved as {name!r}; fix key_map")
-        seen[name] = plain
+        parts = revert(name, tuple(t.shape)) if revert is not None else [(name, tuple(t.shape))]
+        for part, _ in parts:
+            if part in seen:
+                raise SaveError(f"{seen[part]!r} and {plain!r} would both be saved as {part!r}; fix key_map")
+            seen[part] = plain
         wire = dtype if dtype is not None and t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
         if wire not in _NAMES or wire == DTYPES.get("F4"):
             raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
         kind = SaveKind.PLAIN if not isinstance(t, DTensor) else SaveKind.ROWS if flag else SaveKind.GATHER
-        rows.append((key, name, wire, kind, _senders(t) if isinstance(t, DTensor) and flag else ()))
+        rows.append((key, parts, wire, kind, _senders(t) if isinstance(t, DTensor) and flag else ()))
     if not rows:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = max(ALIGN, options["max_staging_bytes"] // SLOTS // ALIGN * ALIGN)
@@ -209,43 +243,48 @@ def _split(sizes: list[int], limit: int) -> list[list[int]]:
 
 
 def _lay_out(
-    rows: list[tuple[str, str, torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]],
-    tensors: dict[str, torch.Tensor],
-    limit: int,
-    piece_bytes: int,
-    skipped: tuple[str, ...],
+    rows: list[_Row], tensors: dict[str, torch.Tensor], limit: int, piece_bytes: int, skipped: tuple[str, ...]
 ) -> SavePlan:
-    """(rank 0) Files, headers and offsets: in each file tensors by element size, largest first, then
-    name (as safetensors orders them), so each is aligned; the JSON header padded with spaces to 8."""
-    nbytes = [tensors[key].numel() * wire.itemsize for key, _, wire, _, _ in rows]
-    groups = _split(nbytes, limit)
+    """(rank 0) Files, headers and offsets of the saved tensors (in model order, split like
+    huggingface_hub): in each file tensors by element size, largest first, then name (as safetensors
+    orders them), so each is aligned; the JSON header padded with spaces to 8."""
+    units: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (row, name, shape, start, nbytes)
+    for r, (key, parts, wire, _, _) in enumerate(rows):
+        each = tensors[key].numel() * wire.itemsize // len(parts)
+        units += [(r, name, shape, j * each, each) for j, (name, shape) in enumerate(parts)]
+    groups = _split([u[4] for u in units], limit)
     names = (
         [SINGLE_NAME]
         if len(groups) == 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
-    items: list[SaveItem] = []
+    saved: list[list[Saved]] = [[] for _ in rows]
     headers: list[bytes] = []
     for file, group in enumerate(groups):
-        order = sorted(group, key=lambda i: (-rows[i][2].itemsize, rows[i][1]))
+        order = sorted(group, key=lambda u: (-rows[units[u][0]][2].itemsize, units[u][1]))
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         at = 0
-        for i in order:
-            shape = tuple(tensors[rows[i][0]].shape)
-            header[rows[i][1]] = {
-                "dtype": _NAMES[rows[i][2]],
+        for u in order:
+            r, name, shape, _, nbytes = units[u]
+            header[name] = {
+                "dtype": _NAMES[rows[r][2]],
                 "shape": list(shape),
-                "data_offsets": [at, at + nbytes[i]],
+                "data_offsets": [at, at + nbytes],
             }
-            at += nbytes[i]
+            at += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         headers.append(len(text).to_bytes(8, "little") + text)
-        for i in order:
-            key, name, wire, kind, senders = rows[i]
-            start = len(headers[-1]) + header[name]["data_offsets"][0]
-            shape = tuple(tensors[key].shape)
-            items.append(SaveItem(key, name, _NAMES[wire], shape, file, start, nbytes[i], kind, senders))
+        for u in order:
+            r, name, shape, start, nbytes = units[u]
+            offset = len(headers[-1]) + header[name]["data_offsets"][0]
+            saved[r].append(Saved(name, shape, file, offset, start, nbytes))
+    items = []
+    for (key, _, wire, kind, senders), spans in zip(rows, saved):
+        shape, nbytes = tuple(tensors[key].shape), tensors[key].numel() * wire.itemsize
+        spans.sort(key=lambda s: s.start)
+        items.append(SaveItem(key, _NAMES[wire], shape, nbytes, kind, senders, tuple(spans)))
+    items.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
     return SavePlan(
         tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped
     )

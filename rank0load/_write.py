@@ -134,7 +134,7 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
     if len(plan.files) > 1:
         index = {
             "metadata": {"total_size": plan.total_size},
-            "weight_map": {i.name: plan.files[i.file] for i in sorted(plan.items, key=lambda i: i.name)},
+            "weight_map": dict(sorted((s.name, plan.files[s.file]) for i in plan.items for s in i.saved)),
         }
         temp = os.path.join(directory, f".{INDEX_NAME}.tmp-{outputs.token}")
         outputs.temps.append(temp)
@@ -180,15 +180,19 @@ class _Writer:
 
     def __init__(self, fds: list[int], slots: int, faults: _distribute.Faults) -> None:
         self.fds, self.faults = fds, faults
-        self.jobs: queue.Queue[tuple[int, int, memoryview, int | None, Any] | None] = queue.Queue()
+        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None, Any] | None] = (
+            queue.Queue()
+        )
         self.free: queue.Queue[int] = queue.Queue()
         for slot in range(slots):
             self.free.put(slot)
         self.thread = threading.Thread(target=self._run, name="rank0load-writer", daemon=True)
         self.thread.start()
 
-    def put(self, file: int, offset: int, data: memoryview, slot: int | None, keep: Any = None) -> None:
-        self.jobs.put((self.fds[file], offset, data, slot, keep))
+    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None, keep: Any = None) -> None:
+        """Write bytes [start, start + len(data)) of ``item`` into its saved tensors (one or more)."""
+        writes = [(self.fds[f], data[lo:hi], at) for f, at, lo, hi in item.writes(start, len(data))]
+        self.jobs.put((writes, slot, keep))
 
     def _run(self) -> None:
         while True:
@@ -196,8 +200,9 @@ class _Writer:
             try:
                 if job is None:
                     return
-                fd, offset, data, slot, _keep = job
-                self.faults.run(_pwrite_all, fd, data, offset)
+                writes, slot, _keep = job
+                for fd, data, offset in writes:
+                    self.faults.run(_pwrite_all, fd, data, offset)
                 if slot is not None:
                     self.free.put(slot)
             finally:
@@ -268,7 +273,7 @@ def _rank0(
         item, host = plan.items[piece.index], staging.slots[slot][: piece.nbytes]
         if staging.device:
             faults.run(host.copy_, staging.device[slot][: piece.nbytes])
-        writer.put(item.file, item.offset + piece.start, host_bytes(host), slot)
+        writer.put(item, piece.start, host_bytes(host), slot)
 
     def take() -> int:
         while writer.free.empty() and pending:
@@ -280,12 +285,12 @@ def _rank0(
         values = source[_elements(piece, wire)]
         if values.dtype == wire and values.device.type == "cpu" and values.is_contiguous():
             data = host_bytes(values.view(torch.uint8))
-            writer.put(item.file, item.offset + piece.start, data, None, keep=values)
+            writer.put(item, piece.start, data, None, keep=values)
             return
         slot = take()
         buffer = staging.slots[slot][: piece.nbytes]
         faults.run(buffer.view(wire).copy_, values)
-        writer.put(item.file, item.offset + piece.start, host_bytes(buffer), slot)
+        writer.put(item, piece.start, host_bytes(buffer), slot)
 
     try:
         begin = 0
