@@ -389,3 +389,26 @@ def test_moe_back_to_per_expert_tensors(tmp_path, name: str, world: int) -> None
     assert results[0]["tensors"] == len(want) and results[0]["files"] > 2
     back, ref = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(source)
     assert_same(dict(back.state_dict()), dict(ref.state_dict()))
+
+
+@pytest.mark.slow
+def test_t5_four_way_tie(tmp_path) -> None:
+    """T5 ties shared, encoder.embed_tokens, decoder.embed_tokens and lm_head: saved once, as
+    ``shared.weight`` (what save_pretrained writes), and from_pretrained gives every tensor back."""
+    from safetensors import safe_open
+    from transformers import T5ForConditionalGeneration
+
+    source, out = str(tmp_path / "source"), str(tmp_path / "out")
+    ref = hf.pretrained("t5")
+    ref.save_pretrained(source)
+    _dist.ok(_dist.run(_hf_save, 2, "t5", source, out))
+    with safe_open(os.path.join(source, "model.safetensors"), "pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}
+    got = read_checkpoint(out)
+    assert sorted(got) == sorted(want) and "shared.weight" in got
+    assert not {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"} & set(got)
+    assert_same(got, want)
+    back = T5ForConditionalGeneration.from_pretrained(out)
+    assert_same(dict(back.state_dict()), dict(ref.state_dict()))
+    tied = [back.shared.weight, back.encoder.embed_tokens.weight, back.decoder.embed_tokens.weight]
+    assert all(t is back.lm_head.weight for t in tied)
