@@ -16,7 +16,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,7 @@ def load_sharded(
     clock, rank = Clock(), dist.get_rank()
     mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
     options = {"strict": strict, "dtype": dtype, "max_staging_bytes": max_staging_bytes}
-    built, error = _attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions))
+    built, error = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions))
     clock("build")
     flags = _distribute.agree(built.proposal if built else None, error)
     assert built is not None  # agree() raised otherwise
@@ -107,7 +107,9 @@ def load_sharded(
         manifest: Manifest = _distribute.share(result)
         clock("manifest")
         comm = _distribute.mesh_device(mesh.device_type)
-        ready, error = _attempt(lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes))
+        ready, error = _distribute.attempt(
+            lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes)
+        )
         _distribute.settle(
             error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
         )
@@ -123,17 +125,6 @@ def load_sharded(
     if rank == 0:
         log_summary(report, {e.key: e.nbytes for e in manifest.entries})
     return built.model
-
-
-R = TypeVar("R")
-
-
-def _attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
-    """Run a step whose failure every rank must learn of before raising: (result, None) or (None, error)."""
-    try:
-        return step(), None
-    except Exception as exc:
-        return None, exc
 
 
 def _build(

@@ -25,9 +25,9 @@ import hashlib
 import logging
 import pickle
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,8 @@ from .errors import LoadError, RankMismatchError
 __all__ = [
     "Failure",
     "Faults",
+    "attempt",
+    "round_ends",
     "Proposal",
     "Traffic",
     "agree",
@@ -65,6 +67,32 @@ def peer_failure(
         "died or stalled (see its log); the wait is bounded by the process-group timeout "
         f"(dist.init_process_group(timeout=...)). {todo}"
     )
+
+
+R = TypeVar("R")
+
+
+def attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
+    """Run a step whose failure every rank must learn of before raising (then :func:`settle` or
+    :func:`agree`): ``(result, None)`` or ``(None, error)``."""
+    try:
+        return step(), None
+    except Exception as exc:
+        return None, exc
+
+
+def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
+    """Where the rounds of a transfer end: the index just past each run of items carrying at least
+    ``round_bytes``, the last one at ``len(sizes)``. At each end every rank says whether it failed."""
+    ends, carried = [], 0
+    for index, size in enumerate(sizes):
+        carried += size
+        if carried >= round_bytes:
+            ends.append(index + 1)
+            carried = 0
+    if not ends or ends[-1] != len(sizes):
+        ends.append(len(sizes))
+    return tuple(ends)
 
 
 class Faults:

@@ -38,6 +38,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from ._distribute import round_ends
 from ._entries import Entry
 from ._layout import ROWS_OK, RUNS_OK, Runs, placements_on, rank_coordinates, rows_of, runs_at
 
@@ -347,14 +348,7 @@ def build_plan(
             kind = Kind.GENERIC  # (float8 blocks are dequantised whole: their columns need their scales)
         kinds.append(kind)
         placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)
-    rounds, carried = [], 0
-    for index, entry in enumerate(entries):
-        carried += entry.nbytes
-        if carried >= ROUND_PIECES * piece_bytes:
-            rounds.append(index + 1)
-            carried = 0
-    if not rounds or rounds[-1] != len(entries):
-        rounds.append(len(entries))
+    rounds = round_ends([e.nbytes for e in entries], ROUND_PIECES * piece_bytes)
     return Plan(
         entries=tuple(entries),
         kinds=tuple(kinds),
@@ -362,5 +356,5 @@ def build_plan(
         mesh_shape=tuple(mesh.shape),
         coords=rank_coordinates(mesh),
         piece_bytes=piece_bytes,
-        rounds=tuple(rounds),
+        rounds=rounds,
     )

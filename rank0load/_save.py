@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,7 @@ def save_sharded(
         raise SaveError("torch.distributed is not initialised: call dist.init_process_group() first")
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
-    described, error = _attempt(lambda: _describe(model, options))
+    described, error = _distribute.attempt(lambda: _describe(model, options))
     flags = _distribute.agree(described[2] if described else None, error)
     assert described is not None  # agree() raised otherwise
     layout, tensors, _ = described
@@ -130,9 +130,9 @@ def save_sharded(
     outputs: _write.Outputs | None = None
     try:
         comm = _comm_device(tensors)
-        staging, error = _attempt(lambda: _write.allocate_staging(plan.piece_bytes, comm))
+        staging, error = _distribute.attempt(lambda: _write.allocate_staging(plan.piece_bytes, comm))
         if rank == 0 and error is None:
-            outputs, error = _attempt(lambda: _write.open_outputs(out, plan))
+            outputs, error = _distribute.attempt(lambda: _write.open_outputs(out, plan))
         _write.settle(error, "creating the output files")
         assert staging is not None
         with progress_bar(plan.total_size) if rank == 0 else contextlib.nullcontext() as on_bytes:
@@ -140,7 +140,7 @@ def save_sharded(
         clock("stream")
         if rank == 0:
             assert outputs is not None
-            _, error = _attempt(lambda: _finish(model, outputs, plan))
+            _, error = _distribute.attempt(lambda: _finish(model, outputs, plan))
         _write.settle(error, "committing the checkpoint")
         clock("commit")
     finally:
@@ -150,17 +150,6 @@ def save_sharded(
     if rank == 0:
         _log_summary(report)
     return report
-
-
-R = TypeVar("R")
-
-
-def _attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
-    """Run a step whose failure every rank must learn of before raising: (result, None) or (None, error)."""
-    try:
-        return step(), None
-    except Exception as exc:
-        return None, exc
 
 
 def _describe(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from ._distribute import round_ends
 from ._format import DTYPES
 from ._layout import rank_coordinates, rows_of
 from ._meta import ModelLayout, strip_wrappers
@@ -291,12 +292,4 @@ def _lay_out(
 
 
 def _rounds(items: list[SaveItem], piece_bytes: int) -> tuple[int, ...]:
-    ends, used = [], 0
-    for i, item in enumerate(items):
-        used += item.nbytes
-        if used >= ROUND_PIECES * piece_bytes:
-            ends.append(i + 1)
-            used = 0
-    if not ends or ends[-1] != len(items):
-        ends.append(len(items))
-    return tuple(ends)
+    return round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
