@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -206,7 +207,7 @@ def _assemble(
     members: tuple[tuple[ConversionMatch, TensorHeader], ...],
     shape: tuple[int, ...],
     dtype: torch.dtype,
-    quantised: set[str] = frozenset(),  # type: ignore[assignment]
+    quantised: AbstractSet[str] = frozenset(),
 ) -> Entry:
     """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
     ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in
@@ -216,22 +217,23 @@ def _assemble(
     experts = shape[0] if shape else 0
     seen: dict[tuple[int, int], TensorHeader] = {}
     for m, t in members:
-        if m.expert >= experts or (m.expert, m.source) in seen:  # type: ignore[operator]
-            what = "beyond the model's" if m.expert >= experts else "stored twice"  # type: ignore[operator]
+        expert = m.expert
+        assert expert is not None  # match_keys stacks only matches with an expert index
+        if expert >= experts or (expert, m.source) in seen:
+            what = "beyond the model's" if expert >= experts else "stored twice"
             raise ModelMismatchError(
-                f"model tensor {key!r} (shape {shape}): checkpoint key {t.key!r} is expert {m.expert}, {what} "
+                f"model tensor {key!r} (shape {shape}): checkpoint key {t.key!r} is expert {expert}, {what} "
                 f"{experts} experts ({rule}). Does model_fn build the checkpoint's config (num_experts)?"
             )
-        seen[(m.expert, m.source)] = t  # type: ignore[index]
+        seen[(expert, m.source)] = t
     absent = [(e, s) for e in range(experts) for s in range(sources) if (e, s) not in seen]
     if absent:
         e, s = absent[0]
-        like = next((t.key for (e2, s2), t in seen.items() if s2 == s), None)
+        present = next(((e2, t.key) for (e2, s2), t in seen.items() if s2 == s), None)
         named = ""
-        if like is not None:  # the present expert's key with the missing expert's index
-            other = next(e2 for (e2, s2), t in seen.items() if t.key == like)
-            head, sep, tail = like.rpartition(f".{other}.")
-            named = f" ({head}.{e}.{tail!s})" if sep else ""
+        if present is not None:  # a present expert's key, with the missing expert's index
+            head, sep, tail = present[1].rpartition(f".{present[0]}.")
+            named = f" ({head}.{e}.{tail})" if sep else ""
         raise ModelMismatchError(
             f"model tensor {key!r}: the checkpoint has no expert {e} for source {s}{named} of {rule} "
             f"({len(absent)} expert tensors are missing). The checkpoint is incomplete: re-download it, "
