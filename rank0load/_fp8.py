@@ -13,6 +13,7 @@ turns a run of an entry's elements into float32, bounded temporaries, whole rows
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import torch
 from ._format import TensorHeader
 from .errors import ModelMismatchError
 
-__all__ = ["FP8_WIRE", "block_size", "dequantize", "scale_for"]
+__all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for"]
 
 FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
 _ROWS_AT_ONCE_BYTES = 1 << 20  # float32 temporaries per step of dequantize
@@ -115,6 +116,32 @@ def dequantize(
         if done == values.numel():
             break
     return out
+
+
+def dequantize_at(
+    values: torch.Tensor,
+    flat: torch.Tensor,
+    part_rows: list[int],
+    cols: int,
+    block: tuple[int, int],
+    scales: torch.Tensor,
+) -> torch.Tensor:
+    """float32 values of the entry's elements at flat indices ``flat`` (int64, one per value, any
+    order): what a rank holding a block of a tensor-parallel shard needs, whose elements are not one
+    run of the entry. Same arithmetic as :func:`dequantize`, one gathered scale per element."""
+    bm, bn = block
+    grid_cols = math.ceil(cols / bn)
+    ends = torch.tensor(list(itertools.accumulate(part_rows)), dtype=torch.int64, device=flat.device)
+    grid_rows = [math.ceil(rows / bm) for rows in part_rows]
+    grid_bases = torch.tensor(
+        [0, *itertools.accumulate(grid_rows)][:-1], dtype=torch.int64, device=flat.device
+    )
+    row, col = flat // cols, flat % cols
+    part = torch.searchsorted(ends, row, right=True)
+    part_base = ends[part] - torch.tensor(part_rows, dtype=torch.int64, device=flat.device)[part]
+    grid_row = grid_bases[part] + (row - part_base) // bm
+    scale = scales.view(-1, grid_cols)[grid_row, col // bn]
+    return values.to(torch.float32) * scale
 
 
 def _part(

@@ -34,6 +34,7 @@ __all__ = [
     "RUNS_OK",
     "Runs",
     "block_runs",
+    "global_indices",
     "layout_flags",
     "placements_on",
     "rank_coordinates",
@@ -216,3 +217,17 @@ def rank_coordinates(mesh: DeviceMesh) -> tuple[tuple[int, tuple[int, ...]], ...
     grid = mesh.mesh
     coords = itertools.product(*(range(n) for n in grid.shape))
     return tuple(sorted((int(grid[idx]), tuple(idx)) for idx in coords))
+
+
+def global_indices(runs: Runs, shape: Sequence[int], first: int, count: int) -> torch.Tensor:
+    """Flat indices in a tensor of ``shape`` of the elements ``[first, first + count)`` of the local
+    block ``runs`` describes (row-major in the block), as int64."""
+    local = torch.arange(first, first + count, dtype=torch.int64)
+    flat = torch.zeros(count, dtype=torch.int64)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        held = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in runs[dim]] or [local[:0]])
+        local, at = local // max(1, held.numel()), local % max(1, held.numel())
+        flat += held[at] * stride
+        stride *= shape[dim]
+    return flat

@@ -15,7 +15,9 @@ place in the destination's local tensor.
   tensor is the cross product of index runs, one list per dimension, which rank 0 computes for
   every rank itself (``_layout.runs_at``; see there why nothing per rank is exchanged). It reads the
   tensor in chunks of whole rows (at most half a staging slot), cuts each rank's block out of the
-  chunk and sends it point to point (:class:`Delivery`). No rank ever holds the full tensor.
+  chunk and sends it point to point (:class:`Delivery`). No rank ever holds the full tensor. A
+  float8 block travels as float8 and its owner dequantises each element with the scale of the
+  block of the tensor it came from (``_layout.global_indices``).
 * ``GENERIC`` (placements that are none of the above, a non-contiguous local shard, rows wider than
   half a staging slot): broadcast in pieces into a full-size tensor on every rank, which then cuts
   its own shard locally (outside the staging budget; reported in ``LoadReport.broadcast_whole``).
@@ -344,8 +346,8 @@ def build_plan(
     placements: list[tuple[Placement, ...] | None] = []
     for entry, target, f in zip(entries, targets, flags, strict=True):
         kind = kind_of(target, f)
-        if kind is Kind.BLOCK and (not _fits_block(entry, piece_bytes) or entry.scales):
-            kind = Kind.GENERIC  # (float8 blocks are dequantised whole: their columns need their scales)
+        if kind is Kind.BLOCK and not _fits_block(entry, piece_bytes):
+            kind = Kind.GENERIC
         kinds.append(kind)
         placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)
     rounds = round_ends([e.nbytes for e in entries], ROUND_PIECES * piece_bytes)

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from . import _distribute
 from ._compat import local_tensor
 from ._format import DTYPES
-from ._fp8 import dequantize
+from ._fp8 import dequantize, dequantize_at
+from ._layout import global_indices
 from ._plan import Kind, Piece, Plan, Route, block_half, cut, deliveries
 from ._stream import Reader
 from .errors import LoadError
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
+_BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
 
 
 @dataclass
@@ -103,9 +105,10 @@ class _Sink:
     it does nothing more (see ``_distribute.Faults``)."""
 
     def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
-        self.entries, self.targets = plan.entries, targets
+        self.plan, self.entries, self.targets = plan, plan.entries, targets
         self.wires = [DTYPES[e.dtype] for e in plan.entries]
         self.device = device
+        self.me = dist.get_rank()
         self.faults = _distribute.Faults()
         self.whole = _Assembly(device)
         self.scales = _Assembly(device)
@@ -151,9 +154,15 @@ class _Sink:
         if not dst.is_contiguous():
             raise LoadError("internal error: a write into a non-contiguous tensor")  # ensured by _model
         start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
-        step = _DEQUANTISE_STEP if self.entries[piece.index].scales else max(1, values.numel())
+        block = piece.kind is Kind.BLOCK  # this rank's block: not one run of the entry's elements
+        step = max(1, values.numel())
+        if self.entries[piece.index].scales:
+            step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
         for at in range(0, values.numel(), step):  # float8: float32 temporaries of one step at a time
-            part = self._decode(piece.index, values[at : at + step], first + at)
+            if block and self.entries[piece.index].scales:
+                part = self._decode_block(piece.index, values[at : at + step], start + at)
+            else:
+                part = self._decode(piece.index, values[at : at + step], first + at)
             dst.view(-1)[start + at : start + at + part.numel()].copy_(part)
 
     def _decode(self, index: int, values: torch.Tensor, first: int) -> torch.Tensor:
@@ -165,6 +174,17 @@ class _Sink:
             raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
         grids = self.scales.buffer.view(torch.float32)
         return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids)
+
+    def _decode_block(self, index: int, values: torch.Tensor, local_first: int) -> torch.Tensor:
+        """Float8 values of elements ``local_first ..`` of this rank's BLOCK shard, dequantised with
+        the scales of the global positions they hold (``_layout.global_indices``)."""
+        entry = self.entries[index]
+        if self.scales.index != index or self.scales.buffer is None:
+            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+        runs = self.plan.block_layouts(index, [self.me])[self.me]
+        flat = global_indices(runs, entry.shape, local_first, values.numel()).to(values.device)
+        grids = self.scales.buffer.view(torch.float32)
+        return dequantize_at(values, flat, list(entry.part_rows), entry.shape[-1], entry.block, grids)
 
     def _cut_whole(self, index: int) -> None:
         target = self.targets[index]

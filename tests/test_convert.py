@@ -113,6 +113,69 @@ def test_stack_experts_for_a_model_that_is_not_a_transformers_model(checkpoint, 
         assert {r["kinds"][f"layers.{i}.moe.experts.{w}"] for i in (0, 1) for w in ("w13", "w2")} == {kind}
 
 
+BLOCK = (4, 4)  # partial blocks: I = 6 and H = 12 rows are no multiples of 4 everywhere
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """The per-expert checkpoint with every expert weight in float8 plus its ``weight_scale_inv``
+    (the Hub's FP8 layout, block size in config.json); what a load must give: each expert weight
+    dequantised (``moe_models.dequantize``, transformers' formula) and stacked."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tests import moe_models as mm
+
+    torch.manual_seed(1)
+    model = titan()
+    sd, want = {}, {n: p.detach().clone() for n, p in model.named_parameters()}
+    for key, value in hub_layout(model).items():
+        if ".experts." not in key:
+            sd[key] = value
+            continue
+        q, scale = mm.quantize(value, BLOCK)
+        sd[key], sd[key + "_scale_inv"] = q, scale
+    for i in range(2):
+        w13 = want[f"layers.{i}.moe.experts.w13"]
+        w2 = want[f"layers.{i}.moe.experts.w2"]
+        for e in range(E):
+            for rows, name in ((slice(0, I), "w1"), (slice(I, 2 * I), "w3")):
+                k = f"layers.{i}.feed_forward.experts.{e}.{name}.weight"
+                w13[e, rows] = mm.dequantize(sd[k], sd[k + "_scale_inv"], BLOCK)
+            k = f"layers.{i}.feed_forward.experts.{e}.w2.weight"
+            w2[e] = mm.dequantize(sd[k], sd[k + "_scale_inv"], BLOCK)
+    root = tmp_path_factory.mktemp("titan-fp8")
+    save_file(sd, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps({"quantization_config": mm.fp8_config(BLOCK)}))
+    return str(root), want
+
+
+def _load_fp8(rank: int, world: int, path: str, staging: int) -> dict:
+    import rank0load
+
+    model = rank0load.load_sharded(
+        titan, path, shard_fn=expert_cols, conversions=rules(), max_staging_bytes=staging
+    )
+    report = model.rank0load_report
+    return {"tensors": gather(model), "kinds": report.kinds, "dequantised": report.dequantised}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("staging", [4096, 1024], ids=["rows", "expert-rows"])
+def test_fp8_experts_under_shard1_are_cut_by_rank0_and_dequantised_by_their_owner(
+    fp8_checkpoint, world, staging
+):
+    """FP8 per-expert sources stacked into experts sharded on dimension 1: each rank receives its
+    float8 block (never the whole tensor) and dequantises it with the scales of the rows and columns
+    it holds. 4096 bytes of staging: chunks of whole experts; 1024: rows of one expert at a time."""
+    path, want = fp8_checkpoint
+    for r in _dist.ok(_dist.run(_load_fp8, world, path, staging)):
+        assert_same(r["tensors"], want)
+        assert r["dequantised"] == 4
+        assert {r["kinds"][f"layers.{i}.moe.experts.{w}"] for i in (0, 1) for w in ("w13", "w2")} == {"block"}
+
+
 class NeedsTranspose:
     """A conversion rank0load cannot assemble: it must say so, naming the rule."""
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank0load._fp8 import dequantize
+from rank0load._fp8 import dequantize, dequantize_at
 from tests.moe_models import dequantize as reference
 from tests.moe_models import quantize
 
@@ -38,6 +38,26 @@ def test_any_run_of_elements_dequantises_exactly(case):
     values, scales, full = torch.cat(weights), torch.cat(grids), torch.cat(want)
     got = dequantize(values[start : start + n], start, part_rows, cols, block, scales)
     assert torch.equal(got, full[start : start + n])
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries(), st.integers(0, 2**31))
+def test_any_set_of_elements_dequantises_exactly(case, pick):
+    """dequantize_at (a tensor-parallel block: elements anywhere in the entry) gives the same bits."""
+    block, cols, part_rows, seed, _, _ = case
+    generator = torch.Generator().manual_seed(seed)
+    weights, grids, want = [], [], []
+    for rows in part_rows:
+        q, scale = quantize(torch.randn(rows, cols, generator=generator) * 10, block)
+        weights.append(q.reshape(-1))
+        grids.append(scale.reshape(-1))
+        want.append(reference(q, scale, block).reshape(-1))
+    values, scales, full = torch.cat(weights), torch.cat(grids), torch.cat(want)
+    flat = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(pick))[
+        : values.numel() // 2 + 1
+    ]
+    got = dequantize_at(values[flat], flat, part_rows, cols, block, scales)
+    assert torch.equal(got, full[flat])
 
 
 def test_large_runs_go_in_bounded_steps():

@@ -100,7 +100,7 @@ def _summary(model, mesh) -> dict:
     }
 
 
-def _scenarios(rank: int, world: int, toy_path: str, llama_path: str, tp_path: str) -> dict:
+def _scenarios(rank: int, world: int, toy_path: str, llama_path: str, tp_path: str, tp_fp8_path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -128,6 +128,14 @@ def _scenarios(rank: int, world: int, toy_path: str, llama_path: str, tp_path: s
     # 4 KiB of staging: chunks of 3-5 rows cut through the strided runs and the Shard(1) blocks.
     model = rank0load.load_sharded(TPLlama(), tp_path, dptp, shard_fn=TPThenFSDP(), max_staging_bytes=4096)
     out["tp_small_chunks"] = gather(model)
+
+    # FP8 block-quantised projections under TP + FSDP2: blocks cut by rank 0 as float8, each
+    # dequantised by the rank that holds it (whole chunks, then chunks of 3-5 rows).
+    for name, staging in (("tp_fp8", None), ("tp_fp8_small_chunks", 4096)):
+        kwargs = {"max_staging_bytes": staging} if staging else {}
+        model = rank0load.load_sharded(TPLlama(), tp_fp8_path, dptp, shard_fn=TPThenFSDP(), **kwargs)
+        out[name] = {"tensors": gather(model), "kinds": model.rank0load_report.kinds}
+        out[name]["dequantised"] = model.rank0load_report.dequantised
 
     flat = init_device_mesh("cpu", (world,))
     model = rank0load.load_sharded(
@@ -162,10 +170,30 @@ def loaded(tmp_path_factory, toy_checkpoint):
         for p in tp_ref.parameters():
             p.normal_(0, 0.5)
     tp_ref.save_pretrained(tmp / "tp", max_shard_size="20KB")
-    results = _dist.ok(
-        _dist.run(_scenarios, 4, toy_checkpoint, str(tmp / "llama"), str(tmp / "tp"), timeout=240)
-    )
-    return {"toy": toy_ref, "llama": llama_ref, "tp": tp_ref}, results
+    tp_ref.save_pretrained(tmp / "tp_fp8", max_shard_size="20KB")
+    fp8_ref = _quantise_projections(tmp / "tp_fp8", reference(tp_ref))
+    paths = [str(tmp / name) for name in ("llama", "tp", "tp_fp8")]
+    results = _dist.ok(_dist.run(_scenarios, 4, toy_checkpoint, *paths, timeout=240))
+    return {"toy": toy_ref, "llama": llama_ref, "tp": tp_ref, "tp_fp8": fp8_ref}, results
+
+
+FP8_BLOCK = (8, 8)  # partial blocks: 38 MLP rows and columns are no multiple of 8
+
+
+def _quantise_projections(path, want: dict) -> dict:
+    """Rewrite the decoder layers' projections as float8 + ``weight_scale_inv`` (the Hub's FP8 layout,
+    DeepSeek-V3 style); returns ``want`` with those weights dequantised: what a load must give."""
+    from tests import moe_models as mm
+
+    def edit(key: str, tensor: torch.Tensor) -> dict:
+        if not key.endswith("_proj.weight"):
+            return {key: tensor}
+        q, scale = mm.quantize(tensor, FP8_BLOCK)
+        want[key] = mm.dequantize(q, scale, FP8_BLOCK)
+        return {key: q, key + "_scale_inv": scale}
+
+    mm.rewrite(path, edit, mm.fp8_config(FP8_BLOCK))
+    return want
 
 
 def _toy_out(ref):
@@ -209,6 +237,19 @@ def test_tensor_parallel_then_fsdp(loaded):
         assert_same(s["tensors"], reference(refs["tp"]))
         torch.testing.assert_close(s["out"], _llama_out(refs["tp"]), rtol=1e-5, atol=1e-5)
         assert_same(r["tp_small_chunks"], reference(refs["tp"]))
+
+
+def test_fp8_under_tensor_parallel(loaded):
+    """Float8 weights travel as float8 blocks cut by rank 0 (strided colwise and Shard(1) rowwise),
+    and each rank dequantises its block with the scales of the rows and columns it holds."""
+    refs, results = loaded
+    for r in results:
+        for name in ("tp_fp8", "tp_fp8_small_chunks"):
+            s = r[name]
+            assert s["dequantised"] == 14  # 7 projections in each of 2 layers
+            assert s["kinds"]["model.layers.0.mlp.up_proj.weight"] == "block"
+            assert s["kinds"]["model.layers.0.mlp.down_proj.weight"] == "block"
+            assert_same(s["tensors"], refs["tp_fp8"])
 
 
 def test_cpu_offload_policy(loaded):

@@ -128,3 +128,16 @@ def test_runs_at_every_coordinate_tile_the_tensor(layout):
             counts[np.ix_(*index)] += 1
     copies = math.prod(n for n, p in zip(mesh_shape, placements) if type(p) is Replicate)
     assert torch.all(counts == copies), (layout, counts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(), st.data())
+def test_global_indices_name_the_elements_a_block_holds(layout, data):
+    """A float8 BLOCK shard is dequantised by the global position of each local element."""
+    shape, per_rank, _ = layout
+    full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    for runs in per_rank.values():
+        held = full[np.ix_(*[[i for a, b in d for i in range(a, b)] for d in runs])].reshape(-1)
+        first = data.draw(st.integers(0, held.numel()))
+        count = data.draw(st.integers(0, held.numel() - first))
+        assert torch.equal(_layout.global_indices(runs, shape, first, count), held[first : first + count])
