@@ -24,10 +24,8 @@ def entries(draw):
     return block, cols, part_rows, seed, start, n
 
 
-@settings(max_examples=300, deadline=None)
-@given(entries())
-def test_any_run_of_elements_dequantises_exactly(case):
-    block, cols, part_rows, seed, start, n = case
+def _quantised(block, cols, part_rows, seed):
+    """An entry of 2-D parts, quantised: (float8 values, scale grids, the formula's float32 values)."""
     generator = torch.Generator().manual_seed(seed)
     weights, grids, want = [], [], []
     for rows in part_rows:
@@ -35,7 +33,14 @@ def test_any_run_of_elements_dequantises_exactly(case):
         weights.append(q.reshape(-1))
         grids.append(scale.reshape(-1))
         want.append(reference(q, scale, block).reshape(-1))
-    values, scales, full = torch.cat(weights), torch.cat(grids), torch.cat(want)
+    return torch.cat(weights), torch.cat(grids), torch.cat(want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries())
+def test_any_run_of_elements_dequantises_exactly(case):
+    block, cols, part_rows, seed, start, n = case
+    values, scales, full = _quantised(block, cols, part_rows, seed)
     got = dequantize(values[start : start + n], start, part_rows, cols, block, scales)
     assert torch.equal(got, full[start : start + n])
 
@@ -45,14 +50,7 @@ def test_any_run_of_elements_dequantises_exactly(case):
 def test_any_set_of_elements_dequantises_exactly(case, pick):
     """dequantize_at (a tensor-parallel block: elements anywhere in the entry) gives the same bits."""
     block, cols, part_rows, seed, _, _ = case
-    generator = torch.Generator().manual_seed(seed)
-    weights, grids, want = [], [], []
-    for rows in part_rows:
-        q, scale = quantize(torch.randn(rows, cols, generator=generator) * 10, block)
-        weights.append(q.reshape(-1))
-        grids.append(scale.reshape(-1))
-        want.append(reference(q, scale, block).reshape(-1))
-    values, scales, full = torch.cat(weights), torch.cat(grids), torch.cat(want)
+    values, scales, full = _quantised(block, cols, part_rows, seed)
     flat = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(pick))[
         : values.numel() // 2 + 1
     ]
