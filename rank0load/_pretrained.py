@@ -11,8 +11,8 @@
 (all ranks) ``load_sharded`` with ``model_fn`` building ``model_cls`` from that config; rank 0 passes
             the directory it resolved, so a Hub repo is looked up once.
 
-Other ranks never open, stat or list the checkpoint or the Hugging Face cache, and never reach the
-network: they build the model from the config rank 0 sent.
+Other ranks never read the checkpoint or the Hugging Face cache, and never reach the network: they
+build the model from the config rank 0 sent.
 """
 
 from __future__ import annotations
@@ -234,7 +234,20 @@ def _configure(model_cls: Any, checkpoint: _Checkpoint, dtype: object) -> _Confi
     generation = (
         GenerationConfig.from_dict(checkpoint.generation) if checkpoint.generation is not None else None
     )
-    return _Configured(config, _dtype(dtype, config.dtype, checkpoint.stored_dtype), generation)
+    chosen = _dtype(dtype, config.dtype, checkpoint.stored_dtype)
+    if dist.get_rank() == 0:
+        name = getattr(model_cls, "__name__", repr(model_cls))
+        if config.model_type != raw.get("model_type"):  # as transformers' from_pretrained warns
+            logger.warning(
+                "%s has model_type %r, but %s reads it as %r: not every configuration loads this way",
+                checkpoint.where,
+                raw.get("model_type"),
+                name,
+                config.model_type,
+            )
+        dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
+        logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
+    return _Configured(config, chosen, generation)
 
 
 def _check_quantization(quant: object, where: str) -> None:
