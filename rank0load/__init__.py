@@ -1,6 +1,7 @@
 """rank0load: stream a safetensors checkpoint from rank 0 into an FSDP2-sharded model.
 
 model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
+model = rank0load.load_pretrained(AutoModelForCausalLM, ckpt_path, mesh)  # transformers models
 rank0load.save_sharded(model, out_dir)
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
 from ._convert import StackExperts
+from ._pretrained import load_pretrained
 from ._save import SaveReport, save_sharded
 from ._shard import default_shard_fn
 from .errors import (
@@ -22,6 +24,7 @@ from .errors import (
 
 __all__ = [
     "load_sharded",
+    "load_pretrained",
     "save_sharded",
     "SaveReport",
     "default_shard_fn",

@@ -3,7 +3,8 @@
 
 Reads headers only (one process, no process group, no tensor data). Exit codes, for scripts:
 
-    0  the checkpoint is readable (and, with --model, fits the model exactly)
+    0  the checkpoint is readable (and, with --model, its keys, shapes and dtypes fit the model; tied
+       names it stores twice are listed, since only a load compares their values)
     1  --model given: missing, unexpected or mismatched (shape / dtype) keys were found
     2  the checkpoint cannot be found or read (malformed file or index), or a bad command line
     3  --model / --key-map: could not be imported, the factory failed to build the model, or
@@ -100,7 +101,19 @@ def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) 
         lines += _keys(
             "ignored (dropped by the key map, or non-persistent buffers in the model)", result.ignored
         )
-        lines.append("fits the model" if result.fits else "does NOT fit the model")
+        lines += _keys(
+            "tied names stored more than once (their values are not read here: a load compares them and "
+            "raises if they differ)",
+            result.tied_twice,
+        )
+        if not result.fits:
+            lines.append("does NOT fit the model")
+        elif result.tied_twice:
+            lines.append(
+                "keys, shapes and dtypes fit the model; the values of tied names stored twice are unchecked"
+            )
+        else:
+            lines.append("fits the model")
     return "\n".join(lines)
 
 
@@ -131,6 +144,7 @@ def _json(result: Inspection) -> str:
             "mismatched": list(result.mismatched),
             "ignored": list(result.ignored),
             "converted": list(result.converted),
+            "tied_twice": list(result.tied_twice),
             "fits": result.fits,
         },
         indent=2,

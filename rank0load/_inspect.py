@@ -5,7 +5,8 @@ like ``load_sharded`` does on rank 0 (directory, file, index or Hub repo id), va
 header and the index, and summarises files, tensors, dtypes and sizes. Given a ``model_fn``, it
 builds the model on meta (nothing is allocated), matches keys exactly as a load does
 (``_manifest.match_keys``: ``key_map``, non-persistent buffers, tied and wrapper aliases) and lists
-missing, unexpected and mismatched keys, all of them rather than the first. No tensor data is read.
+missing, unexpected and mismatched keys, all of them rather than the first. No tensor data is read, so
+tied names stored more than once are listed (``tied_twice``) for the load to compare.
 ``python -m rank0load inspect`` is the command-line front end (``__main__``).
 """
 
@@ -56,10 +57,14 @@ class Inspection:
     mismatched: tuple[str, ...] = field(default=())  # one message per key whose shape/dtype cannot load
     ignored: tuple[str, ...] = ()  # checkpoint keys key_map dropped or non-persistent in the model
     converted: tuple[str, ...] = ()  # model tensors assembled from several tensors or dequantised
+    # Tied parameters whose names the checkpoint stores more than once ("a = b"): a load compares
+    # their bytes and raises if they differ; headers alone cannot tell.
+    tied_twice: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
-        """No missing, unexpected or mismatched keys (True when no model was checked)."""
+        """No missing, unexpected or mismatched keys (True when no model was checked). Values are not
+        read: ``tied_twice`` lists what only a load can compare."""
         return not (self.missing or self.unexpected or self.mismatched)
 
 
@@ -170,6 +175,11 @@ def inspect_checkpoint(
         mismatched=tuple(sorted(mismatched)),
         ignored=match.ignored,
         converted=converted,
+        tied_twice=tuple(
+            sorted(
+                " = ".join(t.key for t in found) for found in match.by_model_key.values() if len(found) > 1
+            )
+        ),
     )
 
 

@@ -46,7 +46,8 @@ class Source:
 
 
 def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> Source:
-    """(rank 0) Find the files of the checkpoint. Raises CheckpointNotFoundError / CheckpointFormatError."""
+    """(rank 0) Find the files of the checkpoint. Raises CheckpointNotFoundError / CheckpointFormatError;
+    a ``revision`` with a path that exists locally is a CheckpointNotFoundError (never ignored)."""
     path = os.fspath(ckpt_path)
     try:
         mode: int | None = os.stat(path).st_mode  # follows symlinks: what open() would reach
@@ -63,13 +64,19 @@ def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> S
                 "Fix the link or pass the checkpoint's real location."
             )
         if _REPO_ID.match(path) and not path.startswith((".", "/")):
-            snapshot = _from_hub(path, revision)
+            snapshot = _from_hub(path, revision, _not_local(path))
             # The Hub cache links snapshots/<commit>/<file> to blobs/<sha>: the repo's cache
             # folder, not the snapshot, is what files must stay inside.
             return _from_dir(snapshot, boundary=os.path.realpath(os.path.join(snapshot, "..", "..")))
         raise CheckpointNotFoundError(
             f"checkpoint {path!r} does not exist. Pass a directory, a .safetensors file, a "
             "*.safetensors.index.json file, or a Hugging Face Hub repo id ('org/name')."
+        )
+    if revision is not None:  # a local checkpoint has no revisions: never ignore the argument silently
+        raise CheckpointNotFoundError(
+            f"revision={revision!r} names a Hugging Face Hub revision, but checkpoint {path!r} is a local "
+            f"path ({os.path.abspath(path)!r} exists): a local checkpoint has no revisions. Drop revision=, "
+            "or pass a Hub repo id ('org/name') that is not also a local path."
         )
     if stat.S_ISDIR(mode):
         return _from_dir(path, boundary=_cache_repo(path))
@@ -230,31 +237,45 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# What a load needs from a Hub repo: weights, their index, and the model config (for callers that
-# build model_fn from it). Not tokenizers, not other weight formats (.bin, .gguf, .pt).
-HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json")
+# What a load needs from a Hub repo: weights, their index, and the model config and generation config
+# (load_pretrained builds the model from them; so may callers' model_fn). Not tokenizers, not other
+# weight formats (.bin, .gguf, .pt).
+HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json")
 
 
-def _from_hub(repo_id: str, revision: str | None) -> str:
+def _not_local(path: str) -> str:
+    """How ``path``, tried as a Hub repo id, failed as a local path: the start of the Hub errors."""
+    first, _, rest = path.partition("/")
+    where = f"in {os.getcwd()!r}"
+    if os.path.isdir(first):
+        where = f"{where}: the directory {first!r} exists there but holds no {rest!r}"
+    return f"checkpoint {path!r} does not exist as a local path ({where}), so it was tried as a Hugging Face Hub repo id"
+
+
+def _from_hub(repo_id: str, revision: str | None, not_local: str) -> str:
     """(rank 0) The local snapshot folder of a Hub repo: from the cache, downloading what is missing.
 
     ``huggingface_hub.snapshot_download`` honours ``HF_HOME`` / ``HF_HUB_CACHE`` (where the cache
     is), ``HF_HUB_OFFLINE=1`` (cache only, no network: the ``refs/<revision>`` file names the
-    snapshot) and ``HF_TOKEN``. Only :data:`HUB_PATTERNS` are fetched.
+    snapshot) and ``HF_TOKEN``. Only :data:`HUB_PATTERNS` are fetched. ``not_local`` (from
+    :func:`_not_local`) starts every error: the user may have meant a local path.
     """
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError as exc:  # pragma: no cover - huggingface_hub is a runtime dependency
-        raise CheckpointNotFoundError(f"{repo_id!r}: huggingface_hub is not importable ({exc})") from None
-    where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+        raise CheckpointNotFoundError(f"{not_local}, but huggingface_hub is not importable ({exc})") from None
+    where = f"{not_local}" + (f" at revision {revision!r}" if revision else "")
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_PATTERNS))
     except LocalEntryNotFoundError as exc:  # also IncompleteSnapshotError
         raise CheckpointNotFoundError(
-            f"{where} is not a local path, and the Hugging Face cache has no complete snapshot of it while "
-            f"the Hub is unreachable or HF_HUB_OFFLINE is set: {exc} Download it first "
-            f"(`hf download {repo_id}`), check HF_HOME, or pass a local directory."
+            f"{where}, and the Hugging Face cache has no complete snapshot of it while the Hub is "
+            f"unreachable or HF_HUB_OFFLINE is set: {exc} If you meant a local path, check it; for the "
+            f"Hub repo, download it first (`hf download {repo_id}`), check HF_HOME, or pass a local directory."
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise CheckpointNotFoundError(f"could not fetch {where} from the Hugging Face Hub: {exc}") from None
+        raise CheckpointNotFoundError(
+            f"{where}, which could not be fetched from the Hugging Face Hub: {exc} If you meant a local "
+            "path, check it."
+        ) from None

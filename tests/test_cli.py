@@ -203,3 +203,28 @@ def test_key_map_failures(cli, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["inspect", ckpt, "--key-map", "tests.test_cli:from_prefixed"])
     assert exc.value.code == 2 and "--key-map needs --model" in capsys.readouterr().err
+
+
+def test_tied_names_stored_twice_are_flagged(tmp_path, capsys):
+    """A checkpoint holding both names of the toy's tied embedding / head: the keys fit, but only a
+    load reads their bytes, so inspect lists them and does not say "fits the model"."""
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in trained_toy().state_dict().items()}
+    state["head.weight"] = state["head.weight"].clone()  # both names stored, as torch.save keeps them
+    path = str(tmp_path / "twice.safetensors")
+    save_file(state, path)
+    assert main(["inspect", path, "--model", "tests.models:toy"]) == 0
+    out = capsys.readouterr().out
+    assert "tied names stored more than once" in out and "  emb.weight = head.weight" in out
+    assert "fits the model" not in out
+    assert out.rstrip().endswith("the values of tied names stored twice are unchecked")
+    assert main(["inspect", path, "--model", "tests.models:toy", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tied_twice"] == ["emb.weight = head.weight"] and got["fits"] is True
+
+
+def test_tied_name_stored_once_fits(cli):
+    code, out, _ = cli[1]["fits"]
+    assert code == 0 and "tied names stored more than once" not in out
+    assert out.rstrip().endswith("fits the model")

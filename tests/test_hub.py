@@ -175,7 +175,8 @@ def test_absent_repo_offline_raises_everywhere(hub_results):
     assert "'org/absent'" in message and "HF_HUB_OFFLINE" in message
 
 
-def test_only_weights_index_and_config_are_fetched(toy_checkpoint, monkeypatch):
+def test_only_weights_index_and_configs_are_fetched(toy_checkpoint, monkeypatch):
+    """Weights, their index, config.json and generation_config.json (load_pretrained reads both)."""
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
@@ -206,6 +207,7 @@ def test_only_weights_index_and_config_are_fetched(toy_checkpoint, monkeypatch):
     ]
     assert sorted(filter_repo_objects(repo_files, allow_patterns=patterns)) == [
         "config.json",
+        "generation_config.json",
         "model-00001-of-00002.safetensors",
         "model.safetensors.index.json",
         "sub/model.safetensors",

@@ -1,0 +1,340 @@
+"""``load_pretrained``: a transformers model built from its checkpoint's own config, then ``load_sharded``.
+
+(rank 0)    :func:`_read` resolves the checkpoint as ``load_sharded`` does (``_source.resolve``: a
+            directory, a file, an index or a Hub repo id) and reads ``config.json``, then
+            ``generation_config.json`` if there is one, and, when ``dtype="auto"`` finds no dtype in
+            the config, the dtype of the checkpoint's first floating tensor (one header).
+(all ranks) ``_distribute.share``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
+(all ranks) :func:`_configure` under ``_distribute.attempt`` / ``settle``: the config class (from
+            ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
+            generation config. Every rank computes it from the same data; a failure is raised everywhere.
+(all ranks) ``load_sharded`` with ``model_fn`` building ``model_cls`` from that config; rank 0 passes
+            the directory it resolved, so a Hub repo is looked up once.
+
+Other ranks never read the checkpoint or the Hugging Face cache, and never reach the network: they
+build the model from the config rank 0 sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import _distribute
+from ._api import load_sharded
+from ._compat import hf_keep_in_fp32
+from ._entries import FLOAT_WIRE
+from ._format import DTYPES, OpenFile, read_exact, read_header
+from ._source import resolve
+from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
+
+__all__ = ["load_pretrained"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; anything far bigger is not one
+_NO_DATA = "No data was moved; fix the cause and load again."
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    """What rank 0 read, sent to every rank (pickled: plain data only)."""
+
+    name: str  # ckpt_path as the caller gave it: the config's name_or_path, as from_pretrained sets it
+    where: str  # the config.json rank 0 read, for messages
+    config: dict[str, Any]  # config.json
+    generation: dict[str, Any] | None  # generation_config.json, None when the checkpoint has none
+    overrides: dict[str, Any]  # rank 0's config_overrides
+    stored_dtype: str | None  # safetensors dtype of the first floating tensor, read only for dtype="auto"
+
+
+@dataclass(frozen=True)
+class _Configured:
+    config: Any  # a transformers PreTrainedConfig
+    dtype: torch.dtype
+    generation: Any  # a transformers GenerationConfig, or None
+
+
+def load_pretrained(
+    model_cls: Any,
+    ckpt_path: str | os.PathLike[str],
+    mesh: DeviceMesh | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    **load_sharded_kwargs: Any,
+) -> nn.Module:
+    """Build a transformers model from the checkpoint's ``config.json`` and load it sharded, reading
+    the checkpoint on rank 0 only: ``from_pretrained`` for FSDP2.
+
+    Every rank calls this with the same arguments. Rank 0 reads the config and sends it; every rank
+    builds ``model_cls`` from it on meta, and :func:`~rank0load.load_sharded` streams the weights.
+
+    Args:
+        model_cls: a transformers Auto class (``AutoModelForCausalLM``,
+            ``AutoModelForSequenceClassification``, ...), whose model the config's ``model_type``
+            picks, or a model class (``LlamaForCausalLM``, or your own ``PreTrainedModel`` subclass),
+            whose ``config_class`` reads the config.
+        ckpt_path: as for ``load_sharded``: a directory saved with ``save_pretrained``, a
+            ``.safetensors`` file or an index beside a ``config.json``, or a Hub repo id. Read on rank 0.
+        mesh: as for ``load_sharded``.
+        dtype: ``None``: what ``from_config`` builds, which in transformers 5 is the config's
+            ``dtype`` (``torch_dtype`` in older files), else torch's default (float32). ``"auto"``:
+            the config's dtype, else the dtype of the checkpoint's first floating tensor, as
+            ``from_pretrained(dtype="auto")`` does. A floating ``torch.dtype`` (or its name, e.g.
+            ``"bfloat16"``): that dtype. The model is built in it, so buffers such as ``inv_freq`` and
+            the modules transformers keeps in float32 come out as ``from_pretrained`` makes them.
+        revision: the Hub revision when ``ckpt_path`` is a repo id; with a local path, an error.
+        config_overrides: config attributes to set, as ``from_pretrained(path, **kwargs)`` sets them,
+            e.g. ``{"num_labels": 3}`` or ``{"attn_implementation": "sdpa"}``. Rank 0's are used.
+        **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``,
+            ``conversions``, passed to ``load_sharded``.
+
+    Returns:
+        The sharded model, in eval mode as ``from_pretrained`` returns it (call ``model.train()`` to
+        train). ``model.config`` is the config every rank received, without ``quantization_config``
+        (an FP8 block checkpoint is dequantised into ``dtype``); ``model.generation_config`` comes from
+        ``generation_config.json`` when the checkpoint has one and the model can generate.
+        ``model.rank0load_report`` holds a ``LoadReport``.
+
+    Raises:
+        LoadError: on every rank, with the same message: everything ``load_sharded`` raises, and a
+            missing or malformed ``config.json`` (``CheckpointNotFoundError``,
+            ``CheckpointFormatError``), a ``model_type`` transformers does not know (remote code is
+            never fetched or run: ``ModelMismatchError`` saying how to build the model yourself), a
+            quantisation other than FP8 blocks, an Auto class without a model for this config, or
+            ``config_overrides`` naming no config attribute.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise LoadError(
+            "torch.distributed is not initialised: call dist.init_process_group() first "
+            "(torchrun sets the environment for it)"
+        )
+    if dist.get_rank() == 0:
+        read, path = _read(ckpt_path, revision, dtype, config_overrides)
+    else:
+        read, path = None, ckpt_path  # other ranks never look at ckpt_path
+    checkpoint: _Checkpoint = _distribute.share(read)
+    configured, error = _distribute.attempt(lambda: _configure(model_cls, checkpoint, dtype))
+    _distribute.settle(error, "building the model's config", _NO_DATA, wrap=LoadError)
+    assert configured is not None  # settle() raised otherwise
+    model = load_sharded(
+        lambda: _build(model_cls, configured.config, configured.dtype), path, mesh, **load_sharded_kwargs
+    )
+    if configured.generation is not None and model.can_generate():  # type: ignore[operator]
+        model.generation_config = configured.generation
+    return model.eval()
+
+
+def _read(
+    ckpt_path: str | os.PathLike[str],
+    revision: str | None,
+    dtype: object,
+    overrides: dict[str, Any] | None,
+) -> tuple[_Checkpoint | LoadError, str | os.PathLike[str]]:
+    """(rank 0) The checkpoint's configs, or the LoadError to share; and the path for ``load_sharded``:
+    the snapshot directory when ``ckpt_path`` was a Hub repo id, so that it is resolved once."""
+    try:
+        if overrides is not None and (
+            not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)
+        ):
+            raise LoadError(
+                f"config_overrides={overrides!r}: expected a dict of config attribute names to values"
+            )
+        source = resolve(ckpt_path, revision)
+        hub = not os.path.exists(ckpt_path)  # resolve() tries the Hub only for a path that is not here
+        where = os.path.join(source.root, "config.json")
+        config = _json(where, required=True)
+        assert config is not None  # required: _json raised otherwise
+        stored = None
+        if dtype == "auto" and config.get("dtype") is None and config.get("torch_dtype") is None:
+            headers, _ = read_header(source.files[0])
+            stored = next((headers[k].dtype for k in sorted(headers) if headers[k].dtype in FLOAT_WIRE), None)
+        read = _Checkpoint(
+            name=os.fspath(ckpt_path),
+            where=where,
+            config=config,
+            generation=_json(os.path.join(source.root, "generation_config.json"), required=False),
+            overrides=dict(overrides or {}),
+            stored_dtype=stored,
+        )
+        pickle.dumps(read)  # what share() sends: a failure here must not leave the other ranks waiting
+        return read, source.root if hub else ckpt_path
+    except LoadError as exc:
+        return exc, ckpt_path
+    except Exception as exc:  # anything unforeseen must still reach every rank
+        return LoadError(
+            f"rank 0 could not read the config of {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
+        ), ckpt_path
+
+
+def _json(path: str, required: bool) -> dict[str, Any] | None:
+    """(rank 0) A JSON object from ``path`` (through one descriptor of a regular file), or None when
+    it is absent and not ``required``."""
+    if not required and not os.path.lexists(path):
+        return None
+    try:
+        with OpenFile.open(path) as f:
+            if f.identity.size > _MAX_CONFIG_BYTES:
+                raise CheckpointFormatError(f"{path}: {f.identity.size} bytes is too large for a config file")
+            raw = read_exact(f.fd, f.identity.size, 0, path)
+    except CheckpointNotFoundError:
+        if not os.path.lexists(path):
+            raise CheckpointNotFoundError(
+                f"no config.json beside the checkpoint's weights ({path} does not exist): load_pretrained "
+                "builds the model from it. Pass the directory save_pretrained wrote, or build the model "
+                "yourself with load_sharded(model_fn, ckpt_path)."
+            ) from None
+        raise
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointFormatError(
+            f"{path} is not valid JSON ({type(exc).__name__}: {exc}). Re-download or re-save the checkpoint."
+        ) from None
+    if not isinstance(value, dict):
+        raise CheckpointFormatError(
+            f"{path} holds a JSON {type(value).__name__}, not an object. Re-download or re-save the checkpoint."
+        )
+    return value
+
+
+def _configure(model_cls: Any, checkpoint: _Checkpoint, dtype: object) -> _Configured:
+    """(all ranks, from the same ``checkpoint``) The config, the dtype and the generation config."""
+    from transformers import GenerationConfig
+
+    raw = dict(checkpoint.config)
+    _check_quantization(raw.pop("quantization_config", None), checkpoint.where)
+    config_class = _config_class(model_cls, raw, checkpoint.where)
+    config, unused = config_class.from_dict(
+        raw, name_or_path=checkpoint.name, return_unused_kwargs=True, **checkpoint.overrides
+    )
+    if unused:
+        raise LoadError(
+            f"config_overrides {sorted(unused)} name no attribute of {type(config).__name__} "
+            f"(from {checkpoint.where}); check their spelling."
+        )
+    mapping = getattr(model_cls, "_model_mapping", None)  # an Auto class: what its from_config checks
+    if mapping is not None and type(config) not in mapping:
+        raise ModelMismatchError(
+            f"{model_cls.__name__} has no model for {type(config).__name__} (model_type "
+            f"{raw.get('model_type')!r} in {checkpoint.where}; its architectures: "
+            f"{raw.get('architectures')}). Pass the Auto class or model class for this architecture."
+        )
+    generation = (
+        GenerationConfig.from_dict(checkpoint.generation) if checkpoint.generation is not None else None
+    )
+    chosen = _dtype(dtype, config.dtype, checkpoint.stored_dtype)
+    if dist.get_rank() == 0:
+        name = getattr(model_cls, "__name__", repr(model_cls))
+        if config.model_type != raw.get("model_type"):  # as transformers' from_pretrained warns
+            logger.warning(
+                "%s has model_type %r, but %s reads it as %r: not every configuration loads this way",
+                checkpoint.where,
+                raw.get("model_type"),
+                name,
+                config.model_type,
+            )
+        dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
+        logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
+    return _Configured(config, chosen, generation)
+
+
+def _check_quantization(quant: object, where: str) -> None:
+    """FP8 block checkpoints load dequantised (``load_sharded`` reads the block size from
+    ``config.json`` itself); the model is built without ``quantization_config``. Others are refused."""
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "fp8":
+        raise ModelMismatchError(
+            f"{where}: quantization_config has quant_method {method!r}; rank0load loads FP8 block "
+            "checkpoints (quant_method 'fp8', weight_block_size), dequantised into dtype, and no other "
+            "quantisation. Load a dequantised copy of the checkpoint."
+        )
+
+
+def _config_class(model_cls: Any, raw: dict[str, Any], where: str) -> Any:
+    """The config class: ``model_cls.config_class`` for a model class, else the one ``model_type``
+    names (as transformers' ``AutoConfig`` picks it). Remote code is never fetched or run."""
+    from transformers import PreTrainedModel
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
+        if model_cls.config_class is None:
+            raise LoadError(f"{model_cls.__name__} has no config_class to read {where} with; set one")
+        return model_cls.config_class
+    if not (hasattr(model_cls, "from_config") and hasattr(model_cls, "_model_mapping")):
+        raise LoadError(
+            f"model_cls={model_cls!r}: expected a transformers Auto class (AutoModelForCausalLM, ...) or "
+            "a PreTrainedModel subclass. For any other model, use load_sharded(model_fn, ckpt_path)."
+        )
+    model_type = raw.get("model_type")
+    if (
+        model_type == "mistral" and "layer_types" in raw
+    ):  # AutoConfig.from_pretrained's rule (transformers 5.23)
+        model_type = raw["model_type"] = "ministral"
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
+    how = (
+        " Import the model's classes yourself on every rank and pass the model class as model_cls "
+        "(load_pretrained(MyModelForCausalLM, ckpt_path) reads config.json with its config_class), or build "
+        "it with load_sharded(lambda: MyModelForCausalLM(MyConfig(**config)), ckpt_path)."
+    )
+    if "auto_map" in raw:
+        raise ModelMismatchError(
+            f"{where}: model_type {model_type!r} needs the checkpoint's own code (auto_map: "
+            f"{raw['auto_map']}), which from_pretrained runs only with trust_remote_code=True. "
+            "load_pretrained never fetches or runs remote code (the other ranks have no copy of it)." + how
+        )
+    import transformers
+
+    raise ModelMismatchError(
+        f"{where}: model_type {model_type!r} is not an architecture transformers {transformers.__version__} "
+        "knows. Upgrade transformers if the model is new." + how
+    )
+
+
+def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype:
+    """The dtype to build in: see ``load_pretrained``'s ``dtype``."""
+    chosen = configured if dtype in (None, "auto") else dtype
+    if dtype == "auto" and chosen is None and stored is not None:
+        chosen = DTYPES[stored]
+    if isinstance(chosen, str):
+        chosen = getattr(torch, chosen, chosen)
+    if chosen is None:
+        chosen = torch.get_default_dtype()
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        raise LoadError(
+            f"dtype={dtype!r} resolves to {chosen!r}: expected None, 'auto' or a floating torch.dtype "
+            "(e.g. torch.bfloat16)"
+        )
+    return chosen
+
+
+def _build(model_cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
+    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, then what
+    transformers keeps in float32 (``_keep_in_fp32_modules``) in float32, as ``from_pretrained`` does."""
+    make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
+    model: nn.Module = make(config, dtype=dtype)
+    keep = hf_keep_in_fp32(model, dtype)
+    if keep is not None:
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for leaf, p in module._parameters.items():
+                if p is not None and p.is_floating_point() and keep(prefix + leaf):
+                    p.data = p.data.to(torch.float32)
+            for leaf, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and keep(prefix + leaf):
+                    module._buffers[leaf] = b.to(torch.float32)
+    return model
