@@ -2,11 +2,13 @@
 
 model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
 rank0load.save_sharded(model, out_dir)
+rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
 """
 
 from __future__ import annotations
 
 from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
+from ._clip import clip_grad_norm_
 from ._convert import StackExperts
 from ._save import SaveReport, save_sharded
 from ._shard import default_shard_fn
@@ -23,6 +25,7 @@ from .errors import (
 __all__ = [
     "load_sharded",
     "save_sharded",
+    "clip_grad_norm_",
     "SaveReport",
     "default_shard_fn",
     "StackExperts",
