@@ -62,10 +62,15 @@ def _shard_groups(mesh: DeviceMesh, placements: tuple[object, ...], what: str) -
                 ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
                 groups.append(_Group(ranks, pg, torch.device(mesh.device_type)))
         elif type(placement) is not Replicate:
+            hint = (
+                " A Partial gradient is not yet reduced: redistribute it to Shard or Replicate "
+                "(grad.redistribute(...)) first."
+                if getattr(placement, "is_partial", lambda: False)()
+                else ""
+            )
             raise ValueError(
                 f"clip_grad_norm_: {what} has placement {placement!r} on mesh dimension {dim}; only "
-                "Shard, _StridedShard and Replicate are supported. A Partial gradient is not yet "
-                "reduced: redistribute it to Shard or Replicate (grad.redistribute(...)) first."
+                f"Shard, _StridedShard and Replicate are supported.{hint}"
             )
     return tuple(groups)
 
