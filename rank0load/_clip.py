@@ -213,14 +213,21 @@ def clip_grad_norm_(
             grads.append(local_tensor(param.grad))
 
     present = [g for _, gs in buckets.values() for g in gs] + local_only
-    device = present[0].device if present else local_tensor(params[0]).device
+    first = next((q.grad for q in params if q.grad is not None), params[0])
+    device = local_tensor(first).device  # torch returns the norm on the first gradient's device
     dtype = torch.float64 if any(local_tensor(q).dtype == torch.float64 for q in params) else torch.float32
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    reduced = _all_reduce_buckets(
-        [groups for groups, _ in buckets.values()],
-        [_local_power(gs, p, foreach, device) for _, gs in buckets.values()],
-        op,
-    )
+    values = [_local_power(gs, p, foreach, device) for _, gs in buckets.values()]
+    bucket_groups = [gs for gs, _ in buckets.values()]
+    if math.isinf(p):
+        # MAX need not propagate nan (a NaN gradient on one rank), a sum does: carry a nan flag beside
+        # each max so that every rank ends with nan, as torch would, and raises alike.
+        flagged = [torch.stack([torch.where(v.isnan(), 0.0, v), v.isnan().to(v.dtype)]) for v in values]
+        reduced = [
+            torch.where(r[1] > 0, torch.nan, r[0])
+            for r in _all_reduce_buckets(bucket_groups, flagged, dist.ReduceOp.MAX)
+        ]
+    else:
+        reduced = _all_reduce_buckets(bucket_groups, values, dist.ReduceOp.SUM)
     parts = torch.stack([_local_power(local_only, p, foreach, device), *reduced])
     total64 = parts.max() if math.isinf(p) else parts.sum().pow(1.0 / p)
     total = total64.to(dtype)

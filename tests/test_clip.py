@@ -321,6 +321,16 @@ def _ranks(rank: int, world: int) -> dict:
         rank0load.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
     except RuntimeError as exc:
         out["nonfinite"] = str(exc)
+    # A NaN in one rank's shard under the inf norm: every rank ends with nan and raises alike.
+    # On rank 2, not 0: gloo's MAX keeps a nan from rank 0 but drops one from a later rank (rank 3's
+    # gradients are None since the empty-rank case).
+    if rank == 2:
+        local_tensor(params[0].grad).view(-1)[0] = math.nan
+    out["nan_inf_norm"] = rank0load.clip_grad_norm_(params, 1.0, math.inf).item()
+    try:
+        rank0load.clip_grad_norm_(params, 1.0, math.inf, error_if_nonfinite=True)
+    except RuntimeError as exc:
+        out["nan_inf_raised"] = str(exc)
     out["groups"] = {
         "world": tuple(range(world)),
         "dp": tuple(sorted(dist.get_process_group_ranks(dptp.get_group("dp")))),
@@ -439,6 +449,9 @@ def test_partial_and_nonfinite_raise_on_every_rank(ranks):
     messages = {r.get("partial") for r in ranks}
     assert len(messages) == 1 and "Partial gradient is not yet reduced" in messages.pop()
     messages = {r.get("nonfinite") for r in ranks}
+    assert len(messages) == 1 and "non-finite" in messages.pop()
+    assert all(math.isnan(r["nan_inf_norm"]) for r in ranks), [r["nan_inf_norm"] for r in ranks]
+    messages = {r.get("nan_inf_raised") for r in ranks}
     assert len(messages) == 1 and "non-finite" in messages.pop()
 
 
