@@ -3,11 +3,13 @@
 model = rank0load.load_sharded(model_fn, ckpt_path, mesh)
 model = rank0load.load_pretrained(AutoModelForCausalLM, ckpt_path, mesh)  # transformers models
 rank0load.save_sharded(model, out_dir)
+rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
 """
 
 from __future__ import annotations
 
 from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
+from ._clip import clip_grad_norm_
 from ._convert import StackExperts
 from ._pretrained import load_pretrained
 from ._save import SaveReport, save_sharded
@@ -26,6 +28,7 @@ __all__ = [
     "load_sharded",
     "load_pretrained",
     "save_sharded",
+    "clip_grad_norm_",
     "SaveReport",
     "default_shard_fn",
     "StackExperts",

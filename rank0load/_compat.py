@@ -26,6 +26,9 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 __all__ = [
     "StridedShard",
     "clear_hf_initialized",
+    "foreach_mul_",
+    "foreach_norm",
+    "foreach_supported",
     "hf_conversions",
     "hf_reverse_conversions",
     "hf_revert_key",
@@ -53,6 +56,26 @@ def host_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def foreach_supported(device: torch.device) -> bool:
+    """Whether torch's fused ``_foreach_*`` kernels run on ``device`` (what ``torch.nn.utils.clip_grad_norm_``
+    asks before using them). Private: ``torch.utils._foreach_utils._device_has_foreach_support``."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
+    return bool(_device_has_foreach_support(device))
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One ``ord``-norm per tensor, each computed in ``dtype``, in one fused kernel
+    (``torch._foreach_norm``, an underscore op). The tensors must be non-empty for ``ord=inf``."""
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor in place by the one-element tensor ``factor`` (on their device), in one
+    fused kernel (``torch._foreach_mul_``, an underscore op)."""
+    torch._foreach_mul_(tensors, factor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

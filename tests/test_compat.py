@@ -16,6 +16,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from rank0load._compat import (
     StridedShard,
     clear_hf_initialized,
+    foreach_mul_,
+    foreach_norm,
+    foreach_supported,
     hf_init_weights,
     host_bytes,
     local_tensor,
@@ -157,6 +160,26 @@ def test_one_dim_placement_and_strided_shard_fields():
     assert one_dim_placement(strided, 0) == Replicate()
     assert one_dim_placement(Replicate(), 0) == Replicate()
     assert one_dim_placement(Partial(), 0) is None
+
+
+def test_foreach_helpers_clip_grad_norm_relies_on():
+    assert foreach_supported(torch.device("cpu")) and not foreach_supported(torch.device("meta"))
+    tensors = [torch.tensor([3.0, -4.0]), torch.tensor([1.0, 2.0], dtype=torch.bfloat16)]
+    norms = foreach_norm(tensors, 2.0, torch.float32)  # one norm per tensor, in the dtype asked for
+    assert [n.dtype for n in norms] == [torch.float32] * 2
+    torch.testing.assert_close(torch.stack(norms), torch.tensor([5.0, 5**0.5]))
+    assert foreach_norm([torch.tensor([1.0, -7.0])], float("inf"), torch.float32)[0].item() == 7.0
+    with pytest.raises(RuntimeError, match="empty tensor"):  # why clip_grad_norm_ drops empty shards
+        foreach_norm([torch.empty(0)], float("inf"), torch.float32)
+    foreach_mul_(tensors, torch.tensor(0.5))
+    assert tensors[0].tolist() == [1.5, -2.0] and tensors[1].tolist() == [0.5, 1.0]
+
+
+def test_strided_shard_is_neither_shard_nor_is_shard():
+    """clip_grad_norm_ names _StridedShard beside Shard: it is no subclass and is_shard() is False
+    (were that to change, rank0load._clip._shard_groups could test Shard alone)."""
+    strided = StridedShard(0, split_factor=2)
+    assert not isinstance(strided, Shard) and not strided.is_shard() and not strided.is_replicate()
 
 
 def test_host_bytes_is_a_writable_alias():
