@@ -1,0 +1,176 @@
+"""The scripts in examples/ run as a user runs them (torchrun, CPU/gloo) on a tiny checkpoint written
+here, and do what they print; the README's recipes are excerpts of them (so they cannot drift).
+
+Losses and gradient norms are compared with the same steps on one process (transformers'
+``from_pretrained``, ``torch.nn.utils.clip_grad_norm_``): the example's loop is the loop it claims.
+(AdamW's step barely depends on a constant scaling of the gradient, so the losses do not show the
+clipping itself: tests/test_clip.py checks every clipped gradient against torch's.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+REGION = re.compile(
+    r"^[ ]*# --- recipe: (?P<name>[\w ]+) ---\n(?P<body>.*?)^\s*# --- end recipe ---", re.M | re.S
+)
+
+
+def _batch(vocab_size: int, device: str, seed: int) -> dict:
+    """examples/_common.py's batch: the examples' own data."""
+    spec = importlib.util.spec_from_file_location("examples_common", os.path.join(EXAMPLES, "_common.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.batch(vocab_size, device, seed)
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=38,  # over tp=2: 19 rows each
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    path = str(tmp_path_factory.mktemp("examples") / "llama")
+    model.save_pretrained(path, max_shard_size="40KB")
+    return path
+
+
+def _run(script: str, ranks: int, *args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    done = subprocess.run(
+        [*command, os.path.join(EXAMPLES, script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def _numbers(pattern: str, text: str) -> list[tuple[float, ...]]:
+    return [tuple(float(x) for x in m) for m in re.findall(pattern, text)]
+
+
+def _reference_steps(path: str, batches: list[list[dict]]) -> list[tuple[float, float]]:
+    """(loss of the first batch of each step, gradient norm) of the same steps on one process: each
+    step's gradient is the mean over its batches (what FSDP2's reduce-scatter gives)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    out = []
+    for step_batches in batches:
+        losses = [model(**b).loss for b in step_batches]
+        (sum(losses) / len(losses)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append((losses[0].item(), norm.item()))
+    return out
+
+
+@pytest.mark.slow
+def test_train(checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out_dir = str(tmp_path / "trained")
+    text = _run("train.py", 2, checkpoint, out_dir)
+    got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
+    want = _reference_steps(checkpoint, [[_batch(64, "cpu", seed=s)] for s in range(3)])
+    assert len(got) == 3, text
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, want):
+        assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3), text
+    assert want[0][1] > 1.0  # the clipping was in force
+    # The saved checkpoint loads with from_pretrained and holds the trained weights.
+    saved = AutoModelForCausalLM.from_pretrained(out_dir)
+    original = AutoModelForCausalLM.from_pretrained(checkpoint)
+    names = dict(original.named_parameters())
+    assert set(dict(saved.named_parameters())) == set(names)
+    assert all(not torch.equal(p, names[n]) for n, p in saved.named_parameters())
+    assert re.search(r"saved \d+ tensors", text), text
+
+
+@pytest.mark.slow
+def test_new_head(checkpoint):
+    text = _run("new_head.py", 2, checkpoint)
+    assert "missing: ('score.weight',)" in text, text
+    assert "unexpected: ('lm_head.weight',)" in text, text
+    assert "num_labels 3" in text, text
+
+
+@pytest.mark.slow
+def test_hsdp(checkpoint):
+    text = _run("hsdp.py", 4, checkpoint)
+    assert "(Replicate(), Shard(dim=0)) on (2, 2)" in text, text
+    assert "{'sharded'}" in text, text
+
+
+@pytest.mark.slow
+def test_tensor_parallel(checkpoint):
+    """TP + FSDP2 and rank0load.clip_grad_norm_ over parameters on two meshes: the norm of the mean
+    gradient over the two data-parallel batches, as one process computes it."""
+    text = _run("tensor_parallel.py", 4, checkpoint)
+    assert "down_proj travels as 'block', embed_tokens as 'sharded'" in text, text
+    ((loss, norm),) = _numbers(r"loss ([\d.]+), grad norm ([\d.]+)", text)
+    ((ref_loss, ref_norm),) = _reference_steps(checkpoint, [[_batch(64, "cpu", seed=s) for s in (0, 1)]])
+    assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4), text
+
+
+@pytest.mark.slow
+def test_measure_ram(checkpoint):
+    text = _run("measure_ram.py", 2, checkpoint)
+    rows = [
+        tuple(float(x) for x in line.split()) for line in text.splitlines() if re.match(r"^\s+\d\s", line)
+    ]
+    assert [int(r[0]) for r in rows] == [0, 1], text
+    for _, before, after, local in rows:
+        assert 0 < before <= after and local > 0, text
+
+
+def _regions() -> dict[str, str]:
+    out = {}
+    for name in sorted(os.listdir(EXAMPLES)):
+        if name.endswith(".py"):
+            with open(os.path.join(EXAMPLES, name)) as f:
+                for m in REGION.finditer(f.read()):
+                    out[f"{name}: {m['name']}"] = textwrap.dedent(m["body"]).strip()
+    return out
+
+
+def test_readme_recipes_are_excerpts_of_the_examples():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    regions = _regions()
+    assert len(regions) >= 4, regions
+    for where, body in regions.items():
+        assert body in readme, f"README.md lacks the recipe {where}:\n{body}"
