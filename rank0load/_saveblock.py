@@ -86,56 +86,70 @@ def blocks_of(t: DTensor) -> Blocks:
 
 
 def block_chunks(
-    shape: tuple[int, ...], itemsize: int, blocks: Blocks, half: int
+    shape: tuple[int, ...], itemsize: int, blocks: Blocks, half: int, src: int | None = None
 ) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
     """(all ranks) The chunks of a tensor of ``shape`` held as ``blocks``, in byte order, each with
-    every sender's part (by sender, then row). A chunk holds at most ``half`` bytes (``half`` is at
-    least one element)."""
+    the senders' parts by first row, then sender. A chunk holds at most ``half`` bytes (at least one
+    element). ``src``: only that sender's parts (a sender needs no more; ``Part.at`` is then
+    meaningless), in the same order as among all parts.
+
+    Cost: the chunks plus, per index of the dimensions before ``k`` (one when ``k = 0``), the
+    senders' runs sorted once and swept along the chunks, so a chunk costs only the senders
+    holding part of it (the tensor-parallel group of a row range, not the world)."""
     if math.prod(shape) == 0:
         return
     k = next(k for k in range(len(shape)) if math.prod(shape[k + 1 :]) * itemsize <= half)
     row = math.prod(shape[k + 1 :]) * itemsize  # bytes of one row of dimension k
     step = half // row
+    senders = [(rank, runs) for rank, runs in blocks if src is None or rank == src]
     for number, outer in enumerate(itertools.product(*(range(n) for n in shape[:k]))):
+        held = sorted(_held(senders, outer), key=lambda h: h[0])  # stable: by first row, then sender
+        j, active = 0, []
         for first in range(0, shape[k], step):
             stop = min(first + step, shape[k])
-            chunk = Chunk(
-                (number * shape[k] + first) * row, (stop - first) * row, (stop - first, *shape[k + 1 :])
-            )
+            while j < len(held) and held[j][0] < stop:
+                active.append(held[j])
+                j += 1
+            active = [h for h in active if h[1] > first]
             parts, at = [], 0
-            for rank, runs in blocks:
-                for local, rows in _held(runs, outer, first, stop):
-                    elements = (rows[1] - rows[0]) * math.prod(
-                        sum(b - a for a, b in r) for r in runs[k + 1 :]
-                    )
-                    parts.append(Part(rank, local, elements * itemsize, rows, runs[k + 1 :], at))
-                    at += elements * itemsize
-            yield chunk, tuple(parts)
+            for a, b, rank, local, width, inner in active:
+                lo, hi = max(a, first), min(b, stop)
+                nbytes = (hi - lo) * width * itemsize
+                parts.append(
+                    Part(rank, local + (lo - a) * width, nbytes, (lo - first, hi - first), inner, at)
+                )
+                at += nbytes
+            shape_k = (stop - first, *shape[k + 1 :])
+            yield Chunk((number * shape[k] + first) * row, (stop - first) * row, shape_k), tuple(parts)
 
 
-def _held(runs: Runs, outer: tuple[int, ...], first: int, stop: int) -> Iterator[tuple[int, tuple[int, int]]]:
-    """What a rank holding ``runs`` has of rows [first, stop) of dimension ``k = len(outer)`` under
-    the indices ``outer`` of the dimensions before it: (element offset in its local shard, [first,
-    end) rows of the chunk) for each of its runs there; nothing when it lacks one of ``outer``."""
+def _held(
+    senders: list[tuple[int, Runs]], outer: tuple[int, ...]
+) -> Iterator[tuple[int, int, int, int, int, Runs]]:
+    """The runs of dimension ``k = len(outer)`` the senders hold under the indices ``outer`` of the
+    dimensions before it: (first row, end row, rank, element offset of the first row in its local
+    shard, elements per local row, its runs on the later dimensions); nothing from a sender that
+    lacks one of ``outer``."""
     k = len(outer)
-    counts = [sum(b - a for a, b in r) for r in runs]
-    position = 0  # the local index of ``outer``, flattened over dimensions 0 .. k-1
-    for dim, wanted in enumerate(outer):
-        seen = 0
-        for a, b in runs[dim]:
-            if a <= wanted < b:
-                position = position * counts[dim] + seen + wanted - a
+    for rank, runs in senders:
+        counts = [sum(b - a for a, b in r) for r in runs]
+        position = 0  # the local index of ``outer``, flattened over dimensions 0 .. k-1
+        for dim, wanted in enumerate(outer):
+            seen = 0
+            for a, b in runs[dim]:
+                if a <= wanted < b:
+                    position = position * counts[dim] + seen + wanted - a
+                    break
+                seen += b - a
+            else:
                 break
-            seen += b - a
         else:
-            return
-    width = math.prod(counts[k + 1 :])  # elements of one local row of dimension k
-    seen = 0
-    for a, b in runs[k]:
-        lo, hi = max(a, first), min(b, stop)
-        if lo < hi and width:
-            yield (position * counts[k] + seen + lo - a) * width, (lo - first, hi - first)
-        seen += b - a
+            width = math.prod(counts[k + 1 :])  # elements of one local row of dimension k
+            seen = 0
+            for a, b in runs[k]:
+                if width:
+                    yield a, b, rank, (position * counts[k] + seen) * width, width, runs[k + 1 :]
+                seen += b - a
 
 
 def place(rows: torch.Tensor, block: torch.Tensor, part: Part) -> None:

@@ -140,12 +140,12 @@ class Piece:
     local: int  # element offset in the sender's local tensor (the piece is contiguous there)
 
 
-def pieces(plan: SavePlan, index: int) -> Iterator[Piece]:
-    """(all ranks) The messages of item ``index``, in the order every rank uses: a BLOCK item's
-    chunk by chunk, within a chunk by sender rank, then row."""
+def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece]:
+    """(all ranks) The messages of item ``index``, in the order every rank uses; ``src``: only those
+    that rank sends, in the same order."""
     item = plan.items[index]
     if item.kind is SaveKind.BLOCK:
-        for chunk, parts in chunks(plan, index):
+        for chunk, parts in chunks(plan, index, src):
             yield from (Piece(index, p.src, chunk.start, p.nbytes, p.local) for p in parts)
         return
     if item.kind is SaveKind.ROWS:
@@ -154,15 +154,18 @@ def pieces(plan: SavePlan, index: int) -> Iterator[Piece]:
     else:
         ranges = [(0, 0, item.nbytes)]
     size = DTYPES[item.dtype].itemsize
-    for src, begin, end in ranges:
-        for at in range(begin, end, plan.piece_bytes):
-            yield Piece(index, src, at, min(plan.piece_bytes, end - at), (at - begin) // size)
+    for rank, begin, end in ranges:
+        if src is None or rank == src:
+            for at in range(begin, end, plan.piece_bytes):
+                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), (at - begin) // size)
 
 
-def chunks(plan: SavePlan, index: int) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
-    """(all ranks) BLOCK item ``index``'s chunks and every sender's part of each (``_saveblock``)."""
+def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
+    """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each (``src``: only that
+    rank's), see ``_saveblock.block_chunks``."""
     item = plan.items[index]
-    return block_chunks(item.shape, DTYPES[item.dtype].itemsize, item.blocks, block_half(plan.piece_bytes))
+    size, half = DTYPES[item.dtype].itemsize, block_half(plan.piece_bytes)
+    return block_chunks(item.shape, size, item.blocks, half, src)
 
 
 def parse_size(size: int | str) -> int:

@@ -249,9 +249,7 @@ def _sender(
                 continue
             source = _source(item, tensors[item.key], gathered)
             wire = DTYPES[item.dtype]
-            for piece in pieces(plan, index):
-                if piece.src != me:
-                    continue
+            for piece in pieces(plan, index, me):
                 values = source[_elements(piece, wire)]
                 slot: int | None = None
                 if faults.error is None and values.dtype == wire and values.device == staging.slots[0].device:

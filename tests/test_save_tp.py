@@ -80,6 +80,20 @@ def test_chunks_rebuild_the_tensor_from_every_rank_shard(shape, placements, mesh
                 place(rows, shards[p.src][p.local : p.local + math.prod(p.shape)].view(p.shape), p)
         assert at == full.numel() * full.element_size()
         assert torch.equal(out.view(shape), full.double()), (dtype, half)
+        # A sender derives its own parts alone, in the order rank 0 receives them.
+        size = full.element_size()
+        every = [
+            (c, p.src, p.local, p.nbytes, p.rows)
+            for c, ps in block_chunks(shape, size, blocks, half)
+            for p in ps
+        ]
+        for rank, _ in blocks:
+            alone = [
+                (c, p.src, p.local, p.nbytes, p.rows)
+                for c, ps in block_chunks(shape, size, blocks, half, rank)
+                for p in ps
+            ]
+            assert alone == [e for e in every if e[1] == rank]
 
 
 # ------------------------------------------------------------------------------------- ranks
