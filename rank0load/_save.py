@@ -3,10 +3,10 @@
 all ranks  describe the model, layout flags, agree (same model, same options)  -> _meta, _layout, _distribute
 rank 0     plan: saved names, dtypes, files split like huggingface_hub, headers -> _saveplan.plan_save
 all ranks  share the plan, or rank 0's error                                  -> _distribute.share
-rank 0     create out_dir, open the temporary files, write the headers         -> _write.open_outputs
+rank 0     create out_dir, open the temporary files, write the headers         -> _outputs.open_outputs
 all ranks  allocate staging; settle                                           -> _write.settle
-all ranks  stream: each rank sends its own rows, rank 0 writes                 -> _write.stream
-rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _write.commit
+all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
+rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _outputs.commit
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _distribute, _write
+from . import _distribute, _outputs, _write
 from ._compat import is_transformers_model, local_tensor
 from ._convert import TransformersReversal
 from ._format import DTYPES
-from ._layout import ROWS_OK, layout_flags
+from ._layout import ROWS_OK, RUNS_OK, layout_flags
 from ._meta import ModelLayout, describe
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock
@@ -54,8 +54,9 @@ class SaveReport:
     stream_seconds: float = 0.0
     files: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()  # model keys key_map mapped to None
-    # DTensors neither Shard(0) nor Replicate (tensor parallel): gathered whole on every rank with
-    # full_tensor(), outside max_staging_bytes, for that one tensor.
+    # DTensors no chunk of rows can describe (a Partial placement, a non-contiguous local shard, 0-d):
+    # gathered whole on every rank with full_tensor(), outside max_staging_bytes, for that one tensor.
+    # Shard(0), Shard(d), _StridedShard and Replicate in any mix (FSDP2, HSDP, TP + FSDP2) never are.
     gathered_whole: tuple[str, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the save finished
@@ -82,10 +83,13 @@ def save_sharded(
 
     (all ranks) Every rank calls this with the same arguments. Rank 0 alone writes: each rank sends
     its own rows of every ``Shard(0)`` parameter to rank 0, point to point, in pieces of at most
-    ``max_staging_bytes / 4``; replicas (HSDP's ``Replicate`` dimensions) send once. Host RAM for
-    staging is bounded by ``max_staging_bytes`` on every rank. DTensors placed otherwise (tensor
-    parallel ``Shard(1)``, ``_StridedShard``) are, for now, gathered whole with ``full_tensor()`` on
-    every rank, one at a time, outside that bound (listed in ``SaveReport.gathered_whole``, warned).
+    ``max_staging_bytes / 4``; replicas (HSDP's ``Replicate`` dimensions) send once. Tensor-parallel
+    DTensors (``Shard(d)``, ``_StridedShard``, with FSDP2 on top) go in chunks of whole rows of at
+    most ``max_staging_bytes / 8``, each rank sending its block of each chunk, which rank 0 places
+    into the chunk's rows. Host RAM for staging is bounded by ``max_staging_bytes`` on every rank.
+    Only a DTensor no chunk can describe (``Partial``, a non-contiguous local shard, 0-d) is gathered
+    whole with ``full_tensor()`` on every rank, outside that bound (``SaveReport.gathered_whole``,
+    warned).
 
     Files are written under temporary names, fsynced and renamed; the index is written last and an
     earlier save's files are removed only then. On any failure the temporary files are removed and
@@ -127,12 +131,12 @@ def save_sharded(
     planned = plan_or_error(layout, tensors, flags, key_map, options, revert) if rank == 0 else None
     plan: SavePlan = _distribute.share(planned)
     clock("plan")
-    outputs: _write.Outputs | None = None
+    outputs: _outputs.Outputs | None = None
     try:
         comm = _comm_device(tensors)
         staging, error = _distribute.attempt(lambda: _write.allocate_staging(plan.piece_bytes, comm))
         if rank == 0 and error is None:
-            outputs, error = _distribute.attempt(lambda: _write.open_outputs(out, plan))
+            outputs, error = _distribute.attempt(lambda: _outputs.open_outputs(out, plan))
         _write.settle(error, "creating the output files")
         assert staging is not None
         with progress_bar(plan.total_size) if rank == 0 else contextlib.nullcontext() as on_bytes:
@@ -171,10 +175,11 @@ def _describe(
 
 
 def _flags(t: torch.Tensor) -> int:
-    """ROWS_OK when this rank's shard of ``t`` is its contiguous row range (to send as it is)."""
-    if not isinstance(t, DTensor):
+    """ROWS_OK when this rank's shard of ``t`` is its contiguous row range, RUNS_OK when it is the
+    block ``_layout.runs_at`` computes (contiguous, so each part of a chunk is a range of it)."""
+    if not isinstance(t, DTensor) or not local_tensor(t).is_contiguous():
         return 0
-    return layout_flags(t, t.device_mesh) & ROWS_OK if local_tensor(t).is_contiguous() else 0
+    return layout_flags(t, t.device_mesh) & (ROWS_OK | RUNS_OK)
 
 
 def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
@@ -189,17 +194,17 @@ def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
     return TransformersReversal(model) if original_format and is_transformers_model(model) else None
 
 
-def _finish(model: nn.Module, outputs: _write.Outputs, plan: SavePlan) -> None:
+def _finish(model: nn.Module, outputs: _outputs.Outputs, plan: SavePlan) -> None:
     """(rank 0) Write a transformers model's config files beside the checkpoint, then commit."""
     extras: list[tuple[str, str]] = []
     if is_transformers_model(model):
         extras = _hf_configs(model, outputs, plan)
-    _write.commit(outputs, plan, extras)
+    _outputs.commit(outputs, plan, extras)
 
 
-def _hf_configs(model: nn.Module, outputs: _write.Outputs, plan: SavePlan) -> list[tuple[str, str]]:
+def _hf_configs(model: nn.Module, outputs: _outputs.Outputs, plan: SavePlan) -> list[tuple[str, str]]:
     """(rank 0) ``config.json`` (its dtype the saved floating tensors') and ``generation_config.json``
-    in a temporary folder of out_dir: (temporary path, final name) for :func:`_write.commit`."""
+    in a temporary folder of out_dir: (temporary path, final name) for :func:`_outputs.commit`."""
     folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
     os.makedirs(folder)
     outputs.temps.append(folder)
@@ -238,7 +243,7 @@ def _log_summary(report: SaveReport) -> None:
     if report.gathered_whole:
         logger.warning(
             "%d tensors were gathered whole on every rank (full_tensor), outside max_staging_bytes: "
-            "their placements are not Shard(0)/Replicate: %s",
+            "a Partial placement, a non-contiguous local shard or a 0-d DTensor: %s",
             len(report.gathered_whole),
             ", ".join(report.gathered_whole[:10]),
         )

@@ -2,10 +2,13 @@
 
 (rank 0) :func:`plan_save` maps every model tensor to its saved name and dtype, splits the tensors
 into files the way huggingface_hub splits them, lays out each file's header and offsets, and names
-the senders of every row-sharded DTensor's rows; :func:`_plan_or_error` turns a failure into the
-error every rank raises. (all ranks) :class:`SavePlan` is shared as it is; :func:`pieces` cuts an
-item into the messages every rank derives identically from the plan, so nothing else is exchanged.
-No collectives here.
+the senders of every sharded DTensor's elements (rows, or tensor-parallel blocks); :func:`plan_or_error`
+turns a failure into the error every rank raises. (all ranks) :class:`SavePlan` is shared as it is;
+:func:`pieces` cuts an item into the messages every rank derives identically from the plan, so
+nothing else is exchanged. No collectives here.
+
+A ``BLOCK`` item (tensor parallel) travels in chunks of whole rows, each rank sending its block of
+each chunk: :func:`chunks`, ``_saveblock``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ._distribute import round_ends
 from ._format import DTYPES
-from ._layout import rank_coordinates, rows_of
+from ._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of
 from ._meta import ModelLayout, strip_wrappers
+from ._saveblock import Blocks, Chunk, Part, block_chunks, block_half, blocks_of
 from .errors import LoadError, SaveError
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "SaveKind",
     "SavePlan",
     "Saved",
+    "chunks",
     "parse_size",
     "pieces",
     "plan_or_error",
@@ -55,12 +60,14 @@ class SaveKind(enum.Enum):
     """How one saved tensor reaches rank 0's file."""
 
     ROWS = "rows"  # a DTensor of Shard(0)/Replicate: each row range sent once by the rank holding it
+    BLOCK = "block"  # Shard(d)/_StridedShard/Replicate: chunks of rows, each rank sending its block
     PLAIN = "plain"  # a plain tensor (buffer, unsharded parameter): rank 0 writes its own copy
-    GATHER = "gather"  # any other DTensor: full_tensor() on every rank, rank 0 writes it
+    GATHER = "gather"  # any other DTensor (Partial, a non-contiguous shard, 0-d): full_tensor() everywhere
 
 
-# (model key, its saved names and shapes, wire dtype, kind, senders)
-_Row = tuple[str, list[tuple[str, tuple[int, ...]]], torch.dtype, SaveKind, tuple[tuple[int, int, int], ...]]
+_Senders = tuple[tuple[int, int, int], ...]  # ROWS: (rank, first row, end row), by row
+# (model key, its saved names and shapes, wire dtype, kind, senders, blocks)
+_Row = tuple[str, list[tuple[str, tuple[int, ...]]], torch.dtype, SaveKind, _Senders, Blocks]
 
 
 @dataclass(frozen=True)
@@ -85,8 +92,15 @@ class SaveItem:
     shape: tuple[int, ...]  # the model tensor's
     nbytes: int
     kind: SaveKind
-    senders: tuple[tuple[int, int, int], ...] = ()  # ROWS: (rank, first row, end row), by row
+    senders: _Senders = ()  # ROWS: (rank, first row, end row), by row
     saved: tuple[Saved, ...] = ()  # by start; their byte ranges tile [0, nbytes)
+    # BLOCK: (rank, the global indices it holds per dimension, as runs), one replica per Replicate
+    # mesh dimension, ranks holding nothing left out
+    blocks: Blocks = ()
+
+    def sends(self, rank: int) -> bool:
+        """Whether ``rank`` sends any of this item's bytes (GATHER and PLAIN: rank 0 alone writes)."""
+        return any(r == rank for r, _, _ in self.senders) or any(r == rank for r, _ in self.blocks)
 
     def writes(self, start: int, nbytes: int) -> Iterator[tuple[int, int, int, int]]:
         """(rank 0) Where bytes [start, start + nbytes) of the item go: (file, offset, first byte
@@ -116,27 +130,42 @@ class SavePlan:
 
 @dataclass(frozen=True)
 class Piece:
-    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``."""
+    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``; for a
+    BLOCK item, the sender's block of the chunk that starts at ``start`` (see :func:`chunks`)."""
 
     index: int
     src: int  # 0: rank 0 writes it from its own tensor
     start: int  # byte offset within the item
     nbytes: int
-    local: int  # element offset in the sender's local tensor
+    local: int  # element offset in the sender's local tensor (the piece is contiguous there)
 
 
-def pieces(plan: SavePlan, index: int) -> Iterator[Piece]:
-    """(all ranks) The messages of item ``index``, in the order every rank uses."""
+def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece]:
+    """(all ranks) The messages of item ``index``, in the order every rank uses; ``src``: only those
+    that rank sends, in the same order."""
     item = plan.items[index]
+    if item.kind is SaveKind.BLOCK:
+        for chunk, parts in chunks(plan, index, src):
+            yield from (Piece(index, p.src, chunk.start, p.nbytes, p.local) for p in parts)
+        return
     if item.kind is SaveKind.ROWS:
         row = item.nbytes // item.shape[0] if item.shape[0] else 0
         ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
     else:
         ranges = [(0, 0, item.nbytes)]
     size = DTYPES[item.dtype].itemsize
-    for src, begin, end in ranges:
-        for at in range(begin, end, plan.piece_bytes):
-            yield Piece(index, src, at, min(plan.piece_bytes, end - at), (at - begin) // size)
+    for rank, begin, end in ranges:
+        if src is None or rank == src:
+            for at in range(begin, end, plan.piece_bytes):
+                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), (at - begin) // size)
+
+
+def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
+    """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each (``src``: only that
+    rank's), see ``_saveblock.block_chunks``."""
+    item = plan.items[index]
+    size, half = DTYPES[item.dtype].itemsize, block_half(plan.piece_bytes)
+    return block_chunks(item.shape, size, item.blocks, half, src)
 
 
 def parse_size(size: int | str) -> int:
@@ -201,15 +230,24 @@ def plan_save(
         wire = dtype if dtype is not None and t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
         if wire not in _NAMES or wire == DTYPES.get("F4"):
             raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
-        kind = SaveKind.PLAIN if not isinstance(t, DTensor) else SaveKind.ROWS if flag else SaveKind.GATHER
-        rows.append((key, parts, wire, kind, _senders(t) if isinstance(t, DTensor) and flag else ()))
+        kind = _kind(t, flag)
+        senders = _senders(t) if isinstance(t, DTensor) and kind is SaveKind.ROWS else ()
+        blocks = blocks_of(t) if isinstance(t, DTensor) and kind is SaveKind.BLOCK else ()
+        rows.append((key, parts, wire, kind, senders, blocks))
     if not rows:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = max(ALIGN, options["max_staging_bytes"] // SLOTS // ALIGN * ALIGN)
     return _lay_out(rows, tensors, parse_size(options["max_shard_size"]), piece_bytes, tuple(skipped))
 
 
-def _senders(t: DTensor) -> tuple[tuple[int, int, int], ...]:
+def _kind(t: torch.Tensor, flags: int) -> SaveKind:
+    """How ``t`` travels, given its layout flags AND-ed over the ranks."""
+    if not isinstance(t, DTensor):
+        return SaveKind.PLAIN
+    return SaveKind.ROWS if flags & ROWS_OK else SaveKind.BLOCK if flags & RUNS_OK else SaveKind.GATHER
+
+
+def _senders(t: DTensor) -> _Senders:
     """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor: the replica at coordinate 0 of
     every Replicate mesh dimension, each its own row range."""
     mesh, placements = t.device_mesh, t.placements
@@ -250,7 +288,7 @@ def _lay_out(
     huggingface_hub): in each file tensors by element size, largest first, then name (as safetensors
     orders them), so each is aligned; the JSON header padded with spaces to 8."""
     units: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (row, name, shape, start, nbytes)
-    for r, (key, parts, wire, _, _) in enumerate(rows):
+    for r, (key, parts, wire, *_) in enumerate(rows):
         each = tensors[key].numel() * wire.itemsize // len(parts)
         units += [(r, name, shape, j * each, each) for j, (name, shape) in enumerate(parts)]
     groups = _split([u[4] for u in units], limit)
@@ -281,10 +319,10 @@ def _lay_out(
             offset = len(headers[-1]) + header[name]["data_offsets"][0]
             saved[r].append(Saved(name, shape, file, offset, start, nbytes))
     items = []
-    for (key, _, wire, kind, senders), spans in zip(rows, saved):
+    for (key, _, wire, kind, senders, blocks), spans in zip(rows, saved):
         shape, nbytes = tuple(tensors[key].shape), tensors[key].numel() * wire.itemsize
         spans.sort(key=lambda s: s.start)
-        items.append(SaveItem(key, _NAMES[wire], shape, nbytes, kind, senders, tuple(spans)))
+        items.append(SaveItem(key, _NAMES[wire], shape, nbytes, kind, senders, tuple(spans), blocks))
     items.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
     return SavePlan(
         tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped

@@ -1,31 +1,26 @@
-"""Moving a model's bytes into rank 0's files: the saved layout, the files, the stream (save side).
+"""Moving a model's bytes into rank 0's files (save side); the files themselves: ``_outputs``.
 
 (all ranks) The plan (``_saveplan.SavePlan``, rank 0's, shared) fixes every saved tensor's file and
-offset and every message (``_saveplan.pieces``).
-(rank 0) :func:`open_outputs` creates the temporary files (names that never end in ``.safetensors``)
-and writes their headers; :func:`commit` fsyncs and renames them, writes the index last and only
-then removes a previous save's files; :meth:`Outputs.discard` removes the temporary files.
-(all ranks) :func:`stream` moves the bytes: each rank sends its own rows to rank 0 point to point,
-in pieces of at most ``piece_bytes``; rank 0 receives ahead into its staging slots while a writer
-thread ``pwrite``s each piece at its file offset. The messages are fixed by the plan: after a local
-failure (rank 0's disk full, a cast error) a rank keeps the messages flowing, and at the end of each
-round every rank learns the first failure (``_distribute.first_failure``) and raises it as the same
-:class:`SaveError`. A collective that fails (a peer died) raises at once.
+offset and every message (``_saveplan.pieces``, ``_saveplan.chunks``).
+(all ranks) :func:`allocate_staging` reserves the slots; :func:`stream` moves the bytes: each rank
+sends its own rows to rank 0 point to point, in pieces of at most ``piece_bytes``, and its block of
+each chunk of a tensor-parallel DTensor (``_saveblock``); rank 0 receives ahead into its staging
+slots (a chunk's blocks into the second half of a slot, placed into its rows in the first) while a
+writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file offset. The messages are
+fixed by the plan: after a local failure (rank 0's disk full, a cast error) a rank keeps the
+messages flowing, and at the end of each round every rank learns the first failure
+(``_distribute.first_failure``) and raises it as the same :class:`SaveError`. A collective that
+fails (a peer died) raises at once.
 """
 
 from __future__ import annotations
 
 import collections
-import json
+import functools
 import logging
-import os
-import queue
-import re
-import secrets
-import shutil
-import threading
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,24 +30,15 @@ from torch.distributed.tensor import DTensor
 from . import _distribute
 from ._compat import host_bytes, local_tensor
 from ._format import DTYPES
-from ._saveplan import SLOTS, Piece, SaveItem, SaveKind, SavePlan, pieces
+from ._outputs import Outputs, Writer
+from ._saveblock import Chunk, Part, block_half, place
+from ._saveplan import SLOTS, Piece, SaveItem, SaveKind, SavePlan, chunks, pieces
 from .errors import LoadError, SaveError
 
-__all__ = [
-    "INDEX_NAME",
-    "Outputs",
-    "Staging",
-    "allocate_staging",
-    "commit",
-    "open_outputs",
-    "settle",
-    "stream",
-]
+__all__ = ["Staging", "allocate_staging", "settle", "stream"]
 
 logger = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-_SAVED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 _TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
 
 
@@ -64,96 +50,6 @@ def settle(error: BaseException | None, stage: str) -> None:
 
 def _peer_failure(stage: str, exc: BaseException) -> LoadError:
     return _distribute.peer_failure(stage, exc, SaveError, _TODO)
-
-
-@dataclass
-class Outputs:
-    """(rank 0) The temporary files being written, one per planned file."""
-
-    directory: str
-    token: str
-    temps: list[str] = field(default_factory=list)
-    fds: list[int] = field(default_factory=list)
-
-    def discard(self) -> None:
-        """Close and remove every temporary file (errors ignored: this runs while failing)."""
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds = []
-        for path in self.temps:
-            try:
-                if os.path.isdir(path):  # the folder of config files
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
-            except OSError:
-                pass
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def open_outputs(out_dir: str, plan: SavePlan) -> Outputs:
-    """(rank 0) Create ``out_dir`` if needed, then each file under a temporary name, its header written."""
-    os.makedirs(out_dir, exist_ok=True)
-    outputs = Outputs(out_dir, secrets.token_hex(4))
-    try:
-        for name, header in zip(plan.files, plan.headers):
-            path = os.path.join(out_dir, f".{name}.tmp-{outputs.token}")
-            outputs.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            outputs.temps.append(path)
-            _pwrite_all(outputs.fds[-1], memoryview(header), 0)
-    except BaseException:
-        outputs.discard()
-        raise
-    return outputs
-
-
-def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> None:
-    """(rank 0) Make the checkpoint visible: fsync and rename the files (``extras``: further
-    (temporary path, final name) pairs, config files), write the index last, then remove what an
-    earlier save left that the new checkpoint does not have."""
-    for fd in outputs.fds:
-        os.fsync(fd)
-    for fd in list(outputs.fds):
-        os.close(fd)
-        outputs.fds.remove(fd)
-    directory = outputs.directory
-    for temp, name in extras:
-        os.replace(temp, os.path.join(directory, name))
-    for temp, name in zip(list(outputs.temps), plan.files):
-        os.replace(temp, os.path.join(directory, name))
-        outputs.temps.remove(temp)
-    keep = set(plan.files)
-    if len(plan.files) > 1:
-        index = {
-            "metadata": {"total_size": plan.total_size},
-            "weight_map": dict(sorted((s.name, plan.files[s.file]) for i in plan.items for s in i.saved)),
-        }
-        temp = os.path.join(directory, f".{INDEX_NAME}.tmp-{outputs.token}")
-        outputs.temps.append(temp)
-        with open(temp, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, os.path.join(directory, INDEX_NAME))
-        outputs.temps.remove(temp)
-        keep.add(INDEX_NAME)
-    for name in sorted(os.listdir(directory)):
-        if _SAVED.fullmatch(name) and name not in keep:
-            os.unlink(os.path.join(directory, name))
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 @dataclass
@@ -172,45 +68,6 @@ def allocate_staging(piece_bytes: int, comm: torch.device) -> Staging:
     slots = [torch.empty(piece_bytes, dtype=torch.uint8, device=where) for _ in range(SLOTS)]
     device = [] if on_cpu or not rank0 else [torch.empty_like(s, device=comm) for s in slots]
     return Staging(slots, device)
-
-
-class _Writer:
-    """(rank 0) A thread that ``pwrite``s queued pieces at their offsets and hands their slots back.
-    After the first failure it writes nothing more but still hands slots back."""
-
-    def __init__(self, fds: list[int], slots: int, faults: _distribute.Faults) -> None:
-        self.fds, self.faults = fds, faults
-        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None, Any] | None] = (
-            queue.Queue()
-        )
-        self.free: queue.Queue[int] = queue.Queue()
-        for slot in range(slots):
-            self.free.put(slot)
-        self.thread = threading.Thread(target=self._run, name="rank0load-writer", daemon=True)
-        self.thread.start()
-
-    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None, keep: Any = None) -> None:
-        """Write bytes [start, start + len(data)) of ``item`` into its saved tensors (one or more)."""
-        writes = [(self.fds[f], data[lo:hi], at) for f, at, lo, hi in item.writes(start, len(data))]
-        self.jobs.put((writes, slot, keep))
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            try:
-                if job is None:
-                    return
-                writes, slot, _keep = job
-                for fd, data, offset in writes:
-                    self.faults.run(_pwrite_all, fd, data, offset)
-                if slot is not None:
-                    self.free.put(slot)
-            finally:
-                self.jobs.task_done()
-
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
 
 
 def stream(
@@ -264,21 +121,27 @@ def _rank0(
 ) -> int:
     """(rank 0) Receive ahead into the slots, write its own pieces from its tensors, round by round;
     returns the first failing rank (world: none)."""
-    writer = _Writer(outputs.fds, len(staging.slots), faults)
-    pending: collections.deque[tuple[Any, Piece, int]] = collections.deque()
+    writer = Writer(outputs.fds, len(staging.slots), faults)
+    # Posted receives, oldest first, and what to do once they are in (hand the slot to the writer).
+    pending: collections.deque[tuple[list[Any], Callable[[], None]]] = collections.deque()
+    half = block_half(plan.piece_bytes)
 
     def complete_oldest() -> None:
-        work, piece, slot = pending.popleft()
-        work.wait()
-        item, host = plan.items[piece.index], staging.slots[slot][: piece.nbytes]
-        if staging.device:
-            faults.run(host.copy_, staging.device[slot][: piece.nbytes])
-        writer.put(item, piece.start, host_bytes(host), slot)
+        works, then = pending.popleft()
+        for work in works:
+            work.wait()
+        then()
 
     def take() -> int:
         while writer.free.empty() and pending:
             complete_oldest()
         return writer.free.get()
+
+    def write_received(item: SaveItem, piece: Piece, slot: int) -> None:
+        host = staging.slots[slot][: piece.nbytes]
+        if staging.device:
+            faults.run(host.copy_, staging.device[slot][: piece.nbytes])
+        writer.put(item, piece.start, host_bytes(host), slot)
 
     def own(piece: Piece, source: torch.Tensor, item: SaveItem) -> None:
         wire = DTYPES[item.dtype]
@@ -292,6 +155,33 @@ def _rank0(
         faults.run(buffer.view(wire).copy_, values)
         writer.put(item, piece.start, host_bytes(buffer), slot)
 
+    def chunk(item: SaveItem, source: torch.Tensor, at: Chunk, parts: tuple[Part, ...]) -> None:
+        """A BLOCK chunk: rank 0's own parts placed at once, the others' received into the slot's
+        second half and placed once in; then the chunk's rows are written as one byte range."""
+        wire, slot = DTYPES[item.dtype], take()
+        host = staging.slots[slot]
+        rows = host[: at.nbytes].view(wire).view(at.shape)
+        received, works = [], []
+        for part in parts:
+            if part.src == 0:
+                mine = source[part.local : part.local + math.prod(part.shape)].view(part.shape)
+                faults.run(place, rows, mine, part)
+            else:
+                into = (staging.device or staging.slots)[slot][half + part.at : half + part.at + part.nbytes]
+                works.append(dist.irecv(into, src=part.src))
+                received.append(part)
+
+        def then() -> None:
+            if staging.device and received:
+                end = half + received[-1].at + received[-1].nbytes
+                faults.run(host[half:end].copy_, staging.device[slot][half:end])
+            for part in received:
+                block = host[half + part.at : half + part.at + part.nbytes].view(wire).view(part.shape)
+                faults.run(place, rows, block, part)
+            writer.put(item, at.start, host_bytes(host[: at.nbytes]), slot)
+
+        pending.append((works, then))
+
     try:
         begin = 0
         for stop in plan.rounds:
@@ -301,13 +191,20 @@ def _rank0(
                     while pending:
                         complete_oldest()
                 source = _source(item, tensors[item.key], gathered)
+                if item.kind is SaveKind.BLOCK:
+                    for at, parts in chunks(plan, index):
+                        chunk(item, source, at, parts)
+                        if on_bytes is not None:
+                            on_bytes(at.nbytes)
+                    continue
                 for piece in pieces(plan, index):
                     if piece.src == 0:
                         own(piece, source, item)
                     else:
                         slot = take()
                         into = (staging.device or staging.slots)[slot][: piece.nbytes]
-                        pending.append((dist.irecv(into, src=piece.src), piece, slot))
+                        work = dist.irecv(into, src=piece.src)
+                        pending.append(([work], functools.partial(write_received, item, piece, slot)))
                     if on_bytes is not None:
                         on_bytes(piece.nbytes)
             begin = stop
@@ -348,13 +245,11 @@ def _sender(
             if item.kind is SaveKind.GATHER:
                 while pending:
                     complete_oldest()
-            elif all(rank != me for rank, _, _ in item.senders):
+            elif not item.sends(me):
                 continue
             source = _source(item, tensors[item.key], gathered)
             wire = DTYPES[item.dtype]
-            for piece in pieces(plan, index):
-                if piece.src != me:
-                    continue
+            for piece in pieces(plan, index, me):
                 values = source[_elements(piece, wire)]
                 slot: int | None = None
                 if faults.error is None and values.dtype == wire and values.device == staging.slots[0].device:

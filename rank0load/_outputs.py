@@ -1,0 +1,156 @@
+"""Rank 0's files of a save: create them, write into them, commit them, or remove them.
+
+(rank 0 only; no collectives) :func:`open_outputs` creates the temporary files (names that never
+end in ``.safetensors``) and writes their headers; :class:`Writer` is the thread that ``pwrite``s the
+stream's bytes at their offsets; :func:`commit` fsyncs and renames the files, writes the index last
+and only then removes a previous save's files; :meth:`Outputs.discard` removes the temporary files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _distribute
+from ._saveplan import SaveItem, SavePlan
+
+__all__ = ["INDEX_NAME", "Outputs", "Writer", "commit", "open_outputs"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_SAVED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+@dataclass
+class Outputs:
+    """(rank 0) The temporary files being written, one per planned file."""
+
+    directory: str
+    token: str
+    temps: list[str] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+
+    def discard(self) -> None:
+        """Close and remove every temporary file (errors ignored: this runs while failing)."""
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+        for path in self.temps:
+            try:
+                if os.path.isdir(path):  # the folder of config files
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def open_outputs(out_dir: str, plan: SavePlan) -> Outputs:
+    """(rank 0) Create ``out_dir`` if needed, then each file under a temporary name, its header written."""
+    os.makedirs(out_dir, exist_ok=True)
+    outputs = Outputs(out_dir, secrets.token_hex(4))
+    try:
+        for name, header in zip(plan.files, plan.headers):
+            path = os.path.join(out_dir, f".{name}.tmp-{outputs.token}")
+            outputs.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            outputs.temps.append(path)
+            _pwrite_all(outputs.fds[-1], memoryview(header), 0)
+    except BaseException:
+        outputs.discard()
+        raise
+    return outputs
+
+
+def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> None:
+    """(rank 0) Make the checkpoint visible: fsync and rename the files (``extras``: further
+    (temporary path, final name) pairs, config files), write the index last, then remove what an
+    earlier save left that the new checkpoint does not have."""
+    for fd in outputs.fds:
+        os.fsync(fd)
+    for fd in list(outputs.fds):
+        os.close(fd)
+        outputs.fds.remove(fd)
+    directory = outputs.directory
+    for temp, name in extras:
+        os.replace(temp, os.path.join(directory, name))
+    for temp, name in zip(list(outputs.temps), plan.files):
+        os.replace(temp, os.path.join(directory, name))
+        outputs.temps.remove(temp)
+    keep = set(plan.files)
+    if len(plan.files) > 1:
+        index = {
+            "metadata": {"total_size": plan.total_size},
+            "weight_map": dict(sorted((s.name, plan.files[s.file]) for i in plan.items for s in i.saved)),
+        }
+        temp = os.path.join(directory, f".{INDEX_NAME}.tmp-{outputs.token}")
+        outputs.temps.append(temp)
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, os.path.join(directory, INDEX_NAME))
+        outputs.temps.remove(temp)
+        keep.add(INDEX_NAME)
+    for name in sorted(os.listdir(directory)):
+        if _SAVED.fullmatch(name) and name not in keep:
+            os.unlink(os.path.join(directory, name))
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class Writer:
+    """(rank 0) A thread that ``pwrite``s queued pieces at their offsets and hands their slots back.
+    After the first failure it writes nothing more but still hands slots back."""
+
+    def __init__(self, fds: list[int], slots: int, faults: _distribute.Faults) -> None:
+        self.fds, self.faults = fds, faults
+        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None, Any] | None] = (
+            queue.Queue()
+        )
+        self.free: queue.Queue[int] = queue.Queue()
+        for slot in range(slots):
+            self.free.put(slot)
+        self.thread = threading.Thread(target=self._run, name="rank0load-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None, keep: Any = None) -> None:
+        """Write bytes [start, start + len(data)) of ``item`` into its saved tensors (one or more)."""
+        writes = [(self.fds[f], data[lo:hi], at) for f, at, lo, hi in item.writes(start, len(data))]
+        self.jobs.put((writes, slot, keep))
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                writes, slot, _keep = job
+                for fd, data, offset in writes:
+                    self.faults.run(_pwrite_all, fd, data, offset)
+                if slot is not None:
+                    self.free.put(slot)
+            finally:
+                self.jobs.task_done()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
