@@ -9,6 +9,7 @@ that its checkpoint is exactly what ``save_pretrained`` writes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -279,3 +280,25 @@ def test_save_flag_parsing():
         bench.parse_args(["--save", "--methods", "rank0load"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--save", "--model", "moe"])
+
+
+@pytest.mark.slow
+def test_two_node_bench_counts_what_crosses_the_link(tmp_path):
+    """``python -m rank0load.bench.nodes`` (1 + 1 ranks, no rate limit): rank0load sends node 1 its
+    shard once (half the checkpoint), the broadcast sends it all; both verified on both ranks."""
+    import shutil as sh
+
+    if os.geteuid() != 0 or sh.which("ip") is None or sh.which("unshare") is None:
+        pytest.skip("network namespaces need root, iproute2 and unshare")
+    from rank0load.bench import nodes
+
+    argv = ["--size-gb", SIZE, "--rounds", "1", "--rate", "none", "--out", str(tmp_path)]
+    argv += ["--methods", "rank0load,broadcast-rank0"]
+    assert nodes.main(argv) == 0
+    with open(tmp_path / f"nodes-{float(SIZE):g}gb-2ranks.json") as f:
+        rows = {r["summary"]["method"]: r for r in json.load(f)["rows"]}
+    total_bytes = 2 * sum(math.prod(shape) for _, shape in tensor_specs(config_for_size(float(SIZE))))  # bf16
+    sent = {m: rows[m]["link"][0][0] / total_bytes for m in rows}
+    assert 0.45 < sent["rank0load"] < 0.6, sent  # node 1's half, and the protocol's few KB
+    assert 0.95 < sent["broadcast-rank0"] < 1.1, sent  # every byte
+    assert all(r["summary"]["verified"] for r in rows.values())

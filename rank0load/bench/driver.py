@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from . import model as llama
 from . import moe
@@ -105,8 +105,11 @@ def run_once(
     timeout: float,
     warm_up: bool = True,
     options: dict | None = None,
+    launch: Callable[[int], tuple[list[str], dict[str, str]]] | None = None,
 ) -> list[dict]:
-    """Launch ``ranks`` fresh worker processes for one method; one result dict per rank."""
+    """Launch ``ranks`` fresh worker processes for one method; one result dict per rank.
+    ``launch(rank)``: a command prefix and environment for that rank (``bench.nodes``: its node's
+    network namespace)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -132,11 +135,12 @@ def run_once(
             if method in SAVE_METHODS:  # removed by the worker, and with tmp in any case
                 spec["save_dir"] = os.path.join(tmp, "saved")
             # Output to files, not pipes: a chatty rank must never block on a full pipe.
+            prefix, extra = launch(r) if launch is not None else ([], {})
             with open(os.path.join(tmp, f"rank{r}.log"), "w") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "rank0load.bench.worker", json.dumps(spec)],
-                        env=env,
+                        [*prefix, sys.executable, "-m", "rank0load.bench.worker", json.dumps(spec)],
+                        env={**env, **extra},
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )

@@ -48,6 +48,22 @@ def _reset_peak() -> bool:
         return False
 
 
+def _link_bytes() -> tuple[int, int] | None:
+    """(tx, rx) bytes so far of this rank's gloo interface (``GLOO_SOCKET_IFNAME``: the veth of a
+    ``bench.nodes`` node), or None without one."""
+    dev = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not dev:
+        return None
+    try:
+        counts = []
+        for way in ("tx", "rx"):
+            with open(f"/sys/class/net/{dev}/statistics/{way}_bytes") as f:
+                counts.append(int(f.read()))
+    except (OSError, ValueError):
+        return None
+    return counts[0], counts[1]
+
+
 def _resident_bytes(model) -> int:
     """Bytes of this rank's local parameter shards and buffers (each storage counted once)."""
     from torch.distributed.tensor import DTensor
@@ -326,10 +342,18 @@ def main(spec: dict) -> dict:
         dist.barrier()
         started = time.perf_counter()
         cpu_started = _cpu_seconds()
+        link = _link_bytes()
         model, info = method(cfg, spec["ckpt"], mesh, spec.get("options", {}))
         dist.barrier()
         seconds = time.perf_counter() - started
         cpu = _cpu_seconds() - cpu_started
+        link_after = _link_bytes()
+        if link is not None and link_after is not None:  # this node's interface, during the load only
+            info = {
+                **info,
+                "link_tx_bytes": link_after[0] - link[0],
+                "link_rx_bytes": link_after[1] - link[1],
+            }
         peak = _status("VmHWM")
         # Not the peak's split (Linux keeps none), but a hint: file-backed pages (a mmap'd checkpoint)
         # count in RSS like anonymous memory, although the kernel can drop them.
