@@ -88,6 +88,13 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
     directory = outputs.directory
     for temp, name in extras:
         os.replace(temp, os.path.join(directory, name))
+    old_index = os.path.join(directory, INDEX_NAME)
+    if any(os.path.exists(os.path.join(directory, n)) for n in plan.files) and os.path.exists(old_index):
+        # The new files replace files an earlier index names (same names: same number of files).
+        # Retire that index first: a crash during the renames then leaves a directory that looks
+        # incomplete (no index), never new shards behind an old index that looks complete.
+        os.unlink(old_index)
+        _fsync_dir(directory)
     for temp, name in zip(list(outputs.temps), plan.files):
         os.replace(temp, os.path.join(directory, name))
         outputs.temps.remove(temp)
@@ -110,6 +117,10 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
     for name in sorted(os.listdir(directory)):
         if _SAVED.fullmatch(name) and name not in keep:
             os.unlink(os.path.join(directory, name))
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -344,6 +344,46 @@ def test_killed_rank_keeps_the_old_checkpoint(tmp_path) -> None:
     assert _snapshot(out) == before and leftovers(out) == []
 
 
+def _crash_while_renaming(rank: int, world: int, out: str) -> None:
+    import rank0load
+
+    if rank == 0:
+        real, renamed = os.replace, []
+
+        def dying(src, dst, *args, **kwargs):
+            real(src, dst, *args, **kwargs)
+            if str(dst).endswith(".safetensors"):
+                renamed.append(dst)
+                if len(renamed) == 1:
+                    os._exit(3)  # rank 0 dies after the first new shard took its final name
+
+        os.replace = dying
+    rank0load.save_sharded(sharded(40, 1), out, max_shard_size="0.003MB")
+
+
+@pytest.mark.slow
+def test_crash_while_renaming_never_looks_complete(tmp_path) -> None:
+    """Rank 0 dies between the renames of a save whose files have the names of an earlier save's
+    (same number of files): the earlier index is gone first, so the directory does not look like a
+    checkpoint (a load says so) rather than holding new shards behind the old index."""
+    out = str(tmp_path / "ckpt")
+    _dist.ok(_dist.run(_save_sharded_files, 2, out))
+    first = sorted(os.listdir(out))
+    assert "model.safetensors.index.json" in first and len(first) > 2
+    _, codes, _ = _dist.spawn(_crash_while_renaming, 2, out, pg_timeout=20, timeout=90, exit_at_once=True)
+    assert codes[0] == 3, codes
+    names = sorted(n for n in os.listdir(out) if not n.startswith("."))
+    assert "model.safetensors.index.json" not in names and "model.safetensors" not in names, names
+    assert set(names) <= set(first)
+
+
+def _save_sharded_files(rank: int, world: int, out: str) -> bool:
+    import rank0load
+
+    rank0load.save_sharded(sharded(40, 0), out, max_shard_size="0.003MB")
+    return True
+
+
 # ------------------------------------------------------------------------------- MoE, original format
 
 
