@@ -4,9 +4,11 @@ all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _sha
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
 rank 0     resolve, open, read headers, validate          -> _source, _format, _manifest
 all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
+all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
 all ranks  allocate shards and staging, init what's missing, plan -> _model, _transfer, _plan
 all ranks  settle: any rank's failure raised everywhere   -> _distribute.settle
-all ranks  stream round by round; rank 0 reads and sends  -> _transfer (_stream reads)
+all ranks  agree on which ranks read locally              -> _local.Handover.decide
+all ranks  stream round by round; rank 0 reads and sends  -> _transfer (_stream, _localread read)
 all ranks  re-tie, verify nothing is left on meta         -> _model.finish
 """
 
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import _distribute, _model, _transfer
+from . import _distribute, _local, _model, _transfer
 from ._convert import StackExperts
 from ._manifest import Manifest, read_manifest
 from ._plan import Plan, build_plan
@@ -48,6 +50,7 @@ def load_sharded(
     revision: str | None = None,
     max_staging_bytes: int = DEFAULT_STAGING_BYTES,
     conversions: Sequence[StackExperts] = (),
+    local_reads: bool = True,
 ) -> nn.Module:
     """Build ``model_fn()`` sharded with FSDP2 over ``mesh`` and load a safetensors checkpoint into it.
 
@@ -74,6 +77,8 @@ def load_sharded(
         conversions: checkpoint tensors assembled into model tensors (:class:`StackExperts`), tried
             for keys the model does not have, before transformers' own conversions (applied
             automatically to a transformers model: per-expert Hub checkpoints into fused experts).
+        local_reads: ranks on rank 0's host read their own bytes through the files rank 0 opened
+            (handed over a Unix socket) instead of receiving them; ``False``: rank 0 sends them.
 
     Returns:
         The sharded model, its parameters DTensors on the mesh device, ready for training.
@@ -92,7 +97,12 @@ def load_sharded(
         )
     clock, rank = Clock(), dist.get_rank()
     mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
-    options = {"strict": strict, "dtype": dtype, "max_staging_bytes": max_staging_bytes}
+    options = {
+        "strict": strict,
+        "dtype": dtype,
+        "max_staging_bytes": max_staging_bytes,
+        "local_reads": local_reads,
+    }
     built, error = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions))
     clock("build")
     flags = _distribute.agree(built.proposal if built else None, error)
@@ -104,9 +114,15 @@ def load_sharded(
             if rank == 0
             else (None, {})
         )
-        manifest: Manifest = _distribute.share(result)
+        server = _local.listen(result, files) if local_reads else None  # rank 0, for its host's ranks
+        if server is not None:
+            opened.callback(server.close)
+        shared = _distribute.share(_local.with_offer(result, server))  # (manifest, offer)
+        manifest: Manifest = shared[0]
         clock("manifest")
         comm = _distribute.mesh_device(mesh.device_type)
+        handover = _local.hand_over(shared[1], server, manifest.files, comm, max_staging_bytes, local_reads)
+        opened.callback(handover.close)
         ready, error = _distribute.attempt(
             lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes)
         )
@@ -114,13 +130,14 @@ def load_sharded(
             error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
         )
         assert ready is not None  # settle() raised otherwise
+        local = handover.decide()
         clock("allocate")
         with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
-            _transfer.stream(ready.plan, ready.targets, ready.staging, comm, files, on_bytes)
+            _transfer.stream(ready.plan, ready.targets, ready.staging, comm, files, on_bytes, local)
         clock("stream")
     _model.finish(built.model, built.layout)
     clock("finish")
-    report = LoadReport.of(manifest, ready.plan, clock, peak_rss_bytes())
+    report = LoadReport.of(manifest, ready.plan, clock, peak_rss_bytes(), local)
     built.model.rank0load_report = report  # type: ignore[assignment]
     if rank == 0:
         log_summary(report, {e.key: e.nbytes for e in manifest.entries})
@@ -135,7 +152,7 @@ def _build(
     conversions: Sequence[StackExperts],
 ) -> _model.Built:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
-    _model.check_options(options["dtype"], options["max_staging_bytes"])
+    _model.check_options(options["dtype"], options["max_staging_bytes"], options["local_reads"])
     _model.check_mesh(mesh, dist.get_world_size())
     built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)

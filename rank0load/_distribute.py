@@ -44,9 +44,11 @@ __all__ = [
     "Traffic",
     "agree",
     "first_failure",
+    "gather_to_rank0",
     "mesh_device",
     "peer_failure",
     "raise_failure",
+    "ranks_where",
     "settle",
     "share",
     "traffic",
@@ -291,8 +293,8 @@ def agree(proposal: Proposal | None, error: BaseException | None) -> tuple[int, 
             ranks = f"[{first}]" if count == 1 else f"[{first}, ...] ({count} ranks)"
             raise RankMismatchError(
                 f"ranks {ranks} built a different model from rank 0, or were passed other arguments; rank "
-                f"{first}: {explained}. model_fn, shard_fn, dtype, strict and max_staging_bytes must "
-                "be the same on every rank: build the same model on every rank."
+                f"{first}: {explained}. model_fn, shard_fn, dtype, strict, max_staging_bytes and "
+                "local_reads must be the same on every rank: build the same model on every rank."
             )
         n = len(proposal.flags)
         planes = torch.tensor(
@@ -315,6 +317,36 @@ def share(result: object | LoadError | None) -> Any:
     if isinstance(value, LoadError):
         raise type(value)(*value.args)
     return value
+
+
+def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:
+    """(all ranks) Every rank's ``values`` (the same number of int64s everywhere), on rank 0 by rank;
+    None elsewhere. One gather: rank 0 receives O(world) bytes, every other rank none."""
+    try:
+        device = _object_device()
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        dist.gather(mine, out, dst=0)
+    except RuntimeError as exc:
+        raise peer_failure(what, exc) from exc
+    if out is None:
+        return None
+    traffic.received += (len(out) - 1) * mine.numel() * mine.element_size()
+    return [tuple(int(v) for v in t.cpu().tolist()) for t in out]
+
+
+def ranks_where(flag: bool, what: str) -> frozenset[int]:
+    """(all ranks) The ranks whose ``flag`` is set, on every rank: one all-reduce of one bit per rank
+    (each rank sets only its own bit, so the sum of the bytes is their OR)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        bits = torch.zeros((world + 7) // 8, dtype=torch.uint8)
+        if flag:
+            bits[rank // 8] = 1 << (rank % 8)
+        got = _all_reduce(bits.to(_object_device()), dist.ReduceOp.SUM).cpu().tolist()
+    except RuntimeError as exc:
+        raise peer_failure(what, exc) from exc
+    return frozenset(r for r in range(world) if got[r // 8] >> (r % 8) & 1)
 
 
 def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:

@@ -53,8 +53,12 @@ DEFAULT_STAGING_BYTES = 16 << 20
 MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
 
 
-def check_options(dtype: object, max_staging_bytes: object) -> None:
+def check_options(dtype: object, max_staging_bytes: object, local_reads: object = True) -> None:
     """(all ranks) Arguments that would fail later, checked before anything is built."""
+    if not isinstance(local_reads, bool):
+        raise LoadError(
+            f"local_reads={local_reads!r} is not a bool (True: ranks on rank 0's host read their own bytes)"
+        )
     if isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int):
         raise LoadError(f"max_staging_bytes={max_staging_bytes!r} is not an int (bytes)")
     if max_staging_bytes < MIN_STAGING_BYTES:

@@ -244,16 +244,17 @@ class Plan:
             out[r] = runs
         return out
 
-    def pieces(self, me: int) -> Iterator[Piece]:
+    def pieces(self, me: int, chunks: bool = False) -> Iterator[Piece]:
         """(all ranks) The agreed messages as rank ``me`` sees them, in manifest order.
 
         Rank 0 gets a BLOCK entry as FAN_OUT chunks; another rank gets the pieces its own deliveries
-        become (``dst`` = ``me``), so it receives them like row pieces.
+        become (``dst`` = ``me``), so it receives them like row pieces. ``chunks``: FAN_OUT chunks
+        for any ``me`` (a rank reading its own bytes cuts its own blocks from them, see _localread).
         """
         for index, kind in enumerate(self.kinds):
-            yield from self._entry_pieces(index, kind, me)
+            yield from self._entry_pieces(index, kind, me, chunks)
 
-    def _entry_pieces(self, index: int, kind: Kind, me: int) -> Iterator[Piece]:
+    def _entry_pieces(self, index: int, kind: Kind, me: int, chunks: bool = False) -> Iterator[Piece]:
         entry = self.entries[index]
         if entry.nbytes == 0:  # zero-width: nothing to move
             return
@@ -261,7 +262,7 @@ class Plan:
         for start in range(0, entry.scale_nbytes, step):  # every rank needs the scales first
             yield Piece(index, Route.SCALES, -1, start, min(step, entry.scale_nbytes - start), start, kind)
         if kind is Kind.BLOCK:
-            mine = None if me == 0 else self.block_layouts(index, [me])
+            mine = None if me == 0 or chunks else self.block_layouts(index, [me])
             for chunk in _block_chunks(index, entry, step):
                 if mine is None:
                     yield chunk

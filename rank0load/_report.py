@@ -39,10 +39,16 @@ class LoadReport:
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the load finished
     rank: int = 0
     world_size: int = 1
+    # Node-local reads: whether this rank read its own bytes through rank 0's open files instead of
+    # receiving them; the ranks that did (the same on every rank); this rank's path and why:
+    # "rank 0", "local: ...", or "stream: <why not local>".
+    local_read: bool = False
+    local_readers: tuple[int, ...] = ()
+    local_status: str = ""
 
     @classmethod
-    def of(cls, manifest: Any, plan: Any, clock: Clock, peak_rss: int) -> LoadReport:
-        """(all ranks) The report of a load that has just finished."""
+    def of(cls, manifest: Any, plan: Any, clock: Clock, peak_rss: int, local: Any = None) -> LoadReport:
+        """(all ranks) The report of a load that has just finished (``local``: ``_localread.LocalReads``)."""
         return cls(
             tensors=len(manifest.entries),
             bytes=manifest.total_bytes,
@@ -63,6 +69,9 @@ class LoadReport:
             peak_rss_bytes=peak_rss,
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
+            local_read=local is not None and local.files is not None,
+            local_readers=tuple(sorted(local.readers)) if local is not None else (),
+            local_status=local.status if local is not None else "",
         )
 
     @property

@@ -18,7 +18,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from ._layout import global_indices
 from ._plan import Kind, Piece, Plan, Route, block_half, cut, deliveries
 from ._stream import Reader
 from .errors import LoadError
+
+if TYPE_CHECKING:
+    from ._localread import LocalReader, LocalReads
 
 __all__ = ["Staging", "Target", "allocate_staging", "stream", "target_of"]
 
@@ -239,15 +242,18 @@ def stream(
     comm: torch.device,
     files: Mapping[str, Any] | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    local: LocalReads | None = None,
 ) -> None:
     """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``
-    (path -> ``_format.OpenFile``). Raises the same error on every rank if any rank failed."""
+    (path -> ``_format.OpenFile``). ``local``: the ranks that read their own bytes through rank 0's
+    descriptors (``_local``); rank 0 sends them nothing but the broadcasts. Raises the same error on
+    every rank if any rank failed."""
     sink = _Sink(plan, targets, comm)
     try:
         if dist.get_rank() == 0:
-            first = _send(plan, staging, files or {}, sink, on_bytes)
+            first = _send(plan, staging, files or {}, sink, on_bytes, local.readers if local else frozenset())
         else:
-            first = _receive(plan, staging, sink)
+            first = _receive(plan, staging, sink, local.reader(plan, staging, sink) if local else None)
         if first < dist.get_world_size():
             _distribute.raise_failure(
                 first,
@@ -268,8 +274,10 @@ def _send(
     files: Mapping[str, Any],
     sink: _Sink,
     on_bytes: Callable[[int], None] | None,
+    readers: frozenset[int] = frozenset(),
 ) -> int:
-    """(rank 0) Read and send round by round; returns the first failing rank (world: none)."""
+    """(rank 0) Read and send round by round, nothing to ``readers`` but the broadcasts (they read
+    their own bytes); returns the first failing rank (world: none)."""
     on_cpu = sink.device.type == "cpu"
 
     def direct(piece: Piece) -> torch.Tensor | None:  # rank 0's own rows, read in place
@@ -278,9 +286,20 @@ def _send(
             return _landing(target, piece, sink.wires[piece.index])
         return None
 
-    reader = Reader(plan.pieces(0), plan.entries, files, direct, staging.slots)
+    pieces, skipped = plan.pieces(0), [0, 0]  # bytes the readers read themselves: counted, reported
+    if readers:
+
+        def theirs(p: Piece) -> bool:  # (the reader thread) a piece a local reader reads itself
+            if p.route is Route.TO_RANK and p.dst in readers:
+                skipped[0] += p.nbytes
+                return True
+            return False
+
+        pieces = (p for p in pieces if not theirs(p))
+    reader = Reader(pieces, plan.entries, files, direct, staging.slots)
     pending: collections.deque[tuple[Any, int | None]] = collections.deque()
-    layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, [r for r, _ in plan.coords]))
+    fan_to = [r for r, _ in plan.coords if r not in readers]
+    layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, fan_to))
 
     def drain(keep: int = 0) -> None:
         while len(pending) > keep:
@@ -318,7 +337,9 @@ def _send(
                     reader.release(slot)
                 drain(keep=max(1, len(staging.slots) - 1))
                 if on_bytes is not None and piece.route is not Route.SCALES:
-                    on_bytes(piece.nbytes)
+                    counted = skipped[0]  # written by the reader thread only
+                    on_bytes(piece.nbytes + counted - skipped[1])
+                    skipped[1] = counted
             drain()
             if stop == len(plan.entries):
                 for _ in rounds.until(stop + 1):  # the reader's last checks come with its end
@@ -336,8 +357,8 @@ def _send(
 def _fan_out(
     piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: _Sink
 ) -> _All:
-    """(rank 0) Cut a BLOCK chunk (whole rows, in ``data``) into every rank's block: rank 0's own is
-    written into its shard, the others are sent. A block that is not a contiguous part of the chunk is
+    """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``) into
+    every rank's block in ``per_rank``: this rank's own is written into its shard, the others are sent. A block that is not a contiguous part of the chunk is
     packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
     share one copy, so the packed blocks never exceed the chunk. After a local failure the blocks
     still go out, as scratch bytes of the right size."""
@@ -345,7 +366,7 @@ def _fan_out(
     made: dict[tuple[Any, ...], torch.Tensor] = {}
     works: list[Any] = []
     keep: list[torch.Tensor] = []
-    used = 0
+    used, me = 0, dist.get_rank()
     for d in deliveries(piece, entry, per_rank):
         payload: torch.Tensor | None = None
         if sink.faults.error is None:
@@ -365,7 +386,7 @@ def _fan_out(
                 payload = block.reshape(-1).view(torch.uint8)
             except Exception as exc:
                 sink.faults.note(exc)
-        if d.dst == 0:
+        if d.dst == me:
             if payload is not None:
                 sink.write(piece, payload, local_offset=d.local_offset)
             continue
@@ -376,10 +397,11 @@ def _fan_out(
     return _All(works, keep)
 
 
-def _receive(plan: Plan, staging: Staging, sink: _Sink) -> int:
+def _receive(plan: Plan, staging: Staging, sink: _Sink, local: LocalReader | None = None) -> int:
     """(ranks other than 0) Post up to ``slots`` receives ahead, straight into the local shard when
-    the wire dtype is the target's, else into a staging slot, then cast or dequantise. Returns the
-    first failing rank (world: none)."""
+    the wire dtype is the target's, else into a staging slot, then cast or dequantise; or, with
+    ``local``, read this rank's own pieces instead (synchronously: it needs no slot of its own).
+    Returns the first failing rank (world: none)."""
     me = dist.get_rank()
     free = collections.deque(range(len(staging.slots)))
     pending: collections.deque[tuple[Any, Piece, int | None]] = collections.deque()
@@ -397,9 +419,12 @@ def _receive(plan: Plan, staging: Staging, sink: _Sink) -> int:
         slot = free.popleft()
         return staging.slots[slot][: piece.nbytes], slot
 
-    rounds = _Rounds(plan.pieces(me), lambda p: p.index)
+    rounds = _Rounds(plan.pieces(me, chunks=local is not None), lambda p: p.index)
     for stop in plan.rounds:
         for piece in rounds.until(stop):
+            if local is not None and piece.route in (Route.TO_RANK, Route.FAN_OUT):
+                local.read(piece)
+                continue
             if piece.route is Route.TO_RANK and piece.dst != me:
                 continue
             if piece.route in (Route.BROADCAST, Route.SCALES):
@@ -426,6 +451,8 @@ def _receive(plan: Plan, staging: Staging, sink: _Sink) -> int:
                 complete_oldest()
         while pending:
             complete_oldest()
+        if local is not None:
+            local.round_end()
         first = _distribute.first_failure(sink.faults.error)
         if first < dist.get_world_size():
             return first

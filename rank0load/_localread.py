@@ -1,0 +1,165 @@
+"""A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives).
+
+(a local reader: a rank other than 0 that ``_local.hand_over`` gave rank 0's descriptors)
+:class:`LocalReader` takes the place of the receives in ``_transfer._receive``. For every piece rank 0
+would have sent it — its rows of a SHARDED entry, the chunks of a BLOCK entry, from which it cuts its
+own blocks exactly as rank 0 would (``_transfer._fan_out``, with no one to send to) — it reads the
+bytes with ``preadv`` at their file offsets (``Entry.extents``, so assembled experts and float8
+weights too): straight into its local shard when that is on the CPU and of the wire dtype, else into
+a staging slot, followed by the sink's local work (cast, dequantise). It reads only the rows of a
+chunk that hold its blocks. Broadcast pieces (PLAIN and GENERIC entries, float8 scale grids) still
+arrive by broadcast, in order: every rank takes part in those, and they are the small tensors.
+
+The first failure (a read error, a file that changed) is the sink's local failure, settled at the end
+of its round like any other (``_distribute.first_failure``): the same LoadError on every rank. At each
+round's end the files read in it are checked: ``fstat`` on the descriptor against the identity rank 0
+recorded when it opened the file (rank 0 also checks the paths).
+
+With shards on an accelerator, reads land in a pinned host buffer and are copied into the rank's
+device staging slot, then the same local work runs on the device (not tested: no GPU here).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ._format import DTYPES, FileIdentity
+from ._plan import Piece, Plan, Route, block_half, deliveries
+from ._stream import read_into
+from ._transfer import Staging, _fan_out, _Sink
+from .errors import CheckpointChangedError, LoadError
+
+__all__ = ["LocalFiles", "LocalReader", "LocalReads"]
+
+
+class LocalFiles:
+    """(a local reader) Rank 0's descriptors, by checkpoint path, with the identity of each file."""
+
+    def __init__(
+        self,
+        fds: dict[str, int],
+        identities: dict[str, FileIdentity],
+        comm: torch.device,
+        host_bytes: int,
+    ) -> None:
+        self.fds, self.identities = fds, identities
+        on_cpu = comm.type == "cpu"
+        self.host = None if on_cpu else torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def fd(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            raise LoadError(f"internal error: rank 0 did not hand over {path}")
+        return fd
+
+    def check(self, path: str) -> None:
+        """Raise CheckpointChangedError if the file behind ``path``'s descriptor changed."""
+        was, now = self.identities[path], FileIdentity.of(os.fstat(self.fd(path)))
+        changes = []
+        if now.size != was.size:
+            changes.append(f"size {was.size} -> {now.size}")
+        if now.mtime_ns != was.mtime_ns:
+            changes.append(f"rewritten: mtime changed ({was.mtime_ns} -> {now.mtime_ns} ns)")
+        if changes:
+            raise CheckpointChangedError(
+                f"{path} changed ({'; '.join(changes)}) while rank {dist.get_rank()} read it: the "
+                "checkpoint changed during the load; wait until whatever writes it has finished, then load again."
+            )
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class LocalReads:
+    """(all ranks) The outcome of the hand-over (``_local.Handover.decide``)."""
+
+    readers: frozenset[int]  # the ranks that read their own bytes (the same on every rank)
+    files: LocalFiles | None  # this rank's descriptors, when it is one of them
+    status: str  # which path this rank took, and why (LoadReport.local_status)
+
+    def reader(self, plan: Plan, staging: Staging, sink: _Sink) -> LocalReader | None:
+        """(all ranks) This rank's reader, if it is a local reader; None otherwise."""
+        return LocalReader(plan, staging, sink, self.files) if self.files is not None else None
+
+
+class LocalReader:
+    """(a local reader) Reads the pieces ``_transfer._receive`` hands it (TO_RANK pieces addressed
+    to this rank, FAN_OUT chunks) and ends each round with the identity checks."""
+
+    def __init__(self, plan: Plan, staging: Staging, sink: _Sink, files: LocalFiles) -> None:
+        self.plan, self.sink, self.files = plan, sink, files
+        self.me = dist.get_rank()
+        self.slot = staging.slots[0]  # reads are synchronous: one slot, free again on return
+        self.host = files.host if files.host is not None else self.slot
+        self.touched: set[str] = set()
+        self._layouts: dict[int, dict[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
+
+    def read(self, piece: Piece) -> None:
+        """Read ``piece`` (this rank's rows, or a BLOCK chunk) into this rank's tensors. After a
+        local failure it does nothing: no message depends on it."""
+        if self.sink.faults.error is not None:
+            return
+        try:
+            if piece.route is Route.FAN_OUT:
+                self._chunk(piece)
+            elif piece.route is Route.TO_RANK and piece.dst == self.me:
+                target = self.sink.targets[piece.index].tensor
+                view = self.sink.landing(piece) if target.device.type == "cpu" else None
+                if view is not None:
+                    self._read(piece, view)
+                else:
+                    self.sink.write(piece, self._staged(piece))
+        except Exception as exc:
+            self.sink.faults.note(exc)
+
+    def round_end(self) -> None:
+        """Check every file read since the last round's end (its descriptor's fstat)."""
+        touched, self.touched = self.touched, set()
+        for path in sorted(touched):
+            self.sink.faults.run(self.files.check, path)
+
+    def _chunk(self, piece: Piece) -> None:
+        """Read the rows of a BLOCK chunk that hold this rank's blocks; cut and write them."""
+        entry = self.plan.entries[piece.index]
+        runs = self._layouts.get(piece.index)
+        if runs is None:
+            self._layouts = {piece.index: self.plan.block_layouts(piece.index, [self.me])}
+            runs = self._layouts[piece.index]
+        mine = list(deliveries(piece, entry, runs))
+        if not mine:
+            return
+        shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
+        row = math.prod(shape) * DTYPES[entry.dtype].itemsize
+        lo, hi = min(d.row_lo for d in mine), max(d.row_hi for d in mine)
+        rows = replace(
+            piece, start=piece.start + lo * row, nbytes=(hi - lo) * row, local_offset=piece.local_offset + lo
+        )
+        data = self._staged(rows)
+        _fan_out(rows, data, self.slot[block_half(self.plan.piece_bytes) :], runs, self.sink).wait()
+
+    def _staged(self, piece: Piece) -> torch.Tensor:
+        """``piece``'s bytes in this rank's staging slot (through the pinned host buffer, on an accelerator)."""
+        host = self.host[: piece.nbytes]
+        self._read(piece, host)
+        return host if self.host is self.slot else self.slot[: piece.nbytes].copy_(host)
+
+    def _read(self, piece: Piece, data: torch.Tensor) -> None:
+        entry = self.plan.entries[piece.index]
+        for path, offset, nbytes, at in entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES):
+            self.touched.add(path)
+            try:
+                read_into(self.files.fd(path), data[at : at + nbytes], offset, path)
+            except OSError as exc:
+                raise LoadError(
+                    f"rank {self.me} could not read {path} at byte {offset} through rank 0's descriptor: "
+                    f"{exc.strerror or exc}. Check the disk and the file and retry (local_reads=False "
+                    "makes rank 0 send this rank its bytes instead)."
+                ) from None
