@@ -150,17 +150,15 @@ class Server:
                         self.refused.append(why)
                     logger.warning("rank0load: refused a connection to the checkpoint's descriptors: %s", why)
                     return  # closed: the peer gets nothing
-                rank = _HELLO.unpack(hello)[0]
                 for first in range(0, len(self._fds), _FDS_PER_MESSAGE):
                     batch = self._fds[first : first + _FDS_PER_MESSAGE]
                     socket.send_fds(conn, [_BATCH.pack(first, len(self._fds))], batch)
-                with self._lock:
-                    self.served.add(rank)
             except OSError as exc:  # the rank gave up (it then takes the stream)
                 logger.debug("handing the descriptors over failed: %s", exc)
 
     def _refusal(self, pid: int, uid: int, hello: bytes) -> str | None:
-        """Why the peer (kernel-reported ``pid``, ``uid``) must get nothing, or None."""
+        """Why the peer (kernel-reported ``pid``, ``uid``) must get nothing, or None: then its rank
+        counts as served (once only, even if the sending then fails)."""
         if len(hello) != _HELLO.size:
             return f"pid {pid} (uid {uid}) did not say which rank it is"
         rank, token = _HELLO.unpack(hello)
@@ -174,6 +172,7 @@ class Server:
         with self._lock:
             if rank in self.served:
                 return f"pid {pid} asked twice for rank {rank}'s descriptors"
+            self.served.add(rank)
         return None
 
     def close(self) -> None:
@@ -188,7 +187,7 @@ class HandoverError(Exception):
     """Why a rank could not take rank 0's descriptors (it then takes the stream)."""
 
 
-def fetch(offer: Offer, rank: int, timeout: float = TIMEOUT) -> list[int]:
+def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
     """(a rank on rank 0's host) Rank 0's descriptors, in ``offer.identities`` order, each checked;
     raises HandoverError (nothing left open) otherwise."""
     fds: list[int] = []
@@ -204,7 +203,7 @@ def fetch(offer: Offer, rank: int, timeout: float = TIMEOUT) -> list[int]:
                 data, got, flags, _ = socket.recv_fds(sock, _BATCH.size, _FDS_PER_MESSAGE)
                 fds += got
                 if not data:
-                    raise HandoverError("rank 0 refused this rank (see rank 0's log)")
+                    raise HandoverError("rank 0 sent nothing: it refused this rank, or failed (see its log)")
                 if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
                     raise HandoverError("descriptors dropped in transit (too many open files here?)")
                 first, count = _BATCH.unpack(data)
@@ -307,7 +306,7 @@ def hand_over(
     if not here:
         return Handover(offer, status="stream: not on rank 0's host")
     try:
-        fds = fetch(offer, rank)
+        fds = fetch(offer, rank, TIMEOUT)
     except (OSError, HandoverError) as exc:
         logger.debug("rank %d takes the stream: %s", rank, exc)
         return Handover(offer, status=f"stream: the hand-over failed ({type(exc).__name__}: {exc})")

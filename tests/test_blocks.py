@@ -279,7 +279,8 @@ def _dies_while_cutting(rank: int, world: int, path: str, marker: str) -> str:
             return original(*args, **kwargs)
 
         d.dist.isend = failing
-    rank0load.load_sharded(tp_net, path, mesh, shard_fn=shard_tp, max_staging_bytes=4096)
+    # local_reads=False: the stream itself (local readers would cut their own blocks, no isend)
+    rank0load.load_sharded(tp_net, path, mesh, shard_fn=shard_tp, max_staging_bytes=4096, local_reads=False)
     return "loaded"
 
 

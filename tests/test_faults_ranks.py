@@ -185,7 +185,11 @@ def _fail_mid_load(rank: int, world: int, path: str, victim: int, how: str, mark
         kwargs["model_fn"] = ExitOnRank(victim, marker)
     elif how == "dies_in_manifest":
         kwargs["key_map"] = ExitOnRank(0, marker)  # key_map runs on rank 0 alone, while it reads headers
-    elif rank == victim:
+    else:
+        # local_reads=False on every rank: the stream itself (a local reader receives nothing point
+        # to point; test_local has a local reader that dies).
+        kwargs["local_reads"] = False
+    if how in ("dies", "stalls") and rank == victim:
         # Fail in the stream phase: rank 0 while sending, rank 1 while receiving.
         name = "isend" if victim == 0 else "irecv"
         original = getattr(dist, name)

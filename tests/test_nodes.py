@@ -4,7 +4,9 @@ Two network namespaces joined by a veth pair stand for two nodes; each runs its 
 ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank K`` with ``GLOO_SOCKET_IFNAME`` on its end of
 the veth, so every byte between the nodes crosses that link. Node 1 also runs in its own mount
 namespace with an empty tmpfs over the checkpoint's directory: the checkpoint exists on node 0 only.
-All four ranks must end with the exact tensors of a transformers Llama saved with ``save_pretrained``.
+All four ranks must end with the exact tensors of a transformers Llama saved with ``save_pretrained``;
+node 0's second rank reads its own bytes through rank 0's descriptors (node-local reads), node 1's
+ranks receive theirs over the link.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ with torch.no_grad():
 if rank == 0:
     torch.save({{"tensors": tensors, "logits": logits}}, os.path.join(out, "loaded.pt"))
 with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
+    report = model.rank0load_report
     json.dump({{"sees_checkpoint": sees, "world": dist.get_world_size(),
-               "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}}, f)
+               "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "local_read": report.local_read,
+               "local_readers": report.local_readers, "local_status": report.local_status}}, f)
 dist.destroy_process_group()
 """
 
@@ -132,6 +136,12 @@ def test_two_nodes_with_the_checkpoint_on_node_0_only(tmp_path, two_nodes):
     assert [r["sees_checkpoint"] for r in ranks] == [True, True, False, False]
     assert all(r["world"] == 4 for r in ranks)
     assert [r["ifname"] for r in ranks] == [nodes[0][1]] * 2 + [nodes[1][1]] * 2
+    # Node-local reads: rank 1 (node 0) read its own bytes through rank 0's descriptors; node 1's
+    # ranks cannot reach rank 0's socket (another network namespace) and took the stream.
+    assert [r["local_read"] for r in ranks] == [False, True, False, False]
+    assert all(r["local_readers"] == [1] for r in ranks), ranks
+    assert [r["local_status"].split(":")[0] for r in ranks] == ["rank 0", "local", "stream", "stream"]
+    assert ranks[2]["local_status"] == ranks[3]["local_status"] == "stream: not on rank 0's host"
     loaded = torch.load(out / "loaded.pt")
     assert_same(loaded["tensors"], reference(ref))
     with torch.no_grad():

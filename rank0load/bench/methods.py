@@ -115,11 +115,22 @@ def build_only(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple
 
 
 def rank0load_method(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
-    """``rank0load.load_sharded``: rank 0 reads, each rank receives its own shard (MoE experts
-    assembled into the fused parameters by rank0load, from transformers' conversion mapping)."""
+    """``rank0load.load_sharded``: rank 0 opens and validates the checkpoint; the ranks on its host
+    (here: all) read their own shards through its descriptors, the others would receive theirs (MoE
+    experts assembled into the fused parameters by rank0load, from transformers' conversion mapping)."""
+    return _rank0load(cfg, ckpt, mesh, options.get("rank0load", {}))
+
+
+def rank0load_stream(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+    """``rank0load.load_sharded(..., local_reads=False)``: rank 0 reads every byte and sends each rank
+    its own shard, as it must for ranks on other hosts."""
+    return _rank0load(cfg, ckpt, mesh, {**options.get("rank0load", {}), "local_reads": False})
+
+
+def _rank0load(cfg: Config, ckpt: str, mesh: DeviceMesh, kwargs: dict) -> tuple[nn.Module, dict]:
     import rank0load
 
-    model = rank0load.load_sharded(model_fn(cfg), ckpt, mesh, **options.get("rank0load", {}))
+    model = rank0load.load_sharded(model_fn(cfg), ckpt, mesh, **kwargs)
     report: LoadReport = model.rank0load_report  # type: ignore[assignment]
     # No re-tie here: rank0load must keep the tie itself (verification requires it).
     return model, {
@@ -128,6 +139,8 @@ def rank0load_method(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) ->
         "stream_gbps": report.gb_per_s,
         "report_bytes": report.bytes,
         "phases": dict(getattr(report, "phases", {}) or {}),
+        "local_read": report.local_read,
+        "local_readers": len(report.local_readers),
     }
 
 
@@ -202,6 +215,7 @@ def dcp_hf(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.
 METHODS: dict[str, Method] = {
     "build-only": build_only,
     "rank0load": rank0load_method,
+    "rank0load-stream": rank0load_stream,
     "broadcast-rank0": broadcast_rank0,
     "dcp-hf": dcp_hf,
     "every-rank": every_rank,
@@ -209,7 +223,8 @@ METHODS: dict[str, Method] = {
 
 METHOD_NOTES: dict[str, str] = {
     "build-only": "meta build + `fully_shard` + allocate the local shards and fault them in: the cost every method shares; loads nothing",
-    "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 reads, sends each rank its rows",
+    "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 opens the checkpoint, the ranks on its host (here: all) read their own rows through its descriptors",
+    "rank0load-stream": "`rank0load.load_sharded(model_fn, ckpt, mesh, local_reads=False)`: rank 0 reads every byte, sends each rank its rows",
     "broadcast-rank0": "rank 0 `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
     "dcp-hf": "`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(ckpt))`: every rank reads its slices (MoE: each fused expert parameter replaced by views of the rank's own experts under their checkpoint keys)",
     "every-rank": "every rank `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True)`",

@@ -379,7 +379,7 @@ def main(spec: dict) -> dict:
             result.update(verified=None, problems=[], problem_count=0, tensors_checked=0)
         else:
             result.update(_verify(model, cfg, spec["ckpt"]))
-            if spec["method"] == "rank0load" and info.get("tie_kept") is False:
+            if spec["method"].startswith("rank0load") and info.get("tie_kept") is False:
                 result["verified"] = False
                 result["problems"] = [*result["problems"], "rank0load broke the lm_head / embed_tokens tie"]
         return result
