@@ -175,10 +175,15 @@ class Server:
             self.served.add(rank)
         return None
 
-    def close(self) -> None:
-        """Stop serving; threads still talking to a peer end at their timeout (daemon threads)."""
+    def stop(self) -> None:
+        """Stop accepting, at once (the accepting thread notices within 50 ms)."""
         self._stop.set()
         self._sock.close()
+
+    def close(self) -> None:
+        """Stop, and wait a little for the threads: one still talking to a peer that says nothing
+        ends at its timeout (daemon threads)."""
+        self.stop()
         for t in self._threads:
             t.join(timeout=0.5)
 
@@ -259,7 +264,7 @@ class Handover:
             return LocalReads(frozenset(), None, self.status)
         readers = _distribute.ranks_where(self.files is not None, "agreeing on node-local reads")
         if self.server is not None:
-            self.server.close()
+            self.server.stop()  # every rank has had its try: the hand-over is over
             fell_back = sorted(set(self.on_host) - readers)
             if fell_back:
                 logger.warning(

@@ -8,7 +8,9 @@ bytes with ``preadv`` at their file offsets (``Entry.extents``, so assembled exp
 weights too): straight into its local shard when that is on the CPU and of the wire dtype, else into
 a staging slot, followed by the sink's local work (cast, dequantise). It reads only the rows of a
 chunk that hold its blocks. Broadcast pieces (PLAIN and GENERIC entries, float8 scale grids) still
-arrive by broadcast, in order: every rank takes part in those, and they are the small tensors.
+arrive by broadcast, in order, while some rank takes the stream; when every rank but 0 reads
+locally, each reads those too (:attr:`LocalReader.everything`): no message is left but the
+round ends.
 
 The first failure (a read error, a file that changed) is the sink's local failure, settled at the end
 of its round like any other (``_distribute.first_failure``): the same LoadError on every rank. At each
@@ -87,15 +89,21 @@ class LocalReads:
 
     def reader(self, plan: Plan, staging: Staging, sink: _Sink) -> LocalReader | None:
         """(all ranks) This rank's reader, if it is a local reader; None otherwise."""
-        return LocalReader(plan, staging, sink, self.files) if self.files is not None else None
+        if self.files is None:
+            return None
+        everything = len(self.readers) == dist.get_world_size() - 1  # as rank 0 sees it (_send)
+        return LocalReader(plan, staging, sink, self.files, everything)
 
 
 class LocalReader:
     """(a local reader) Reads the pieces ``_transfer._receive`` hands it (TO_RANK pieces addressed
     to this rank, FAN_OUT chunks) and ends each round with the identity checks."""
 
-    def __init__(self, plan: Plan, staging: Staging, sink: _Sink, files: LocalFiles) -> None:
+    def __init__(
+        self, plan: Plan, staging: Staging, sink: _Sink, files: LocalFiles, everything: bool
+    ) -> None:
         self.plan, self.sink, self.files = plan, sink, files
+        self.everything = everything  # every rank but 0 reads locally: broadcast pieces too
         self.me = dist.get_rank()
         self.slot = staging.slots[0]  # reads are synchronous: one slot, free again on return
         self.host = files.host if files.host is not None else self.slot
@@ -103,13 +111,20 @@ class LocalReader:
         self._layouts: dict[int, dict[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
 
     def read(self, piece: Piece) -> None:
-        """Read ``piece`` (this rank's rows, or a BLOCK chunk) into this rank's tensors. After a
-        local failure it does nothing: no message depends on it."""
+        """Read ``piece`` (this rank's rows, a BLOCK chunk, or with :attr:`everything` a broadcast
+        piece) into this rank's tensors. After a local failure it does nothing: no message depends on it."""
         if self.sink.faults.error is not None:
             return
         try:
             if piece.route is Route.FAN_OUT:
                 self._chunk(piece)
+            elif piece.route in (Route.BROADCAST, Route.SCALES):  # the local work of a broadcast
+                into = self.sink.landing(piece)
+                if into is not None and into.device.type == "cpu":
+                    self._read(piece, into)
+                    self.sink.broadcast(piece, into, landed=True)
+                else:
+                    self.sink.broadcast(piece, self._staged(piece), landed=False)
             elif piece.route is Route.TO_RANK and piece.dst == self.me:
                 target = self.sink.targets[piece.index].tensor
                 view = self.sink.landing(piece) if target.device.type == "cpu" else None

@@ -246,8 +246,8 @@ def stream(
 ) -> None:
     """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``
     (path -> ``_format.OpenFile``). ``local``: the ranks that read their own bytes through rank 0's
-    descriptors (``_local``); rank 0 sends them nothing but the broadcasts. Raises the same error on
-    every rank if any rank failed."""
+    descriptors (``_local``); rank 0 sends them nothing but the broadcasts, and not even those when
+    every rank reads its own. Raises the same error on every rank if any rank failed."""
     sink = _Sink(plan, targets, comm)
     try:
         if dist.get_rank() == 0:
@@ -277,8 +277,10 @@ def _send(
     readers: frozenset[int] = frozenset(),
 ) -> int:
     """(rank 0) Read and send round by round, nothing to ``readers`` but the broadcasts (they read
-    their own bytes); returns the first failing rank (world: none)."""
+    their own bytes; when they are all the other ranks, their broadcast pieces too); returns the
+    first failing rank (world: none)."""
     on_cpu = sink.device.type == "cpu"
+    alone = len(readers) == dist.get_world_size() - 1  # no one to send anything to
 
     def direct(piece: Piece) -> torch.Tensor | None:  # rank 0's own rows, read in place
         target = sink.targets[piece.index]
@@ -332,7 +334,8 @@ def _send(
                 elif piece.route is Route.TO_RANK:
                     pending.append((dist.isend(data, dst=piece.dst), slot))
                 else:  # BROADCAST, SCALES
-                    _distribute._broadcast(data, 0)
+                    if not alone:
+                        _distribute._broadcast(data, 0)
                     sink.broadcast(piece, data, landed=False)
                     reader.release(slot)
                 drain(keep=max(1, len(staging.slots) - 1))
@@ -422,7 +425,7 @@ def _receive(plan: Plan, staging: Staging, sink: _Sink, local: LocalReader | Non
     rounds = _Rounds(plan.pieces(me, chunks=local is not None), lambda p: p.index)
     for stop in plan.rounds:
         for piece in rounds.until(stop):
-            if local is not None and piece.route in (Route.TO_RANK, Route.FAN_OUT):
+            if local is not None and (local.everything or piece.route in (Route.TO_RANK, Route.FAN_OUT)):
                 local.read(piece)
                 continue
             if piece.route is Route.TO_RANK and piece.dst != me:
