@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -86,6 +87,16 @@ class LocalReads:
     readers: frozenset[int]  # the ranks that read their own bytes (the same on every rank)
     files: LocalFiles | None  # this rank's descriptors, when it is one of them
     status: str  # which path this rank took, and why (LoadReport.local_status)
+
+    def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None] | None) -> Iterator[Piece]:
+        """(rank 0) Its pieces less those the readers read themselves; their bytes are counted on
+        ``on_bytes`` (the progress bar) as they are passed over, from the thread iterating."""
+        for piece in plan.pieces(0):
+            if piece.route is Route.TO_RANK and piece.dst in self.readers:
+                if on_bytes is not None:
+                    on_bytes(piece.nbytes)
+                continue
+            yield piece
 
     def reader(self, plan: Plan, staging: Staging, sink: _Sink) -> LocalReader | None:
         """(all ranks) This rank's reader, if it is a local reader; None otherwise."""

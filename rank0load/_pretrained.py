@@ -97,7 +97,7 @@ def load_pretrained(
         revision: the Hub revision when ``ckpt_path`` is a repo id; with a local path, an error.
         config_overrides: config attributes to set, as ``from_pretrained(path, **kwargs)`` sets them,
             e.g. ``{"num_labels": 3}`` or ``{"attn_implementation": "sdpa"}``. Rank 0's are used.
-        **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``,
+        **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``, ``local_reads``,
             ``conversions``, passed to ``load_sharded``.
 
     Returns:

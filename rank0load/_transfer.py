@@ -251,7 +251,7 @@ def stream(
     sink = _Sink(plan, targets, comm)
     try:
         if dist.get_rank() == 0:
-            first = _send(plan, staging, files or {}, sink, on_bytes, local.readers if local else frozenset())
+            first = _send(plan, staging, files or {}, sink, on_bytes, local)
         else:
             first = _receive(plan, staging, sink, local.reader(plan, staging, sink) if local else None)
         if first < dist.get_world_size():
@@ -274,12 +274,13 @@ def _send(
     files: Mapping[str, Any],
     sink: _Sink,
     on_bytes: Callable[[int], None] | None,
-    readers: frozenset[int] = frozenset(),
+    local: LocalReads | None = None,
 ) -> int:
-    """(rank 0) Read and send round by round, nothing to ``readers`` but the broadcasts (they read
-    their own bytes; when they are all the other ranks, their broadcast pieces too); returns the
-    first failing rank (world: none)."""
+    """(rank 0) Read and send round by round, nothing to ``local.readers`` but the broadcasts (they
+    read their own bytes; when they are all the other ranks, their broadcast pieces too); returns
+    the first failing rank (world: none)."""
     on_cpu = sink.device.type == "cpu"
+    readers = local.readers if local is not None else frozenset()
     alone = len(readers) == dist.get_world_size() - 1  # no one to send anything to
 
     def direct(piece: Piece) -> torch.Tensor | None:  # rank 0's own rows, read in place
@@ -288,16 +289,7 @@ def _send(
             return _landing(target, piece, sink.wires[piece.index])
         return None
 
-    pieces, skipped = plan.pieces(0), [0, 0]  # bytes the readers read themselves: counted, reported
-    if readers:
-
-        def theirs(p: Piece) -> bool:  # (the reader thread) a piece a local reader reads itself
-            if p.route is Route.TO_RANK and p.dst in readers:
-                skipped[0] += p.nbytes
-                return True
-            return False
-
-        pieces = (p for p in pieces if not theirs(p))
+    pieces = local.rank0_pieces(plan, on_bytes) if local is not None else plan.pieces(0)
     reader = Reader(pieces, plan.entries, files, direct, staging.slots)
     pending: collections.deque[tuple[Any, int | None]] = collections.deque()
     fan_to = [r for r, _ in plan.coords if r not in readers]
@@ -340,9 +332,7 @@ def _send(
                     reader.release(slot)
                 drain(keep=max(1, len(staging.slots) - 1))
                 if on_bytes is not None and piece.route is not Route.SCALES:
-                    counted = skipped[0]  # written by the reader thread only
-                    on_bytes(piece.nbytes + counted - skipped[1])
-                    skipped[1] = counted
+                    on_bytes(piece.nbytes)
             drain()
             if stop == len(plan.entries):
                 for _ in rounds.until(stop + 1):  # the reader's last checks come with its end
@@ -360,9 +350,9 @@ def _send(
 def _fan_out(
     piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: _Sink
 ) -> _All:
-    """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``) into
-    every rank's block in ``per_rank``: this rank's own is written into its shard, the others are sent. A block that is not a contiguous part of the chunk is
-    packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
+    """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
+    into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
+    others are sent. A block that is not a contiguous part of the chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
     share one copy, so the packed blocks never exceed the chunk. After a local failure the blocks
     still go out, as scratch bytes of the right size."""
     entry, wire = sink.entries[piece.index], sink.wires[piece.index]
