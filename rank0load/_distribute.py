@@ -6,14 +6,17 @@ Order of calls, identical on every rank (see ``_api.load_sharded``):
    everywhere), compare a fixed-size digest of each rank's model and options, AND the per-tensor
    layout flags. O(model) bytes per rank, independent of the world size: details cross the wire
    only when ranks disagree, and then only to explain how.
-2. (all ranks) :func:`share` — rank 0 broadcasts the manifest or the LoadError it hit; every rank
-   returns the manifest or raises that error.
+2. (all ranks) :func:`share` — rank 0 broadcasts the manifest (with its offer of node-local reads,
+   see ``_local``) or the LoadError it hit; every rank returns the manifest or raises that error.
+   With an offer, :func:`gather_to_rank0` then tells rank 0 each rank's pid, uid and host (24 bytes
+   per rank, received by rank 0 alone) before the ranks on its host fetch its descriptors.
 3. (all ranks) :func:`settle` — after allocating and initialising: any rank's failure, raised on
-   every rank. Nothing moves tensor data before this returns.
-4. (all ranks) :func:`~._transfer.stream` — rank 0 sends, the others receive, round by round; a
-   failure on any rank (rank 0's read error, a file changed, a receiver's cast) is settled at the
-   end of its round, so every rank stops in step and raises the failing rank's error, and the
-   process group stays usable.
+   every rank. Nothing moves tensor data before this returns. With an offer, :func:`ranks_where`
+   then says which ranks read their own bytes (one bit per rank).
+4. (all ranks) :func:`~._transfer.stream` — rank 0 sends, the others receive (or read their own),
+   round by round; a failure on any rank (rank 0's read error, a file changed, a receiver's cast)
+   is settled at the end of its round, so every rank stops in step and raises the failing rank's
+   error, and the process group stays usable.
 
 A collective that itself fails (a peer died, the network broke, the process-group timeout) is a
 :func:`peer_failure`: the only case where a rank cannot learn the real cause.
