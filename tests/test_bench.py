@@ -67,6 +67,9 @@ def test_every_method_reports_and_verifies(smoke):
             assert all(r["verified"] and r["problem_count"] == 0 for r in raw)
     assert by_method["rank0load"]["tie_kept"] is True
     assert by_method["rank0load"]["stream_gbps"] > 0 and by_method["rank0load"]["stream_seconds"] > 0
+    # node-local reads: rank 1 read its own bytes, unless told not to
+    assert by_method["rank0load"]["local_readers"] == 1
+    assert by_method["rank0load-stream"]["local_readers"] == 0
 
 
 @pytest.mark.slow

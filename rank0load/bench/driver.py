@@ -189,6 +189,8 @@ def _round_line(results: list[dict]) -> str:
     parts = [f"{secs:.2f} s"]
     if results[0].get("stream_gbps"):
         parts.append(f"stream {results[0]['stream_gbps']:.2f} GB/s")
+    if results[0].get("local_readers") is not None:  # rank0load: ranks that read their own bytes
+        parts.append(f"local readers {results[0]['local_readers']}/{len(results) - 1}")
     parts.append(
         "transient " + " / ".join(f"r{r['rank']} {_fmt_mib(r['transient'])}" for r in results) + " MiB"
     )
@@ -219,6 +221,7 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
         load_gbps=total_bytes / 1e9 / seconds if method != "build-only" else None,
         stream_gbps=best[0].get("stream_gbps"),
         stream_seconds=best[0].get("stream_seconds"),
+        local_readers=best[0].get("local_readers"),
         phases=[r.get("phases") for r in best] if best[0].get("phases") else None,
         # None: the model has no tie (MoE)
         tie_kept=None if best[0].get("tie_kept") is None else all(r.get("tie_kept") for r in best),
@@ -426,6 +429,13 @@ def results_table(res: dict) -> str:
                 f"{_fmt_mib(r['rss_before'])} | "
                 f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |"
             )
+    for s in res["summary"]:
+        if s.get("local_readers") is not None:
+            lines += [
+                "",
+                f"{s['method']}: {s['local_readers']} of the {res['ranks'] - 1} other ranks read their own "
+                "bytes through rank 0's descriptors (node-local reads).",
+            ]
     for s in res["summary"]:
         for rank, phases in enumerate(s.get("phases") or []):
             if phases:
