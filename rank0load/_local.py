@@ -22,6 +22,7 @@ timeout) makes it take the stream, and rank 0 knows to send it its pieces: never
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -131,7 +132,7 @@ class Server:
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0.05)
+                ready, _, _ = select.select([self._sock], [], [], 1.0)
                 if ready:
                     conn, _ = self._sock.accept()
                     self._start(self._handle, conn)  # one thread each: a silent peer holds up no one
@@ -176,8 +177,10 @@ class Server:
         return None
 
     def stop(self) -> None:
-        """Stop accepting, at once (the accepting thread notices within 50 ms)."""
+        """Stop accepting, at once: shutting the listening socket down wakes the accepting thread."""
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
     def close(self) -> None:
