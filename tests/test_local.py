@@ -8,14 +8,17 @@ says how its bytes came: ``LoadReport.local_status`` and the point-to-point call
 
 - 2 and 3 ranks: rows (an index of 2 files), a cast (bf16 file into an fp32 model: through staging),
   tensor-parallel blocks cut by the reader itself (``Shard(1)``, ``Shard(2)``, ``_StridedShard``,
-  chunks of a few rows), a transformers Llama (many small files), per-expert FP8 DeepSeek-V3 experts
-  dequantised into fp32 (assembled from several tensors); and ``local_reads=False``: today's stream.
+  chunks of a few rows, a tensor broadcast whole), a transformers Llama (many small files),
+  per-expert FP8 DeepSeek-V3 experts dequantised into fp32 (assembled from several tensors, scale
+  grids first); every rank a local reader, so each reads the broadcast tensors too; and
+  ``local_reads=False``: today's stream.
 - the hand-over failing in every way we could think of falls back to the stream, bit-exact: rank 0
   cannot listen, ``send_fds`` fails, a rank that reports another pid (refused), a rank whose check of
-  the descriptors fails (the others still read locally: a mixed load), rank 0 that never answers
-  (the rank waits out its timeout, then streams);
+  the descriptors fails (the others still read locally: a mixed load, rows and blocks, broadcasts on
+  the wire), rank 0 that never answers (the rank waits out its timeout, then streams);
 - a process that is not a rank, with the right token, gets nothing (during a load, and directly);
-- a local read error and a file changed under a local reader: the same LoadError on every rank;
+- a local read error and a file changed under a local reader: the same LoadError on every rank; a
+  local reader, or rank 0, that dies while the others read: the others fail at once, not at the timeout;
 - ranks disagreeing on ``local_reads``: the same RankMismatchError on every rank.
 The two-node test (tests/test_nodes.py) shows node 0's second rank reading locally and node 1's streaming.
 """
