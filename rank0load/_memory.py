@@ -8,13 +8,6 @@ user-space pass over the bytes: on the benchmark's 0.84 GB checkpoint it cut the
 from about 0.27 s to 0.21 s against ``zero_()``, which faults the pages and then writes zeros over
 the zeros the kernel already put there. Where the call is not available the shard is zero-filled.
 
-Before that, the 2 MiB-aligned interior of each storage is marked ``MADV_HUGEPAGE``: where
-transparent huge pages are enabled (``always`` or ``madvise``), the kernel then faults it in 2 MiB
-at a time. Measured here on 420 MiB (one rank's shard of the 0.84 GB benchmark checkpoint): 0.14 s
-with 4 KiB pages, 0.02-0.10 s with huge pages (the slower figure when the kernel first had to
-compact memory). Nothing is wasted: the stream writes every byte of these pages. Where THP is off
-the advice is refused and ignored.
-
 Either way the stream then writes every byte of every local shard, and the bytes of a shard's
 storage outside the shard itself (FSDP2's padding) are zeroed, so no stale memory is reachable.
 """
@@ -29,10 +22,8 @@ import torch
 
 __all__ = ["prefault"]
 
-_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
-_HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 _madvise: object = None  # the libc function once found; False when unavailable
 
 
@@ -50,9 +41,6 @@ def _populate(address: int, length: int) -> bool:
                 pass
     if _madvise is False:
         return False
-    lo, hi = -(-address // _HUGE) * _HUGE, (address + length) // _HUGE * _HUGE
-    if hi > lo:
-        _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # type: ignore[operator]  # refused where THP is off: fine
     if _madvise(address, length, _MADV_POPULATE_WRITE) != 0:  # type: ignore[operator]
         _madvise = False  # EINVAL before Linux 5.14: zero-fill from now on
         return False

@@ -41,32 +41,3 @@ def test_without_madvise_it_zero_fills(monkeypatch):
     t = torch.full((50000,), 3.0)
     _memory.prefault(t)
     assert torch.count_nonzero(t) == 0
-
-
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def test_large_shards_are_advised_to_use_huge_pages():
-    """MADV_HUGEPAGE on the 2 MiB-aligned interior ("hg" in the mapping's flags), where the kernel
-    offers transparent huge pages; the kernel then faults them in 2 MiB at a time."""
-    import os
-
-    import pytest
-
-    path = "/sys/kernel/mm/transparent_hugepage/enabled"
-    t = torch.empty(16 << 20, dtype=torch.uint8)
-    _memory.prefault(t)
-    if not os.path.exists(path) or "[never]" in open(path).read() or not _memory._madvise:
-        pytest.skip("no transparent huge pages or no madvise here")
-    assert "hg" in _vm_flags(t.data_ptr() + (8 << 20)), _vm_flags(t.data_ptr() + (8 << 20))
