@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt, meta = ensure_checkpoint(cfg, args.out)
     warm_page_cache(ckpt, meta)
     ranks = 2 * args.ranks_per_node
-    rows = []
+    rows: list[dict] = []
     with two_nodes(args.ranks_per_node, os.path.abspath(ckpt), args.rate, args.burst) as nodes:
         raw: dict[str, list] = {m: [] for m in args.methods}
         link: dict[str, list] = {m: [] for m in args.methods}
