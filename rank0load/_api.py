@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import _distribute, _local, _model, _transfer
+from . import _distribute, _local, _model, _sink, _transfer
 from ._convert import StackExperts
 from ._manifest import Manifest, read_manifest
 from ._plan import Plan, build_plan
@@ -165,8 +165,8 @@ def _build(
 @dataclass
 class _Ready:
     plan: Plan
-    targets: list[_transfer.Target]
-    staging: _transfer.Staging
+    targets: list[_sink.Target]
+    staging: _sink.Staging
 
 
 def _prepare(
@@ -188,10 +188,10 @@ def _prepare(
         [found[e.key] for e in entries],
         [agreed[e.key] for e in entries],
         mesh,
-        max_staging_bytes // _transfer.SLOTS,
+        max_staging_bytes // _sink.SLOTS,
     )
-    staging = _transfer.allocate_staging(dist.get_rank(), plan.piece_bytes, comm)
-    return _Ready(plan, [_transfer.target_of(found[e.key]) for e in entries], staging)
+    staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, comm)
+    return _Ready(plan, [_sink.target_of(found[e.key]) for e in entries], staging)
 
 
 def _default_device_type() -> str:

@@ -40,6 +40,7 @@ from .errors import LoadError, RankMismatchError
 
 __all__ = [
     "Failure",
+    "broadcast",
     "Faults",
     "attempt",
     "round_ends",
@@ -156,7 +157,9 @@ def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
     return t
 
 
-def _broadcast(t: torch.Tensor, src: int) -> None:
+def broadcast(t: torch.Tensor, src: int) -> None:
+    """(all ranks) ``t`` from ``src`` into ``t`` everywhere (counted in :data:`traffic`): the data
+    stream's broadcast pieces."""
     dist.broadcast(t, src=src)
     if dist.get_rank() != src:
         traffic.received += t.numel() * t.element_size()
@@ -172,10 +175,10 @@ def _broadcast_object(obj: object, src: int = 0) -> Any:
     if dist.get_rank() == src:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    _broadcast(size, src)
+    broadcast(size, src)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _broadcast(payload, src)
+    broadcast(payload, src)
     return pickle.loads(host_bytes(payload.cpu().contiguous()))
 
 

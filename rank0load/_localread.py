@@ -3,7 +3,7 @@
 (a local reader: a rank other than 0 that ``_local.hand_over`` gave rank 0's descriptors)
 :class:`LocalReader` takes the place of the receives in ``_transfer._receive``. For every piece rank 0
 would have sent it — its rows of a SHARDED entry, the chunks of a BLOCK entry, from which it cuts its
-own blocks exactly as rank 0 would (``_transfer._fan_out``, with no one to send to) — it reads the
+own blocks exactly as rank 0 would (``_transfer.fan_out``, with no one to send to) — it reads the
 bytes with ``preadv`` at their file offsets (``Entry.extents``, so assembled experts and float8
 weights too): straight into its local shard when that is on the CPU and of the wire dtype, else into
 a staging slot, followed by the sink's local work (cast, dequantise). It reads only the rows of a
@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from ._format import DTYPES, FileIdentity
 from ._plan import Piece, Plan, Route, block_half, deliveries
+from ._sink import Sink, Staging
 from ._stream import read_into
-from ._transfer import Staging, _fan_out, _Sink
+from ._transfer import fan_out
 from .errors import CheckpointChangedError, LoadError
 
 __all__ = ["LocalFiles", "LocalReader", "LocalReads"]
@@ -98,7 +99,7 @@ class LocalReads:
                 continue
             yield piece
 
-    def reader(self, plan: Plan, staging: Staging, sink: _Sink) -> LocalReader | None:
+    def reader(self, plan: Plan, staging: Staging, sink: Sink) -> LocalReader | None:
         """(all ranks) This rank's reader, if it is a local reader; None otherwise."""
         if self.files is None:
             return None
@@ -110,9 +111,7 @@ class LocalReader:
     """(a local reader) Reads the pieces ``_transfer._receive`` hands it (TO_RANK pieces addressed
     to this rank, FAN_OUT chunks) and ends each round with the identity checks."""
 
-    def __init__(
-        self, plan: Plan, staging: Staging, sink: _Sink, files: LocalFiles, everything: bool
-    ) -> None:
+    def __init__(self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles, everything: bool) -> None:
         self.plan, self.sink, self.files = plan, sink, files
         self.everything = everything  # every rank but 0 reads locally: broadcast pieces too
         self.me = dist.get_rank()
@@ -169,7 +168,7 @@ class LocalReader:
             piece, start=piece.start + lo * row, nbytes=(hi - lo) * row, local_offset=piece.local_offset + lo
         )
         data = self._staged(rows)
-        _fan_out(rows, data, self.slot[block_half(self.plan.piece_bytes) :], runs, self.sink).wait()
+        fan_out(rows, data, self.slot[block_half(self.plan.piece_bytes) :], runs, self.sink).wait()
 
     def _staged(self, piece: Piece) -> torch.Tensor:
         """``piece``'s bytes in this rank's staging slot (through the pinned host buffer, on an accelerator)."""

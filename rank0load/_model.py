@@ -32,7 +32,7 @@ from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
 from ._plan import ALIGN
 from ._shard import default_shard_fn
-from ._transfer import SLOTS
+from ._sink import SLOTS
 from .errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 
 __all__ = ["Built", "build_sharded", "finish", "init_missing", "materialise", "targets"]

@@ -1,0 +1,186 @@
+"""This rank's local work on the tensor data (all ranks; no collectives).
+
+:class:`Target` says where an entry lands on this rank; (all ranks) :func:`allocate_staging` reserves
+every staging buffer before the last agreement; :class:`Sink` casts or dequantises arriving bytes
+into the targets, assembles GENERIC entries (then cuts this rank's shard with DTensor's own split,
+no communication) and float8 scale grids. ``_transfer`` moves the bytes; ``_localread`` reads them
+for a node-local reader; both hand them to a Sink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from . import _distribute
+from ._compat import local_tensor
+from ._format import DTYPES
+from ._fp8 import dequantize, dequantize_at
+from ._layout import global_indices
+from ._plan import Kind, Piece, Plan, Route
+from .errors import LoadError
+
+__all__ = ["SLOTS", "Sink", "Staging", "Target", "allocate_staging", "landing", "target_of"]
+
+SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
+_DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
+_BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
+
+
+@dataclass
+class Target:
+    """Where one entry lands on this rank."""
+
+    tensor: torch.Tensor  # the local tensor (DTensor's local shard, or the plain tensor)
+    dtensor: DTensor | None  # the parameter, for GENERIC entries
+
+
+def target_of(t: torch.Tensor) -> Target:
+    return Target(local_tensor(t), t) if isinstance(t, DTensor) else Target(t.data, None)
+
+
+@dataclass
+class Staging:
+    """Every staging buffer of one rank, allocated before the stream: ``slots`` host (rank 0) or
+    mesh-device (others) buffers, and on rank 0 of an accelerator mesh one device buffer."""
+
+    slots: list[torch.Tensor]
+    device: torch.Tensor | None
+
+
+def allocate_staging(rank: int, piece_bytes: int, comm: torch.device) -> Staging:
+    """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
+    on_cpu = comm.type == "cpu"
+    where = torch.device("cpu") if rank == 0 else comm
+    pin = rank == 0 and not on_cpu
+    slots = [torch.empty(piece_bytes, dtype=torch.uint8, device=where, pin_memory=pin) for _ in range(SLOTS)]
+    device = None if rank != 0 or on_cpu else torch.empty(piece_bytes, dtype=torch.uint8, device=comm)
+    return Staging(slots, device)
+
+
+def landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
+    """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
+    t = target.tensor
+    if t.dtype != wire or not t.is_contiguous():
+        return None
+    return t.reshape(-1).view(torch.uint8)[piece.local_offset : piece.local_offset + piece.nbytes]
+
+
+class _Assembly:
+    """A full-size buffer filled piece by piece, for one entry at a time: a GENERIC entry's bytes, or
+    a float8 entry's scale grids."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.index = -1
+        self.buffer: torch.Tensor | None = None
+
+    def land(self, piece: Piece, nbytes: int) -> torch.Tensor:
+        if piece.index != self.index:
+            self.index, self.buffer = piece.index, None
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        assert self.buffer is not None
+        return self.buffer[piece.start : piece.start + piece.nbytes]
+
+
+class Sink:
+    """(all ranks) This rank's local work on arriving bytes: cast or dequantise them into the target,
+    assemble GENERIC entries (then cut this rank's shard with DTensor's own split,
+    ``src_data_rank=None``: no communication) and float8 scale grids. After the first local failure
+    it does nothing more (see ``_distribute.Faults``)."""
+
+    def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
+        self.plan, self.entries, self.targets = plan, plan.entries, targets
+        self.wires = [DTYPES[e.dtype] for e in plan.entries]
+        self.device = device
+        self.me = dist.get_rank()
+        self.faults = _distribute.Faults()
+        self.whole = _Assembly(device)
+        self.scales = _Assembly(device)
+
+    def landing(self, piece: Piece) -> torch.Tensor | None:
+        """(receivers) Where a broadcast piece can land without staging; None: stage it."""
+        if self.faults.error is not None:
+            return None
+        entry, target = self.entries[piece.index], self.targets[piece.index]
+        try:
+            if piece.route is Route.SCALES:
+                return self.scales.land(piece, entry.scale_nbytes)
+            if piece.kind is Kind.GENERIC:
+                return self.whole.land(piece, entry.nbytes)  # the full-size buffer may not fit
+        except Exception as exc:
+            self.faults.note(exc)
+            return None
+        return (
+            landing(target, piece, self.wires[piece.index]) if target.tensor.device == self.device else None
+        )
+
+    def broadcast(self, piece: Piece, data: torch.Tensor, landed: bool) -> None:
+        """(all ranks) The local work of a broadcast piece (``landed``: it arrived where it belongs)."""
+        entry = self.entries[piece.index]
+        if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
+            into = self.scales if piece.route is Route.SCALES else self.whole
+            size = entry.scale_nbytes if piece.route is Route.SCALES else entry.nbytes
+            if not landed:
+                self.faults.run(lambda: into.land(piece, size).copy_(data))
+            if piece.route is not Route.SCALES and piece.start + piece.nbytes == entry.nbytes:
+                self.faults.run(self._cut_whole, piece.index)
+            return
+        self.write(piece, data)
+
+    def write(self, piece: Piece, data: torch.Tensor, local_offset: int | None = None) -> None:
+        """Wire bytes ``data`` (entry bytes from ``piece.start``) into the target at ``local_offset``."""
+        self.faults.run(
+            self._write, piece, data, piece.local_offset if local_offset is None else local_offset
+        )
+
+    def _write(self, piece: Piece, data: torch.Tensor, local_offset: int) -> None:
+        wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
+        if not dst.is_contiguous():
+            raise LoadError("internal error: a write into a non-contiguous tensor")  # ensured by _model
+        start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
+        block = piece.kind is Kind.BLOCK  # this rank's block: not one run of the entry's elements
+        step = max(1, values.numel())
+        if self.entries[piece.index].scales:
+            step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
+        for at in range(0, values.numel(), step):  # float8: float32 temporaries of one step at a time
+            if block and self.entries[piece.index].scales:
+                part = self._decode_block(piece.index, values[at : at + step], start + at)
+            else:
+                part = self._decode(piece.index, values[at : at + step], first + at)
+            dst.view(-1)[start + at : start + at + part.numel()].copy_(part)
+
+    def _decode(self, index: int, values: torch.Tensor, first: int) -> torch.Tensor:
+        """Wire values of elements ``first ..`` of entry ``index``; float8 ones dequantised."""
+        entry = self.entries[index]
+        if not entry.scales:
+            return values
+        if self.scales.index != index or self.scales.buffer is None:
+            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+        grids = self.scales.buffer.view(torch.float32)
+        return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids)
+
+    def _decode_block(self, index: int, values: torch.Tensor, local_first: int) -> torch.Tensor:
+        """Float8 values of elements ``local_first ..`` of this rank's BLOCK shard, dequantised with
+        the scales of the global positions they hold (``_layout.global_indices``)."""
+        entry = self.entries[index]
+        if self.scales.index != index or self.scales.buffer is None:
+            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+        runs = self.plan.block_layouts(index, [self.me])[self.me]
+        flat = global_indices(runs, entry.shape, local_first, values.numel()).to(values.device)
+        grids = self.scales.buffer.view(torch.float32)
+        return dequantize_at(values, flat, list(entry.part_rows), entry.shape[-1], entry.block, grids)
+
+    def _cut_whole(self, index: int) -> None:
+        target = self.targets[index]
+        dt = target.dtensor
+        if dt is None or self.whole.buffer is None:
+            raise LoadError("internal error: GENERIC entry without a DTensor target")
+        value = self._decode(index, self.whole.buffer.view(self.wires[index]), 0)
+        value = value.reshape(dt.shape).to(dtype=dt.dtype)
+        local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
+        target.tensor.copy_(local)
+        self.whole.buffer = None
