@@ -35,7 +35,7 @@ from ._shard import default_shard_fn
 from ._sink import SLOTS
 from .errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 
-__all__ = ["Built", "build_sharded", "finish", "init_missing", "materialise", "targets"]
+__all__ = ["Built", "build_sharded", "finish", "init_missing", "keep_fp32", "materialise", "targets"]
 
 
 @dataclass
@@ -112,8 +112,12 @@ def cast(model: nn.Module, dtype: torch.dtype) -> None:
     ``from_pretrained(dtype=...)`` does."""
     model.to(dtype)
     keep = hf_keep_in_fp32(model, dtype) if is_transformers_model(model) else None
-    if keep is None:
-        return
+    if keep is not None:
+        keep_fp32(model, keep)
+
+
+def keep_fp32(model: nn.Module, keep: Callable[[str], bool]) -> None:
+    """Floating parameters and buffers whose qualified name ``keep`` accepts, back to float32."""
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, p in module._parameters.items():

@@ -34,6 +34,7 @@ from ._api import load_sharded
 from ._compat import hf_keep_in_fp32
 from ._entries import FLOAT_WIRE
 from ._format import DTYPES, OpenFile, read_exact, read_header
+from ._model import keep_fp32
 from ._source import resolve
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
 
@@ -329,12 +330,5 @@ def _build(model_cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
     model: nn.Module = make(config, dtype=dtype)
     keep = hf_keep_in_fp32(model, dtype)
     if keep is not None:
-        for module_name, module in model.named_modules():
-            prefix = f"{module_name}." if module_name else ""
-            for leaf, p in module._parameters.items():
-                if p is not None and p.is_floating_point() and keep(prefix + leaf):
-                    p.data = p.data.to(torch.float32)
-            for leaf, b in module._buffers.items():
-                if b is not None and b.is_floating_point() and keep(prefix + leaf):
-                    module._buffers[leaf] = b.to(torch.float32)
+        keep_fp32(model, keep)
     return model
