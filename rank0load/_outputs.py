@@ -24,7 +24,8 @@ from ._saveplan import SaveItem, SavePlan
 __all__ = ["INDEX_NAME", "Outputs", "Writer", "commit", "open_outputs"]
 
 INDEX_NAME = "model.safetensors.index.json"
-_SAVED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+# what a save writes, and the names it keeps an earlier save's files under meanwhile (_keep_earlier)
+_SAVED = re.compile(r"model(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
 
 
 @dataclass
@@ -89,10 +90,10 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
     for temp, name in extras:
         os.replace(temp, os.path.join(directory, name))
     old_index = os.path.join(directory, INDEX_NAME)
-    if any(os.path.exists(os.path.join(directory, n)) for n in plan.files) and os.path.exists(old_index):
-        # The new files replace files an earlier index names (same names: same number of files).
-        # Retire that index first: a crash during the renames then leaves a directory that looks
-        # incomplete (no index), never new shards behind an old index that looks complete.
+    replaced = [n for n in plan.files if os.path.exists(os.path.join(directory, n))]
+    if replaced and os.path.exists(old_index) and not _keep_earlier(directory, replaced, outputs.token):
+        # Where the earlier save cannot be kept aside: retire its index, so that a crash during the
+        # renames leaves a directory that looks incomplete, never new shards behind an old index.
         os.unlink(old_index)
         _fsync_dir(directory)
     for temp, name in zip(list(outputs.temps), plan.files):
@@ -118,6 +119,43 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
         if _SAVED.fullmatch(name) and name not in keep:
             os.unlink(os.path.join(directory, name))
     _fsync_dir(directory)
+
+
+def _keep_earlier(directory: str, replaced: list[str], token: str) -> bool:
+    """(rank 0) The new files will be renamed over files an earlier save's index names (the same
+    number of files: the same names). Hard-link those files to other names and point the earlier
+    index at them, atomically: the earlier checkpoint stays whole and loadable until the new index
+    replaces it, whenever a crash comes; ``commit`` removes the extra names after that. False
+    (nothing changed) where the index cannot be read or the filesystem has no hard links."""
+    path = os.path.join(directory, INDEX_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+        weight_map = index["weight_map"]
+        files = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    aside: dict[str, str] = {}
+    try:
+        for name in sorted(files & set(replaced)):
+            aside[name] = name.removesuffix(".safetensors") + f".old-{token}.safetensors"
+            os.link(os.path.join(directory, name), os.path.join(directory, aside[name]))
+    except OSError:
+        for name in aside.values():
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+        return False
+    index["weight_map"] = {k: aside.get(v, v) for k, v in weight_map.items()}
+    temp = os.path.join(directory, f".{INDEX_NAME}.old-{token}")
+    with open(temp, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    _fsync_dir(directory)
+    return True
 
 
 def _fsync_dir(directory: str) -> None:

@@ -362,25 +362,36 @@ def _crash_while_renaming(rank: int, world: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_crash_while_renaming_never_looks_complete(tmp_path) -> None:
+def test_crash_while_renaming_keeps_the_earlier_checkpoint(tmp_path) -> None:
     """Rank 0 dies between the renames of a save whose files have the names of an earlier save's
-    (same number of files): the earlier index is gone first, so the directory does not look like a
-    checkpoint (a load says so) rather than holding new shards behind the old index."""
+    (same number of files): the earlier files were hard-linked aside and its index pointed at them
+    first, so the directory still holds the earlier checkpoint, whole, through its index; the next
+    save removes the extra names."""
+    from safetensors import safe_open
+
     out = str(tmp_path / "ckpt")
-    _dist.ok(_dist.run(_save_sharded_files, 2, out))
+    _dist.ok(_dist.run(_save_sharded_files, 2, out, 0))
     first = sorted(os.listdir(out))
     assert "model.safetensors.index.json" in first and len(first) > 2
     _, codes, _ = _dist.spawn(_crash_while_renaming, 2, out, pg_timeout=20, timeout=90, exit_at_once=True)
     assert codes[0] == 3, codes
-    names = sorted(n for n in os.listdir(out) if not n.startswith("."))
-    assert "model.safetensors.index.json" not in names and "model.safetensors" not in names, names
-    assert set(names) <= set(first)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert any(".old-" in name for name in weight_map.values()), weight_map  # it did cross the window
+    got = {}
+    for key, name in weight_map.items():
+        with safe_open(os.path.join(out, name), "pt") as f:
+            got[key] = f.get_tensor(key)
+    assert_same(got, expected(40, 0))
+    _dist.ok(_dist.run(_save_sharded_files, 2, out, 1))
+    assert not [n for n in os.listdir(out) if ".old-" in n]
+    assert_same(read_checkpoint(out), expected(40, 1))
 
 
-def _save_sharded_files(rank: int, world: int, out: str) -> bool:
+def _save_sharded_files(rank: int, world: int, out: str, seed: int) -> bool:
     import rank0load
 
-    rank0load.save_sharded(sharded(40, 0), out, max_shard_size="0.003MB")
+    rank0load.save_sharded(sharded(40, seed), out, max_shard_size="0.003MB")
     return True
 
 
