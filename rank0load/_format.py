@@ -124,6 +124,17 @@ class FileIdentity:
     def of(cls, st: os.stat_result) -> FileIdentity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
+    def rewritten(self, fd: int) -> list[str]:
+        """How the file open at ``fd`` differs from this identity in content (size, mtime): empty
+        when it does not."""
+        now = FileIdentity.of(os.fstat(fd))
+        changes = []
+        if now.size != self.size:
+            changes.append(f"size {self.size} -> {now.size}")
+        if now.mtime_ns != self.mtime_ns:
+            changes.append(f"rewritten: mtime changed ({self.mtime_ns} -> {now.mtime_ns} ns)")
+        return changes
+
 
 class OpenFile:
     """(rank 0) One checkpoint file, opened once (read-only, O_NONBLOCK, O_CLOEXEC) after checking
@@ -174,12 +185,7 @@ class OpenFile:
         if self.fd < 0:
             raise ValueError(f"{self.path}: check() on a closed OpenFile")
         was = self.identity
-        now = FileIdentity.of(os.fstat(self.fd))
-        changes = []
-        if now.size != was.size:
-            changes.append(f"size {was.size} -> {now.size}")
-        if now.mtime_ns != was.mtime_ns:
-            changes.append(f"rewritten: mtime changed ({was.mtime_ns} -> {now.mtime_ns} ns)")
+        changes = was.rewritten(self.fd)
         try:
             at_path = FileIdentity.of(os.stat(self.path))
         except OSError as exc:

@@ -63,12 +63,7 @@ class LocalFiles:
 
     def check(self, path: str) -> None:
         """Raise CheckpointChangedError if the file behind ``path``'s descriptor changed."""
-        was, now = self.identities[path], FileIdentity.of(os.fstat(self.fd(path)))
-        changes = []
-        if now.size != was.size:
-            changes.append(f"size {was.size} -> {now.size}")
-        if now.mtime_ns != was.mtime_ns:
-            changes.append(f"rewritten: mtime changed ({was.mtime_ns} -> {now.mtime_ns} ns)")
+        changes = self.identities[path].rewritten(self.fd(path))
         if changes:
             raise CheckpointChangedError(
                 f"{path} changed ({'; '.join(changes)}) while rank {dist.get_rank()} read it: the "
