@@ -35,6 +35,7 @@ __all__ = [
     "Runs",
     "block_runs",
     "global_indices",
+    "held_indices",
     "layout_flags",
     "placements_on",
     "rank_coordinates",
@@ -219,15 +220,27 @@ def rank_coordinates(mesh: DeviceMesh) -> tuple[tuple[int, tuple[int, ...]], ...
     return tuple(sorted((int(grid[idx]), tuple(idx)) for idx in coords))
 
 
-def global_indices(runs: Runs, shape: Sequence[int], first: int, count: int) -> torch.Tensor:
+def held_indices(runs: Runs) -> list[torch.Tensor]:
+    """Per dimension, the global indices a block holds, in order (int64)."""
+    return [
+        torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in dim_runs])
+        if dim_runs
+        else torch.empty(0, dtype=torch.int64)
+        for dim_runs in runs
+    ]
+
+
+def global_indices(
+    held: Sequence[torch.Tensor], shape: Sequence[int], first: int, count: int
+) -> torch.Tensor:
     """Flat indices in a tensor of ``shape`` of the elements ``[first, first + count)`` of the local
-    block ``runs`` describes (row-major in the block), as int64."""
+    block whose indices per dimension are ``held`` (:func:`held_indices`; row-major in the block)."""
     local = torch.arange(first, first + count, dtype=torch.int64)
     flat = torch.zeros(count, dtype=torch.int64)
     stride = 1
     for dim in reversed(range(len(shape))):
-        held = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in runs[dim]] or [local[:0]])
-        local, at = local // max(1, held.numel()), local % max(1, held.numel())
-        flat += held[at] * stride
+        size = max(1, held[dim].numel())
+        local, at = local // size, local % size
+        flat += held[dim][at] * stride
         stride *= shape[dim]
     return flat

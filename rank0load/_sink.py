@@ -19,7 +19,7 @@ from . import _distribute
 from ._compat import local_tensor
 from ._format import DTYPES
 from ._fp8 import dequantize, dequantize_at
-from ._layout import global_indices
+from ._layout import global_indices, held_indices
 from ._plan import Kind, Piece, Plan, Route
 from .errors import LoadError
 
@@ -97,6 +97,7 @@ class Sink:
         self.wires = [DTYPES[e.dtype] for e in plan.entries]
         self.device = device
         self.me = dist.get_rank()
+        self._held: tuple[int, list[torch.Tensor]] = (-1, [])  # (entry, its held_indices on this rank)
         self.faults = _distribute.Faults()
         self.whole = _Assembly(device)
         self.scales = _Assembly(device)
@@ -169,8 +170,9 @@ class Sink:
         entry = self.entries[index]
         if self.scales.index != index or self.scales.buffer is None:
             raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
-        runs = self.plan.block_layouts(index, [self.me])[self.me]
-        flat = global_indices(runs, entry.shape, local_first, values.numel()).to(values.device)
+        if self._held[0] != index:  # once per entry, not per step
+            self._held = (index, held_indices(self.plan.block_layouts(index, [self.me])[self.me]))
+        flat = global_indices(self._held[1], entry.shape, local_first, values.numel()).to(values.device)
         grids = self.scales.buffer.view(torch.float32)
         return dequantize_at(values, flat, list(entry.part_rows), entry.shape[-1], entry.block, grids)
 
