@@ -8,7 +8,7 @@ all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
 all ranks  allocate shards and staging, init what's missing, plan -> _model, _transfer, _plan
 all ranks  settle: any rank's failure raised everywhere   -> _distribute.settle
 all ranks  agree on which ranks read locally              -> _local.Handover.decide
-all ranks  stream round by round; rank 0 reads and sends  -> _transfer (_stream, _localread read)
+all ranks  stream: rank 0 reads and sends, or each reads   -> _transfer (_stream, _localread)
 all ranks  re-tie, verify nothing is left on meta         -> _model.finish
 """
 

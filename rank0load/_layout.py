@@ -135,14 +135,16 @@ def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
     return flags
 
 
-def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return tuple(out)
+def _runs(indices: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Maximal runs of consecutive values in a 1-D integer tensor, as (start, stop) pairs (vectorised:
+    a vocabulary dimension has tens of thousands of indices)."""
+    if indices.numel() == 0:
+        return ()
+    indices = indices.to(torch.int64)
+    breaks = torch.nonzero(indices[1:] != indices[:-1] + 1).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    stops = torch.cat([breaks, torch.tensor([indices.numel()], dtype=torch.int64)])
+    return tuple(zip(indices[starts].tolist(), (indices[stops - 1] + 1).tolist(), strict=True))
 
 
 @functools.lru_cache(maxsize=1024)  # layers repeat: one split per distinct (mesh, size, placements)
@@ -156,7 +158,7 @@ def _dim_runs(
         return ((0, size),) if size else ()
     index = torch.arange(size)  # moved to the mesh device by distribute_tensor
     mine = distribute_tensor(index, mesh, one, src_data_rank=None)
-    return _runs(local_tensor(mine).cpu().tolist())
+    return _runs(local_tensor(mine).cpu())
 
 
 def block_runs(target: DTensor) -> Runs | None:
@@ -188,7 +190,7 @@ def _dim_runs_at(
     for mesh_dim, placement in enumerate(one):
         if type(placement) is not Replicate:  # distribute_tensor's order: mesh dimension by dimension
             index = split_chunks(placement, index, mesh_shape[mesh_dim])[coord[mesh_dim]]
-    return _runs(index.tolist())
+    return _runs(index)
 
 
 def runs_at(

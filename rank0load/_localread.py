@@ -9,13 +9,15 @@ weights too): straight into its local shard when that is on the CPU and of the w
 a staging slot, followed by the sink's local work (cast, dequantise). It reads only the rows of a
 chunk that hold its blocks. Broadcast pieces (PLAIN and GENERIC entries, float8 scale grids) still
 arrive by broadcast, in order, while some rank takes the stream; when every rank but 0 reads
-locally, each reads those too (:attr:`LocalReader.everything`): no message is left but the
-round ends.
+locally (:attr:`LocalReads.everyone`), each reads those too (:attr:`LocalReader.everything`), and with
+CPU shards rank 0 reads its own share through a LocalReader as well (its own files,
+:class:`_Rank0Files`): no message moves at all (``_transfer._read_own``).
 
-The first failure (a read error, a file that changed) is the sink's local failure, settled at the end
-of its round like any other (``_distribute.first_failure``): the same LoadError on every rank. At each
-round's end the files read in it are checked: ``fstat`` on the descriptor against the identity rank 0
-recorded when it opened the file (rank 0 also checks the paths).
+The first failure (a read error, a file that changed) is the sink's local failure, settled like any
+other (``_distribute.first_failure``; at each round's end while rank 0 streams to someone, once at
+the end when no one streams): the same LoadError on every rank. At each round's end the files read
+in it are checked: ``fstat`` on the descriptor against the identity rank 0 recorded when it opened
+the file (rank 0 checks its own files by path too).
 
 With shards on an accelerator, reads land in a pinned host buffer and are copied into the rank's
 device staging slot, then the same local work runs on the device (not tested: no GPU here).
@@ -25,13 +27,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ._format import DTYPES, FileIdentity
+from ._format import DTYPES, FileIdentity, OpenFile
 from ._plan import Piece, Plan, Route, block_half, deliveries
 from ._sink import Sink, Staging
 from ._stream import read_into
@@ -94,19 +96,52 @@ class LocalReads:
                 continue
             yield piece
 
-    def reader(self, plan: Plan, staging: Staging, sink: Sink) -> LocalReader | None:
-        """(all ranks) This rank's reader, if it is a local reader; None otherwise."""
-        if self.files is None:
+    @property
+    def everyone(self) -> bool:
+        """Every rank but 0 reads its own bytes: nothing is left to send (``_transfer.stream`` then
+        has rank 0 read its own pieces the same way, and no message moves at all)."""
+        return len(self.readers) == dist.get_world_size() - 1
+
+    def reader(
+        self, plan: Plan, staging: Staging, sink: Sink, rank0_files: Mapping[str, OpenFile] | None = None
+    ) -> LocalReader | None:
+        """(all ranks) This rank's reader, if it is a local reader (rank 0: with ``rank0_files``, its
+        own open files, when :attr:`everyone` reads locally); None otherwise."""
+        files: LocalFiles | _Rank0Files | None = self.files
+        if dist.get_rank() == 0 and rank0_files is not None and self.everyone and sink.device.type == "cpu":
+            files = _Rank0Files(rank0_files)
+        if files is None:
             return None
-        everything = len(self.readers) == dist.get_world_size() - 1  # as rank 0 sees it (_send)
-        return LocalReader(plan, staging, sink, self.files, everything)
+        return LocalReader(plan, staging, sink, files, self.everyone)
+
+
+class _Rank0Files:
+    """(rank 0, when every rank reads locally and its shards are on the CPU) Its own open files, as
+    a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path. (With shards
+    on an accelerator rank 0 keeps its reader thread: its staging slots are device memory.)"""
+
+    host = None
+
+    def __init__(self, files: Mapping[str, OpenFile]) -> None:
+        self._files = files
+
+    def fd(self, path: str) -> int:
+        opened = self._files.get(path)
+        if opened is None:
+            raise LoadError(f"internal error: {path} was not opened when its header was read")
+        return opened.fd
+
+    def check(self, path: str) -> None:
+        self._files[path].check()
 
 
 class LocalReader:
     """(a local reader) Reads the pieces ``_transfer._receive`` hands it (TO_RANK pieces addressed
     to this rank, FAN_OUT chunks) and ends each round with the identity checks."""
 
-    def __init__(self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles, everything: bool) -> None:
+    def __init__(
+        self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | _Rank0Files, everything: bool
+    ) -> None:
         self.plan, self.sink, self.files = plan, sink, files
         self.everything = everything  # every rank but 0 reads locally: broadcast pieces too
         self.me = dist.get_rank()
@@ -178,8 +213,11 @@ class LocalReader:
             try:
                 read_into(self.files.fd(path), data[at : at + nbytes], offset, path)
             except OSError as exc:
+                via, how = "", ""
+                if self.me != 0:
+                    via = " through rank 0's descriptor"
+                    how = " (local_reads=False makes rank 0 send this rank its bytes instead)"
                 raise LoadError(
-                    f"rank {self.me} could not read {path} at byte {offset} through rank 0's descriptor: "
-                    f"{exc.strerror or exc}. Check the disk and the file and retry (local_reads=False "
-                    "makes rank 0 send this rank its bytes instead)."
+                    f"rank {self.me} could not read {path} at byte {offset}{via}: {exc.strerror or exc}. "
+                    f"Check the disk and the file (was it moved or changed during the load?) and retry{how}."
                 ) from None

@@ -9,6 +9,9 @@ and does no more local work. At the end of every round the ranks compare notes
 (``_distribute.first_failure``, one 8-byte all-reduce); if any rank failed, all stop there and raise
 that rank's error (``_distribute.raise_failure``). The process group stays usable. Only a
 collective that itself fails (a peer is gone) raises at once, as a ``peer_failure``.
+
+When every rank reads its own bytes (``_localread``, one host, CPU shards) there are no messages:
+:func:`_read_own` has each rank read its share in its own thread, and the notes are compared once.
 """
 
 from __future__ import annotations
@@ -84,10 +87,13 @@ def stream(
     every rank reads its own. Raises the same error on every rank if any rank failed."""
     sink = Sink(plan, targets, comm)
     try:
-        if dist.get_rank() == 0:
+        own = local.reader(plan, staging, sink, files) if local is not None else None
+        if own is not None and own.everything and comm.type == "cpu":  # the same on every rank
+            first = _read_own(plan, sink, own, on_bytes)
+        elif dist.get_rank() == 0:
             first = _send(plan, staging, files or {}, sink, on_bytes, local)
         else:
-            first = _receive(plan, staging, sink, local.reader(plan, staging, sink) if local else None)
+            first = _receive(plan, staging, sink, own)
         if first < dist.get_world_size():
             _distribute.raise_failure(
                 first,
@@ -100,6 +106,22 @@ def stream(
         raise
     except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
         raise _distribute.peer_failure("moving tensor data", exc) from exc
+
+
+def _read_own(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None) -> int:
+    """(all ranks, when every rank but 0 reads its own bytes and the shards are on the CPU) No
+    message at all: each rank, rank 0 too, reads its own pieces in order in its own thread, checks
+    the files it read at each round's end, and the ranks compare notes once, at the end. A failing
+    rank stops reading; the others finish their own share (no one waits on it) before they learn
+    of it. Returns the first failing rank (world: none)."""
+    rounds = _Rounds(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
+    for stop in plan.rounds:
+        for piece in rounds.until(stop):
+            reader.read(piece)
+            if on_bytes is not None and piece.route is not Route.SCALES:
+                on_bytes(piece.nbytes)
+        reader.round_end()
+    return _distribute.first_failure(sink.faults.error)
 
 
 def _send(

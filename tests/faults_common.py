@@ -111,6 +111,7 @@ def _inject(fault: str | None, rank: int):
         yield
         return
     if fault == "eio_on_rank0":
+        import rank0load._localread as localread_mod
         import rank0load._stream as stream_mod
 
         original = stream_mod.read_into
@@ -122,12 +123,12 @@ def _inject(fault: str | None, rank: int):
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return original(fd, buf, offset, path)
 
-        if rank == 0:
-            stream_mod.read_into = failing_read_into
+        if rank == 0:  # its reader thread, or its own reads when every rank reads locally
+            stream_mod.read_into = localread_mod.read_into = failing_read_into
         try:
             yield
         finally:
-            stream_mod.read_into = original
+            stream_mod.read_into = localread_mod.read_into = original
         return
     raise ValueError(fault)
 

@@ -411,13 +411,12 @@ def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
 def _dies_reading(rank: int, world: int, root: str, victim: int, marker: str) -> float:
     import rank0load
     import rank0load._localread as localread
-    import rank0load._stream as stream
     from tests.test_core import _hide
 
     if rank != 0:
         _hide(root)
-    if rank == victim:
-        module = stream if victim == 0 else localread  # rank 0's reader, or a local reader
+    if rank == victim:  # every rank reads locally here, rank 0 too, through _localread
+        module = localread
         read, calls = module.read_into, [0]
 
         def dying(*args):

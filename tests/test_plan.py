@@ -42,13 +42,29 @@ def layouts(draw):
     for rank in range(world):
         # Any ordered subset of each dimension: row ranges, strided runs, empty shards.
         per_rank[rank] = tuple(
-            _layout._runs(sorted(draw(st.sets(st.integers(0, n - 1), max_size=n)))) for n in shape
+            _layout._runs(
+                torch.tensor(sorted(draw(st.sets(st.integers(0, n - 1), max_size=n))), dtype=torch.int64)
+            )
+            for n in shape
         )
     piece_bytes = draw(st.integers(2, 40)) * _plan.ALIGN
     return shape, per_rank, piece_bytes
 
 
 @settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-3, 40), max_size=60))
+def test_runs_are_the_maximal_runs_of_consecutive_indices(values):
+    """``_layout._runs`` (vectorised) against the obvious loop, on any sequence: sorted or not,
+    repeats, gaps, negative values, empty."""
+    want: list[tuple[int, int]] = []
+    for i in values:
+        if want and want[-1][1] == i:
+            want[-1] = (want[-1][0], i + 1)
+        else:
+            want.append((i, i + 1))
+    assert _layout._runs(torch.tensor(values, dtype=torch.int64)) == tuple(want)
+
+
 @given(layouts())
 def test_chunks_and_deliveries_rebuild_every_shard(layout):
     shape, per_rank, piece_bytes = layout

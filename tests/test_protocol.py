@@ -23,7 +23,10 @@ CASE_LIMIT = 15.0  # seconds; the process-group timeout is 60 s, so a hang canno
 
 
 def _changer(path: str, how: str):
-    """A read_into for rank 0 that changes ``path`` (as another writer would) before its 3rd read."""
+    """A read_into for rank 0 that changes ``path`` (as another writer would) before its 3rd read,
+    for its reader thread (``_stream``) and for its own reads when every rank reads locally
+    (``_localread``)."""
+    import rank0load._localread as localread_mod
     import rank0load._stream as stream_mod
 
     original = stream_mod.read_into
@@ -45,7 +48,7 @@ def _changer(path: str, how: str):
                 os.truncate(path, os.path.getsize(path) // 2)
         return original(fd, buf, offset, where)
 
-    return stream_mod, original, read_into
+    return (stream_mod, localread_mod), original, read_into
 
 
 def _attempt(fn) -> tuple:
@@ -71,19 +74,26 @@ def _cases(rank: int, world: int, root: str, good: str) -> dict:
     def good_load() -> dict:
         return gather(rank0load.load_sharded(toy, good))
 
-    # A file changing under the load, seen by rank 0 alone; the other ranks learn it at once.
+    # A file changing under the load, seen by rank 0 alone; the other ranks learn it at once. Rank 0
+    # streams (local_reads=False), or reads its own share while rank 1 reads its own (the default).
     for how in ("rewritten", "replaced", "truncated"):
-        path = os.path.join(root, f"{how}.safetensors")
-        mod = original = None
-        if rank == 0:
-            mod, original, changer = _changer(path, how)
-            mod.read_into = changer
-        try:
-            out[how] = _attempt(lambda: rank0load.load_sharded(toy, path, max_staging_bytes=4096))
-        finally:
-            if mod is not None:
-                mod.read_into = original
-        out[how + ":good"] = good_load()
+        for local_reads, case in ((False, how), (True, how + "/local")):
+            path = os.path.join(root, f"{how}.safetensors")
+            mods: tuple = ()
+            if rank == 0:
+                save_state(trained_toy(), path)  # whole again, for the second way
+                mods, original, changer = _changer(path, how)
+                for mod in mods:
+                    mod.read_into = changer
+            torch.distributed.barrier()
+            try:
+                out[case] = _attempt(
+                    lambda: rank0load.load_sharded(toy, path, max_staging_bytes=4096, local_reads=local_reads)
+                )
+            finally:
+                for mod in mods:
+                    mod.read_into = original
+            out[case + ":good"] = good_load()
 
     # Local exceptions inside the stream: a receiver's cast, rank 0's copy into its own shard.
     bf16 = os.path.join(root, "bf16.safetensors")
@@ -247,6 +257,7 @@ def _good_after(results: list[dict], case: str) -> None:
         assert_same(r[case + ":good"], want)
 
 
+@pytest.mark.parametrize("local", ["", "/local"])
 @pytest.mark.parametrize(
     ("case", "words"),
     [
@@ -255,7 +266,8 @@ def _good_after(results: list[dict], case: str) -> None:
         ("truncated", ("truncated.safetensors",)),
     ],
 )
-def test_file_changed_while_streaming_fails_every_rank(outcomes, case, words):
+def test_file_changed_while_streaming_fails_every_rank(outcomes, case, words, local):
+    case += local
     message = _same_everywhere(outcomes, case, "LoadError")
     for w in words:
         assert w in message, f"{case}: message lacks {w!r}: {message}"
@@ -263,7 +275,7 @@ def test_file_changed_while_streaming_fails_every_rank(outcomes, case, words):
 
 
 def test_file_rewritten_or_replaced_is_a_checkpoint_changed_error(outcomes):
-    for case in ("rewritten", "replaced"):
+    for case in ("rewritten", "replaced", "rewritten/local", "replaced/local"):
         assert outcomes[0][case][0] == "CheckpointChangedError", outcomes[0][case]
 
 
