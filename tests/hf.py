@@ -123,3 +123,43 @@ def sample_inputs(name: str) -> dict:
     if name == "t5":
         return {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
     return {"input_ids": ids}
+
+
+def tp_config():
+    """The tiny Llama with MLP width 38, which splits evenly over tp=2 but not again over dp=2 (19
+    rows): FSDP2 then stores colwise weights as an uneven ``_StridedShard``. Two layers."""
+    cfg = config("llama")
+    cfg.intermediate_size = 38
+    cfg.num_hidden_layers = 2
+    return cfg
+
+
+class TPLlama:
+    def __call__(self):
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(tp_config()).eval()
+
+
+class TPThenFSDP:
+    """shard_fn: Megatron-style TP on each decoder layer over mesh["tp"], then FSDP2 over mesh["dp"]."""
+
+    def __call__(self, model, mesh) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {
+            name: ColwiseParallel()
+            for name in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+            )
+        }
+        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])

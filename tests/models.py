@@ -1,6 +1,10 @@
-"""Small models used by the tests (importable in spawned ranks)."""
+"""Small models and checkpoint helpers used by the tests (importable in spawned ranks)."""
 
 from __future__ import annotations
+
+import json
+import os
+import struct
 
 import torch
 from torch import nn
@@ -133,3 +137,122 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bytes(a.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
         b.contiguous().view(-1).view(torch.uint8).numpy()
     )
+
+
+# Every safetensors dtype string; test_dtypes fails if torch lacks one instead of skipping it.
+ALL_DTYPES = [
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U64",
+    "U32",
+    "U16",
+    "U8",
+    "BOOL",
+    "C64",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "F8_E8M0",
+    "F4",
+]
+
+
+class TPNet(nn.Module):
+    """Uneven over 3 ranks on purpose: 38 and 20 split 13/13/12 and 7/7/6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 20)  # ColwiseParallel: Shard(1)
+        self.up = nn.Linear(20, 38)  # ColwiseParallel: Shard(0), the row path
+        self.down = nn.Linear(38, 20)  # RowwiseParallel: Shard(1), bias replicated
+        self.wide = nn.Linear(300, 10, bias=False)  # Shard(1); rows of 1200 bytes
+        self.cube = nn.Parameter(torch.randn(5, 7, 9))  # Shard(2), set by the shard_fn
+        # _StridedShard(split_factor=2), set by the shard_fn: two runs of indices per rank
+        self.strided_rows = nn.Parameter(torch.randn(11, 4))
+        self.strided_cols = nn.Parameter(torch.randn(4, 11))
+        self.register_buffer("scale", torch.arange(4.0))
+
+
+def tp_net() -> TPNet:
+    return TPNet()
+
+
+def trained_net() -> TPNet:
+    torch.manual_seed(3)
+    net = TPNet()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0, 1)
+    return net
+
+
+def shard_tp(model: nn.Module, mesh) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "emb": ColwiseParallel(),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+            "wide": RowwiseParallel(),
+        },
+    )
+    model.cube = nn.Parameter(distribute_tensor(model.cube, mesh, [Shard(2)], src_data_rank=None))
+    for name, dim in (("strided_rows", 0), ("strided_cols", 1)):
+        placement = _StridedShard(dim, split_factor=2)
+        setattr(
+            model,
+            name,
+            nn.Parameter(distribute_tensor(getattr(model, name), mesh, [placement], src_data_rank=None)),
+        )
+
+
+def read_checkpoint(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved directory, through safetensors, after checking each file's layout."""
+    from safetensors import safe_open
+
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        check_layout(os.path.join(directory, name))
+        with safe_open(os.path.join(directory, name), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    if len(names) > 1:
+        with open(index_path) as f:
+            index = json.load(f)
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+        assert set(index["weight_map"].values()) == set(names)
+        assert set(index["weight_map"]) == set(out)
+    else:
+        assert names == ["model.safetensors"] and not os.path.exists(index_path)
+    return out
+
+
+def check_layout(path: str) -> None:
+    """Header padded to 8, offsets contiguous from 0, each tensor aligned to its element size."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
+    assert n % 8 == 0
+    entries = sorted((v["data_offsets"], v["dtype"]) for k, v in header.items() if k != "__metadata__")
+    at = 0
+    for (begin, end), dtype in entries:
+        assert begin == at
+        width = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2}.get(dtype, 1)
+        assert (8 + n + begin) % width == 0, (path, begin, dtype)
+        at = end
+    assert size == 8 + n + at

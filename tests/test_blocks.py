@@ -16,61 +16,7 @@ import torch
 from torch import nn
 
 from tests import _dist
-from tests.models import assert_same, gather, reference, save_state
-
-
-class TPNet(nn.Module):
-    """Uneven over 3 ranks on purpose: 38 and 20 split 13/13/12 and 7/7/6."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(50, 20)  # ColwiseParallel: Shard(1)
-        self.up = nn.Linear(20, 38)  # ColwiseParallel: Shard(0), the row path
-        self.down = nn.Linear(38, 20)  # RowwiseParallel: Shard(1), bias replicated
-        self.wide = nn.Linear(300, 10, bias=False)  # Shard(1); rows of 1200 bytes
-        self.cube = nn.Parameter(torch.randn(5, 7, 9))  # Shard(2), set by the shard_fn
-        # _StridedShard(split_factor=2), set by the shard_fn: two runs of indices per rank
-        self.strided_rows = nn.Parameter(torch.randn(11, 4))
-        self.strided_cols = nn.Parameter(torch.randn(4, 11))
-        self.register_buffer("scale", torch.arange(4.0))
-
-
-def tp_net() -> TPNet:
-    return TPNet()
-
-
-def trained_net() -> TPNet:
-    torch.manual_seed(3)
-    net = TPNet()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0, 1)
-    return net
-
-
-def shard_tp(model: nn.Module, mesh) -> None:
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "emb": ColwiseParallel(),
-            "up": ColwiseParallel(),
-            "down": RowwiseParallel(),
-            "wide": RowwiseParallel(),
-        },
-    )
-    model.cube = nn.Parameter(distribute_tensor(model.cube, mesh, [Shard(2)], src_data_rank=None))
-    for name, dim in (("strided_rows", 0), ("strided_cols", 1)):
-        placement = _StridedShard(dim, split_factor=2)
-        setattr(
-            model,
-            name,
-            nn.Parameter(distribute_tensor(getattr(model, name), mesh, [placement], src_data_rank=None)),
-        )
+from tests.models import assert_same, gather, reference, save_state, shard_tp, tp_net, trained_net
 
 
 def _status(field: str) -> int:

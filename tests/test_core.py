@@ -3,44 +3,15 @@ strict=False with a new head, key_map, the ways to name a checkpoint."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 
 import pytest
 import torch
 from torch import nn
 
 from tests import _dist, hf
+from tests.fakes import hide
 from tests.models import assert_same, gather, reference, save_sharded, save_state, toy, toy_state, trained_toy
-
-CLONE_NEWNS = 0x00020000
-MS_REC, MS_PRIVATE = 0x4000, 1 << 18
-
-
-def _hide(path: str) -> list[str]:
-    """Make ``path`` empty in this process's own mount namespace; audit any access to it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        raise OSError(ctypes.get_errno(), "making / private failed")
-    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0, None) != 0:
-        raise OSError(ctypes.get_errno(), f"mounting tmpfs over {path} failed")
-    touched: list[str] = []
-
-    def audit(event: str, args: tuple) -> None:
-        if (
-            event in ("open", "os.listdir", "os.scandir", "os.stat")
-            and args
-            and isinstance(args[0], (str, bytes))
-        ):
-            name = os.fsdecode(args[0])
-            if name.startswith(path):
-                touched.append(f"{event} {name}")
-
-    sys.addaudithook(audit)
-    return touched
 
 
 def _load_hidden(rank: int, world: int, hidden: str, ckpt: str) -> dict:
@@ -48,7 +19,7 @@ def _load_hidden(rank: int, world: int, hidden: str, ckpt: str) -> dict:
 
     touched: list[str] = []
     if rank != 0:
-        touched = _hide(hidden)
+        touched = hide(hidden)
         assert not os.path.exists(ckpt), "the checkpoint is still visible on this rank"
     model = rank0load.load_sharded(toy, ckpt)
     return {"tensors": gather(model), "touched": list(touched)}

@@ -9,30 +9,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests import _dist
+from tests.models import ALL_DTYPES
 
-# Every safetensors dtype string; the test fails if torch lacks one instead of skipping it.
-ALL = [
-    "F64",
-    "F32",
-    "F16",
-    "BF16",
-    "I64",
-    "I32",
-    "I16",
-    "I8",
-    "U64",
-    "U32",
-    "U16",
-    "U8",
-    "BOOL",
-    "C64",
-    "F8_E4M3",
-    "F8_E5M2",
-    "F8_E4M3FNUZ",
-    "F8_E5M2FNUZ",
-    "F8_E8M0",
-    "F4",
-]
 ROWS = 5  # uneven over 2 and 3 ranks: shards of 3+2 and 2+2+1 rows
 
 
@@ -155,14 +133,16 @@ NEVER_CAST = [
 def test_every_dtype_is_known():
     from rank0load._format import DTYPES
 
-    assert sorted(DTYPES) == sorted(ALL), f"torch {torch.__version__} lacks {sorted(set(ALL) - set(DTYPES))}"
+    assert sorted(DTYPES) == sorted(ALL_DTYPES), (
+        f"torch {torch.__version__} lacks {sorted(set(ALL_DTYPES) - set(DTYPES))}"
+    )
 
 
 # 2 ranks also run the never-cast checks and stay in the quick loop.
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_dtype_round_trip(tmp_path, world):
     path = str(tmp_path / "zoo.safetensors")
-    sd = write_zoo(path, ALL)
+    sd = write_zoo(path, ALL_DTYPES)
     assert {k: _bytes(v) for k, v in load_file(path).items()} == {k: _bytes(v) for k, v in sd.items()}
     mismatches = []
     if world == 2:  # the never-cast checks need only run once
@@ -170,9 +150,9 @@ def test_dtype_round_trip(tmp_path, world):
             ckpt = str(tmp_path / f"{ckpt_name}-into-{model_name}.safetensors")
             write_zoo(ckpt, [ckpt_name])
             mismatches.append((ckpt, [model_name]))
-    results = _dist.ok(_dist.run(_load_local, world, path, ALL, mismatches, timeout=180))
+    results = _dist.ok(_dist.run(_load_local, world, path, ALL_DTYPES, mismatches, timeout=180))
 
-    for i, name in enumerate(ALL):
+    for i, name in enumerate(ALL_DTYPES):
         key = f"parts.{i}.weight"
         dt = dtype_of(name)
         shards = [r["params"][key] for r in results]

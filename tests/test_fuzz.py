@@ -25,8 +25,7 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 
 from tests import _dist
-from tests.models import save_state, toy, trained_toy
-from tests.test_dtypes import ALL as ALL_DTYPES
+from tests.models import ALL_DTYPES, save_state, toy, trained_toy
 
 EXAMPLE_SECONDS = 20  # one in-process load; a hang fails the example instead of the suite
 FUZZ = settings(

@@ -9,7 +9,6 @@ open nothing there, and never import huggingface_hub.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -19,27 +18,8 @@ import pytest
 import torch
 
 from tests import _dist
+from tests.fakes import MAIN, SHARDED, V1, FakeTTY, add_snapshot
 from tests.models import assert_same, gather, reference, save_sharded, save_state, toy, toy_state, trained_toy
-from tests.test_progress import FakeTTY
-
-MAIN = "a" * 40
-V1 = "b" * 40
-SHARDED = "c" * 40
-
-
-def _add_snapshot(repo: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...]) -> None:
-    for name, data in files.items():
-        blob = os.path.join(repo, "blobs", hashlib.sha256(data).hexdigest())
-        os.makedirs(os.path.dirname(blob), exist_ok=True)
-        with open(blob, "wb") as f:
-            f.write(data)
-        link = os.path.join(repo, "snapshots", commit, name)
-        os.makedirs(os.path.dirname(link), exist_ok=True)
-        os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
-    for ref in refs:
-        os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
-        with open(os.path.join(repo, "refs", ref), "w") as f:
-            f.write(commit)
 
 
 def _weights(tmp, seed: int) -> bytes:
@@ -110,9 +90,9 @@ def hub_results(tmp_path_factory):
     hf_home = tmp / "hf"
     repo = str(hf_home / "hub" / "models--org--tiny")
     config = b'{"model_type": "toy"}'
-    _add_snapshot(repo, MAIN, {"model.safetensors": _weights(tmp, 0), "config.json": config}, ("main",))
-    _add_snapshot(repo, V1, {"model.safetensors": _weights(tmp, 1), "config.json": config}, ("v1",))
-    _add_snapshot(repo, SHARDED, {**_sharded(tmp, 2), "config.json": config}, ())
+    add_snapshot(repo, MAIN, {"model.safetensors": _weights(tmp, 0), "config.json": config}, ("main",))
+    add_snapshot(repo, V1, {"model.safetensors": _weights(tmp, 1), "config.json": config}, ("v1",))
+    add_snapshot(repo, SHARDED, {**_sharded(tmp, 2), "config.json": config}, ())
     # `inspect` on the repo id, in a subprocess running alongside the spawn.
     cli = subprocess.Popen(
         [sys.executable, "-m", "rank0load", "inspect", "org/tiny", "--revision", "v1", "--json"],
@@ -243,8 +223,8 @@ def test_snapshot_directory_passed_as_a_path(tmp_path):
     """A cache snapshot passed as a local path (as users copy it from `huggingface-cli scan-cache`):
     its files link into the repo's blobs/, which is allowed; a link leaving the repo is still refused."""
     repo = str(tmp_path / "hub" / "models--org--tiny")
-    _add_snapshot(repo, MAIN, {"model.safetensors": _weights(tmp_path, 0)}, ("main",))
-    _add_snapshot(repo, SHARDED, _sharded(tmp_path, 2), ())
+    add_snapshot(repo, MAIN, {"model.safetensors": _weights(tmp_path, 0)}, ("main",))
+    add_snapshot(repo, SHARDED, _sharded(tmp_path, 2), ())
     outside = tmp_path / "elsewhere.safetensors"
     outside.write_bytes(_weights(tmp_path, 3))
     escaping = os.path.join(repo, "snapshots", V1)

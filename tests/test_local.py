@@ -35,19 +35,26 @@ import pytest
 import torch
 
 from tests import _dist, hf
-from tests.models import assert_same, gather, reference, save_sharded, save_state, toy, toy_state, trained_toy
+from tests.fakes import hide
+from tests.models import (
+    assert_same,
+    gather,
+    reference,
+    save_sharded,
+    save_state,
+    shard_tp,
+    toy,
+    toy_state,
+    tp_net,
+    trained_net,
+    trained_toy,
+)
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="hiding the checkpoint needs a mount namespace (root)"
 )
 
 LOCAL = "local: read its own bytes through rank 0's descriptors"
-
-
-def _tp_net():
-    from tests.test_blocks import tp_net
-
-    return tp_net()
 
 
 class _Counted:
@@ -78,15 +85,13 @@ def _report(model) -> dict:
 
 def _jobs(root: str) -> dict:
     """name -> (ckpt, load_sharded kwargs); the checkpoints written by the test process."""
-    from tests.test_blocks import shard_tp
-
     return {
         "toy-index": (os.path.join(root, "sharded", "model.safetensors.index.json"), {"model_fn": toy}),
         "toy-cast": (os.path.join(root, "bf16.safetensors"), {"model_fn": toy}),
         "toy-stream": (os.path.join(root, "sharded"), {"model_fn": toy, "local_reads": False}),
         "tp-blocks": (
             os.path.join(root, "tp.safetensors"),
-            {"model_fn": _tp_net, "shard_fn": shard_tp, "max_staging_bytes": 4096},
+            {"model_fn": tp_net, "shard_fn": shard_tp, "max_staging_bytes": 4096},
         ),
         "llama": (os.path.join(root, "llama"), {"model_fn": hf.Factory("llama")}),
         "fp8-experts": (os.path.join(root, "fp8"), {"model_fn": "deepseek_v3", "dtype": torch.float32}),
@@ -98,9 +103,7 @@ def _load_jobs(rank: int, world: int, root: str) -> dict:
 
     touched: list[str] = []
     if rank != 0:
-        from tests.test_core import _hide
-
-        touched = _hide(root)
+        touched = hide(root)
     counted = _Counted()
     out: dict = {}
     for name, (ckpt, kwargs) in _jobs(root).items():
@@ -123,7 +126,6 @@ def _load_jobs(rank: int, world: int, root: str) -> dict:
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The checkpoints (under one root, hidden from ranks other than 0) and what each load must give."""
     from tests import moe_models as mm
-    from tests.test_blocks import trained_net
 
     root = tmp_path_factory.mktemp("local")
     (root / "sharded").mkdir()
@@ -282,11 +284,9 @@ FAILURES = ("read-error", "changed", "disagree", "not-bool")
 
 def _failures(rank: int, world: int, root: str) -> dict:
     import rank0load
-    from tests.test_blocks import shard_tp
-    from tests.test_core import _hide
 
     if rank != 0:
-        _hide(root)
+        hide(root)
     good = os.path.join(root, "sharded")
     out: dict = {}
     for case in [*FALLBACKS, *FAILURES]:
@@ -295,7 +295,7 @@ def _failures(rank: int, world: int, root: str) -> dict:
         kwargs: dict = {"max_staging_bytes": 4096}  # a round per few pieces: failures settle early
         model_fn = toy
         if case == "bad-descriptor-blocks":
-            ckpt, model_fn, kwargs["shard_fn"] = os.path.join(root, "tp.safetensors"), _tp_net, shard_tp
+            ckpt, model_fn, kwargs["shard_fn"] = os.path.join(root, "tp.safetensors"), tp_net, shard_tp
         if case == "disagree" and rank == 1:
             kwargs["local_reads"] = False
         if case == "not-bool":
@@ -318,8 +318,6 @@ def _failures(rank: int, world: int, root: str) -> dict:
 
 @pytest.mark.slow  # one 3-rank spawn, 11 loads
 def test_hand_over_failures_fall_back_and_read_failures_settle(tmp_path, toy_reference):
-    from tests.test_blocks import trained_net
-
     root = tmp_path / "ckpt"
     (root / "sharded").mkdir(parents=True)
     save_sharded(toy_state(), str(root / "sharded"))
@@ -411,10 +409,9 @@ def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
 def _dies_reading(rank: int, world: int, root: str, victim: int, marker: str) -> float:
     import rank0load
     import rank0load._localread as localread
-    from tests.test_core import _hide
 
     if rank != 0:
-        _hide(root)
+        hide(root)
     if rank == victim:  # every rank reads locally here, rank 0 too, through _localread
         module = localread
         read, calls = module.read_into, [0]

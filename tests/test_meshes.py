@@ -20,46 +20,6 @@ pytestmark = pytest.mark.slow
 IDS = torch.tensor([[1, 2, 3, 6], [0, 5, 4, 4]])
 
 
-def tp_config():
-    """The tiny Llama with MLP width 38, which splits evenly over tp=2 but not again over dp=2 (19
-    rows): FSDP2 then stores colwise weights as an uneven ``_StridedShard``. Two layers."""
-    config = hf.config("llama")
-    config.intermediate_size = 38
-    config.num_hidden_layers = 2
-    return config
-
-
-class TPLlama:
-    def __call__(self):
-        from transformers import LlamaForCausalLM
-
-        return LlamaForCausalLM(tp_config()).eval()
-
-
-class TPThenFSDP:
-    """shard_fn: Megatron-style TP on each decoder layer over mesh["tp"], then FSDP2 over mesh["dp"]."""
-
-    def __call__(self, model, mesh) -> None:
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        plan = {
-            name: ColwiseParallel()
-            for name in (
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-            )
-        }
-        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
-        for layer in model.model.layers:
-            parallelize_module(layer, mesh["tp"], plan)
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-
-
 class OnForeignMesh:
     """shard_fn that ignores the mesh it is given and shards over a slice of another mesh."""
 
@@ -121,19 +81,21 @@ def _scenarios(rank: int, world: int, toy_path: str, llama_path: str, tp_path: s
         out["hsdp_llama"]["out"] = model(**hf.sample_inputs("llama")).logits
 
     dptp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = rank0load.load_sharded(TPLlama(), tp_path, dptp, shard_fn=TPThenFSDP())
+    model = rank0load.load_sharded(hf.TPLlama(), tp_path, dptp, shard_fn=hf.TPThenFSDP())
     out["tp"] = _summary(model, dptp)
     with torch.no_grad():
         out["tp"]["out"] = model(**hf.sample_inputs("llama")).logits
     # 4 KiB of staging: chunks of 3-5 rows cut through the strided runs and the Shard(1) blocks.
-    model = rank0load.load_sharded(TPLlama(), tp_path, dptp, shard_fn=TPThenFSDP(), max_staging_bytes=4096)
+    model = rank0load.load_sharded(
+        hf.TPLlama(), tp_path, dptp, shard_fn=hf.TPThenFSDP(), max_staging_bytes=4096
+    )
     out["tp_small_chunks"] = gather(model)
 
     # FP8 block-quantised projections under TP + FSDP2: blocks cut by rank 0 as float8, each
     # dequantised by the rank that holds it (whole chunks, then chunks of 3-5 rows).
     for name, staging in (("tp_fp8", None), ("tp_fp8_small_chunks", 4096)):
         kwargs = {"max_staging_bytes": staging} if staging else {}
-        model = rank0load.load_sharded(TPLlama(), tp_fp8_path, dptp, shard_fn=TPThenFSDP(), **kwargs)
+        model = rank0load.load_sharded(hf.TPLlama(), tp_fp8_path, dptp, shard_fn=hf.TPThenFSDP(), **kwargs)
         out[name] = {"tensors": gather(model), "kinds": model.rank0load_report.kinds}
         out[name]["dequantised"] = model.rank0load_report.dequantised
 
@@ -165,7 +127,7 @@ def loaded(tmp_path_factory, toy_checkpoint):
     llama_ref = hf.pretrained("llama")
     llama_ref.save_pretrained(tmp / "llama", max_shard_size="20KB")
     torch.manual_seed(1)
-    tp_ref = TPLlama()()
+    tp_ref = hf.TPLlama()()
     with torch.no_grad():
         for p in tp_ref.parameters():
             p.normal_(0, 0.5)

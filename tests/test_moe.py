@@ -31,6 +31,7 @@ import torch
 
 from tests import _dist
 from tests import moe_models as mm
+from tests.fakes import hide
 from tests.models import assert_same, gather, reference
 
 pytestmark = pytest.mark.slow  # two spawns (2 and 3 ranks) of 23 loads each: about a minute
@@ -222,9 +223,7 @@ def _load_all(rank: int, world: int, root: str, jobs: dict[str, Job]) -> dict:
     touched: list[str] = []
     hidden = rank != 0 and os.geteuid() == 0
     if hidden:
-        from tests.test_core import _hide
-
-        touched = _hide(root)
+        touched = hide(root)
     mm._quiet()
     out: dict = {}
     broken = None

@@ -25,8 +25,8 @@ import torch
 
 from tests import _dist, hf
 from tests import moe_models as mm
+from tests.fakes import MAIN, add_snapshot
 from tests.models import assert_same, gather, reference
-from tests.test_hub import MAIN, _add_snapshot
 
 # Slow: two spawns of 2-3 ranks that import transformers and load about twenty tiny models.
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def _checkpoints(tmp) -> tuple[str, dict]:
 
     repo = os.path.join(root, "hf", "hub", "models--org--tiny-llama")
     files = {p.name: p.read_bytes() for p in sorted((tmp / "root" / "llama").iterdir())}
-    _add_snapshot(repo, MAIN, files, ("main",))
+    add_snapshot(repo, MAIN, files, ("main",))
 
     for name, edit in {
         "remote": lambda c: c.update(

@@ -16,12 +16,8 @@ import pytest
 import torch
 
 from tests import _dist
+from tests.fakes import FakeTTY
 from tests.models import toy
-
-
-class FakeTTY(io.StringIO):
-    def isatty(self) -> bool:
-        return True
 
 
 class Records(logging.Handler):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 import subprocess
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests import _dist, hf
-from tests.models import Toy, assert_same, gather
+from tests.models import Toy, assert_same, gather, read_checkpoint
 
 SAVED_SUFFIXES = (".safetensors", ".json")
 
@@ -52,46 +51,6 @@ def sharded(dim: int = 5, seed: int = 0, mesh_shape: tuple[int, ...] | None = No
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def read_checkpoint(directory: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a saved directory, through safetensors, after checking each file's layout."""
-    from safetensors import safe_open
-
-    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        check_layout(os.path.join(directory, name))
-        with safe_open(os.path.join(directory, name), "pt") as f:
-            assert f.metadata() == {"format": "pt"}
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    if len(names) > 1:
-        with open(index_path) as f:
-            index = json.load(f)
-        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
-        assert set(index["weight_map"].values()) == set(names)
-        assert set(index["weight_map"]) == set(out)
-    else:
-        assert names == ["model.safetensors"] and not os.path.exists(index_path)
-    return out
-
-
-def check_layout(path: str) -> None:
-    """Header padded to 8, offsets contiguous from 0, each tensor aligned to its element size."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size
-    assert n % 8 == 0
-    entries = sorted((v["data_offsets"], v["dtype"]) for k, v in header.items() if k != "__metadata__")
-    at = 0
-    for (begin, end), dtype in entries:
-        assert begin == at
-        width = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2}.get(dtype, 1)
-        assert (8 + n + begin) % width == 0, (path, begin, dtype)
-        at = end
-    assert size == 8 + n + at
 
 
 def leftovers(directory: str) -> list[str]:

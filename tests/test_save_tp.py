@@ -19,10 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests import _dist, hf
-from tests.models import assert_same
-from tests.test_blocks import shard_tp, trained_net
-from tests.test_meshes import TPLlama, TPThenFSDP
-from tests.test_save import read_checkpoint
+from tests.models import assert_same, read_checkpoint, shard_tp, trained_net
 
 # --------------------------------------------------------------------------------- one process
 
@@ -240,7 +237,7 @@ def _llama_tp(rank: int, world: int, source: str, out: str) -> dict:
 
     hf._quiet()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = rank0load.load_sharded(TPLlama(), source, mesh, shard_fn=TPThenFSDP())
+    model = rank0load.load_sharded(hf.TPLlama(), source, mesh, shard_fn=hf.TPThenFSDP())
     placements = {n: str(p.placements) for n, p in model.named_parameters()}
     tp = mesh.get_coordinate()[1]
     # TP weights live on the 2-D mesh; the rest on mesh["dp"], whose tp=1 slice holds replicas.
@@ -259,7 +256,7 @@ def test_tensor_parallel_then_fsdp2_to_from_pretrained(tmp_path) -> None:
 
     source, out = str(tmp_path / "source"), str(tmp_path / "out")
     torch.manual_seed(1)
-    ref = TPLlama()()
+    ref = hf.TPLlama()()
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.5)
