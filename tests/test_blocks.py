@@ -163,12 +163,15 @@ def _byte_range(path: str, key: str) -> tuple[int, int]:
 
 
 def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, int]) -> dict:
-    """A read error on rank 0 inside a Shard(1) weight's bytes, then a good load in the same group."""
+    """A read error on rank 0 inside a Shard(1) weight's bytes, then a good load in the same group:
+    once while rank 0 streams the BLOCK chunks (``local_reads=False``: its reader thread, then
+    ``fan_out``), once while every rank reads its own blocks (rank 0's own reads)."""
     import errno
 
     from torch.distributed.device_mesh import init_device_mesh
 
     import rank0load
+    import rank0load._localread as localread_mod
     import rank0load._stream as stream_mod
 
     mesh = init_device_mesh("cpu", (world,))
@@ -179,17 +182,22 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return original(fd, buf, offset, path)
 
-    if rank == 0:
-        stream_mod.read_into = failing
-    error = None
-    try:
-        rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp, max_staging_bytes=4096)
-    except rank0load.LoadError as exc:
-        error = (type(exc).__name__, str(exc))
-    finally:
-        stream_mod.read_into = original
-    model = rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp)
-    return {"error": error, "tensors": gather(model)}
+    out: dict = {}
+    for local_reads in (False, True):
+        if rank == 0:
+            stream_mod.read_into = localread_mod.read_into = failing
+        error = None
+        try:
+            rank0load.load_sharded(
+                tp_net, f32, mesh, shard_fn=shard_tp, max_staging_bytes=4096, local_reads=local_reads
+            )
+        except rank0load.LoadError as exc:
+            error = (type(exc).__name__, str(exc))
+        finally:
+            stream_mod.read_into = localread_mod.read_into = original
+        model = rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp)
+        out[local_reads] = {"error": error, "tensors": gather(model)}
+    return out
 
 
 @pytest.mark.slow
@@ -198,12 +206,13 @@ def test_read_error_while_blocks_stream_fails_every_rank(tmp_path):
     path = str(tmp_path / "f32.safetensors")
     save_state(ref, path)
     results = _dist.ok(_dist.run(_read_error_then_good_load, 3, path, _byte_range(path, "down.weight")))
-    errors = {r["error"] for r in results}
-    assert len(errors) == 1 and None not in errors, errors
-    ((name, message),) = errors
-    assert "f32.safetensors" in message and "Input/output error" in message, message
-    for r in results:
-        assert_same(r["tensors"], reference(ref))
+    for local_reads in (False, True):
+        errors = {r[local_reads]["error"] for r in results}
+        assert len(errors) == 1 and None not in errors, (local_reads, errors)
+        ((name, message),) = errors
+        assert "f32.safetensors" in message and "Input/output error" in message, message
+        for r in results:
+            assert_same(r[local_reads]["tensors"], reference(ref))
 
 
 def _dies_while_cutting(rank: int, world: int, path: str, marker: str) -> str:
