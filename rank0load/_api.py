@@ -2,7 +2,7 @@
 
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _shard)
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
-rank 0     resolve, open, read headers, validate          -> _source, _format, _manifest
+rank 0     resolve, open, read headers, validate          -> _source, _files, _format, _manifest
 all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
 all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
 all ranks  allocate shards and staging, init what's missing, plan -> _model, _transfer, _plan

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import _distribute
-from ._format import FileIdentity, OpenFile
+from ._files import FileIdentity, OpenFile
 from ._localread import LocalFiles, LocalReads
 from ._manifest import Manifest
 from .errors import LoadError

@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ._format import DTYPES, FileIdentity, OpenFile
+from ._files import FileIdentity, OpenFile
+from ._format import DTYPES
 from ._plan import Piece, Plan, Route, block_half, deliveries
 from ._sink import Sink, Staging
 from ._stream import read_into

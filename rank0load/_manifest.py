@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 
 from ._convert import Conversion, ConversionMatch
 from ._entries import FLOAT_WIRE, Entry, Part, build_entries, unconsumed
-from ._format import OpenFile, TensorHeader, open_files, read_header
+from ._files import OpenFile, open_files
+from ._format import TensorHeader, read_header
 from ._meta import ModelLayout
 from ._source import Source, resolve
 from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
@@ -48,7 +49,7 @@ class Manifest:
 def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
     """All tensors of all files; cross-checked against the index when there is one.
 
-    ``files``: the source's files already opened (``_format.open_files(source.files)``); each
+    ``files``: the source's files already opened (``_files.open_files(source.files)``); each
     header is then read through its descriptor. Without it, each file is opened by path.
     """
     found: dict[str, TensorHeader] = {}

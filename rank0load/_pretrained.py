@@ -33,7 +33,8 @@ from . import _distribute
 from ._api import load_sharded
 from ._compat import hf_keep_in_fp32
 from ._entries import FLOAT_WIRE
-from ._format import DTYPES, OpenFile, read_exact, read_header
+from ._files import OpenFile, read_exact
+from ._format import DTYPES, read_header
 from ._model import keep_fp32
 from ._source import resolve
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError

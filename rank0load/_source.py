@@ -17,7 +17,8 @@ import re
 import stat
 from dataclasses import dataclass
 
-from ._format import OpenFile, Twice, not_regular, parse_json, read_exact
+from ._files import OpenFile, not_regular, read_exact
+from ._format import Twice, parse_json
 from .errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["Source", "resolve"]

@@ -54,7 +54,7 @@ class Reader:
     """Background reader. Iterate it to get :class:`Staged` pieces in order; call :meth:`release`.
 
     Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
-    ``_format.OpenFile``), never by re-opening a path. Each file's identity is checked when the
+    ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
     reader leaves it and once more for every file at the end: a file replaced, rewritten or
     truncated during the load is a failure. The first failure of any piece (an I/O error, a changed
     file, an allocation) is kept in :attr:`failed`; the remaining pieces still flow, unread, so that

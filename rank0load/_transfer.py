@@ -82,7 +82,7 @@ def stream(
     local: LocalReads | None = None,
 ) -> None:
     """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``
-    (path -> ``_format.OpenFile``). ``local``: the ranks that read their own bytes through rank 0's
+    (path -> ``_files.OpenFile``). ``local``: the ranks that read their own bytes through rank 0's
     descriptors (``_local``); rank 0 sends them nothing but the broadcasts, and not even those when
     every rank reads its own. Raises the same error on every rank if any rank failed."""
     sink = Sink(plan, targets, comm)

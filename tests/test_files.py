@@ -23,8 +23,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rank0load import _format, _manifest, _source
-from rank0load._format import MAX_HEADER_BYTES, FileIdentity, OpenFile, open_files, read_header
+from rank0load import _files, _manifest, _source
+from rank0load._files import FileIdentity, OpenFile, open_files
+from rank0load._format import MAX_HEADER_BYTES, read_header
 from rank0load.errors import (
     CheckpointChangedError,
     CheckpointFormatError,
@@ -380,7 +381,7 @@ def test_swapped_for_fifo_after_stat(tmp_path: Path, monkeypatch: pytest.MonkeyP
         return real_stat(regular if os.fspath(path) == str(fifo) else path, *args, **kwargs)
 
     fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
-    monkeypatch.setattr(_format.os, "stat", stale_stat)  # os.stat itself, for this test only
+    monkeypatch.setattr(_files.os, "stat", stale_stat)  # os.stat itself, for this test only
     _is_fifo_error(raises_fast(lambda: OpenFile.open(str(fifo)), LoadError, (fifo,)), fifo)
     monkeypatch.undo()
     if fds is not None:

@@ -217,7 +217,7 @@ class _Patch:
 def _patches(rank: int, case: str, seen: dict) -> _Patch:
     """What ``case`` changes on ``rank`` (``seen``: what the case observed, returned to the test)."""
     import rank0load._distribute as distribute
-    import rank0load._format as fmt
+    import rank0load._files as fileio
     import rank0load._local as local
     import rank0load._localread as localread
 
@@ -234,8 +234,8 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
         gather = distribute.gather_to_rank0
         return _Patch((distribute, "gather_to_rank0", lambda v, what: gather((v[0], v[1] + 1, v[2]), what)))
     if case.startswith("bad-descriptor") and rank == 2:
-        of = fmt.FileIdentity.of
-        return _Patch((fmt.FileIdentity, "of", classmethod(lambda cls, st: of(st).__class__(0, 0, 0, 0))))
+        of = fileio.FileIdentity.of
+        return _Patch((fileio.FileIdentity, "of", classmethod(lambda cls, st: of(st).__class__(0, 0, 0, 0))))
     if case == "silent-rank-0":
         if rank == 0:
             return _Patch((local.Server, "serve", lambda self, allowed: None))
@@ -249,7 +249,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
 
         return _Patch((local.Server, "serve", serve))
     if case == "changed" and rank == 0:  # only the local reader may see it: its own check
-        return _Patch((fmt.OpenFile, "check", lambda self: None))
+        return _Patch((fileio.OpenFile, "check", lambda self: None))
     if case in ("read-error", "changed") and rank == (1 if case == "read-error" else 2):
         read, calls = localread.read_into, [0]
 
@@ -370,11 +370,11 @@ def _peer(name: str, token: bytes, claimed_rank: int) -> subprocess.Popen:
 def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
     """Rank 0's server hands its descriptors to the pid and uid a rank reported, with the token;
     a process that is not that rank gets nothing, token or not, and no rank gets them twice."""
-    from rank0load import _format, _local
+    from rank0load import _files, _local
 
     path = tmp_path / "f.safetensors"
     save_state(trained_toy(), str(path))
-    opened = _format.OpenFile.open(path)
+    opened = _files.OpenFile.open(path)
     server = _local.Server.listen([opened])
     assert server is not None
     name, token = server.offer.name, server.offer.token
