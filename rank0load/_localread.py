@@ -73,6 +73,9 @@ class LocalFiles:
                 "checkpoint changed during the load; wait until whatever writes it has finished, then load again."
             )
 
+    def paths(self) -> list[str]:
+        return list(self.fds)
+
     def close(self) -> None:
         fds, self.fds = self.fds, {}
         for fd in fds.values():
@@ -135,6 +138,9 @@ class _Rank0Files:
     def check(self, path: str) -> None:
         self._files[path].check()
 
+    def paths(self) -> list[str]:
+        return list(self._files)
+
 
 class LocalReader:
     """(a local reader) Reads the pieces ``_transfer._receive`` hands it (TO_RANK pieces addressed
@@ -181,6 +187,12 @@ class LocalReader:
         touched, self.touched = self.touched, set()
         for path in sorted(touched):
             self.sink.faults.run(self.files.check, path)
+
+    def finish(self) -> None:
+        """Check every file once more after the last read, as rank 0's reader thread does (for rank 0
+        by path too: a file replaced after its round still fails the load)."""
+        self.touched = set(self.files.paths())
+        self.round_end()
 
     def _chunk(self, piece: Piece) -> None:
         """Read the rows of a BLOCK chunk that hold this rank's blocks; cut and write them."""

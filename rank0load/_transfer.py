@@ -111,9 +111,9 @@ def stream(
 def _read_own(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None) -> int:
     """(all ranks, when every rank but 0 reads its own bytes and the shards are on the CPU) No
     message at all: each rank, rank 0 too, reads its own pieces in order in its own thread, checks
-    the files it read at each round's end, and the ranks compare notes once, at the end. A failing
-    rank stops reading; the others finish their own share (no one waits on it) before they learn
-    of it. Returns the first failing rank (world: none)."""
+    the files it read at each round's end and every file after its last read, and the ranks
+    compare notes once, at the end. A failing rank stops reading; the others finish their own share
+    (no one waits on it) before they learn of it. Returns the first failing rank (world: none)."""
     rounds = _Rounds(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
     for stop in plan.rounds:
         for piece in rounds.until(stop):
@@ -121,6 +121,7 @@ def _read_own(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[i
             if on_bytes is not None and piece.route is not Route.SCALES:
                 on_bytes(piece.nbytes)
         reader.round_end()
+    reader.finish()
     return _distribute.first_failure(sink.faults.error)
 
 
