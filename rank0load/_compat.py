@@ -29,7 +29,11 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "foreach_supported",
+    "fsdp_groups",
     "hf_conversions",
+    "hf_has_conversion_mapping",
+    "hf_legacy_rename",
+    "transformers_version",
     "hf_reverse_conversions",
     "hf_revert_key",
     "hf_revert_tensor",
@@ -110,6 +114,33 @@ def split_chunks(placement: Placement, t: torch.Tensor, parts: int) -> list[torc
     Private: ``Placement._split_tensor``."""
     chunks, _ = placement._split_tensor(t, parts, with_padding=False, contiguous=False)  # type: ignore[attr-defined]
     return list(chunks)
+
+
+def fsdp_groups(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]]:
+    """Every FSDP2 parameter group in ``model``: the module ``fully_shard`` was applied to, and each of
+    its parameters' qualified name, dtype and ``requires_grad``. Private: ``FSDPModule._get_fsdp_state``,
+    ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group`` before per-parameter meshes),
+    ``FSDPParam._module_info``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): n for n, m in model.named_modules()}
+    out: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = state._fsdp_param_group
+            groups = [single] if single is not None else []
+        for group in groups:
+            params = []
+            for fp in group.fsdp_params:
+                owner = names.get(id(fp._module_info.module), "")
+                name = f"{owner}.{fp._module_info.param_name}" if owner else fp._module_info.param_name
+                params.append((name, fp.sharded_param.dtype, fp.sharded_param.requires_grad))
+            out.append((module, params))
+    return out
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:
@@ -198,6 +229,38 @@ def is_transformers_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+def transformers_version() -> str:
+    """The installed transformers version, for messages ("not installed" if it is not)."""
+    try:
+        import transformers
+    except ImportError:
+        return "not installed"
+    return str(transformers.__version__)
+
+
+def hf_has_conversion_mapping() -> bool:
+    """Whether transformers has checkpoint conversions (``conversion_mapping``, ``core_model_loading``:
+    transformers 5). transformers 4.57 has neither: its MoE models keep per-expert modules that match
+    the Hub's per-expert checkpoints, and it renames keys only with ``_fix_state_dict_key_on_load`` and
+    the ``base_model_prefix``."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformers.conversion_mapping") is not None
+    except ImportError:
+        return False
+
+
+def hf_legacy_rename(model: nn.Module, key: str) -> str:
+    """transformers 4.x's ``PreTrainedModel._fix_state_dict_key_on_load`` (LayerNorm ``gamma`` /
+    ``beta``, weight-norm names); ``key`` itself where the model has no such method."""
+    fix = getattr(type(model), "_fix_state_dict_key_on_load", None)
+    if fix is None:
+        return key
+    renamed, _ = fix(key)
+    return str(renamed)
+
+
 def hf_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
     """transformers' checkpoint conversions for ``model`` (``get_model_conversion_mapping``): its
     ``WeightRenaming`` and ``WeightConverter`` objects. Some are looked up by class name: call this
@@ -279,13 +342,28 @@ def hf_rename(
 
 
 def hf_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:
-    """Which tensor names transformers keeps in float32 when the rest is cast to ``dtype``
+    r"""Which tensor names transformers keeps in float32 when the rest is cast to ``dtype``
     (``_keep_in_fp32_modules`` for float16, ``_keep_in_fp32_modules_strict`` for float16 and
-    bfloat16, through ``PreTrainedModel._get_dtype_plan``), or None for none."""
-    plan = model._get_dtype_plan(dtype)  # type: ignore[operator]
-    if not plan:
-        return None
-    from transformers.core_model_loading import build_glob_alternation
+    bfloat16), or None for none. transformers 5: ``PreTrainedModel._get_dtype_plan`` and its glob
+    patterns; 4.57: the same lists as ``from_pretrained`` matches them, ``(^|\.)module($|\.)``."""
+    if hasattr(model, "_get_dtype_plan"):
+        plan = model._get_dtype_plan(dtype)  # type: ignore[operator]
+        if not plan:
+            return None
+        from transformers.core_model_loading import build_glob_alternation
 
-    pattern = build_glob_alternation(list(plan))[0]
-    return lambda name: pattern.search(name) is not None
+        pattern = build_glob_alternation(list(plan))[0]
+        return lambda name: pattern.search(name) is not None
+    modules: list[str] = []
+    loose = getattr(model, "_keep_in_fp32_modules", None)
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+    if loose and dtype == torch.float16:
+        modules += list(loose)
+    if strict and dtype in (torch.float16, torch.bfloat16):
+        modules += list(strict)
+    if not modules:
+        return None
+    import re
+
+    regex = re.compile("|".join(rf"((^|\.){m}($|\.))" for m in modules))
+    return lambda name: regex.search(name) is not None

@@ -44,7 +44,10 @@ __all__ = [
     "StackExperts",
     "TransformersConversions",
     "TransformersReversal",
+    "TransformersRenamings",
     "conversions_for",
+    "transformers_conversions",
+    "transformers_reversal",
 ]
 
 
@@ -202,9 +205,46 @@ class TransformersReversal:
         return [(order[v], part) for v in range(slices)]
 
 
+class TransformersRenamings:
+    """transformers 4.x's key renamings for ``model`` (it has no conversions: its MoE models keep
+    per-expert modules, as the Hub stores them): ``_fix_state_dict_key_on_load`` (LayerNorm
+    ``gamma``/``beta``, weight-norm names), then the ``base_model_prefix`` added or removed where
+    that names a model key (a base model's checkpoint into a model with a head, and back), as
+    ``from_pretrained`` does."""
+
+    def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
+        self._model = model
+        self._prefix = getattr(model, "base_model_prefix", None) or None
+        self._model_keys = frozenset(model_keys)
+
+    def match(self, key: str) -> ConversionMatch | None:
+        renamed = _compat.hf_legacy_rename(self._model, key)
+        if renamed not in self._model_keys and self._prefix is not None:
+            head = f"{self._prefix}."
+            if renamed.startswith(head) and renamed[len(head) :] in self._model_keys:
+                renamed = renamed[len(head) :]
+            elif head + renamed in self._model_keys:
+                renamed = head + renamed
+        return ConversionMatch(renamed, None, 0, 1, "transformers renaming") if renamed != key else None
+
+
+def transformers_conversions(model: nn.Module, model_keys: Sequence[str]) -> Conversion:
+    """transformers' own key rules for ``model``, for the installed version: conversions and renamings
+    (transformers 5), or renamings alone (4.57)."""
+    if _compat.hf_has_conversion_mapping():
+        return TransformersConversions(model, model_keys)
+    return TransformersRenamings(model, model_keys)
+
+
+def transformers_reversal(model: nn.Module) -> TransformersReversal | None:
+    """(rank 0) What ``save_pretrained`` reverts for ``model``: transformers 5's conversions; None for
+    4.57, which saves a model's own names."""
+    return TransformersReversal(model) if _compat.hf_has_conversion_mapping() else None
+
+
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
     """(all ranks, before sharding) The caller's conversions, then transformers' for a transformers model."""
     out = list(extra)
     if _compat.is_transformers_model(model):
-        out.append(TransformersConversions(model, model_keys))
+        out.append(transformers_conversions(model, model_keys))
     return out

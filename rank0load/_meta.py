@@ -16,16 +16,28 @@ import torch
 from torch import nn
 
 from ._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta
+from ._distribute import UserCodeFailure, user_code
 
 __all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
 
 
-def build_on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module:
-    """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real."""
+# The dtypes torch.set_default_dtype accepts (from_pretrained builds in them the same way).
+_DEFAULTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def build_on_meta(model_fn: Callable[[], nn.Module], dtype: torch.dtype | None = None) -> nn.Module:
+    """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real; with ``dtype``, also
+    with torch's default dtype set to it, as transformers' ``from_pretrained(dtype=...)`` builds."""
+    default = torch.get_default_dtype()
     with parameters_on_meta():
-        model = model_fn()
+        if dtype in _DEFAULTABLE:
+            torch.set_default_dtype(dtype)
+        try:
+            model = user_code("model_fn", model_fn)
+        finally:
+            torch.set_default_dtype(default)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+        raise UserCodeFailure(f"model_fn must return an nn.Module, got {type(model).__name__}")
     return model
 
 

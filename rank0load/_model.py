@@ -27,15 +27,25 @@ from ._compat import (
     local_tensor,
 )
 from ._convert import conversions_for
+from ._distribute import user_code
 from ._layout import layout_flags, rank_coordinates
 from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
 from ._plan import ALIGN
-from ._shard import default_shard_fn
+from ._shard import check_dtype_groups, default_shard_fn
 from ._sink import SLOTS
 from .errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 
-__all__ = ["Built", "build_sharded", "finish", "init_missing", "keep_fp32", "materialise", "targets"]
+__all__ = [
+    "Built",
+    "build_sharded",
+    "cast",
+    "set_config_dtype",
+    "finish",
+    "init_missing",
+    "materialise",
+    "targets",
+]
 
 
 @dataclass
@@ -94,12 +104,16 @@ def build_sharded(
     policy), described. The checkpoint conversions (the caller's, then transformers' for a
     transformers model) are looked up before sharding renames the classes. Raises whatever the
     caller's code raises; the caller agrees on it."""
-    model = build_on_meta(model_fn)
+    model = build_on_meta(model_fn, dtype)
     if dtype is not None:
         cast(model, dtype)
     keys = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     found_conversions = conversions_for(model, keys, conversions)
-    (shard_fn or default_shard_fn)(model, mesh)
+    if shard_fn is None:
+        default_shard_fn(model, mesh)
+    else:
+        user_code("shard_fn", shard_fn, model, mesh)
+    check_dtype_groups(model)
     layout = describe(model)
     found = targets(model, layout)
     flags = {key: layout_flags(t, mesh) for key, t in found.items()}
@@ -107,25 +121,43 @@ def build_sharded(
 
 
 def cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """(all ranks) ``model.to(dtype)``, except what transformers keeps in float32 under ``dtype``
-    (``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's ``e_score_correction_bias``), as
-    ``from_pretrained(dtype=...)`` does."""
-    model.to(dtype)
-    keep = hf_keep_in_fp32(model, dtype) if is_transformers_model(model) else None
-    if keep is not None:
-        keep_fp32(model, keep)
-
-
-def keep_fp32(model: nn.Module, keep: Callable[[str], bool]) -> None:
-    """Floating parameters and buffers whose qualified name ``keep`` accepts, back to float32."""
+    """(all ranks, after ``model_fn`` ran with ``dtype`` as torch's default dtype) A transformers model
+    as ``from_pretrained(dtype=...)`` makes it: floating parameters and persistent buffers in ``dtype``
+    (float8 ones as they are), those of the modules transformers keeps in float32 under ``dtype``
+    (``_keep_in_fp32_modules(_strict)``) in float32, non-persistent buffers as the model built them
+    (rotary ``inv_freq`` stays float32). The caller's config object is left alone. Any other model:
+    ``model.to(dtype)``."""
+    if not is_transformers_model(model):
+        model.to(dtype)
+        return
+    keep = hf_keep_in_fp32(model, dtype)
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, p in module._parameters.items():
-            if p is not None and p.is_floating_point() and keep(prefix + leaf):
-                p.data = p.data.to(torch.float32)
+            if p is not None and p.is_floating_point() and p.element_size() > 1:
+                want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
+                if p.dtype != want:
+                    p.data = p.data.to(want)
         for leaf, b in module._buffers.items():
-            if b is not None and b.is_floating_point() and keep(prefix + leaf):
-                module._buffers[leaf] = b.to(torch.float32)
+            if b is None or not b.is_floating_point() or b.element_size() == 1:
+                continue
+            if leaf in module._non_persistent_buffers_set:
+                continue
+            want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
+            if b.dtype != want:
+                module._buffers[leaf] = b.to(want)
+
+
+def set_config_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """``config.dtype`` (and its sub-configs'), as ``from_pretrained(dtype=...)`` records it."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    config.dtype = dtype
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "dtype"):
+            sub.dtype = dtype
 
 
 def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
@@ -193,10 +225,10 @@ def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]
                     local_tensor(t).fill_(float("nan"))
             init = hf_init_weights(model, module_name)
             if init is not None:
-                init(module)
+                user_code(f"the model's _init_weights({module_name})", init, module)
             reset = getattr(module, "reset_parameters", None)
             if callable(reset) and (init is None or any(_has_nan(t) for t in params)):
-                reset()
+                user_code(f"{module_name}.reset_parameters()", reset)
             left += [
                 f"{module_name}.{n}" for n, t in module._parameters.items() if t is not None and _has_nan(t)
             ]

@@ -31,11 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _distribute
 from ._api import load_sharded
-from ._compat import hf_keep_in_fp32
 from ._entries import FLOAT_WIRE
 from ._files import OpenFile, read_exact
 from ._format import DTYPES, read_header
-from ._model import keep_fp32
+from ._model import cast, set_config_dtype
 from ._source import resolve
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
 
@@ -218,8 +217,13 @@ def _configure(model_cls: Any, checkpoint: _Checkpoint, dtype: object) -> _Confi
     raw = dict(checkpoint.config)
     _check_quantization(raw.pop("quantization_config", None), checkpoint.where)
     config_class = _config_class(model_cls, raw, checkpoint.where)
-    config, unused = config_class.from_dict(
-        raw, name_or_path=checkpoint.name, return_unused_kwargs=True, **checkpoint.overrides
+    config, unused = _distribute.user_code(
+        f"{config_class.__name__}.from_dict({checkpoint.where})",
+        config_class.from_dict,
+        raw,
+        name_or_path=checkpoint.name,
+        return_unused_kwargs=True,
+        **checkpoint.overrides,
     )
     if unused:
         raise LoadError(
@@ -325,11 +329,12 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
 
 
 def _build(model_cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
-    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, then what
-    transformers keeps in float32 (``_keep_in_fp32_modules``) in float32, as ``from_pretrained`` does."""
+    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, then the
+    dtypes ``from_pretrained(dtype=...)`` gives (``_model.cast``: what transformers keeps in float32
+    in float32), and ``config.dtype`` (this config is load_pretrained's own)."""
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
-    model: nn.Module = make(config, dtype=dtype)
-    keep = hf_keep_in_fp32(model, dtype)
-    if keep is not None:
-        keep_fp32(model, keep)
+    name = getattr(model_cls, "__name__", repr(model_cls))
+    model: nn.Module = _distribute.user_code(f"{name}.from_config", make, config, dtype=dtype)
+    cast(model, dtype)
+    set_config_dtype(model, dtype)  # transformers 4.57's _from_config leaves it unset
     return model

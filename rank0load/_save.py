@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _distribute, _outputs, _write
 from ._compat import is_transformers_model, local_tensor
-from ._convert import TransformersReversal
+from ._convert import transformers_reversal
 from ._format import DTYPES
 from ._layout import ROWS_OK, RUNS_OK, layout_flags
 from ._meta import ModelLayout, describe
@@ -134,7 +134,9 @@ def save_sharded(
     outputs: _outputs.Outputs | None = None
     try:
         comm = _comm_device(tensors)
-        staging, error = _distribute.attempt(lambda: _write.allocate_staging(plan.piece_bytes, comm))
+        staging, error = _distribute.attempt(
+            lambda: _write.allocate_staging(plan.piece_bytes, comm, max_staging_bytes)
+        )
         if rank == 0 and error is None:
             outputs, error = _distribute.attempt(lambda: _outputs.open_outputs(out, plan))
         _write.settle(error, "creating the output files")
@@ -191,7 +193,7 @@ def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
     """(rank 0) transformers' conversions reverted, for a transformers model with original_format."""
-    return TransformersReversal(model) if original_format and is_transformers_model(model) else None
+    return transformers_reversal(model) if original_format and is_transformers_model(model) else None
 
 
 def _finish(model: nn.Module, outputs: _outputs.Outputs, plan: SavePlan) -> None:
