@@ -18,6 +18,7 @@ from .errors import (
     CheckpointChangedError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    InternalError,
     LoadError,
     ModelMismatchError,
     RankMismatchError,
@@ -41,5 +42,6 @@ __all__ = [
     "RankMismatchError",
     "CheckpointChangedError",
     "SaveError",
+    "InternalError",
 ]
 __version__ = "0.1.0"

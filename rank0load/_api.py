@@ -190,7 +190,7 @@ def _prepare(
         mesh,
         max_staging_bytes // _sink.SLOTS,
     )
-    staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, comm)
+    staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, comm, max_staging_bytes)
     return _Ready(plan, [_sink.target_of(found[e.key]) for e in entries], staging)
 
 

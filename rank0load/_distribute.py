@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pickle
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,10 +38,12 @@ import torch
 import torch.distributed as dist
 
 from ._compat import host_bytes
-from .errors import LoadError, RankMismatchError
+from .errors import InternalError, LoadError, RankMismatchError
 
 __all__ = [
     "Failure",
+    "UserCodeFailure",
+    "user_code",
     "broadcast",
     "Faults",
     "attempt",
@@ -76,6 +80,63 @@ def peer_failure(
 
 
 R = TypeVar("R")
+
+
+class UserCodeFailure(Exception):
+    """An exception from the caller's code (``model_fn``, ``shard_fn``, the model's own initialisers),
+    carried through a step so that :func:`settle` blames that code. Any other exception that is not a
+    LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_code(what: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)``, the caller's code: an exception it raises becomes a
+    :class:`UserCodeFailure` naming ``what``, unless it is a LoadError, already one, or was raised in
+    rank0load's own code that ``fn`` called (then it stays ours)."""
+    try:
+        return fn(*args, **kwargs)
+    except (LoadError, UserCodeFailure):
+        raise
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is this function
+        if any(f.filename.startswith(_PACKAGE) for f in frames):
+            raise
+        raise UserCodeFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _internal(error: BaseException) -> str:
+    """What an exception inside rank0load's own code was, where it was raised, and the versions."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
+        if ours and ours[-1] is not last:
+            where += f", called from rank0load's {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})"
+    return f"rank0load's own code raised {type(error).__name__}: {error}{where}"
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("rank0load", "torch", "transformers", "peft", "diffusers"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def _internal_todo() -> str:
+    return (
+        "This is not caused by your model, checkpoint or arguments: it is a bug in rank0load or a "
+        f"dependency version it cannot handle ({_versions()}). Check the README's tested versions, and "
+        "report it with this message."
+    )
 
 
 def attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
@@ -191,9 +252,10 @@ class Failure:
     """What the first failing rank tells the others, so that every rank raises the same error."""
 
     rank: int
-    cls: type[LoadError]  # the error's own class, or RankMismatchError for any other exception
+    cls: type[LoadError]  # the error's own class; the caller's wrap for its code; else InternalError
     message: str  # a LoadError's message, else "Type: message" of the exception
     is_load_error: bool
+    todo: str | None = None  # what to do, where the stage's own advice does not fit (InternalError)
 
 
 def first_failure(error: BaseException | None) -> int:
@@ -206,23 +268,29 @@ def raise_failure(
     first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
 ) -> None:
     """(all ranks, after :func:`first_failure` returned ``first`` < world) Raise on every rank the
-    error of rank ``first``, worded once: its LoadError subclass and message, or, for any other
-    exception, a ``wrap`` naming the stage, the rank, the exception's type and message, and ``todo``."""
+    error of rank ``first``, worded once: its LoadError subclass and message; for the caller's code
+    (:class:`UserCodeFailure`), a ``wrap`` naming the stage, the rank, what failed and ``todo``; for
+    any other exception, rank0load's own failure: an :class:`~.errors.InternalError` (``wrap``'s
+    class where that is not RankMismatchError) naming where it was raised and the versions."""
     world = dist.get_world_size()
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
     mine = None
     if dist.get_rank() == first and error is not None:
         if isinstance(error, LoadError):
             mine = Failure(first, type(error), str(error), is_load_error=True)
-        else:
-            mine = Failure(first, wrap, f"{type(error).__name__}: {error}", is_load_error=False)
+        elif isinstance(error, UserCodeFailure):
+            mine = Failure(first, wrap, str(error), is_load_error=False)
+        elif wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
+            mine = Failure(first, InternalError, _internal(error), False, _internal_todo())
+        else:  # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
+            mine = Failure(first, wrap, _internal(error), False, f"{_internal_todo()} {todo}")
     failure: Failure = _broadcast_object(mine, src=first)
     if failure.is_load_error and count == world:  # the same check failed everywhere: its own words
         raise failure.cls(failure.message)
     where = f"{count} of {world} ranks" if count < world else "every rank"
     if failure.is_load_error:
         raise failure.cls(f"{failure.message} ({stage} failed on {where}; the first was rank {first})")
-    raise failure.cls(f"{stage} failed on {where}: rank {first}: {failure.message}. {todo}")
+    raise failure.cls(f"{stage} failed on {where}: rank {first}: {failure.message}. {failure.todo or todo}")
 
 
 def settle(

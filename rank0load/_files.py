@@ -51,7 +51,9 @@ def not_regular(path: str, mode: int, where: str | None = None) -> CheckpointFor
         "write the data to a regular file first and load that"
     )
     prefix = f"{where}: " if where else ""
-    return CheckpointFormatError(f"{prefix}{path} is not a regular file ({kind}): {what}.")
+    target = os.path.realpath(path)
+    link = f", a symlink to {target}" if os.path.islink(path) or target != os.path.abspath(path) else ""
+    return CheckpointFormatError(f"{prefix}{path} is not a regular file ({kind}{link}): {what}.")
 
 
 # O_NONBLOCK: opening a FIFO with no writer (or some devices) would otherwise block rank 0 forever

@@ -20,7 +20,9 @@ import sys
 
 import torch
 
-__all__ = ["prefault"]
+from .errors import LoadError
+
+__all__ = ["prefault", "reserve"]
 
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
@@ -63,3 +65,24 @@ def prefault(t: torch.Tensor) -> None:
     last = first + t.numel() * t.element_size()
     whole[:first].zero_()
     whole[last:].zero_()
+
+
+def reserve(
+    count: int,
+    nbytes: int,
+    device: torch.device,
+    max_staging_bytes: int,
+    pin: bool = False,
+    error: type[LoadError] = LoadError,
+) -> list[torch.Tensor]:
+    """``count`` staging buffers of ``nbytes`` on ``device`` (``torch.empty``: no page is touched),
+    or an ``error`` naming ``max_staging_bytes`` when they cannot be had."""
+    try:
+        return [torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(count)]
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        raise error(
+            f"max_staging_bytes={max_staging_bytes}: could not reserve {count} staging buffers of "
+            f"{nbytes} bytes ({count * nbytes} in all) on {device} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}). Pass a smaller max_staging_bytes: the "
+            "default, 16 MiB, keeps the stream fast."
+        ) from None

@@ -20,6 +20,7 @@ from ._compat import local_tensor
 from ._format import DTYPES
 from ._fp8 import dequantize, dequantize_at
 from ._layout import global_indices, held_indices
+from ._memory import reserve
 from ._plan import Kind, Piece, Plan, Route
 from .errors import LoadError
 
@@ -51,13 +52,13 @@ class Staging:
     device: torch.Tensor | None
 
 
-def allocate_staging(rank: int, piece_bytes: int, comm: torch.device) -> Staging:
+def allocate_staging(rank: int, piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
     """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
     on_cpu = comm.type == "cpu"
     where = torch.device("cpu") if rank == 0 else comm
     pin = rank == 0 and not on_cpu
-    slots = [torch.empty(piece_bytes, dtype=torch.uint8, device=where, pin_memory=pin) for _ in range(SLOTS)]
-    device = None if rank != 0 or on_cpu else torch.empty(piece_bytes, dtype=torch.uint8, device=comm)
+    slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes, pin)
+    device = None if rank != 0 or on_cpu else reserve(1, piece_bytes, comm, max_staging_bytes)[0]
     return Staging(slots, device)
 
 

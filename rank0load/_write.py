@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from . import _distribute
 from ._compat import host_bytes, local_tensor
 from ._format import DTYPES
+from ._memory import reserve
 from ._outputs import Outputs, Writer
 from ._saveblock import Chunk, Part, block_half, place
 from ._saveplan import SLOTS, Piece, SaveItem, SaveKind, SavePlan, chunks, pieces
@@ -61,12 +62,14 @@ class Staging:
     device: list[torch.Tensor]
 
 
-def allocate_staging(piece_bytes: int, comm: torch.device) -> Staging:
+def allocate_staging(piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
     """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
     rank0, on_cpu = dist.get_rank() == 0, comm.type == "cpu"
     where = torch.device("cpu") if rank0 else comm
-    slots = [torch.empty(piece_bytes, dtype=torch.uint8, device=where) for _ in range(SLOTS)]
-    device = [] if on_cpu or not rank0 else [torch.empty_like(s, device=comm) for s in slots]
+    slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes, error=SaveError)
+    device = (
+        [] if on_cpu or not rank0 else reserve(SLOTS, piece_bytes, comm, max_staging_bytes, error=SaveError)
+    )
     return Staging(slots, device)
 
 

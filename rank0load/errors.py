@@ -18,6 +18,7 @@ __all__ = [
     "RankMismatchError",
     "CheckpointChangedError",
     "SaveError",
+    "InternalError",
 ]
 
 
@@ -47,6 +48,11 @@ class RankMismatchError(LoadError):
 
 class SaveError(LoadError):
     """Saving failed: the model could not be written as a checkpoint (``save_sharded``)."""
+
+
+class InternalError(LoadError):
+    """rank0load's own code failed: a bug, or a version of torch / transformers it cannot handle.
+    Never the caller's model, checkpoint or arguments; the message names the versions to report."""
 
 
 def format_keys(keys: object, limit: int = 10) -> str:
