@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 import torch.distributed as dist
-from _common import init, say
+from _common import finish, init, say
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
@@ -27,7 +27,7 @@ def main(ckpt: str) -> None:
     weight = model.model.embed_tokens.weight
     say(f"embed_tokens: {weight.placements} on {tuple(mesh.shape)}, local {tuple(weight.to_local().shape)}")
     say(f"loaded {model.rank0load_report.tensors} tensors: {set(model.rank0load_report.kinds.values())}")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

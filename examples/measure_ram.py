@@ -10,7 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import init
+from _common import finish, init
 from transformers import AutoModelForCausalLM
 
 import rank0load
@@ -40,7 +40,7 @@ def main(ckpt: str) -> None:
         print("rank  peak RSS before  after  (MiB)  local shard (MiB)")
         for rank, (b, a, s) in enumerate(r.tolist() for r in rows):
             print(f"{rank:4d}  {b:15.1f}  {a:6.1f}         {s:17.2f}")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed as dist
-from _common import init, say
+from _common import finish, init, say
 from transformers import AutoModelForSequenceClassification
 
 import rank0load
@@ -26,7 +25,7 @@ def main(ckpt: str) -> None:
     say("unexpected:", report.unexpected)  # ('lm_head.weight',), or () when the head is tied
     # --- end recipe ---
     say(f"num_labels {model.config.num_labels}, {report.tensors} tensors loaded")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import batch, init, say
+from _common import batch, finish, init, say
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -60,7 +60,7 @@ def main(ckpt: str) -> None:
     norm = rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
     optimizer.step()
     say(f"loss {loss.item():.4f}, grad norm {norm.item():.4f}")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

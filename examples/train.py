@@ -12,8 +12,7 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
-from _common import batch, init, say
+from _common import batch, finish, init, say
 from transformers import AutoModelForCausalLM
 
 import rank0load
@@ -35,7 +34,7 @@ def main(ckpt: str, out_dir: str, steps: int = 3) -> None:
     report = rank0load.save_sharded(model, out_dir)
     # --- end recipe ---
     say(f"saved {report.tensors} tensors, {report.bytes} bytes to {out_dir}")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

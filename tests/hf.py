@@ -33,6 +33,10 @@ def config(name: str):
             max_position_embeddings=64,
             tie_word_embeddings=True,
         )
+    if name == "llama_untied":
+        cfg = config("llama")
+        cfg.tie_word_embeddings = False
+        return cfg
     if name == "qwen2":
         return Qwen2Config(
             vocab_size=61,
@@ -86,6 +90,7 @@ def model_class(name: str):
 
     return {
         "llama": t.LlamaForCausalLM,
+        "llama_untied": t.LlamaForCausalLM,
         "qwen2": t.Qwen2ForCausalLM,
         "gemma": t.GemmaForCausalLM,
         "gpt2": t.GPT2LMHeadModel,

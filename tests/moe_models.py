@@ -39,7 +39,7 @@ def config(name: str):
     """The tiny config of ``name``: hidden 32, expert intermediate 24, 2 layers, 4 heads / 2 kv heads,
     vocab 64, 5 experts, top-2. 24 is no multiple of a 16 block: FP8 tests get partial blocks."""
     _quiet()
-    from transformers import DeepseekV3Config, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
+    import transformers
 
     common = dict(
         vocab_size=64,
@@ -54,17 +54,17 @@ def config(name: str):
         eos_token_id=2,
     )
     if name == "mixtral":
-        return MixtralConfig(**common, intermediate_size=24, num_local_experts=EXPERTS)
+        return transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=EXPERTS)
     if name == "qwen3_moe":
-        return Qwen3MoeConfig(
+        return transformers.Qwen3MoeConfig(
             **common, intermediate_size=40, moe_intermediate_size=24, num_experts=EXPERTS, head_dim=8
         )
     if name == "minimax_m2":
-        return MiniMaxM2Config(**common, intermediate_size=24, num_local_experts=EXPERTS, head_dim=8)
+        return transformers.MiniMaxM2Config(**common, intermediate_size=24, num_local_experts=EXPERTS, head_dim=8)
     if name == "deepseek_v3":
         # MLA projects every head's k and v from kv_b_proj: kv heads = heads, or attention fails.
         common["num_key_value_heads"] = common["num_attention_heads"]
-        return DeepseekV3Config(
+        return transformers.DeepseekV3Config(
             **common,
             intermediate_size=40,  # the dense layer 0
             moe_intermediate_size=24,
@@ -105,8 +105,14 @@ def save(name: str, path: str | os.PathLike[str], *, fused: bool = False, seed: 
     """``save_pretrained`` in several shards. ``fused=False``: the per-expert layout (transformers'
     default, ``save_original_format=True``, which reverts its conversions); ``fused=True``: transformers'
     own fused layout (``save_original_format=False``). Returns the saved model."""
+    import transformers
+
     model = build(name, seed)
-    model.save_pretrained(path, max_shard_size=SHARD, save_original_format=not fused)
+    if int(transformers.__version__.split(".")[0]) < 5:  # per-expert modules: the Hub layout as they are
+        assert not fused, "transformers 4.x has no fused experts"
+        model.save_pretrained(path, max_shard_size=SHARD)
+    else:
+        model.save_pretrained(path, max_shard_size=SHARD, save_original_format=not fused)
     return model
 
 
@@ -175,6 +181,8 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 _FP8_KEYS = {
     # MiniMax-M2: attention and experts; the router (gate), e_score_correction_bias, lm_head are not.
     "minimax_m2": re.compile(r"\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"),
+    # Mixtral quantised the same way (MiniMax-M2's layout on a model transformers 4.57 has built in).
+    "mixtral": re.compile(r"\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"),
     # DeepSeek-V3: every linear of attention, the dense MLP, shared and routed experts (not the router).
     "deepseek_v3": re.compile(r"_proj(_with_mqa)?\.weight$"),
 }

@@ -260,19 +260,14 @@ def loaded(request: pytest.FixtureRequest, ckpts: dict) -> dict[str, list]:
 def _expect(path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """transformers' ``from_pretrained(path, dtype=dtype)``: every parameter and buffer, and its logits.
 
-    One deliberate difference: ``load_sharded(dtype=)`` casts the model like ``model.to(dtype)``
-    (tests/test_transformers.py pins it), so non-persistent buffers (rotary ``inv_freq``) are expected in
-    ``dtype``, where from_pretrained keeps them fp32. Persistent tensors follow from_pretrained, including
-    ``_keep_in_fp32_modules(_strict)`` (DeepSeek-V3's ``e_score_correction_bias`` stays fp32 in bf16).
+    ``load_sharded(dtype=)`` means what ``from_pretrained(dtype=)`` means, buffers included: rotary
+    ``inv_freq`` stays float32, ``_keep_in_fp32_modules(_strict)`` stay float32 (DeepSeek-V3's
+    ``e_score_correction_bias``, and in transformers 5.24 its router ``gate.weight``).
     """
     from transformers import AutoModelForCausalLM
 
     mm._quiet()
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    for module in ref.modules():
-        for b in module._non_persistent_buffers_set:
-            if module._buffers[b] is not None and module._buffers[b].is_floating_point():
-                module._buffers[b] = module._buffers[b].to(dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the ranks: the same kernels, the same bits
     try:
@@ -321,14 +316,20 @@ def test_fp8_checkpoint(loaded, ckpts, family, block, dtype):
     _check(ckpts["jobs"][name], loaded[name])
 
 
-def test_keep_in_fp32(loaded):
+def test_keep_in_fp32(loaded, ckpts):
     """DeepSeek-V3's _keep_in_fp32_modules_strict: e_score_correction_bias stays fp32 under dtype=bf16,
     from a bf16 (per-expert) and an FP8 checkpoint alike; everything else floating is bf16."""
     key = "model.layers.1.mlp.gate.e_score_correction_bias"
     for name in ("deepseek_v3-per-expert-bf16", "deepseek_v3-fp8-b16-bf16"):
+        job = ckpts["jobs"][name]
+        want = _expect(job.reference or job.path, job.dtype)[0]
+        # what this transformers keeps: the bias (5.23 and 4.57), and the router's gate.weight too (5.24)
+        kept = {k for k, t in want.items() if t.dtype == torch.float32 and "inv_freq" not in k}
+        assert key in kept, kept
         for res in _dist.ok(loaded[name]):
-            assert res["tensors"][key].dtype == torch.float32, name
-            others = {t.dtype for k, t in res["tensors"].items() if k != key and "inv_freq" not in k}
+            fp32 = {k for k, t in res["tensors"].items() if t.dtype == torch.float32 and "inv_freq" not in k}
+            assert fp32 == kept, (name, fp32 ^ kept)
+            others = {t.dtype for k, t in res["tensors"].items() if k not in kept and "inv_freq" not in k}
             assert others == {torch.bfloat16}, (name, others)
 
 

@@ -14,7 +14,7 @@ from tests import _dist, hf
 from tests.models import assert_same, gather, reference
 
 # Slow: 15 spawns of 2-3 ranks that each import transformers, about 2 minutes in all.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.transformers]
 
 MODELS = ["llama", "qwen2", "gemma", "gpt2", "t5", "bert"]
 
@@ -95,11 +95,27 @@ def test_bf16_checkpoint_into_fp32_model(tmp_path):
     assert results[0]["tensors"]["model.embed_tokens.weight"].dtype == torch.float32
 
 
-def test_dtype_argument_casts_floating_tensors(tmp_path):
-    ref = hf.pretrained("llama")
-    ref.save_pretrained(tmp_path, max_shard_size="20KB")
-    results = _dist.ok(_dist.run(_load, 3, "llama", str(tmp_path), {"dtype": torch.bfloat16}, None))
-    _check(results, ref.to(torch.bfloat16), "llama")
+@pytest.mark.parametrize(("name", "world"), [("llama", 2), ("llama_untied", 3), ("qwen2", 2)])
+def test_dtype_means_what_from_pretrained_means(tmp_path, name, world):
+    """``load_sharded(dtype=bf16)`` equals ``from_pretrained(dtype=bf16)`` bit for bit, buffers included:
+    the rotary ``inv_freq`` stays float32 (``model.to(bf16)`` would cast it, and the logits would then
+    differ by about 0.03), and the logits are equal."""
+    hf.pretrained(name).save_pretrained(tmp_path, max_shard_size="20KB")
+    ref = hf.model_class(name).from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert ref.model.rotary_emb.inv_freq.dtype == torch.float32  # what makes model.to(bf16) differ
+    results = _dist.ok(_dist.run(_load, world, name, str(tmp_path), {"dtype": torch.bfloat16}, None))
+    want = reference(ref)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks: the same kernels, the same bits
+    try:
+        with torch.no_grad():
+            logits = ref(**hf.sample_inputs(name)).logits
+    finally:
+        torch.set_num_threads(threads)
+    for r in results:
+        assert_same(r["tensors"], want)
+        assert r["tensors"]["model.rotary_emb.inv_freq"].dtype == torch.float32
+        assert torch.equal(r["out"], logits), (r["out"].float() - logits.float()).abs().max()
 
 
 def test_bert_checkpoint_with_position_ids(tmp_path):
