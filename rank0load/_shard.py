@@ -3,7 +3,9 @@
 (all ranks) :func:`default_shard_fn` applies ``fully_shard`` to the model's blocks, innermost first,
 then to the root; inside each of them, every submodule whose parameters have another dtype than the
 rest of its group (an fp32 router inside a bf16 decoder layer, a ``_keep_in_fp32_modules`` norm, an
-fp32 head) first gets a ``fully_shard`` of its own, at any depth.
+fp32 head) first gets a ``fully_shard`` of its own, at any depth: the largest such submodule that
+has a ``forward`` (a container without one, ``ModuleList`` or ``ModuleDict``, is looked into instead,
+since FSDP's hooks run only on modules that are called).
 (all ranks) :func:`check_dtype_groups`, after any policy (the caller's ``shard_fn`` too): a group that
 holds trainable parameters of two dtypes is a :class:`~.errors.ModelMismatchError` before any data
 moves, not FSDP's ``AssertionError`` at the first forward.
@@ -66,6 +68,12 @@ def _shares_outside(block: nn.Module, owners: dict[int, set[int]]) -> bool:
     return any(not owners[id(p)] <= inside for p in block.parameters())
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` defines ``forward``: only a module that is called can be an FSDP unit (its
+    pre-forward hook all-gathers the parameters). Containers keep ``nn.Module``'s unimplemented one."""
+    return type(module).forward is not nn.Module.forward
+
+
 class _Policy:
     """One pass of the default policy: which parameters already have a group."""
 
@@ -88,6 +96,9 @@ class _Policy:
         for child in module.children():
             counts = self._counts(child)
             if not counts or set(counts) == {dtype}:
+                continue
+            if not _has_forward(child):  # ModuleList, ModuleDict, a namespace: its forward never runs,
+                self._isolate(child, dtype)  # so FSDP's hooks on it would not either; look inside
                 continue
             own = self._group_dtype(child)
             assert own is not None  # counts is not empty

@@ -225,8 +225,11 @@ def test_fp8_per_expert_into_bf16_mixtral(setup, ran):
 
 def test_deepseek_v3_fp32_router_forward_and_backward(setup, ran):
     want = _check("deepseek-bf16-train", setup, ran)
+    import transformers
+
     fp32 = {k for k, v in want["tensors"].items() if v.dtype == torch.float32 and "rotary" not in k}
-    assert fp32, "the reference keeps something in float32 (e_score_correction_bias, the router in 5.24)"
+    if int(transformers.__version__.split(".")[0]) >= 5:  # 4.57 keeps nothing of DeepSeek-V3 in fp32
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in fp32, fp32
 
 
 def test_remote_code_class_with_fp32_modules_in_and_on_a_bf16_body(setup, ran):
@@ -236,7 +239,9 @@ def test_remote_code_class_with_fp32_modules_in_and_on_a_bf16_body(setup, ran):
     assert want["tensors"]["model.layers.0.up.weight"].dtype == BF16
 
 
-@pytest.mark.parametrize("name", ["remote-pretrained-bf16", "remote-pretrained-none", "llama-pretrained-bf16"])
+@pytest.mark.parametrize(
+    "name", ["remote-pretrained-bf16", "remote-pretrained-none", "llama-pretrained-bf16"]
+)
 def test_load_pretrained_with_and_without_dtype(setup, ran, name):
     want = _check(name, setup, ran)
     for got in ran[name]:
