@@ -256,3 +256,34 @@ def test_save_sharded_read_back_by_from_pretrained(setup, ran, tmp_path):
 
     back = AutoModelForCausalLM.from_pretrained(job.save_to, dtype=BF16)
     assert_same(reference(back), ran["mixtral-bf16-save"][0]["tensors"])
+
+
+def mixtral_model():
+    """For ``inspect --model``: the tiny Mixtral, as this transformers builds it (per-expert in 4.57)."""
+    return _build("mixtral")
+
+
+def test_inspect_model_on_this_transformers(setup):
+    """``python -m rank0load inspect CKPT --model MOD:FN`` matches a Mixtral checkpoint to the model
+    this transformers builds: per-expert modules on 4.57, fused experts (converted) on 5.x."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rank0load",
+            "inspect",
+            f"{setup['root']}/mixtral",
+            "--model",
+            "tests.test_hf_range:mixtral_model",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fits the model" in done.stdout, done.stdout
