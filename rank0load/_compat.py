@@ -33,6 +33,7 @@ __all__ = [
     "hf_conversions",
     "hf_has_conversion_mapping",
     "hf_legacy_rename",
+    "hf_none_means_config_dtype",
     "transformers_version",
     "hf_reverse_conversions",
     "hf_revert_key",
@@ -249,6 +250,14 @@ def hf_has_conversion_mapping() -> bool:
         return importlib.util.find_spec("transformers.conversion_mapping") is not None
     except ImportError:
         return False
+
+
+def hf_none_means_config_dtype() -> bool:
+    """Whether ``from_pretrained`` without ``dtype`` builds in the config's dtype (transformers 5) or
+    in torch's default dtype (4.57, whose default is ``torch_dtype=None``)."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
 
 
 def hf_legacy_rename(model: nn.Module, key: str) -> str:

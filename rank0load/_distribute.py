@@ -269,8 +269,8 @@ def raise_failure(
 ) -> None:
     """(all ranks, after :func:`first_failure` returned ``first`` < world) Raise on every rank the
     error of rank ``first``, worded once: its LoadError subclass and message; for the caller's code
-    (:class:`UserCodeFailure`), a ``wrap`` naming the stage, the rank, what failed and ``todo``; for
-    any other exception, rank0load's own failure: an :class:`~.errors.InternalError` (``wrap``'s
+    (:class:`UserCodeFailure`) or the machine's (``OSError``, ``MemoryError``), a ``wrap`` naming the
+    stage, the rank, what failed and ``todo``; for any other exception, rank0load's own failure: an :class:`~.errors.InternalError` (``wrap``'s
     class where that is not RankMismatchError) naming where it was raised and the versions."""
     world = dist.get_world_size()
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
@@ -280,6 +280,8 @@ def raise_failure(
             mine = Failure(first, type(error), str(error), is_load_error=True)
         elif isinstance(error, UserCodeFailure):
             mine = Failure(first, wrap, str(error), is_load_error=False)
+        elif isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
+            mine = Failure(first, wrap, f"{type(error).__name__}: {error}", is_load_error=False)
         elif wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
             mine = Failure(first, InternalError, _internal(error), False, _internal_todo())
         else:  # the stage's own class (LoadError, SaveError) and advice, the cause named as ours

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _distribute
+from . import _compat, _distribute
 from ._api import load_sharded
 from ._entries import FLOAT_WIRE
 from ._files import OpenFile, read_exact
@@ -63,6 +63,7 @@ class _Configured:
     config: Any  # a transformers PreTrainedConfig
     dtype: torch.dtype
     generation: Any  # a transformers GenerationConfig, or None
+    record: bool = True  # set config.dtype (4.57's from_pretrained(dtype="auto") leaves a weights' dtype out)
 
 
 def load_pretrained(
@@ -89,8 +90,9 @@ def load_pretrained(
         ckpt_path: as for ``load_sharded``: a directory saved with ``save_pretrained``, a
             ``.safetensors`` file or an index beside a ``config.json``, or a Hub repo id. Read on rank 0.
         mesh: as for ``load_sharded``.
-        dtype: ``None``: what ``from_config`` builds, which in transformers 5 is the config's
-            ``dtype`` (``torch_dtype`` in older files), else torch's default (float32). ``"auto"``:
+        dtype: ``None``: what ``from_pretrained`` without ``dtype`` gives: in transformers 5 the
+            config's ``dtype`` (``torch_dtype`` in older files), else torch's default (float32); in
+            transformers 4.57 torch's default (float32). ``"auto"``:
             the config's dtype, else the dtype of the checkpoint's first floating tensor, as
             ``from_pretrained(dtype="auto")`` does. A floating ``torch.dtype`` (or its name, e.g.
             ``"bfloat16"``): that dtype. The model is built in it, so buffers such as ``inv_freq`` and
@@ -130,7 +132,10 @@ def load_pretrained(
     _distribute.settle(error, "building the model's config", _NO_DATA, wrap=LoadError)
     assert configured is not None  # settle() raised otherwise
     model = load_sharded(
-        lambda: _build(model_cls, configured.config, configured.dtype), path, mesh, **load_sharded_kwargs
+        lambda: _build(model_cls, configured.config, configured.dtype, configured.record),
+        path,
+        mesh,
+        **load_sharded_kwargs,
     )
     if configured.generation is not None and model.can_generate():  # type: ignore[operator]
         model.generation_config = configured.generation
@@ -240,7 +245,9 @@ def _configure(model_cls: Any, checkpoint: _Checkpoint, dtype: object) -> _Confi
     generation = (
         GenerationConfig.from_dict(checkpoint.generation) if checkpoint.generation is not None else None
     )
-    chosen = _dtype(dtype, config.dtype, checkpoint.stored_dtype)
+    chosen = _dtype(
+        dtype, config.dtype if _compat.hf_none_means_config_dtype() else None, checkpoint.stored_dtype
+    )
     if dist.get_rank() == 0:
         name = getattr(model_cls, "__name__", repr(model_cls))
         if config.model_type != raw.get("model_type"):  # as transformers' from_pretrained warns
@@ -253,7 +260,8 @@ def _configure(model_cls: Any, checkpoint: _Checkpoint, dtype: object) -> _Confi
             )
         dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
         logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
-    return _Configured(config, chosen, generation)
+    record = _compat.hf_none_means_config_dtype() or checkpoint.stored_dtype is None
+    return _Configured(config, chosen, generation, record)
 
 
 def _check_quantization(quant: object, where: str) -> None:
@@ -328,7 +336,7 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
     return chosen
 
 
-def _build(model_cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
+def _build(model_cls: Any, config: Any, dtype: torch.dtype, record: bool = True) -> nn.Module:
     """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, then the
     dtypes ``from_pretrained(dtype=...)`` gives (``_model.cast``: what transformers keeps in float32
     in float32), and ``config.dtype`` (this config is load_pretrained's own)."""
@@ -336,5 +344,6 @@ def _build(model_cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
     name = getattr(model_cls, "__name__", repr(model_cls))
     model: nn.Module = _distribute.user_code(f"{name}.from_config", make, config, dtype=dtype)
     cast(model, dtype)
-    set_config_dtype(model, dtype)  # transformers 4.57's _from_config leaves it unset
+    if record:  # transformers 4.57's _from_config leaves it unset; its from_pretrained records it
+        set_config_dtype(model, dtype)
     return model
