@@ -34,7 +34,6 @@ __all__ = [
     "hf_has_conversion_mapping",
     "hf_legacy_rename",
     "hf_none_means_config_dtype",
-    "transformers_version",
     "hf_reverse_conversions",
     "hf_revert_key",
     "hf_revert_tensor",
@@ -228,15 +227,6 @@ def is_transformers_model(model: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
     return isinstance(model, PreTrainedModel)
-
-
-def transformers_version() -> str:
-    """The installed transformers version, for messages ("not installed" if it is not)."""
-    try:
-        import transformers
-    except ImportError:
-        return "not installed"
-    return str(transformers.__version__)
 
 
 def hf_has_conversion_mapping() -> bool:
