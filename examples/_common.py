@@ -6,6 +6,7 @@ Not part of rank0load: a training script of your own has its own versions of the
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,10 @@ def finish() -> None:
     dist.destroy_process_group()
     # Private, read only to report it: every group torch still holds (0 once all are destroyed).
     left = len(dist.distributed_c10d._world.pg_map)
-    print(f"rank {rank}/{world}: done, {left} process groups left", flush=True)
+    # One write of one whole line: the ranks share torchrun's stdout, and print() may write the
+    # text and its newline separately, letting another rank's line land in between.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"rank {rank}/{world}: done, {left} process groups left\n".encode())
 
 
 def say(*args: object) -> None:

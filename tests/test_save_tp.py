@@ -6,6 +6,7 @@ expert; and the block arithmetic itself, on one process, for layouts and slot si
 
 from __future__ import annotations
 
+import errno
 import gc
 import itertools
 import math
@@ -194,7 +195,7 @@ def _fallback_and_failure(rank: int, world: int, out: str) -> dict:
     def failing(*args):
         calls.append(1)
         if rank == 0 and len(calls) == 5:
-            raise RuntimeError("no room for this block")
+            raise OSError(errno.ENOSPC, "No space left on device")
         real(*args)
 
     _write.place = failing
@@ -224,7 +225,7 @@ def test_fallback_gathers_and_a_block_failure_fails_every_rank(tmp_path) -> None
         assert r["report"].gathered_whole == ("odd",)
         assert r["error"] == results[0]["error"] and r["unchanged"]
     assert (
-        "writing the checkpoint failed on 1 of 2 ranks: rank 0: RuntimeError: no room for this block"
+        "writing the checkpoint failed on 1 of 2 ranks: rank 0: OSError: [Errno 28] No space left on device"
         in (results[0]["error"])
     )
     assert_same(read_checkpoint(out), {**trained_net().state_dict(), "odd": odd_tensor(2)})
