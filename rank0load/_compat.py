@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -217,6 +218,21 @@ def _to_meta(param: nn.Parameter) -> nn.Parameter:
     kwargs = dict(param.__dict__)
     kwargs["requires_grad"] = param.requires_grad
     return type(param)(data, **kwargs)
+
+
+def peft_base_model(model: nn.Module) -> nn.Module:
+    """The model a PEFT wrapper holds (``PeftModel`` -> its tuner -> the base model), or ``model``
+    itself; never imports peft for a model that is not one."""
+    if "peft" not in sys.modules:
+        return model
+    from peft.tuners.tuners_utils import BaseTuner
+
+    inner = getattr(model, "base_model", None)
+    if isinstance(inner, BaseTuner) and inner is not model:  # a PeftModel
+        model = inner
+    if isinstance(model, BaseTuner):
+        return model.model
+    return model
 
 
 def is_transformers_model(model: nn.Module) -> bool:

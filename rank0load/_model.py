@@ -25,6 +25,7 @@ from ._compat import (
     hf_keep_in_fp32,
     is_transformers_model,
     local_tensor,
+    peft_base_model,
 )
 from ._convert import conversions_for
 from ._distribute import user_code
@@ -120,28 +121,50 @@ def build_sharded(
     return Built(model, layout, flags, conversions=found_conversions)
 
 
-def cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """(all ranks, after ``model_fn`` ran with ``dtype`` as torch's default dtype) A transformers model
-    as ``from_pretrained(dtype=...)`` makes it: floating parameters and persistent buffers in ``dtype``
-    (float8 ones as they are), those of the modules transformers keeps in float32 under ``dtype``
+def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:
+    """(all ranks, after ``model_fn`` ran with ``dtype`` as torch's default dtype) The model as its
+    library's ``from_pretrained(dtype=...)`` makes it.
+
+    A transformers model: floating parameters and persistent buffers in ``dtype`` (float8 ones as
+    they are), those of the modules transformers keeps in float32 under ``dtype``
     (``_keep_in_fp32_modules(_strict)``) in float32, non-persistent buffers as the model built them
     (rotary ``inv_freq`` stays float32). The caller's config object is left alone. Any other model:
-    ``model.to(dtype)``."""
-    if not is_transformers_model(model):
-        model.to(dtype)
-        return
-    keep = hf_keep_in_fp32(model, dtype)
+    what ``model.to(dtype)`` does. Under a PEFT model the base model is cast so; ``built`` (ids of
+    the parameters ``model_fn`` built with real values: PEFT's adapters) keep the dtype PEFT gave
+    them, as ``get_peft_model`` on a ``from_pretrained(dtype=...)`` model leaves them."""
+    base = peft_base_model(model)
+    if is_transformers_model(base):
+        keep = hf_keep_in_fp32(base, dtype)
+        _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=True)
+    else:
+        _cast_tensors(model, dtype, None, built, persistent_only=False, skip_float8=False)
+
+
+def _cast_tensors(
+    model: nn.Module,
+    dtype: torch.dtype,
+    keep: Callable[[str], bool] | None,
+    built: frozenset[int],
+    *,
+    persistent_only: bool,
+    skip_float8: bool,
+) -> None:
+    """Floating parameters and buffers to ``dtype`` (float32 where ``keep(name)``); ``built``
+    parameters, non-persistent buffers (``persistent_only``) and float8 (``skip_float8``) as they are."""
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, p in module._parameters.items():
-            if p is not None and p.is_floating_point() and p.element_size() > 1:
-                want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
-                if p.dtype != want:
-                    p.data = p.data.to(want)
-        for leaf, b in module._buffers.items():
-            if b is None or not b.is_floating_point() or b.element_size() == 1:
+            if p is None or id(p) in built or not p.is_floating_point():
                 continue
-            if leaf in module._non_persistent_buffers_set:
+            if skip_float8 and p.element_size() == 1:
+                continue
+            want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
+            if p.dtype != want:
+                p.data = p.data.to(want)
+        for leaf, b in module._buffers.items():
+            if b is None or not b.is_floating_point() or skip_float8 and b.element_size() == 1:
+                continue
+            if persistent_only and leaf in module._non_persistent_buffers_set:
                 continue
             want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
             if b.dtype != want:
