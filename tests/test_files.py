@@ -291,10 +291,12 @@ def test_index_entries_resolve(tmp_path: Path) -> None:
 # --- 3. non-regular files --------------------------------------------------------------------------
 
 
-def _is_fifo_error(exc: BaseException, path: Path) -> None:
+def _is_fifo_error(exc: BaseException, path: Path, target: object = None) -> None:
+    """The error names the FIFO, and what a symlink resolves to (``target``)."""
     msg = str(exc)
     assert isinstance(exc, CheckpointFormatError), repr(exc)
-    assert f"{path} is not a regular file (a FIFO)" in msg, msg
+    kind = f"a FIFO, a symlink to {target}" if target is not None else "a FIFO"
+    assert f"{path} is not a regular file ({kind})" in msg, msg
     assert REGULAR in msg, msg
 
 
@@ -356,9 +358,9 @@ def test_symlink_to_fifo(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     link = tmp_path / "model.safetensors"
     link.symlink_to(fifo)
-    _is_fifo_error(raises_fast(lambda: _source.resolve(link), LoadError, (fifo,)), link)
-    _is_fifo_error(raises_fast(lambda: read_header(str(link)), LoadError, (fifo,)), link)
-    _is_fifo_error(raises_fast(lambda: OpenFile.open(str(link)), LoadError, (fifo,)), link)
+    _is_fifo_error(raises_fast(lambda: _source.resolve(link), LoadError, (fifo,)), link, fifo)
+    _is_fifo_error(raises_fast(lambda: read_header(str(link)), LoadError, (fifo,)), link, fifo)
+    _is_fifo_error(raises_fast(lambda: OpenFile.open(str(link)), LoadError, (fifo,)), link, fifo)
 
 
 def test_read_header_and_open_refuse_fifo(tmp_path: Path) -> None:
@@ -430,7 +432,8 @@ def test_device_as_ckpt_path(tmp_path: Path) -> None:
     link.symlink_to("/dev/null")
     for call in (lambda: _source.resolve(link), lambda: read_header(str(link))):
         exc = raises_fast(call, CheckpointFormatError)
-        assert f"{link} is not a regular file (a character device)" in str(exc) and REGULAR in str(exc)
+        expected = f"{link} is not a regular file (a character device, a symlink to /dev/null)"
+        assert expected in str(exc) and REGULAR in str(exc), str(exc)
 
 
 def test_dangling_symlink_is_not_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
