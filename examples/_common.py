@@ -49,3 +49,16 @@ def batch(vocab_size: int, device: str, seed: int, size: int = 2, length: int = 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (size, length), generator=generator).to(device)
     return {"input_ids": ids, "labels": ids}
+
+
+def denoising_batch(channels: int, text_dim: int, device: str, seed: int, size: int = 2) -> dict:
+    """A flow-matching batch for a video transformer: clean latents [B, C, frames 1, 4, 4], noise, one
+    time in (0, 1) per sample, text embeddings [B, 3, text_dim] (your VAE and text encoder go here)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {
+        "latents": torch.randn(size, channels, 1, 4, 4, generator=generator),
+        "noise": torch.randn(size, channels, 1, 4, 4, generator=generator),
+        "t": torch.rand(size, generator=generator),
+        "text": torch.randn(size, 3, text_dim, generator=generator),
+    }
+    return {k: v.to(device) for k, v in out.items()}

@@ -1,11 +1,12 @@
 """``load_sharded``: the pipeline, one step per line, each step one call into the module that owns it.
 
-all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _shard)
+all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
+all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
 rank 0     resolve, open, read headers, validate          -> _source, _files, _format, _manifest
 all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
 all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
-all ranks  allocate shards and staging, init what's missing, plan -> _model, _transfer, _plan
+all ranks  allocate shards and staging, init what's missing, put adapters in, plan -> _model, _plan
 all ranks  settle: any rank's failure raised everywhere   -> _distribute.settle
 all ranks  agree on which ranks read locally              -> _local.Handover.decide
 all ranks  stream: rank 0 reads and sends, or each reads   -> _transfer (_stream, _localread)
@@ -27,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _distribute, _local, _model, _sink, _transfer
 from ._convert import StackExperts
-from ._manifest import Manifest, read_manifest
+from ._manifest import Manifest, adapters_of, read_manifest
 from ._plan import Plan, build_plan
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock, LoadReport, log_summary
@@ -51,6 +52,7 @@ def load_sharded(
     max_staging_bytes: int = DEFAULT_STAGING_BYTES,
     conversions: Sequence[StackExperts] = (),
     local_reads: bool = True,
+    adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None = None,
 ) -> nn.Module:
     """Build ``model_fn()`` sharded with FSDP2 over ``mesh`` and load a safetensors checkpoint into it.
 
@@ -79,6 +81,17 @@ def load_sharded(
             automatically to a transformers model: per-expert Hub checkpoints into fused experts).
         local_reads: ranks on rank 0's host read their own bytes through the files rank 0 opened
             (handed over a Unix socket) instead of receiving them; ``False``: rank 0 sends them.
+        adapter: a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``, as
+            PEFT's ``save_pretrained`` or ``save_sharded(..., adapter=)`` writes it) or Hub repo id,
+            loaded into the ``PeftModel``'s active adapter together with ``ckpt_path`` (the base
+            model), in one load, read on rank 0 only; or a dict of adapter name -> folder.
+
+    A ``PeftModel`` built in ``model_fn`` (``get_peft_model(base, config)``) takes its base model's
+    checkpoint as it is (PEFT's ``base_model.model.`` and ``.base_layer`` are matched like
+    ``_orig_mod.``). Its adapters are built for real, as PEFT draws them, from rank 0's random
+    state on every rank; those the checkpoint lacks keep those values (``LoadReport.kept``), also
+    with ``strict=True``. Build the PeftModel in model_fn: ``get_peft_model`` on a model that
+    ``load_sharded`` returned adds plain, unsharded adapters that differ between ranks.
 
     Returns:
         The sharded model, its parameters DTensors on the mesh device, ready for training.
@@ -103,14 +116,24 @@ def load_sharded(
         "max_staging_bytes": max_staging_bytes,
         "local_reads": local_reads,
     }
-    built, error = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions))
+    rng = _distribute.rank0_rng_state(_distribute.mesh_device(mesh.device_type))  # PEFT's draws
+    built, error = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
     clock("build")
     flags = _distribute.agree(built.proposal if built else None, error)
     assert built is not None  # agree() raised otherwise
     clock("agree")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
         result, files = (
-            read_manifest(ckpt_path, revision, built.layout, strict, key_map, opened, built.conversions)
+            read_manifest(
+                ckpt_path,
+                revision,
+                built.layout,
+                strict,
+                key_map,
+                opened,
+                built.conversions,
+                lambda: adapters_of(built.model, adapter) if adapter is not None else (),
+            )
             if rank == 0
             else (None, {})
         )
@@ -136,6 +159,7 @@ def load_sharded(
             _transfer.stream(ready.plan, ready.targets, ready.staging, comm, files, on_bytes, local)
         clock("stream")
     _model.finish(built.model, built.layout)
+    _model.guard_added_parameters(built.model, built.layout)
     clock("finish")
     report = LoadReport.of(manifest, ready.plan, clock, peak_rss_bytes(), local)
     built.model.rank0load_report = report  # type: ignore[assignment]
@@ -150,11 +174,12 @@ def _build(
     shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
     options: dict[str, Any],
     conversions: Sequence[StackExperts],
+    rng_state: torch.Tensor | None = None,
 ) -> _model.Built:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
     _model.check_options(options["dtype"], options["max_staging_bytes"], options["local_reads"])
     _model.check_mesh(mesh, dist.get_world_size())
-    built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions)
+    built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions, rng_state)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
     built.proposal = _distribute.Proposal(
         built.layout.fingerprint(), _distribute.options_of(**options), tuple(built.flags.values())
@@ -180,6 +205,7 @@ def _prepare(
     """(all ranks) Allocate the shards and the staging, initialise what the checkpoint lacks, plan."""
     _model.materialise(built.model, comm)
     _model.init_missing(built.model, built.layout, manifest.missing)
+    _model.apply_built(built.model, built.built, manifest.kept)
     found = _model.targets(built.model, built.layout)
     agreed = dict(zip(built.flags, flags))
     entries = manifest.entries

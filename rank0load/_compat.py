@@ -1,8 +1,9 @@
-"""The one place rank0load leans on private torch and transformers behaviour that could change.
+"""The one place rank0load leans on private torch, transformers and diffusers behaviour that could change.
 
 Every name here wraps something that is not a public API of torch or transformers (or a
 public method rank0load patches). ``tests/test_compat.py`` checks each of them and fails loudly
-when a release changes it.
+when a release changes it; the diffusers ones are checked against diffusers' own ``from_pretrained``
+and ``save_config`` in ``tests/test_diffusers.py``.
 
 (all ranks, no collectives)
 """
@@ -24,9 +25,13 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 # Private: FSDP2 places it on top of a tensor-parallel Shard of the same dimension.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
+from ._peft import building_adapters
+
 __all__ = [
     "StridedShard",
     "clear_hf_initialized",
+    "diffusers_config_json",
+    "diffusers_keep_in_fp32",
     "foreach_mul_",
     "foreach_norm",
     "foreach_supported",
@@ -40,6 +45,8 @@ __all__ = [
     "hf_revert_tensor",
     "hf_keep_in_fp32",
     "hf_rename",
+    "is_diffusers_class",
+    "is_diffusers_model",
     "is_transformers_model",
     "hf_init_weights",
     "host_bytes",
@@ -48,6 +55,7 @@ __all__ = [
     "non_persistent_buffers",
     "one_dim_placement",
     "parameters_on_meta",
+    "to_meta",
     "split_chunks",
 ]
 
@@ -183,6 +191,7 @@ _patch_lock = threading.Lock()
 def parameters_on_meta() -> Iterator[None]:
     """Patch ``nn.Module.register_parameter`` so every registered parameter lives on meta.
 
+    Parameters a PEFT tuner registers while injecting adapters stay real (``_peft``).
     A parameter object registered twice (a tie made by assigning one ``Parameter`` to two modules)
     maps to one meta parameter, so ties made during construction survive. (accelerate's
     ``init_empty_weights`` patches the same method.)
@@ -191,12 +200,12 @@ def parameters_on_meta() -> Iterator[None]:
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
     def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
+        if param is not None and param.device.type != "meta" and not building_adapters():
             hit = replaced.get(id(param))
             if hit is not None and hit[0] is param:
                 meta_param = hit[1]
             else:
-                meta_param = _to_meta(param)
+                meta_param = to_meta(param)
                 # Keep `param` alive in the dict so its id() cannot be reused during the build.
                 replaced[id(param)] = (param, meta_param)
             param = meta_param
@@ -210,7 +219,7 @@ def parameters_on_meta() -> Iterator[None]:
             nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _to_meta(param: nn.Parameter) -> nn.Parameter:
+def to_meta(param: nn.Parameter) -> nn.Parameter:
     data = param.detach().to("meta")
     if type(param) is nn.Parameter:
         return nn.Parameter(data, requires_grad=param.requires_grad)
@@ -382,3 +391,51 @@ def hf_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], boo
 
     regex = re.compile("|".join(rf"((^|\.){m}($|\.))" for m in modules))
     return lambda name: regex.search(name) is not None
+
+
+def _is_diffusers_model_class(cls: object) -> bool:
+    if not isinstance(cls, type) or not any(c.__module__.startswith("diffusers.") for c in cls.__mro__):
+        return False
+    from diffusers import ModelMixin
+
+    return issubclass(cls, ModelMixin)
+
+
+def is_diffusers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a diffusers ``ModelMixin`` (sharded or not), without importing diffusers
+    for a model that is not one."""
+    return _is_diffusers_model_class(type(model))
+
+
+def is_diffusers_class(cls: object) -> bool:
+    """Whether ``cls`` is a diffusers ``ModelMixin`` subclass (``load_pretrained``'s model_cls),
+    without importing diffusers for a class that is not one."""
+    return _is_diffusers_model_class(cls)
+
+
+def diffusers_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:
+    """Which state-dict keys diffusers' ``from_pretrained(torch_dtype=dtype)`` keeps in float32, for
+    any floating ``dtype``: a key one of whose ``.``-separated segments equals an entry of the class's
+    ``_keep_in_fp32_modules`` (diffusers 0.42, ``model_loading_utils.load_model_dict_into_meta``; a
+    value that is not a list is one entry, as ``from_pretrained`` wraps it). None when it keeps none."""
+    modules = getattr(type(model), "_keep_in_fp32_modules", None)
+    if modules is None:
+        return None
+    entries = modules if isinstance(modules, list) else [modules]
+    return lambda name: any(entry in name.split(".") for entry in entries)
+
+
+def diffusers_config_json(model: nn.Module) -> tuple[str, str]:
+    """(file name, text) of the config diffusers' ``save_config`` writes for ``model``, naming the
+    class ``fully_shard`` wrapped (``WanTransformer3DModel``, not ``FSDPWanTransformer3DModel``) and
+    leaving the model alone (``to_json_string`` writes ``_class_name`` into the config it reads).
+    Private: ``ConfigMixin.to_json_string`` run on a stand-in of that class's name and module holding
+    a copy of ``model.config`` (it reads ``_internal_dict``, the class's name and ``_auto_class``)."""
+    from diffusers.configuration_utils import ConfigMixin, FrozenDict
+    from torch.distributed.fsdp import FSDPModule
+
+    cls: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    attrs = {"__module__": cls.__module__, "_auto_class": getattr(model, "_auto_class", None)}
+    stand_in: Any = type(cls.__name__, (), attrs)()
+    stand_in._internal_dict = FrozenDict(dict(model.config))  # type: ignore[arg-type]
+    return str(cls.config_name), ConfigMixin.to_json_string(stand_in)

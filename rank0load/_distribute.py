@@ -139,6 +139,14 @@ def _internal_todo() -> str:
     )
 
 
+def rank0_rng_state(device: torch.device) -> torch.Tensor | None:
+    """(all ranks; one broadcast) Rank 0's CPU random state, on the other ranks; None on rank 0."""
+    state = torch.get_rng_state()
+    wire = state.to(device)
+    dist.broadcast(wire, 0)
+    return None if dist.get_rank() == 0 else wire.cpu()
+
+
 def attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
     """Run a step whose failure every rank must learn of before raising (then :func:`settle` or
     :func:`agree`): ``(result, None)`` or ``(None, error)``."""

@@ -149,8 +149,8 @@ def inspect_checkpoint(
     if model_fn is None:
         return summary
 
-    model = build_on_meta(model_fn)
-    layout = describe(model)
+    model, built = build_on_meta(model_fn)
+    layout = describe(model, built)
     keys = list(layout.tensors) + list(layout.aliases)
     match = match_keys(headers, layout, key_map, conversions_for(model, keys, conversions))
     mismatched: list[str] = [

@@ -10,10 +10,14 @@ ordered list of :class:`Entry` that every rank will iterate during streaming. An
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from torch import nn
+
+from . import _peft
 from ._convert import Conversion, ConversionMatch
 from ._entries import FLOAT_WIRE, Entry, Part, build_entries, unconsumed
 from ._files import OpenFile, open_files
@@ -28,6 +32,8 @@ __all__ = [
     "Entry",
     "FLOAT_WIRE",
     "Part",
+    "Adapter",
+    "adapters_of",
     "KeyMatch",
     "Manifest",
     "build_manifest",
@@ -40,10 +46,14 @@ __all__ = [
 class Manifest:
     entries: tuple[Entry, ...]
     missing: tuple[str, ...] = ()  # canonical model keys absent from the checkpoint (strict=False)
+    # canonical keys absent from the checkpoint that keep the values model_fn built (PEFT adapters)
+    kept: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()  # checkpoint keys skipped (strict=False)
     ignored: tuple[str, ...] = ()  # checkpoint keys held by the model as non-persistent buffers
     files: tuple[str, ...] = field(default=())
     total_bytes: int = 0
+    # (elements of the parameters initialised rather than loaded, elements of all parameters)
+    initialised: tuple[int, int] = (0, 0)
 
 
 def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
@@ -93,11 +103,13 @@ class KeyMatch:
     by_model_key: dict[str, tuple[TensorHeader, ...]]
     unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
     ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
-    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted
+    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted (kept ones aside)
     # canonical model key -> the checkpoint tensors a conversion assembles it from
     stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
     # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
     unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    # canonical keys no checkpoint key maps to that keep the values model_fn built (layout.built)
+    kept: tuple[str, ...] = ()
 
 
 def match_keys(
@@ -167,13 +179,15 @@ def match_keys(
             f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
             "layout (re-save it, or drop one set of keys with key_map)."
         )
+    absent = [k for k in layout.tensors if k not in by_model_key and k not in stacked]
     return KeyMatch(
         by_model_key={k: tuple(found) for k, found in by_model_key.items()},
         unexpected=tuple(sorted(unexpected)),
         ignored=tuple(sorted(ignored)),
-        missing=tuple(sorted(k for k in layout.tensors if k not in by_model_key and k not in stacked)),
+        missing=tuple(sorted(k for k in absent if k not in layout.built)),
         stacked={k: tuple(found) for k, found in stacked.items()},
         unsupported=unsupported,
+        kept=tuple(sorted(k for k in absent if k in layout.built)),
     )
 
 
@@ -189,6 +203,43 @@ def _convert(
     return None
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """(rank 0) A PEFT adapter folder to load with the base checkpoint: its resolved source, and the
+    model key each of its file's names stands for (``_peft.adapter_names``, inverted)."""
+
+    name: str
+    source: Source
+    model_keys: dict[str, str]
+
+
+def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
+    """(rank 0) ``load_sharded(adapter=...)`` resolved: a PEFT adapter folder (or Hub repo id) for the
+    model's active adapter, or a mapping of adapter name -> folder; each folder's
+    ``adapter_config.json`` checked against the model's config of that adapter."""
+    if isinstance(adapter, (str, os.PathLike)):
+        specs = {str(getattr(model, "active_adapter", "default")): adapter}
+    elif isinstance(adapter, dict):
+        specs = dict(adapter)
+    else:
+        raise LoadError(
+            f"adapter={adapter!r}: pass a PEFT adapter folder, or a dict of adapter name -> folder"
+        )
+    found = []
+    for name, path in specs.items():
+        source = resolve(path)
+        if [os.path.basename(f) for f in source.files] != [_peft.ADAPTER_WEIGHTS]:
+            raise CheckpointFormatError(
+                f"adapter {os.fspath(path)!r} holds {[os.path.basename(f) for f in source.files]}, not "
+                f"{_peft.ADAPTER_WEIGHTS!r} alone: pass the folder PEFT's save_pretrained (safetensors) "
+                "or rank0load.save_sharded(model, out_dir, adapter=...) wrote."
+            )
+        _peft.check_adapter_config(model, name, _peft.read_adapter_config(source.root), os.fspath(path))
+        names = _peft.adapter_names(model, name)
+        found.append(Adapter(name, source, {saved: key for key, saved in names.items()}))
+    return found
+
+
 def build_manifest(
     source: Source,
     layout: ModelLayout,
@@ -197,17 +248,22 @@ def build_manifest(
     key_map: Callable[[str], str | None] | None,
     files: dict[str, OpenFile] | None = None,
     conversions: Sequence[Conversion] = (),
+    adapters: Sequence[Adapter] = (),
 ) -> Manifest:
-    """(rank 0) Validate the checkpoint against the model and list what to move, in file order.
-    ``files``: the source's files, opened once (see :func:`read_manifest`)."""
+    """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
+    list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`)."""
     headers = _headers(source, files)
+    headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
     missing, unexpected = match.missing, unconsumed(match, layout, headers)
+    description = " + ".join([source.description, *(a.source.description for a in adapters)])
+    if layout.tensors and not match.by_model_key and not match.stacked:
+        raise ModelMismatchError(_nothing_matched(description, headers, layout, match))
     cannot = {k: v for k, v in match.unsupported.items() if k in missing}
     if cannot:
         target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
         raise ModelMismatchError(
-            f"{source.description}: model tensor {target!r} would come from checkpoint key {ckpt_key!r} "
+            f"{description}: model tensor {target!r} would come from checkpoint key {ckpt_key!r} "
             f"through the conversion {rule}, which {why}; rank0load assembles only stacked experts "
             f"(MergeModulelist(dim=0), then Concatenate(dim=1)). {len(cannot)} tensors are affected. "
             "Convert the checkpoint to the model's layout first (from_pretrained, then save_pretrained "
@@ -220,7 +276,7 @@ def build_manifest(
         if unexpected:
             parts.append(f"unexpected in the checkpoint: {format_keys(unexpected)}")
         raise ModelMismatchError(
-            f"{source.description}: keys do not match the model; "
+            f"{description}: keys do not match the model; "
             + "; ".join(parts)
             + ". Pass key_map to rename keys, or strict=False to skip unexpected keys and "
             "initialise missing ones with the model's own initialisation."
@@ -228,23 +284,94 @@ def build_manifest(
     uninitialisable = [k for k in missing if layout.tensors[k].is_param and k not in layout.initialisable]
     if uninitialisable:
         raise ModelMismatchError(
-            f"{source.description}: missing parameters {format_keys(uninitialisable)} have no "
+            f"{description}: missing parameters {format_keys(uninitialisable)} have no "
             "initialiser (their module has no reset_parameters() and no ancestor has _init_weights()), "
             "so strict=False would leave them uninitialised. Add them to the checkpoint or give the "
             "module a reset_parameters()."
         )
 
     entries = build_entries(match, layout, headers, source.root)
-    order = {path: i for i, path in enumerate(source.files)}
+    every = [*source.files, *(f for a in adapters for f in a.source.files)]
+    order = {path: i for i, path in enumerate(every)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
+    params = [t for t in layout.tensors.values() if t.is_param]
     return Manifest(
         entries=tuple(entries),
         missing=missing,
         unexpected=unexpected,
         ignored=match.ignored,
-        files=source.files,
+        files=tuple(every),
         total_bytes=sum(e.nbytes for e in entries),
+        kept=match.kept,
+        initialised=(
+            sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
+            sum(math.prod(t.shape) for t in params),
+        ),
     )
+
+
+def _with_adapters(
+    headers: dict[str, TensorHeader],
+    key_map: Callable[[str], str | None] | None,
+    adapters: Sequence[Adapter],
+    files: dict[str, OpenFile] | None,
+) -> tuple[dict[str, TensorHeader], Callable[[str], str | None] | None]:
+    """The base checkpoint's headers with each adapter's added under the model keys PEFT's names
+    stand for; key_map is then applied to the base checkpoint's keys only."""
+    if not adapters:
+        return headers, key_map
+    merged, own = dict(headers), set()
+    for adapter in adapters:
+        for name, t in _headers(adapter.source, files).items():
+            key = adapter.model_keys.get(name, name)
+            if key in merged:
+                raise CheckpointFormatError(
+                    f"{key!r} is stored both in {os.path.basename(merged[key].file)} and in adapter "
+                    f"{adapter.source.description} ({name!r}); keep one copy."
+                )
+            merged[key] = t
+            own.add(key)
+    if key_map is None:
+        return merged, None
+    user_map = key_map
+    return merged, lambda k: k if k in own else user_map(k)
+
+
+def _nothing_matched(
+    description: str, headers: dict[str, TensorHeader], layout: ModelLayout, match: KeyMatch
+) -> str:
+    """The error for a load that would load nothing: a few names from each side, and a guess."""
+    ckpt = sorted(headers)
+    model = sorted(k for k in layout.tensors if layout.tensors[k].is_param) or sorted(layout.tensors)
+    hint = _prefix_hint(ckpt, model)
+    if not ckpt:
+        found = "The checkpoint holds no tensors."
+    elif len(match.ignored) == len(ckpt):
+        found = f"key_map dropped all {len(ckpt)} checkpoint keys (or they are the model's non-persistent buffers)."
+    else:
+        found = f"The checkpoint holds {len(ckpt)} keys, e.g. {format_keys(ckpt[:3])}."
+    return (
+        f"{description}: no checkpoint key matched any model key, so nothing would be loaded (whatever "
+        f"strict is). {found} The model has {len(layout.tensors)}, e.g. {format_keys(model[:3])}. "
+        + (hint or "Check that model_fn builds the model this checkpoint was saved from, or pass key_map.")
+    )
+
+
+def _prefix_hint(ckpt: list[str], model: list[str]) -> str:
+    """A key_map that would make the names meet, when one side has a prefix the other lacks."""
+    model_set, ckpt_set = set(model), set(ckpt)
+    for key in ckpt[:50]:
+        for m in model:
+            if m.endswith("." + key) and sum(m[: -len(key)] + k in model_set for k in ckpt[:50]) > 25:
+                prefix = m[: -len(key)]
+                return f"The model's names have a prefix the checkpoint's lack: pass key_map=lambda k: {prefix!r} + k."
+            if key.endswith("." + m) and sum(key[: -len(m)] + k in ckpt_set for k in model[:50]) > 25:
+                prefix = key[: -len(m)]
+                return (
+                    f"The checkpoint's names have a prefix the model's lack: pass "
+                    f"key_map=lambda k: k.removeprefix({prefix!r})."
+                )
+    return ""
 
 
 def read_manifest(
@@ -255,18 +382,27 @@ def read_manifest(
     key_map: Callable[[str], str | None] | None,
     stack: contextlib.ExitStack,
     conversions: Sequence[Conversion] = (),
+    adapters: Callable[[], Sequence[Adapter]] = lambda: (),
 ) -> tuple[Manifest | LoadError, dict[str, OpenFile]]:
-    """(rank 0) Resolve the checkpoint, open its files once (closed by ``stack``), read and validate
-    their headers against the model. Returns the manifest, or the LoadError to share with every
-    rank (anything unforeseen is wrapped in one), and the open files the stream reads from."""
+    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
+    (closed by ``stack``), read and validate their headers against the model. Returns the manifest,
+    or the LoadError to share with every rank (anything unforeseen is wrapped in one), and the open
+    files the stream reads from."""
     files: dict[str, OpenFile] = {}
     try:
         source = resolve(ckpt_path, revision)
-        files = open_files(source.files)
+        found = adapters()
+        files = open_files((*source.files, *(f for a in found for f in a.source.files)))
         for opened in files.values():
             stack.callback(opened.close)
         manifest = build_manifest(
-            source, layout, strict=strict, key_map=key_map, files=files, conversions=conversions
+            source,
+            layout,
+            strict=strict,
+            key_map=key_map,
+            files=files,
+            conversions=conversions,
+            adapters=found,
         )
         return manifest, files
     except LoadError as exc:

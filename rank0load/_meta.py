@@ -9,36 +9,87 @@ No collectives happen here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta
+from ._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
 from ._distribute import UserCodeFailure, user_code
+from ._peft import adapters_built_real, tuner_layers_without_values
 
-__all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
+__all__ = ["ModelLayout", "base_name", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
 
 
 # The dtypes torch.set_default_dtype accepts (from_pretrained builds in them the same way).
 _DEFAULTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def build_on_meta(model_fn: Callable[[], nn.Module], dtype: torch.dtype | None = None) -> nn.Module:
+def build_on_meta(
+    model_fn: Callable[[], nn.Module],
+    dtype: torch.dtype | None = None,
+    rng_state: torch.Tensor | None = None,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real; with ``dtype``, also
-    with torch's default dtype set to it, as transformers' ``from_pretrained(dtype=...)`` builds."""
+    with torch's default dtype set to it, as transformers' ``from_pretrained(dtype=...)`` builds.
+
+    PEFT adapters are the exception (``_peft.adapters_built_real``): built for real, from torch's
+    random stream, as ``get_peft_model`` builds them. ``rng_state``: rank 0's CPU random state; a
+    rank given it builds from it, so every rank draws rank 0's adapters, and then gets its own state
+    back (rank 0 passes None: its stream advances as an eager build's would).
+
+    Returns the model, its parameters all on meta, and the values of those ``model_fn`` built for
+    real (by their first name), to be put into the shards once allocated (``_model.apply_built``).
+    """
+    peft_before = "peft" in sys.modules
+    start = torch.get_rng_state()
+    model = _build_once(model_fn, dtype, rng_state)
+    if not peft_before and "peft" in sys.modules and tuner_layers_without_values(model, set()):
+        # model_fn imported peft itself, after the build began: build again, peft now patched,
+        # from the same random state.
+        torch.set_rng_state(start)
+        model = _build_once(model_fn, dtype, rng_state)
+    return model, _take_built(model)
+
+
+def _build_once(
+    model_fn: Callable[[], nn.Module], dtype: torch.dtype | None, rng_state: torch.Tensor | None
+) -> nn.Module:
     default = torch.get_default_dtype()
-    with parameters_on_meta():
+    own_state = torch.get_rng_state() if rng_state is not None else None
+    with parameters_on_meta(), adapters_built_real(default):
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
         if dtype in _DEFAULTABLE:
             torch.set_default_dtype(dtype)
         try:
             model = user_code("model_fn", model_fn)
         finally:
             torch.set_default_dtype(default)
+            if own_state is not None:
+                torch.set_rng_state(own_state)
     if not isinstance(model, nn.Module):
         raise UserCodeFailure(f"model_fn must return an nn.Module, got {type(model).__name__}")
     return model
+
+
+def _take_built(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters ``model_fn`` left real: their values (by first name), each replaced by a meta
+    parameter of the same kind (one replacement for every module that holds it: ties survive)."""
+    values: dict[str, torch.Tensor] = {}
+    replaced: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, p in module._parameters.items():
+            if p is None or p.is_meta:
+                continue
+            meta = replaced.get(id(p))
+            if meta is None:
+                values[f"{module_name}.{leaf}" if module_name else leaf] = p.detach().clone()
+                meta = replaced[id(p)] = to_meta(p)
+            module._parameters[leaf] = meta
+    return values
 
 
 @dataclass(frozen=True)
@@ -67,6 +118,9 @@ class ModelLayout:
     tie_groups: tuple[tuple[str, ...], ...]
     non_persistent: frozenset[str]
     initialisable: frozenset[str]
+    # Canonical keys of the parameters model_fn built with real values (PEFT adapters): a checkpoint
+    # that lacks them leaves them as built, also with strict=True.
+    built: frozenset[str] = frozenset()
 
     def canonical(self, key: str) -> str | None:
         """The canonical model key for a checkpoint key (after ``key_map``), or None.
@@ -89,11 +143,27 @@ class ModelLayout:
             tuple((k, t.shape, str(t.dtype), t.is_param, t.is_dtensor) for k, t in self.tensors.items()),
             tuple(sorted(self.aliases.items())),
             tuple(sorted(self.non_persistent)),
+            tuple(sorted(self.built)),
         )
 
 
 # Module-name segments that wrappers insert without changing the state a checkpoint holds.
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+# What a PEFT model adds to its base model's names: ``base_model.model.`` in front, ``.base_layer``
+# (the wrapped layer of a tuner layer) and ``.original_module`` (modules_to_save) inside.
+_PEFT_PREFIX = "base_model.model."
+_PEFT_SEGMENTS = ("base_layer", "original_module")
+
+
+def base_name(key: str) -> str:
+    """A PEFT model's name as its base model and its checkpoints spell it (wrappers removed too):
+    ``"base_model.model.layers.0.q_proj.base_layer.weight"`` -> ``"layers.0.q_proj.weight"``."""
+    key = strip_wrappers(key)
+    if not key.startswith(_PEFT_PREFIX):
+        return key
+    return ".".join(p for p in key.removeprefix(_PEFT_PREFIX).split(".") if p not in _PEFT_SEGMENTS)
 
 
 def strip_wrappers(key: str) -> str:
@@ -117,8 +187,9 @@ def _initialiser(model: nn.Module, module_name: str) -> bool:
     )
 
 
-def describe(model: nn.Module) -> ModelLayout:
-    """(all ranks) Describe the state-dict tensors of a (possibly sharded) meta model."""
+def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
+    """(all ranks) Describe the state-dict tensors of a (possibly sharded) meta model; ``built``: the
+    names of the parameters model_fn built with real values (``build_on_meta``)."""
     tensors: dict[str, TensorInfo] = {}
     aliases: dict[str, str] = {}
     groups: dict[int, list[str]] = {}
@@ -161,18 +232,21 @@ def describe(model: nn.Module) -> ModelLayout:
             )
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
-    # Wrapper-free names of every tensor, so checkpoint keys without the wrappers match.
+    # Wrapper-free names of every tensor, so checkpoint keys without the wrappers match; a PEFT
+    # model's base names too, so its base model's checkpoint loads into it as it is.
     for name in [*tensors, *aliases]:
-        plain = strip_wrappers(name)
-        if plain != name and plain not in tensors and plain not in aliases:
-            aliases[plain] = aliases.get(name, name)
+        for plain in (strip_wrappers(name), base_name(name)):
+            if plain != name and plain not in tensors and plain not in aliases:
+                aliases[plain] = aliases.get(name, name)
     non_persistent |= {strip_wrappers(name) for name in non_persistent}
+    non_persistent |= {base_name(name) for name in non_persistent}
     return ModelLayout(
         tensors=tensors,
         aliases=aliases,
         tie_groups=tie_groups,
         non_persistent=frozenset(non_persistent),
         initialisable=frozenset(initialisable),
+        built=frozenset(aliases.get(name, name) for name in built),
     )
 
 

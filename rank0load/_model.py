@@ -17,12 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._compat import (
     clear_hf_initialized,
+    diffusers_keep_in_fp32,
     hf_init_weights,
     hf_keep_in_fp32,
+    is_diffusers_model,
     is_transformers_model,
     local_tensor,
     peft_base_model,
@@ -32,6 +35,7 @@ from ._distribute import user_code
 from ._layout import layout_flags, rank_coordinates
 from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
+from ._peft import tuner_layers_without_values
 from ._plan import ALIGN
 from ._shard import check_dtype_groups, default_shard_fn
 from ._sink import SLOTS
@@ -39,10 +43,12 @@ from .errors import LoadError, ModelMismatchError, RankMismatchError, format_key
 
 __all__ = [
     "Built",
+    "apply_built",
     "build_sharded",
     "cast",
     "set_config_dtype",
     "finish",
+    "guard_added_parameters",
     "init_missing",
     "materialise",
     "targets",
@@ -58,6 +64,8 @@ class Built:
     flags: dict[str, int]  # canonical key -> _layout.layout_flags on this rank
     proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
     conversions: list[Any] = field(default_factory=list)  # _convert: for rank 0's manifest
+    # canonical key -> the value model_fn built it with (PEFT adapters), full size, on the CPU
+    built: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 DEFAULT_STAGING_BYTES = 16 << 20
@@ -100,14 +108,25 @@ def build_sharded(
     shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
     dtype: torch.dtype | None,
     conversions: Sequence[Any] = (),
+    rng_state: torch.Tensor | None = None,
 ) -> Built:
-    """(all ranks) ``model_fn()`` on meta, cast to ``dtype``, sharded by ``shard_fn`` (or the default
+    """(all ranks) ``model_fn()`` on meta (PEFT adapters built for real from ``rng_state``), cast to ``dtype``, sharded by ``shard_fn`` (or the default
     policy), described. The checkpoint conversions (the caller's, then transformers' for a
     transformers model) are looked up before sharding renames the classes. Raises whatever the
     caller's code raises; the caller agrees on it."""
-    model = build_on_meta(model_fn, dtype)
+    model, values = build_on_meta(model_fn, dtype, rng_state)
+    unbuilt = tuner_layers_without_values(model, set(values))
+    if unbuilt:
+        raise ModelMismatchError(
+            f"PEFT adapter parameters {format_keys(unbuilt)} were not built with values: import peft "
+            "before calling load_sharded (not inside model_fn), and use an adapter initialisation that "
+            "does not read the base weights (init_lora_weights=True or 'gaussian'; not PiSSA, OLoRA, "
+            "LoftQ, EVA, CorDA or DoRA, whose base weights are not loaded yet), or pass adapter= to load "
+            "a trained adapter."
+        )
     if dtype is not None:
-        cast(model, dtype)
+        params = dict(model.named_parameters())
+        cast(model, dtype, built=frozenset(id(params[k]) for k in values))
     keys = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     found_conversions = conversions_for(model, keys, conversions)
     if shard_fn is None:
@@ -115,10 +134,11 @@ def build_sharded(
     else:
         user_code("shard_fn", shard_fn, model, mesh)
     check_dtype_groups(model)
-    layout = describe(model)
+    layout = describe(model, values)
     found = targets(model, layout)
     flags = {key: layout_flags(t, mesh) for key, t in found.items()}
-    return Built(model, layout, flags, conversions=found_conversions)
+    built = {layout.canonical(k) or k: v for k, v in values.items()}
+    return Built(model, layout, flags, conversions=found_conversions, built=built)
 
 
 def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:
@@ -128,14 +148,20 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
     A transformers model: floating parameters and persistent buffers in ``dtype`` (float8 ones as
     they are), those of the modules transformers keeps in float32 under ``dtype``
     (``_keep_in_fp32_modules(_strict)``) in float32, non-persistent buffers as the model built them
-    (rotary ``inv_freq`` stays float32). The caller's config object is left alone. Any other model:
-    what ``model.to(dtype)`` does. Under a PEFT model the base model is cast so; ``built`` (ids of
-    the parameters ``model_fn`` built with real values: PEFT's adapters) keep the dtype PEFT gave
-    them, as ``get_peft_model`` on a ``from_pretrained(dtype=...)`` model leaves them."""
+    (rotary ``inv_freq`` stays float32). The caller's config object is left alone. A diffusers
+    model: the same, float8 included, float32 for every key with a segment in the class's
+    ``_keep_in_fp32_modules`` (Wan's ``scale_shift_table``, ``time_embedder``, ``norm2``), as
+    ``from_pretrained(torch_dtype=...)`` loads it. Any other model: what ``model.to(dtype)`` does.
+    Under a PEFT model the base model is cast so; ``built`` (ids of the parameters ``model_fn``
+    built with real values: PEFT's adapters) keep the dtype PEFT gave them, as ``get_peft_model``
+    on a ``from_pretrained(dtype=...)`` model leaves them."""
     base = peft_base_model(model)
     if is_transformers_model(base):
         keep = hf_keep_in_fp32(base, dtype)
         _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=True)
+    elif is_diffusers_model(base):
+        keep = diffusers_keep_in_fp32(base, dtype)
+        _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=False)
     else:
         _cast_tensors(model, dtype, None, built, persistent_only=False, skip_float8=False)
 
@@ -220,6 +246,22 @@ def materialise(model: nn.Module, device: torch.device) -> None:
             raise LoadError(f"parameter {name!r} is not contiguous after allocation")
 
 
+def apply_built(model: nn.Module, values: dict[str, torch.Tensor], keys: Sequence[str]) -> None:
+    """(all ranks, after :func:`materialise`) Put the values model_fn built (PEFT adapters; the same
+    on every rank) into the allocated shards of ``keys``, each rank its own part, no communication."""
+    with torch.no_grad():
+        for key in keys:
+            module, leaf = resolve_module(model, key)
+            param = module._parameters[leaf]
+            assert param is not None
+            value = values[key].to(param.dtype)
+            if isinstance(param, DTensor):
+                part = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+                local_tensor(param).copy_(local_tensor(part))
+            else:
+                param.copy_(value)
+
+
 def _has_nan(t: torch.Tensor) -> bool:
     return t.is_floating_point() and bool(torch.isnan(local_tensor(t)).any())
 
@@ -261,6 +303,38 @@ def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]
             f"_init_weights() or reset_parameters(): {left[:10]}. Give their "
             "module a reset_parameters() or add them to the checkpoint."
         )
+
+
+def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
+    """(all ranks) At the model's first forward, raise if trainable parameters were added after the
+    load as plain tensors: ``get_peft_model`` on the loaded model builds adapters that are not
+    sharded, not synchronised and drawn differently on each rank, so the ranks drift apart. Every
+    rank runs the same forward and finds the same names, so every rank raises; the hook then goes."""
+    known = set(layout.tensors) | set(layout.aliases)
+    handles: list[Any] = []
+
+    def check(module: nn.Module, args: object) -> None:
+        added = [
+            name
+            for name, p in model.named_parameters()
+            if name not in known and p.requires_grad and not isinstance(p, DTensor)
+        ]
+        if added:
+            raise LoadError(
+                f"trainable parameters {format_keys(added)} were added after load_sharded returned, as "
+                "plain tensors: they are not sharded, their gradients are not synchronised and each rank "
+                "drew its own values, so the ranks would drift apart (get_peft_model on a loaded model "
+                "does this). Build the PeftModel in model_fn: load_sharded(lambda: "
+                "get_peft_model(base(), config), ckpt_path, mesh); the base checkpoint loads into it as it is."
+            )
+        for handle in handles:
+            handle.remove()
+
+    # On every FSDP unit, not only the root: a PEFT wrapper calls the root's forward() directly,
+    # which runs no hook of the root's, while each block's still runs.
+    for module in model.modules():
+        if module is model or isinstance(module, FSDPModule):
+            handles.append(module.register_forward_pre_hook(check))
 
 
 def finish(model: nn.Module, layout: ModelLayout) -> None:

@@ -21,11 +21,19 @@ from typing import Any
 from . import _distribute
 from ._saveplan import SaveItem, SavePlan
 
-__all__ = ["INDEX_NAME", "Outputs", "Writer", "commit", "open_outputs"]
+__all__ = ["Outputs", "Writer", "commit", "index_name", "open_outputs"]
 
-INDEX_NAME = "model.safetensors.index.json"
-# what a save writes, and the names it keeps an earlier save's files under meanwhile (_keep_earlier)
-_SAVED = re.compile(r"model(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
+
+def index_name(stem: str) -> str:
+    """The index of a checkpoint whose files are named from ``stem`` (``SavePlan.stem``)."""
+    return f"{stem}.safetensors.index.json"
+
+
+def _saved(stem: str) -> re.Pattern[str]:
+    """What a save of files named from ``stem`` writes, and the names it keeps an earlier save's
+    files under meanwhile (:func:`_keep_earlier`): the files a later save of that stem replaces.
+    Another stem's files (a transformers model's beside a diffusers model's) are never touched."""
+    return re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
 
 
 @dataclass
@@ -86,12 +94,16 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
     for fd in list(outputs.fds):
         os.close(fd)
         outputs.fds.remove(fd)
-    directory = outputs.directory
+    directory, index_file = outputs.directory, index_name(plan.stem)
     for temp, name in extras:
         os.replace(temp, os.path.join(directory, name))
-    old_index = os.path.join(directory, INDEX_NAME)
+    old_index = os.path.join(directory, index_file)
     replaced = [n for n in plan.files if os.path.exists(os.path.join(directory, n))]
-    if replaced and os.path.exists(old_index) and not _keep_earlier(directory, replaced, outputs.token):
+    if (
+        replaced
+        and os.path.exists(old_index)
+        and not _keep_earlier(directory, index_file, replaced, outputs.token)
+    ):
         # Where the earlier save cannot be kept aside: retire its index, so that a crash during the
         # renames leaves a directory that looks incomplete, never new shards behind an old index.
         os.unlink(old_index)
@@ -105,29 +117,30 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
             "metadata": {"total_size": plan.total_size},
             "weight_map": dict(sorted((s.name, plan.files[s.file]) for i in plan.items for s in i.saved)),
         }
-        temp = os.path.join(directory, f".{INDEX_NAME}.tmp-{outputs.token}")
+        temp = os.path.join(directory, f".{index_file}.tmp-{outputs.token}")
         outputs.temps.append(temp)
         with open(temp, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp, os.path.join(directory, INDEX_NAME))
+        os.replace(temp, os.path.join(directory, index_file))
         outputs.temps.remove(temp)
-        keep.add(INDEX_NAME)
+        keep.add(index_file)
+    saved = _saved(plan.stem)
     for name in sorted(os.listdir(directory)):
-        if _SAVED.fullmatch(name) and name not in keep:
+        if saved.fullmatch(name) and name not in keep:
             os.unlink(os.path.join(directory, name))
     _fsync_dir(directory)
 
 
-def _keep_earlier(directory: str, replaced: list[str], token: str) -> bool:
+def _keep_earlier(directory: str, index_file: str, replaced: list[str], token: str) -> bool:
     """(rank 0) The new files will be renamed over files an earlier save's index names (the same
     number of files: the same names). Hard-link those files to other names and point the earlier
     index at them, atomically: the earlier checkpoint stays whole and loadable until the new index
     replaces it, whenever a crash comes; ``commit`` removes the extra names after that. False
     (nothing changed) where the index cannot be read or the filesystem has no hard links."""
-    path = os.path.join(directory, INDEX_NAME)
+    path = os.path.join(directory, index_file)
     try:
         with open(path, encoding="utf-8") as f:
             index = json.load(f)
@@ -148,7 +161,7 @@ def _keep_earlier(directory: str, replaced: list[str], token: str) -> bool:
                 pass
         return False
     index["weight_map"] = {k: aside.get(v, v) for k, v in weight_map.items()}
-    temp = os.path.join(directory, f".{INDEX_NAME}.old-{token}")
+    temp = os.path.join(directory, f".{index_file}.old-{token}")
     with open(temp, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)
         f.flush()

@@ -1,4 +1,5 @@
-"""``load_pretrained``: a transformers model built from its checkpoint's own config, then ``load_sharded``.
+"""``load_pretrained``: a transformers or diffusers model built from its checkpoint's own config, then
+``load_sharded``. A diffusers model class takes the steps of ``_diffusers`` after the config is shared.
 
 (rank 0)    :func:`_read` resolves the checkpoint as ``load_sharded`` does (``_source.resolve``: a
             directory, a file, an index or a Hub repo id) and reads ``config.json``, then
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _compat, _distribute
+from . import _compat, _diffusers, _distribute
 from ._api import load_sharded
 from ._entries import FLOAT_WIRE
 from ._files import OpenFile, read_exact
@@ -74,10 +75,11 @@ def load_pretrained(
     dtype: torch.dtype | str | None = None,
     revision: str | None = None,
     config_overrides: dict[str, Any] | None = None,
+    subfolder: str | None = None,
     **load_sharded_kwargs: Any,
 ) -> nn.Module:
-    """Build a transformers model from the checkpoint's ``config.json`` and load it sharded, reading
-    the checkpoint on rank 0 only: ``from_pretrained`` for FSDP2.
+    """Build a transformers or diffusers model from the checkpoint's ``config.json`` and load it
+    sharded, reading the checkpoint on rank 0 only: ``from_pretrained`` for FSDP2.
 
     Every rank calls this with the same arguments. Rank 0 reads the config and sends it; every rank
     builds ``model_cls`` from it on meta, and :func:`~rank0load.load_sharded` streams the weights.
@@ -86,7 +88,9 @@ def load_pretrained(
         model_cls: a transformers Auto class (``AutoModelForCausalLM``,
             ``AutoModelForSequenceClassification``, ...), whose model the config's ``model_type``
             picks, or a model class (``LlamaForCausalLM``, or your own ``PreTrainedModel`` subclass),
-            whose ``config_class`` reads the config.
+            whose ``config_class`` reads the config. Or a diffusers model class (``ModelMixin``
+            subclass: ``FluxTransformer2DModel``, ``WanTransformer3DModel``, ...), built with
+            ``from_config`` as diffusers' ``from_pretrained`` builds it.
         ckpt_path: as for ``load_sharded``: a directory saved with ``save_pretrained``, a
             ``.safetensors`` file or an index beside a ``config.json``, or a Hub repo id. Read on rank 0.
         mesh: as for ``load_sharded``.
@@ -97,9 +101,15 @@ def load_pretrained(
             ``from_pretrained(dtype="auto")`` does. A floating ``torch.dtype`` (or its name, e.g.
             ``"bfloat16"``): that dtype. The model is built in it, so buffers such as ``inv_freq`` and
             the modules transformers keeps in float32 come out as ``from_pretrained`` makes them.
+            A diffusers model: ``None`` is torch's default dtype (``from_pretrained`` without
+            ``torch_dtype``); a floating dtype, as ``from_pretrained(torch_dtype=...)``, the class's
+            ``_keep_in_fp32_modules`` kept in float32; no ``"auto"``.
         revision: the Hub revision when ``ckpt_path`` is a repo id; with a local path, an error.
         config_overrides: config attributes to set, as ``from_pretrained(path, **kwargs)`` sets them,
-            e.g. ``{"num_labels": 3}`` or ``{"attn_implementation": "sdpa"}``. Rank 0's are used.
+            e.g. ``{"num_labels": 3}`` or ``{"attn_implementation": "sdpa"}``; for a diffusers model,
+            arguments of its ``__init__`` (``from_config``'s keyword arguments). Rank 0's are used.
+        subfolder: the folder of ``ckpt_path`` that holds the model's config and weights, as for
+            ``from_pretrained``: a pipeline's component (``"transformer"``, ``"text_encoder"``).
         **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``, ``local_reads``,
             ``conversions``, passed to ``load_sharded``.
 
@@ -123,11 +133,14 @@ def load_pretrained(
             "torch.distributed is not initialised: call dist.init_process_group() first "
             "(torchrun sets the environment for it)"
         )
+    diffusers = _compat.is_diffusers_class(model_cls)  # the same answer on every rank
     if dist.get_rank() == 0:
-        read, path = _read(ckpt_path, revision, dtype, config_overrides)
+        read, path = _read(ckpt_path, revision, dtype, config_overrides, subfolder, not diffusers)
     else:
         read, path = None, ckpt_path  # other ranks never look at ckpt_path
     checkpoint: _Checkpoint = _distribute.share(read)
+    if diffusers:
+        return _diffusers.load(model_cls, checkpoint, path, mesh, dtype, load_sharded_kwargs)
     configured, error = _distribute.attempt(lambda: _configure(model_cls, checkpoint, dtype))
     _distribute.settle(error, "building the model's config", _NO_DATA, wrap=LoadError)
     assert configured is not None  # settle() raised otherwise
@@ -147,9 +160,12 @@ def _read(
     revision: str | None,
     dtype: object,
     overrides: dict[str, Any] | None,
+    subfolder: str | None = None,
+    generation: bool = True,
 ) -> tuple[_Checkpoint | LoadError, str | os.PathLike[str]]:
-    """(rank 0) The checkpoint's configs, or the LoadError to share; and the path for ``load_sharded``:
-    the snapshot directory when ``ckpt_path`` was a Hub repo id, so that it is resolved once."""
+    """(rank 0) The checkpoint's configs (``generation``: its generation config too), or the
+    LoadError to share; and the path for ``load_sharded``: the folder ``subfolder`` names, the
+    snapshot directory when ``ckpt_path`` was a Hub repo id, so that it is resolved once."""
     try:
         if overrides is not None and (
             not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)
@@ -157,7 +173,7 @@ def _read(
             raise LoadError(
                 f"config_overrides={overrides!r}: expected a dict of config attribute names to values"
             )
-        source = resolve(ckpt_path, revision)
+        source = resolve(ckpt_path, revision, subfolder)
         hub = not os.path.exists(ckpt_path)  # resolve() tries the Hub only for a path that is not here
         where = os.path.join(source.root, "config.json")
         config = _json(where, required=True)
@@ -170,12 +186,16 @@ def _read(
             name=os.fspath(ckpt_path),
             where=where,
             config=config,
-            generation=_json(os.path.join(source.root, "generation_config.json"), required=False),
+            generation=_json(os.path.join(source.root, "generation_config.json"), required=False)
+            if generation
+            else None,
             overrides=dict(overrides or {}),
             stored_dtype=stored,
         )
         pickle.dumps(read)  # what share() sends: a failure here must not leave the other ranks waiting
-        return read, source.root if hub else ckpt_path
+        if hub:
+            return read, source.root
+        return read, ckpt_path if subfolder is None else os.path.join(ckpt_path, subfolder)
     except LoadError as exc:
         return exc, ckpt_path
     except Exception as exc:  # anything unforeseen must still reach every rank
@@ -290,8 +310,9 @@ def _config_class(model_cls: Any, raw: dict[str, Any], where: str) -> Any:
         return model_cls.config_class
     if not (hasattr(model_cls, "from_config") and hasattr(model_cls, "_model_mapping")):
         raise LoadError(
-            f"model_cls={model_cls!r}: expected a transformers Auto class (AutoModelForCausalLM, ...) or "
-            "a PreTrainedModel subclass. For any other model, use load_sharded(model_fn, ckpt_path)."
+            f"model_cls={model_cls!r}: expected a transformers Auto class (AutoModelForCausalLM, ...), "
+            "a PreTrainedModel subclass or a diffusers ModelMixin subclass. For any other model, use "
+            "load_sharded(model_fn, ckpt_path)."
         )
     model_type = raw.get("model_type")
     if (

@@ -22,7 +22,12 @@ class LoadReport:
     bytes: int = 0
     seconds: float = 0.0
     stream_seconds: float = 0.0
-    missing: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()  # initialised by the model's own initialisation (strict=False)
+    # absent from the checkpoint and left as model_fn built them: PEFT adapters (lora_B zeros,
+    # lora_A as PEFT draws it), listed apart from missing keys
+    kept: tuple[str, ...] = ()
+    # fraction of the parameters' elements initialised rather than loaded (kept ones not counted)
+    initialised_fraction: float = 0.0
     unexpected: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
     files: tuple[str, ...] = field(default=())
@@ -55,6 +60,8 @@ class LoadReport:
             seconds=time.perf_counter() - clock.started,
             stream_seconds=clock.phases.get("stream", 0.0),
             missing=manifest.missing,
+            kept=manifest.kept,
+            initialised_fraction=manifest.initialised[0] / max(1, manifest.initialised[1]),
             unexpected=manifest.unexpected,
             ignored=manifest.ignored,
             broadcast_whole=plan.broadcast_whole,
@@ -95,6 +102,20 @@ class Clock:
 def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
     """(rank 0) Warnings for what the load skipped or could not bound, then one INFO line.
     ``sizes``: bytes of each key in ``report.broadcast_whole``."""
+    if report.initialised_fraction > 0.5:
+        logger.warning(
+            "MOST OF THE MODEL WAS NOT LOADED: %.0f%% of its parameters' elements were initialised "
+            "because the checkpoint lacks them (strict=False), e.g. %s. Check that model_fn builds the "
+            "model this checkpoint holds, or pass key_map.",
+            100 * report.initialised_fraction,
+            ", ".join(report.missing[:5]),
+        )
+    if report.kept:
+        logger.info(
+            "kept %d tensors as model_fn built them (PEFT adapters the checkpoint lacks): %s",
+            len(report.kept),
+            ", ".join(report.kept[:5]),
+        )
     if report.missing:
         logger.warning(
             "initialised %d tensors absent from the checkpoint: %s",

@@ -7,6 +7,9 @@ rank 0     create out_dir, open the temporary files, write the headers         -
 all ranks  allocate staging; settle                                           -> _write.settle
 all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
 rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _outputs.commit
+
+The file names and the config files come from one :class:`_Layout` chosen by the model's kind
+(:func:`_layout_of`: transformers, diffusers, any other); :func:`_save` is the save for any layout.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import _distribute, _outputs, _write
-from ._compat import is_transformers_model, local_tensor
+from ._compat import diffusers_config_json, is_diffusers_model, is_transformers_model, local_tensor
 from ._convert import transformers_reversal
 from ._format import DTYPES
 from ._layout import ROWS_OK, RUNS_OK, layout_flags
@@ -91,9 +94,13 @@ def save_sharded(
     whole with ``full_tensor()`` on every rank, outside that bound (``SaveReport.gathered_whole``,
     warned).
 
-    Files are written under temporary names, fsynced and renamed; the index is written last and an
-    earlier save's files are removed only then. On any failure the temporary files are removed and
-    the previous checkpoint in ``out_dir`` is left as it was.
+    The files are named as the model's library names them: ``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` (a transformers model,
+    with its ``config.json`` and ``generation_config.json``; any other model, without configs);
+    ``diffusion_pytorch_model.safetensors`` and the like for a diffusers model, with its ``config.json``.
+    They are written under temporary names, fsynced and renamed; the index is written last and an
+    earlier save's files of the same names are removed only then (others are left alone). On any
+    failure the temporary files are removed and the previous checkpoint in ``out_dir`` is left as it was.
 
     Args:
         model: the model, the same on every rank.
@@ -120,15 +127,71 @@ def save_sharded(
     """
     if not dist.is_available() or not dist.is_initialized():
         raise SaveError("torch.distributed is not initialised: call dist.init_process_group() first")
+    return _save(
+        model,
+        out_dir,
+        _layout_of(model),
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        key_map=key_map,
+        original_format=original_format,
+        max_staging_bytes=max_staging_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a saved checkpoint looks like beside its tensors: its files' names and its config files."""
+
+    stem: str  # file names: <stem>.safetensors, <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
+    single_file: bool  # one file whatever max_shard_size says (a PEFT adapter's)
+    # (rank 0) writes the config files into an empty temporary folder (model, folder, plan); every file
+    # it leaves there is committed into out_dir with the weights. None: no config files.
+    write_configs: Callable[[nn.Module, str, SavePlan], None] | None
+
+
+def _layout_of(model: nn.Module) -> _Layout:
+    """(all ranks) The layout ``from_pretrained`` of the model's library reads."""
+    if is_transformers_model(model):
+        return _Layout("model", False, _hf_configs)
+    if is_diffusers_model(model):
+        return _Layout("diffusion_pytorch_model", False, _diffusers_config)
+    return _Layout("model", False, None)
+
+
+def _save(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    layout: _Layout,
+    *,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    key_map: Callable[[str], str | None] | None,
+    original_format: bool,
+    max_staging_bytes: int,
+) -> SaveReport:
+    """(all ranks) ``save_sharded`` with the files and config files ``layout`` names; the arguments
+    as ``save_sharded``'s (``original_format`` applies to a transformers model only)."""
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
     described, error = _distribute.attempt(lambda: _describe(model, options))
     flags = _distribute.agree(described[2] if described else None, error)
     assert described is not None  # agree() raised otherwise
-    layout, tensors, _ = described
+    model_layout, tensors, _ = described
     clock("agree")
     revert = functools.partial(_reversal, model, original_format)  # built by rank 0 in plan_or_error
-    planned = plan_or_error(layout, tensors, flags, key_map, options, revert) if rank == 0 else None
+    planned = None
+    if rank == 0:
+        planned = plan_or_error(
+            model_layout,
+            tensors,
+            flags,
+            key_map,
+            options,
+            revert,
+            stem=layout.stem,
+            single_file=layout.single_file,
+        )
     plan: SavePlan = _distribute.share(planned)
     clock("plan")
     outputs: _outputs.Outputs | None = None
@@ -146,7 +209,7 @@ def save_sharded(
         clock("stream")
         if rank == 0:
             assert outputs is not None
-            _, error = _distribute.attempt(lambda: _finish(model, outputs, plan))
+            _, error = _distribute.attempt(lambda: _finish(model, outputs, plan, layout.write_configs))
         _write.settle(error, "committing the checkpoint")
         clock("commit")
     finally:
@@ -196,20 +259,27 @@ def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
     return transformers_reversal(model) if original_format and is_transformers_model(model) else None
 
 
-def _finish(model: nn.Module, outputs: _outputs.Outputs, plan: SavePlan) -> None:
-    """(rank 0) Write a transformers model's config files beside the checkpoint, then commit."""
+def _finish(
+    model: nn.Module,
+    outputs: _outputs.Outputs,
+    plan: SavePlan,
+    write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
+) -> None:
+    """(rank 0) Write the config files into a temporary folder of out_dir, then commit them with the
+    weights (:func:`_outputs.commit` renames each into out_dir)."""
     extras: list[tuple[str, str]] = []
-    if is_transformers_model(model):
-        extras = _hf_configs(model, outputs, plan)
+    if write_configs is not None:
+        folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
+        os.makedirs(folder)
+        outputs.temps.append(folder)
+        write_configs(model, folder, plan)
+        extras = [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
     _outputs.commit(outputs, plan, extras)
 
 
-def _hf_configs(model: nn.Module, outputs: _outputs.Outputs, plan: SavePlan) -> list[tuple[str, str]]:
-    """(rank 0) ``config.json`` (its dtype the saved floating tensors') and ``generation_config.json``
-    in a temporary folder of out_dir: (temporary path, final name) for :func:`_outputs.commit`."""
-    folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
-    os.makedirs(folder)
-    outputs.temps.append(folder)
+def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) A transformers model's ``config.json`` (its dtype the saved floating tensors') and
+    ``generation_config.json``."""
     floats: dict[str, int] = {}
     for item in plan.items:
         if DTYPES[item.dtype].is_floating_point and DTYPES[item.dtype].itemsize > 1:
@@ -221,7 +291,14 @@ def _hf_configs(model: nn.Module, outputs: _outputs.Outputs, plan: SavePlan) -> 
     generation: Any = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(folder)
-    return [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
+
+
+def _diffusers_config(model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) A diffusers model's ``config.json``, as its ``save_config`` writes it (diffusers keeps
+    no dtype there)."""
+    name, text = diffusers_config_json(model)
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _report(plan: SavePlan, clock: Clock, gathered: tuple[str, ...]) -> SaveReport:

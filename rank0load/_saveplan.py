@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import json
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,6 @@ from .errors import LoadError, SaveError
 
 __all__ = [
     "ALIGN",
-    "SINGLE_NAME",
     "SLOTS",
     "Piece",
     "SaveItem",
@@ -40,6 +40,7 @@ __all__ = [
     "SavePlan",
     "Saved",
     "chunks",
+    "file_names",
     "parse_size",
     "pieces",
     "plan_or_error",
@@ -47,7 +48,6 @@ __all__ = [
 ]
 
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
-SINGLE_NAME = "model.safetensors"
 ALIGN = 64  # piece sizes stay multiples of every element size
 ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -122,6 +122,9 @@ class SavePlan:
     rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
     piece_bytes: int  # the largest message
     skipped: tuple[str, ...] = ()  # model keys key_map dropped
+    # what every file name starts with (file_names): "model" (transformers and plain models),
+    # "diffusion_pytorch_model" (diffusers); the index is <stem>.safetensors.index.json
+    stem: str = "model"
     total_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +171,14 @@ def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple
     return block_chunks(item.shape, size, item.blocks, half, src)
 
 
+def file_names(stem: str, count: int) -> list[str]:
+    """The names of a checkpoint of ``count`` files, as huggingface_hub and diffusers name them:
+    ``<stem>.safetensors``, or ``<stem>-00001-of-0000N.safetensors`` and on."""
+    if count == 1:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
 def parse_size(size: int | str) -> int:
     """``max_shard_size`` in bytes, parsed as huggingface_hub's ``parse_size_to_int`` does."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
@@ -190,10 +201,15 @@ def plan_or_error(
     key_map: Callable[[str], str | None] | None,
     options: dict[str, Any],
     revert: Callable[[], Revert | None] = lambda: None,
+    *,
+    stem: str = "model",
+    single_file: bool = False,
 ) -> SavePlan | LoadError:
     """(rank 0) The plan, or the error every rank will raise (``revert`` builds plan_save's)."""
     try:
-        return plan_save(layout, tensors, flags, key_map, options, revert())
+        return plan_save(
+            layout, tensors, flags, key_map, options, revert(), stem=stem, single_file=single_file
+        )
     except LoadError as exc:
         return exc
     except Exception as exc:
@@ -207,10 +223,14 @@ def plan_save(
     key_map: Callable[[str], str | None] | None,
     options: dict[str, Any],
     revert: Revert | None = None,
+    *,
+    stem: str = "model",
+    single_file: bool = False,
 ) -> SavePlan:
     """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
     ``revert``: a saved name and shape -> the names and shapes it is saved as, in byte order (the
-    model's conversions reverted, ``_convert.TransformersReversal``)."""
+    model's conversions reverted, ``_convert.TransformersReversal``). ``stem``: the files' names
+    (:func:`file_names`); ``single_file``: one file whatever its size (a PEFT adapter's)."""
     dtype: torch.dtype | None = options["dtype"]
     rows: list[_Row] = []
     skipped, seen = [], dict[str, str]()
@@ -237,7 +257,8 @@ def plan_save(
     if not rows:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = max(ALIGN, options["max_staging_bytes"] // SLOTS // ALIGN * ALIGN)
-    return _lay_out(rows, tensors, parse_size(options["max_shard_size"]), piece_bytes, tuple(skipped))
+    limit = sys.maxsize if single_file else parse_size(options["max_shard_size"])
+    return _lay_out(rows, tensors, limit, piece_bytes, tuple(skipped), stem)
 
 
 def _kind(t: torch.Tensor, flags: int) -> SaveKind:
@@ -282,7 +303,12 @@ def _split(sizes: list[int], limit: int) -> list[list[int]]:
 
 
 def _lay_out(
-    rows: list[_Row], tensors: dict[str, torch.Tensor], limit: int, piece_bytes: int, skipped: tuple[str, ...]
+    rows: list[_Row],
+    tensors: dict[str, torch.Tensor],
+    limit: int,
+    piece_bytes: int,
+    skipped: tuple[str, ...],
+    stem: str,
 ) -> SavePlan:
     """(rank 0) Files, headers and offsets of the saved tensors (in model order, split like
     huggingface_hub): in each file tensors by element size, largest first, then name (as safetensors
@@ -292,11 +318,7 @@ def _lay_out(
         each = tensors[key].numel() * wire.itemsize // len(parts)
         units += [(r, name, shape, j * each, each) for j, (name, shape) in enumerate(parts)]
     groups = _split([u[4] for u in units], limit)
-    names = (
-        [SINGLE_NAME]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
+    names = file_names(stem, len(groups))
     saved: list[list[Saved]] = [[] for _ in rows]
     headers: list[bytes] = []
     for file, group in enumerate(groups):
@@ -325,7 +347,7 @@ def _lay_out(
         items.append(SaveItem(key, _NAMES[wire], shape, nbytes, kind, senders, tuple(spans), blocks))
     items.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
     return SavePlan(
-        tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped
+        tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped, stem
     )
 
 

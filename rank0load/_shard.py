@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import nn
@@ -60,12 +61,15 @@ def _owners(model: nn.Module) -> dict[int, set[int]]:
     return owners
 
 
-def _shares_outside(block: nn.Module, owners: dict[int, set[int]]) -> bool:
+def _shares_outside(
+    block: nn.Module, owners: dict[int, set[int]], managed: AbstractSet[int] = frozenset()
+) -> bool:
     """A block holding a parameter also used outside it (BERT's word embeddings tied to the
     decoder) cannot be its own FSDP group: the outside user would see the resharded parameter.
-    Such blocks are left to the enclosing group."""
+    Such blocks are left to the enclosing group. ``managed``: parameters already in a group of
+    their own, left out (``fully_shard`` replaced them: ``owners`` predates them)."""
     inside = {id(m) for m in block.modules()}
-    return any(not owners[id(p)] <= inside for p in block.parameters())
+    return any(not owners[id(p)] <= inside for p in block.parameters() if id(p) not in managed)
 
 
 def _has_forward(module: nn.Module) -> bool:
@@ -103,7 +107,7 @@ class _Policy:
             own = self._group_dtype(child)
             assert own is not None  # counts is not empty
             self._isolate(child, own)
-            if own != dtype and not _shares_outside(child, self.owners):
+            if own != dtype and not _shares_outside(child, self.owners, self.managed):
                 self._shard(child)
 
     def _shard(self, module: nn.Module) -> None:

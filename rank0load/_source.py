@@ -3,10 +3,12 @@
 (rank 0) :func:`resolve` turns ``ckpt_path`` into a :class:`Source`: the list of safetensors files
 and, when an index names them, its ``weight_map``. It accepts a directory (holding
 ``model.safetensors``, ``*.safetensors.index.json`` or ``*.safetensors`` files), a single
-``.safetensors`` file, an index ``.json``, or a Hugging Face Hub repo id. Index entries are
+``.safetensors`` file, an index ``.json``, or a Hugging Face Hub repo id; with ``subfolder``, that
+folder of a directory or repo (a diffusers pipeline's ``transformer/``). Index entries are
 refused, never followed, when they leave the checkpoint directory (absolute paths, ``..``, a
-symlink pointing outside). Other ranks never call anything here: on a multi-node job the
-checkpoint may not exist on their node.
+symlink pointing outside). A diffusers pipeline's root (``model_index.json``, its weights in one
+folder per component) is refused with the folders to pass instead. Other ranks never call anything
+here: on a multi-node job the checkpoint may not exist on their node.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 _SAFE = ".safetensors"
 _INDEX = ".safetensors.index.json"
 _SINGLE = "model" + _SAFE
+_PIPELINE = "model_index.json"  # a diffusers pipeline's root: one folder per component
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # An index maps names to files: a few MB for the largest models. Anything far bigger is not one.
 _MAX_INDEX_BYTES = 256 << 20
@@ -46,10 +49,15 @@ class Source:
     ignored: tuple[str, ...] = ()
 
 
-def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> Source:
-    """(rank 0) Find the files of the checkpoint. Raises CheckpointNotFoundError / CheckpointFormatError;
-    a ``revision`` with a path that exists locally is a CheckpointNotFoundError (never ignored)."""
+def resolve(
+    ckpt_path: str | os.PathLike[str], revision: str | None = None, subfolder: str | None = None
+) -> Source:
+    """(rank 0) Find the files of the checkpoint (in its folder ``subfolder``, if given). Raises
+    CheckpointNotFoundError / CheckpointFormatError; a ``revision`` with a path that exists locally
+    is a CheckpointNotFoundError (never ignored)."""
     path = os.fspath(ckpt_path)
+    if subfolder is not None:
+        _check_subfolder(path, subfolder)
     try:
         mode: int | None = os.stat(path).st_mode  # follows symlinks: what open() would reach
     except (FileNotFoundError, NotADirectoryError):  # "org/name" may be a repo id while ./org is a file
@@ -65,10 +73,13 @@ def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> S
                 "Fix the link or pass the checkpoint's real location."
             )
         if _REPO_ID.match(path) and not path.startswith((".", "/")):
-            snapshot = _from_hub(path, revision, _not_local(path))
+            snapshot = _from_hub(path, revision, _not_local(path), subfolder)
             # The Hub cache links snapshots/<commit>/<file> to blobs/<sha>: the repo's cache
             # folder, not the snapshot, is what files must stay inside.
-            return _from_dir(snapshot, boundary=os.path.realpath(os.path.join(snapshot, "..", "..")))
+            boundary = os.path.realpath(os.path.join(snapshot, "..", ".."))
+            if subfolder is not None:
+                return _component(snapshot, subfolder, boundary)
+            return _from_dir(snapshot, boundary=boundary)
         raise CheckpointNotFoundError(
             f"checkpoint {path!r} does not exist. Pass a directory, a .safetensors file, a "
             "*.safetensors.index.json file, or a Hugging Face Hub repo id ('org/name')."
@@ -80,7 +91,14 @@ def resolve(ckpt_path: str | os.PathLike[str], revision: str | None = None) -> S
             "or pass a Hub repo id ('org/name') that is not also a local path."
         )
     if stat.S_ISDIR(mode):
+        if subfolder is not None:
+            return _component(path, subfolder, _cache_repo(path))
         return _from_dir(path, boundary=_cache_repo(path))
+    if subfolder is not None:
+        raise CheckpointNotFoundError(
+            f"subfolder={subfolder!r} names a folder of a checkpoint directory, but checkpoint {path!r} is "
+            "a file. Pass the directory that holds the folder, or the file without subfolder=."
+        )
     if not stat.S_ISREG(mode):  # a FIFO, socket or device: opening it could block rank 0
         raise not_regular(path, mode)
     if path.endswith(".json"):
@@ -140,6 +158,8 @@ def _from_dir(path: str, boundary: str | None = None) -> Source:
     if indexes:
         return _from_index(os.path.join(path, indexes[0]), boundary)
     files = [n for n in names if n.endswith(_SAFE)]
+    if not files and _PIPELINE in names:
+        raise _pipeline_root(path)
     if not files:
         raise CheckpointNotFoundError(
             f"checkpoint directory {path!r} holds no *.safetensors file and no "
@@ -148,6 +168,64 @@ def _from_dir(path: str, boundary: str | None = None) -> Source:
         )
     checked = tuple(_inside(root, n, path, boundary) for n in files)
     return Source(root, checked, None, path)
+
+
+def _check_subfolder(path: str, subfolder: object) -> None:
+    """``subfolder`` must name a folder inside the checkpoint: no absolute path, drive or ``..``."""
+    parts = subfolder.replace("\\", "/").split("/") if isinstance(subfolder, str) else []
+    if (
+        not isinstance(subfolder, str)
+        or not subfolder.strip("/")
+        or os.path.isabs(subfolder)
+        or re.match(r"^[A-Za-z]:", subfolder)
+        or ".." in parts
+    ):
+        raise CheckpointNotFoundError(
+            f"subfolder={subfolder!r} for checkpoint {path!r}: expected the name of a folder inside it, "
+            "such as 'transformer' (no absolute path, drive or '..')"
+        )
+
+
+def _component(path: str, subfolder: str, boundary: str | None) -> Source:
+    """The checkpoint in folder ``subfolder`` of directory ``path`` (a pipeline's component)."""
+    folder = os.path.join(path, subfolder)
+    if not os.path.isdir(folder):
+        held = _weight_folders(path)
+        listed = f"; its folders holding weights: {', '.join(f'{n}/' for n in held)}" if held else ""
+        raise CheckpointNotFoundError(
+            f"checkpoint {path!r} has no folder {subfolder!r} (subfolder=){listed}. Check the folder's name."
+        )
+    return _from_dir(folder, boundary=boundary)
+
+
+def _weight_folders(path: str) -> list[str]:
+    """The folders of directory ``path`` that hold ``*.safetensors`` files or an index, sorted."""
+    out = []
+    for name in sorted(os.listdir(path)):
+        try:
+            inner = os.listdir(os.path.join(path, name))
+        except OSError:  # not a directory, or unreadable
+            continue
+        if any(n.endswith(_SAFE) or n.endswith(_INDEX) for n in inner):
+            out.append(name)
+    return out
+
+
+def _pipeline_root(path: str) -> CheckpointNotFoundError:
+    """A diffusers pipeline's root passed as the checkpoint: its weights are in component folders."""
+    held = _weight_folders(path)
+    if not held:
+        return CheckpointNotFoundError(
+            f"{path!r} is a diffusers pipeline ({_PIPELINE}), and none of its folders holds *.safetensors "
+            "weights. Save the pipeline with save_pretrained(safe_serialization=True)."
+        )
+    example = next((n for n in ("transformer", "unet") if n in held), held[0])  # the denoiser, if any
+    return CheckpointNotFoundError(
+        f"{path!r} is a diffusers pipeline ({_PIPELINE}), not one model's checkpoint: its weights are in "
+        f"the component folders {', '.join(f'{n}/' for n in held)}. Pass subfolder={example!r} (or another "
+        f"component) to load_pretrained, or the component folder ({os.path.join(path, example)!r}) as the "
+        "checkpoint path."
+    )
 
 
 def _inside(root: str, name: object, where: str, boundary: str | None = None) -> str:
@@ -253,12 +331,13 @@ def _not_local(path: str) -> str:
     return f"checkpoint {path!r} does not exist as a local path ({where}), so it was tried as a Hugging Face Hub repo id"
 
 
-def _from_hub(repo_id: str, revision: str | None, not_local: str) -> str:
+def _from_hub(repo_id: str, revision: str | None, not_local: str, subfolder: str | None = None) -> str:
     """(rank 0) The local snapshot folder of a Hub repo: from the cache, downloading what is missing.
 
     ``huggingface_hub.snapshot_download`` honours ``HF_HOME`` / ``HF_HUB_CACHE`` (where the cache
     is), ``HF_HUB_OFFLINE=1`` (cache only, no network: the ``refs/<revision>`` file names the
-    snapshot) and ``HF_TOKEN``. Only :data:`HUB_PATTERNS` are fetched. ``not_local`` (from
+    snapshot) and ``HF_TOKEN``. Only :data:`HUB_PATTERNS` are fetched (those in folder ``subfolder``,
+    if given). ``not_local`` (from
     :func:`_not_local`) starts every error: the user may have meant a local path.
     """
     try:
@@ -268,7 +347,8 @@ def _from_hub(repo_id: str, revision: str | None, not_local: str) -> str:
         raise CheckpointNotFoundError(f"{not_local}, but huggingface_hub is not importable ({exc})") from None
     where = f"{not_local}" + (f" at revision {revision!r}" if revision else "")
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_PATTERNS))
+        patterns = [f"{subfolder.strip('/')}/{p}" for p in HUB_PATTERNS] if subfolder else list(HUB_PATTERNS)
+        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except LocalEntryNotFoundError as exc:  # also IncompleteSnapshotError
         raise CheckpointNotFoundError(
             f"{where}, and the Hugging Face cache has no complete snapshot of it while the Hub is "

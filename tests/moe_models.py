@@ -60,7 +60,9 @@ def config(name: str):
             **common, intermediate_size=40, moe_intermediate_size=24, num_experts=EXPERTS, head_dim=8
         )
     if name == "minimax_m2":
-        return transformers.MiniMaxM2Config(**common, intermediate_size=24, num_local_experts=EXPERTS, head_dim=8)
+        return transformers.MiniMaxM2Config(
+            **common, intermediate_size=24, num_local_experts=EXPERTS, head_dim=8
+        )
     if name == "deepseek_v3":
         # MLA projects every head's k and v from kv_b_proj: kv heads = heads, or attention fails.
         common["num_key_value_heads"] = common["num_attention_heads"]

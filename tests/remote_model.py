@@ -65,7 +65,11 @@ class TinyRemoteModel(TinyRemotePreTrained):
 
 
 class TinyRemoteForCausalLM(TinyRemotePreTrained):
-    _keep_in_fp32_modules_strict = ["router", "value_head"]  # transformers 4.57 checks the class's own modules
+    _keep_in_fp32_modules_strict = [
+        "router",
+        "value_head",
+    ]  # transformers 4.57 checks the class's own modules
+
     def __init__(self, config: TinyRemoteConfig) -> None:
         super().__init__(config)
         self.model = TinyRemoteModel(config)

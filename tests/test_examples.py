@@ -26,13 +26,18 @@ REGION = re.compile(
 )
 
 
-def _batch(vocab_size: int, device: str, seed: int) -> dict:
-    """examples/_common.py's batch: the examples' own data."""
+def _common():
+    """examples/_common.py: the examples' own data."""
     spec = importlib.util.spec_from_file_location("examples_common", os.path.join(EXAMPLES, "_common.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.batch(vocab_size, device, seed)
+    return module
+
+
+def _batch(vocab_size: int, device: str, seed: int) -> dict:
+    """examples/_common.py's batch."""
+    return _common().batch(vocab_size, device, seed)
 
 
 def _config():
@@ -168,6 +173,76 @@ def test_measure_ram(checkpoint):
     assert [int(r[0]) for r in rows] == [0, 1], text
     for _, before, after, local in rows:
         assert 0 < before <= after and local > 0, text
+
+
+def _reference_denoising(pipeline: str, steps: int) -> list[tuple[float, float]]:
+    """(loss, gradient norm) of examples/diffusion.py's steps on one process, one thread: diffusers' own
+    from_pretrained in bf16, the same batches (every rank takes the same batch, so FSDP2's mean gradient
+    is this one), torch's gradient norm and clipping."""
+    import torch.nn.functional as F
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel.from_pretrained(
+        pipeline, subfolder="transformer", torch_dtype=torch.bfloat16
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = []
+    try:
+        for step in range(steps):
+            b = _common().denoising_batch(model.config.in_channels, model.config.text_dim, "cpu", seed=step)
+            t = b["t"].view(-1, 1, 1, 1, 1)
+            noisy = ((1 - t) * b["latents"] + t * b["noise"]).to(torch.bfloat16)
+            text = b["text"].to(torch.bfloat16)
+            pred = model(hidden_states=noisy, timestep=b["t"] * 1000, encoder_hidden_states=text).sample
+            loss = F.mse_loss(pred.float(), b["noise"] - b["latents"])
+            loss.backward()
+            # torch's norm of the gradients in float32 (rank0load's accumulation; clip_grad_norm_ would
+            # take each bf16 gradient's norm in bf16), then torch's clipping with it
+            grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append((loss.item(), norm.item()))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.diffusers
+def test_diffusion(tmp_path):
+    """The tiny Wan the example writes, loaded in bf16 with diffusers' fp32 modules, trained as one
+    process trains it, saved under diffusers' names and read back by diffusers' from_pretrained."""
+    from diffusers import WanTransformer3DModel
+
+    out_dir = str(tmp_path / "wan-trained")
+    text = _run("diffusion.py", 2, out_dir)
+    got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
+    want = _reference_denoising(out_dir + "-input", 3)
+    assert len(got) == 3, text
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, want):
+        assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3), (
+            got,
+            want,
+        )
+    assert want[0][1] > 1.0  # the clipping was in force
+    assert "saved 69 tensors as diffusion_pytorch_model.safetensors" in text, text
+    assert "proj_out.weight equal: True" in text, text
+    assert sorted(os.listdir(out_dir)) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    saved = WanTransformer3DModel.from_pretrained(out_dir, torch_dtype=torch.bfloat16)
+    original = WanTransformer3DModel.from_pretrained(
+        out_dir + "-input", subfolder="transformer", torch_dtype=torch.bfloat16
+    )
+    names = dict(original.named_parameters())
+    assert saved.scale_shift_table.dtype == torch.float32 and saved.proj_out.weight.dtype == torch.bfloat16
+    # Trained: every parameter moved, but the bf16 RMSNorm weights (all ones: a step of lr=1e-4 is below
+    # bf16's spacing at 1.0 and rounds away, in one process too)
+    unchanged = [n for n, p in saved.named_parameters() if torch.equal(p, names[n])]
+    assert all(".norm_q." in n or ".norm_k." in n for n in unchanged), unchanged
 
 
 def _regions() -> dict[str, str]:

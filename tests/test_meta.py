@@ -29,7 +29,7 @@ def test_build_touches_no_parameter_memory():
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM
-    model = build_on_meta(Huge)
+    model, _ = build_on_meta(Huge)
     grown = _status("VmHWM") - before
     assert grown < 64 << 20, f"building grew the peak RSS by {grown >> 20} MiB"
     assert model.proj.weight.is_meta and model.emb.weight.is_meta
@@ -37,7 +37,7 @@ def test_build_touches_no_parameter_memory():
 
 
 def test_buffers_real_parameters_meta_ties_kept():
-    model = build_on_meta(Toy)
+    model, _ = build_on_meta(Toy)
     assert all(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers())
     assert torch.equal(model.scale, torch.arange(5, dtype=torch.float32) / 3)
@@ -62,5 +62,5 @@ class SharedBeforeRegistering(nn.Module):
 
 
 def test_tie_made_before_registration_survives():
-    model = build_on_meta(SharedBeforeRegistering)
+    model, _ = build_on_meta(SharedBeforeRegistering)
     assert model.a.weight is model.b.weight and model.a.weight.is_meta

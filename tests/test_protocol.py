@@ -290,7 +290,9 @@ def test_local_exception_in_the_stream_reaches_every_rank_with_its_cause(outcome
 
 
 def test_staging_allocation_failing_on_one_rank_fails_every_rank(outcomes):
-    message = _same_everywhere(outcomes, "staging_fails_on_rank1", "InternalError")  # ours, not a disagreement
+    message = _same_everywhere(
+        outcomes, "staging_fails_on_rank1", "InternalError"
+    )  # ours, not a disagreement
     assert "rank 1" in message and "RuntimeError: injected allocation failure" in message, message
     _good_after(outcomes, "staging_fails_on_rank1")
 

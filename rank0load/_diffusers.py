@@ -1,0 +1,127 @@
+"""``load_pretrained`` for a diffusers model class (a ``ModelMixin`` subclass: Flux, SD3, Wan, ...).
+
+(rank 0)    ``_pretrained._read`` resolves the checkpoint (``subfolder=``: a pipeline's component folder)
+            and reads its ``config.json``, as ``ModelMixin.load_config`` reads it (the JSON object);
+            ``_distribute.share`` sends it to every rank. Then :func:`load`, on every rank:
+(all ranks) :func:`configure` under ``_distribute.attempt`` / ``settle``: overrides checked against the
+            class's ``__init__``, the dtype ``from_pretrained(torch_dtype=...)`` would use.
+(all ranks) ``load_sharded``, :func:`build` inside its meta build: ``from_config(config, **overrides)``, as
+            ``from_pretrained`` builds the model; ``load_sharded(dtype=...)`` builds it with ``dtype``
+            as torch's default and casts it as ``from_pretrained`` loads it (``_model.cast``: the
+            class's ``_keep_in_fp32_modules`` in float32).
+
+Only ``load``'s ``settle`` and ``load_sharded`` are collectives. Nothing here imports diffusers: the
+caller passes a class that ``_compat.is_diffusers_class`` recognised.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import _distribute
+from ._api import load_sharded
+from ._distribute import user_code
+from .errors import LoadError, ModelMismatchError
+
+__all__ = ["Configured", "build", "configure", "load"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Configured:
+    """What every rank builds the model from (the same on every rank)."""
+
+    config: dict[str, Any]  # config.json as rank 0 read it
+    overrides: dict[str, Any]  # config_overrides: from_config's keyword arguments
+    dtype: torch.dtype | None  # load_sharded's dtype; None: as from_pretrained without torch_dtype
+    name: str  # ckpt_path as the caller gave it: from_pretrained records it as _name_or_path
+
+
+def load(
+    model_cls: Any,
+    checkpoint: Any,
+    path: str | os.PathLike[str],
+    mesh: DeviceMesh | None,
+    dtype: object,
+    load_sharded_kwargs: dict[str, Any],
+) -> nn.Module:
+    """(all ranks) The model from ``checkpoint`` (``_pretrained._Checkpoint``, rank 0's, shared),
+    loaded from ``path`` (rank 0's; the other ranks never look at it), in eval mode as
+    ``from_pretrained`` returns it."""
+    c = checkpoint
+    configured, error = _distribute.attempt(
+        lambda: configure(model_cls, c.config, c.overrides, c.where, c.name, dtype)
+    )
+    _distribute.settle(
+        error,
+        "building the model's config",
+        "No data was moved; fix the cause and load again.",
+        wrap=LoadError,
+    )
+    assert configured is not None  # settle() raised otherwise
+    model = load_sharded(
+        lambda: build(model_cls, configured), path, mesh, dtype=configured.dtype, **load_sharded_kwargs
+    )
+    return model.eval()
+
+
+def configure(
+    model_cls: Any, config: dict[str, Any], overrides: dict[str, Any], where: str, name: str, dtype: object
+) -> Configured:
+    """(all ranks, from the same data) Check the config and the overrides, choose the dtype."""
+    quant = config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ModelMismatchError(
+            f"{where}: quantization_config (quant_method {method!r}): rank0load loads diffusers models "
+            "unquantised only. Load an unquantised copy of the checkpoint."
+        )
+    accepted = set(inspect.signature(model_cls.__init__).parameters) - {"self", "args", "kwargs"}
+    unknown = sorted(set(overrides) - accepted)
+    if unknown:
+        raise LoadError(
+            f"config_overrides {unknown} name no argument of {model_cls.__name__}.__init__ (from {where}); "
+            "check their spelling."
+        )
+    chosen = _dtype(dtype)
+    if dist.get_rank() == 0:
+        shown = chosen if chosen is not None else f"{torch.get_default_dtype()} (torch's default)"
+        logger.info("load_pretrained: %s from %s in %s", model_cls.__name__, where, shown)
+    return Configured(dict(config), dict(overrides), chosen, name)
+
+
+def _dtype(dtype: object) -> torch.dtype | None:
+    """``from_pretrained``'s ``torch_dtype``: None, or a floating torch.dtype (or its name)."""
+    if dtype is None:
+        return None
+    chosen = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        raise LoadError(
+            f"dtype={dtype!r}: a diffusers model takes None (torch's default dtype, as from_pretrained "
+            "without torch_dtype builds it) or a floating torch.dtype (e.g. torch.bfloat16); diffusers' "
+            "from_pretrained has no 'auto'"
+        )
+    return chosen
+
+
+def build(model_cls: Any, configured: Configured) -> nn.Module:
+    """(all ranks, inside ``load_sharded``'s meta build) ``from_config``, then ``_name_or_path``
+    recorded in the config, as ``from_pretrained`` does."""
+    model: Any = user_code(
+        f"{model_cls.__name__}.from_config",
+        model_cls.from_config,
+        dict(configured.config),
+        **configured.overrides,
+    )
+    model.register_to_config(_name_or_path=configured.name)
+    return model
