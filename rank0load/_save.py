@@ -29,12 +29,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _distribute, _outputs, _write
-from ._compat import diffusers_config_json, is_diffusers_model, is_transformers_model, local_tensor
+from . import _distribute, _outputs, _peft, _write
+from ._compat import (
+    diffusers_config_json,
+    is_diffusers_model,
+    is_transformers_model,
+    local_tensor,
+    peft_base_model,
+)
 from ._convert import transformers_reversal
 from ._format import DTYPES
 from ._layout import ROWS_OK, RUNS_OK, layout_flags
-from ._meta import ModelLayout, describe
+from ._meta import ModelLayout, describe, strip_wrappers
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock
 from ._saveplan import ALIGN, SLOTS, Revert, SavePlan, parse_size, plan_or_error, plan_save
@@ -80,6 +86,7 @@ def save_sharded(
     key_map: Callable[[str], str | None] | None = None,
     original_format: bool = True,
     max_staging_bytes: int = DEFAULT_STAGING_BYTES,
+    adapter: str | None = None,
 ) -> SaveReport:
     """Write ``model`` (FSDP2 or HSDP, sharded or not) to ``out_dir`` as a safetensors checkpoint
     that ``from_pretrained`` and :func:`load_sharded` read as it is.
@@ -116,6 +123,12 @@ def save_sharded(
             [E, 2I, H]) is saved as the per-expert tensors it was loaded from, renamed modules get their
             checkpoint names back. Applied to the names key_map returns. False: the model's own names.
         max_staging_bytes: host RAM for staging on each rank.
+        adapter: the name of a PEFT adapter of a ``PeftModel`` (``"default"``): save that adapter
+            alone in PEFT's layout (``adapter_model.safetensors`` under PEFT's names, which
+            ``get_peft_model_state_dict`` gives, and ``adapter_config.json``), as
+            ``PeftModel.save_pretrained`` writes it and ``PeftModel.from_pretrained`` or
+            ``load_sharded(..., adapter=out_dir)`` read it; same staging bound. Not with key_map.
+            Embedding layers PEFT's "auto" would add are not saved.
 
     Returns:
         A :class:`SaveReport`, on every rank.
@@ -127,6 +140,8 @@ def save_sharded(
     """
     if not dist.is_available() or not dist.is_initialized():
         raise SaveError("torch.distributed is not initialised: call dist.init_process_group() first")
+    if adapter is not None:
+        return _save_adapter(model, out_dir, adapter, dtype, max_staging_bytes, key_map)
     return _save(
         model,
         out_dir,
@@ -137,6 +152,44 @@ def save_sharded(
         original_format=original_format,
         max_staging_bytes=max_staging_bytes,
     )
+
+
+def _save_adapter(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    adapter: str,
+    dtype: torch.dtype | None,
+    max_staging_bytes: int,
+    key_map: Callable[[str], str | None] | None,
+) -> SaveReport:
+    """(all ranks) One PEFT adapter in PEFT's layout: its tensors under PEFT's names, one file."""
+    if key_map is not None:
+        raise SaveError("save_sharded(adapter=...) saves under PEFT's names: drop key_map")
+    _peft.peft_config(model, adapter)  # the same answer on every rank: raises everywhere or nowhere
+
+    @functools.cache
+    def names() -> dict[str, str]:  # (rank 0, while planning) model key -> PEFT's name
+        return {strip_wrappers(k): v for k, v in _peft.adapter_names(model, adapter).items()}
+
+    return _save(
+        model,
+        out_dir,
+        _Layout("adapter_model", True, functools.partial(_adapter_config, adapter)),
+        max_shard_size="5GB",
+        dtype=dtype,
+        key_map=lambda key: names().get(key),
+        original_format=False,
+        max_staging_bytes=max_staging_bytes,
+    )
+
+
+def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it."""
+    config: Any = copy.deepcopy(_peft.peft_config(model, adapter))
+    if getattr(config, "base_model_name_or_path", None) is None:
+        config.base_model_name_or_path = getattr(peft_base_model(model), "name_or_path", None) or None
+    config.inference_mode = True
+    config.save_pretrained(folder)
 
 
 @dataclass(frozen=True)
