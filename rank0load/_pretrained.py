@@ -76,6 +76,7 @@ def load_pretrained(
     revision: str | None = None,
     config_overrides: dict[str, Any] | None = None,
     subfolder: str | None = None,
+    peft_config: Any = None,
     **load_sharded_kwargs: Any,
 ) -> nn.Module:
     """Build a transformers or diffusers model from the checkpoint's ``config.json`` and load it
@@ -110,8 +111,12 @@ def load_pretrained(
             arguments of its ``__init__`` (``from_config``'s keyword arguments). Rank 0's are used.
         subfolder: the folder of ``ckpt_path`` that holds the model's config and weights, as for
             ``from_pretrained``: a pipeline's component (``"transformer"``, ``"text_encoder"``).
+        peft_config: a PEFT config (``LoraConfig(...)``): the model is ``get_peft_model(model,
+            peft_config)``, built in the meta build, its adapters initialised as PEFT draws them (rank 0's
+            random state) and the base weights loaded into it; with ``adapter=`` (a PEFT adapter folder,
+            passed to ``load_sharded``) a trained adapter is loaded too.
         **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``, ``local_reads``,
-            ``conversions``, passed to ``load_sharded``.
+            ``conversions``, ``adapter``, passed to ``load_sharded``.
 
     Returns:
         The sharded model, in eval mode as ``from_pretrained`` returns it (call ``model.train()`` to
@@ -145,14 +150,27 @@ def load_pretrained(
     _distribute.settle(error, "building the model's config", _NO_DATA, wrap=LoadError)
     assert configured is not None  # settle() raised otherwise
     model = load_sharded(
-        lambda: _build(model_cls, configured.config, configured.dtype, configured.record),
+        lambda: _peft_wrapped(
+            _build(model_cls, configured.config, configured.dtype, configured.record), peft_config
+        ),
         path,
         mesh,
         **load_sharded_kwargs,
     )
-    if configured.generation is not None and model.can_generate():  # type: ignore[operator]
-        model.generation_config = configured.generation
+    base: Any = _compat.peft_base_model(model)
+    if configured.generation is not None and base.can_generate():
+        base.generation_config = configured.generation
     return model.eval()
+
+
+def _peft_wrapped(model: nn.Module, peft_config: Any) -> nn.Module:
+    """(all ranks, inside the meta build) ``get_peft_model(model, peft_config)``, or the model."""
+    if peft_config is None:
+        return model
+    from peft import get_peft_model
+
+    wrapped: nn.Module = _distribute.user_code("get_peft_model", get_peft_model, model, peft_config)
+    return wrapped
 
 
 def _read(

@@ -212,6 +212,55 @@ def _reference_denoising(pipeline: str, steps: int) -> list[tuple[float, float]]
     return out
 
 
+def _reference_lora(path: str, steps: int) -> tuple[list[tuple[float, float]], dict]:
+    """examples/lora.py's loop in one process: get_peft_model(from_pretrained(base, bf16)), seed 0."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    out = []
+    for step in range(steps):
+        loss = model(**_batch(64, "cpu", seed=step)).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append((loss.item(), norm.item()))
+    return out, {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.slow
+@pytest.mark.peft
+def test_lora(checkpoint, tmp_path):
+    """The base checkpoint into a bf16 PeftModel, the adapters trained as one process trains them,
+    saved in PEFT's layout (PeftModel.from_pretrained reads it) and resumed equal."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out_dir = str(tmp_path / "adapter")
+    text = _run("lora.py", 2, checkpoint, out_dir)
+    assert "kept 8 adapter tensors" in text, text  # 2 layers x (q_proj, v_proj) x (lora_A, lora_B)
+    got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
+    want, trained = _reference_lora(checkpoint, 3)
+    assert len(got) == 3, text
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, want):
+        assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3), text
+    assert "saved ['adapter_config.json', 'adapter_model.safetensors']" in text, text
+    assert "resumed adapters equal the trained ones: True" in text, text
+    back = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16), out_dir)
+    loaded = {n: p for n, p in back.named_parameters() if "lora_" in n}
+    assert sorted(loaded) == sorted(trained)
+    for name, value in loaded.items():
+        torch.testing.assert_close(value, trained[name], rtol=2e-2, atol=1e-4, msg=name)  # 3 AdamW steps apart
+        if ".lora_B." in name:
+            assert value.abs().max() > 0, name  # trained away from PEFT's zeros
+
+
 @pytest.mark.slow
 @pytest.mark.diffusers
 def test_diffusion(tmp_path):
