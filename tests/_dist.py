@@ -131,6 +131,32 @@ def run(
     return results
 
 
+def run_jobs(
+    rank: int,
+    root: str,
+    jobs: dict[str, Any],
+    run_job: Callable[[Any], Any],
+    expects_error: Callable[[Any], bool] = lambda job: False,
+) -> dict:
+    """(each rank) ``run_job(job)`` for each job in order, the checkpoints under ``root`` hidden from
+    ranks other than 0 (``fakes.hide``, as root). A job that raises becomes a :class:`Raised` and,
+    unless ``expects_error(job)`` (an error every rank raises alike), ends the list: a failed job may
+    leave the ranks out of step. Returns the jobs' results by name and the paths a hidden rank touched."""
+    from tests.fakes import hide
+
+    touched = hide(root) if rank != 0 and os.geteuid() == 0 else []
+    out: dict[str, Any] = {}
+    for name, job in jobs.items():
+        try:
+            out[name] = run_job(job)
+        except Exception as exc:
+            bases = tuple(c.__name__ for c in type(exc).__mro__)
+            out[name] = Raised(type(exc).__name__, bases, str(exc), traceback.format_exc())
+            if not expects_error(job):
+                break
+    return {"jobs": out, "touched": list(touched)}
+
+
 def ok(results: list[Any]) -> list[Any]:
     """Fail the test with the first rank's traceback if any rank raised."""
     raised = [(r, res) for r, res in enumerate(results) if isinstance(res, Raised)]

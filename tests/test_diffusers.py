@@ -32,7 +32,6 @@ import pytest
 import torch
 
 from tests import _dist
-from tests.fakes import hide
 from tests.models import assert_same, gather, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.diffusers]
@@ -178,24 +177,12 @@ def _run_job(job: Job) -> dict:
 
 
 def _run_all(rank: int, world: int, root: str, jobs: dict[str, Job]) -> dict:
-    touched = hide(root) if rank != 0 and os.geteuid() == 0 else []
     import diffusers
     import transformers
 
     diffusers.utils.logging.set_verbosity_error()
     transformers.logging.set_verbosity_error()
-    out = {}
-    for name, job in jobs.items():
-        try:
-            out[name] = _run_job(job)
-        except Exception as exc:
-            import traceback
-
-            bases = tuple(c.__name__ for c in type(exc).__mro__)
-            out[name] = _dist.Raised(type(exc).__name__, bases, str(exc), traceback.format_exc())
-            if not job.error:
-                break  # a failed job may leave the ranks out of step: stop here
-    return {"jobs": out, "touched": list(touched)}
+    return _dist.run_jobs(rank, root, jobs, _run_job, expects_error=lambda job: job.error)
 
 
 # --- the checkpoints and the references -----------------------------------------------------------------

@@ -252,11 +252,15 @@ def test_lora(checkpoint, tmp_path):
         assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3), text
     assert "saved ['adapter_config.json', 'adapter_model.safetensors']" in text, text
     assert "resumed adapters equal the trained ones: True" in text, text
-    back = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16), out_dir)
+    back = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16), out_dir
+    )
     loaded = {n: p for n, p in back.named_parameters() if "lora_" in n}
     assert sorted(loaded) == sorted(trained)
     for name, value in loaded.items():
-        torch.testing.assert_close(value, trained[name], rtol=2e-2, atol=1e-4, msg=name)  # 3 AdamW steps apart
+        torch.testing.assert_close(
+            value, trained[name], rtol=2e-2, atol=1e-4, msg=name
+        )  # 3 AdamW steps apart
         if ".lora_B." in name:
             assert value.abs().max() > 0, name  # trained away from PEFT's zeros
 

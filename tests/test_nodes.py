@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,7 @@ with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
                "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "local_read": report.local_read,
                "local_readers": report.local_readers, "local_status": report.local_status}}, f)
 dist.destroy_process_group()
+open(os.path.join(out, f"rank{{rank}}.done"), "w").close()  # all its work done, every group destroyed
 """
 
 
@@ -129,8 +131,15 @@ def test_two_nodes_with_the_checkpoint_on_node_0_only(tmp_path, two_nodes):
             for q in procs:
                 q.kill()
             pytest.fail("the two-node load did not finish in 180 s")
+    done = sorted(r for r in range(4) if (out / f"rank{r}.done").exists())
     for k, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"node {k} exited {p.returncode}:\n{log[-4000:]}"
+        assert done == [0, 1, 2, 3], (
+            f"ranks {done} finished their work; node {k} exited {p.returncode}:\n{log[-4000:]}"
+        )
+        # torch 2.13 on the CPU can abort in interpreter shutdown after every rank's work is done and
+        # its process groups destroyed (shared/DESIGN.md): forgiven then, and only that.
+        aborted = re.search(r"SIGABRT|exitcode\s*:\s*-6|terminate called", log)
+        assert p.returncode == 0 or aborted, f"node {k} exited {p.returncode}:\n{log[-4000:]}"
 
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["sees_checkpoint"] for r in ranks] == [True, True, False, False]

@@ -27,7 +27,6 @@ import pytest
 import torch
 
 from tests import _dist, hf
-from tests.fakes import hide
 from tests.models import assert_same, gather, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.peft]
@@ -160,18 +159,8 @@ def _run_job(job: Job) -> dict:
 
 
 def _run_all(rank: int, world: int, root: str, jobs: dict[str, Job]) -> dict:
-    touched = hide(root) if rank != 0 and os.geteuid() == 0 else []
     hf._quiet()
-    out = {}
-    for name, job in jobs.items():
-        try:
-            out[name] = _run_job(job)
-        except Exception as exc:
-            import traceback
-
-            out[name] = _dist.Raised(type(exc).__name__, (), str(exc), traceback.format_exc())
-            break  # a failed job may leave the ranks out of step: stop here
-    return {"jobs": out, "touched": list(touched)}
+    return _dist.run_jobs(rank, root, jobs, _run_job)
 
 
 # --- the checkpoints and the references -----------------------------------------------------------------
