@@ -23,10 +23,27 @@ import torch
 from ._format import TensorHeader
 from .errors import ModelMismatchError
 
-__all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for"]
+__all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for", "to_float32"]
 
 FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
 _ROWS_AT_ONCE_BYTES = 1 << 20  # float32 temporaries per step of dequantize
+_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def to_float32(values: torch.Tensor) -> torch.Tensor:
+    """``values.to(torch.float32)`` for a float8 tensor, bit for bit, faster on the CPU.
+
+    torch converts float8 to float32 one element at a time on the CPU (about 0.2 G elements/s per
+    core on our machines); a float8 dtype has only 256 values, so a 1 KiB table indexed by the bytes
+    (``index_select`` with int32 indices) does the same about three times faster, NaNs included.
+    Elsewhere (CUDA) torch's own conversion is already at memory speed and is used as it is.
+    """
+    if values.device.type != "cpu" or values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return values.to(torch.float32)
+    table = _TABLES.get(values.dtype)
+    if table is None:
+        table = _TABLES[values.dtype] = torch.arange(256, dtype=torch.uint8).view(values.dtype).float()
+    return table.index_select(0, values.reshape(-1).view(torch.uint8).int()).view(values.shape)
 
 
 def block_size(root: str) -> tuple[int, int] | None:
