@@ -28,8 +28,8 @@ when saving; no collectives)
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +41,7 @@ from .errors import SaveError
 __all__ = [
     "Conversion",
     "ConversionMatch",
+    "KeyResolver",
     "StackExperts",
     "TransformersConversions",
     "TransformersReversal",
@@ -122,6 +123,106 @@ class StackExperts:
                 target = target.replace("*", value, 1)
             return ConversionMatch(target, int(found.group("e")), index, len(self.sources), repr(self))
         return None
+
+
+_NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")  # a number that is a whole dotted segment
+
+
+@dataclass
+class _Rule:
+    """What a conversion did to one key pattern: its target with each number slot of the pattern
+    (``None``: a literal), the slot holding the expert index, and the match's other fields."""
+
+    first: tuple[str, ...]  # the numbers of the key the rule was read from
+    pieces: tuple[str, ...]  # the target split around its numbers: text, number, text, ...
+    slots: tuple[int | None, ...]  # for each number of the target, the key's slot it copies
+    expert: int | None  # the key's slot holding the expert index
+    match: ConversionMatch | None
+    varied: set[int]  # slots seen with another value than ``first``'s, every prediction confirmed
+
+    def predict(self, numbers: list[str]) -> ConversionMatch | None:
+        if self.match is None:
+            return None
+        out = list(self.pieces)
+        for i, slot in enumerate(self.slots):
+            if slot is not None:
+                out[2 * i + 1] = numbers[slot]
+        expert = int(numbers[self.expert]) if self.expert is not None else None
+        return replace(self.match, target="".join(out), expert=expert)
+
+
+class KeyResolver:
+    """(rank 0) A checkpoint key -> its canonical model key and, when the model does not have the
+    key itself, the conversion that places it, decided once per key *pattern*.
+
+    MoE checkpoints repeat a few patterns (``layers.N.….experts.E.w1.weight``) tens of thousands of
+    times, and a transformers conversion costs about a dozen regular-expression renamings per key.
+    A pattern's keys differ only in their numbers, so the rule read from one key (which of its
+    numbers the target copies, which one is the expert index) holds for the others. It is taken on
+    trust only after it predicted every key of the pattern exactly until each of its numbers had
+    taken a second value (within the first layer of a MoE checkpoint: a few hundred keys in all);
+    a pattern whose rule mispredicts, or whose numbers repeat within a key (``layers.0.experts.0``),
+    is computed key by key. A predicted target must still be a model key, or the key is computed.
+    """
+
+    def __init__(self, canonical: Callable[[str], str | None], conversions: Sequence[Conversion]) -> None:
+        self._canonical, self._conversions = canonical, tuple(conversions)
+        self._rules: dict[str, _Rule | None] = {}  # None: computed key by key
+
+    def __call__(self, key: str) -> tuple[str | None, ConversionMatch | None]:
+        canonical = self._canonical(key)
+        if canonical is not None or not self._conversions:
+            return canonical, None
+        numbers = _NUMBER.findall(key)
+        pattern = _NUMBER.sub("\0", key)
+        rule = self._rules.get(pattern, False)
+        if rule is None or rule is False:
+            found = self._convert(key)
+            if rule is False and len(set(numbers)) == len(numbers):  # else: read it off a later key
+                self._rules[pattern] = _rule_of(numbers, found)
+            return (found.target if found else None), found
+        predicted = rule.predict(numbers)
+        if len(rule.varied) == len(rule.first):  # trusted
+            if predicted is None or self._canonical(predicted.target) == predicted.target:
+                return (predicted.target if predicted else None), predicted
+            found = self._convert(key)
+            return (found.target if found else None), found
+        found = self._convert(key)
+        if found != predicted:
+            self._rules[pattern] = None
+        else:
+            rule.varied.update(i for i, (a, b) in enumerate(zip(numbers, rule.first)) if a != b)
+        return (found.target if found else None), found
+
+    def _convert(self, key: str) -> ConversionMatch | None:
+        """The first conversion that maps ``key`` onto a tensor of the model (target canonical)."""
+        for conversion in self._conversions:
+            found = conversion.match(key)
+            target = self._canonical(found.target) if found is not None else None
+            if found is not None and target is not None:
+                return replace(found, target=target)
+        return None
+
+
+def _rule_of(numbers: list[str], found: ConversionMatch | None) -> _Rule | None:
+    """The rule ``found`` follows for a key with ``numbers`` (all different), or None when it cannot
+    be read off (an expert index that is none of its numbers)."""
+    if found is None:
+        return _Rule(tuple(numbers), (), (), None, None, set())
+    pieces = tuple(_NUMBER.split(found.target))
+    values = _NUMBER.findall(found.target)
+    joined: list[str] = []
+    for i, text in enumerate(pieces):
+        joined.append(text)
+        if i < len(values):
+            joined.append(values[i])
+    slots = tuple(numbers.index(v) if v in numbers else None for v in values)
+    expert = None
+    if found.expert is not None:
+        if str(found.expert) not in numbers:
+            return None
+        expert = numbers.index(str(found.expert))
+    return _Rule(tuple(numbers), tuple(joined), slots, expert, found, set())
 
 
 _STACKABLE = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])

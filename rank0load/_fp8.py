@@ -116,10 +116,17 @@ def dequantize(
 ) -> torch.Tensor:
     """float32 values of elements ``[start, start + len(values))`` of an entry made of 2-D parts
     of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales`` holds the
-    parts' scale grids (float32), one after the other."""
+    parts' scale grids (float32), one after the other.
+
+    When every part but the last ends on a block boundary (stacked experts of 128-multiple widths,
+    as real checkpoints have), the parts' grids one after the other are the grid of the parts
+    stacked: the entry is dequantised as one matrix, with no step per part.
+    """
     out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
     bm, bn = block
     grid_cols = math.ceil(cols / bn)
+    if all(rows % bm == 0 for rows in part_rows[:-1]):
+        part_rows = [sum(part_rows)]
     done, base, grid_base = 0, 0, 0
     for rows in part_rows:
         size = rows * cols
@@ -158,28 +165,56 @@ def dequantize_at(
     part_base = ends[part] - torch.tensor(part_rows, dtype=torch.int64, device=flat.device)[part]
     grid_row = grid_bases[part] + (row - part_base) // bm
     scale = scales.view(-1, grid_cols)[grid_row, col // bn]
-    return values.to(torch.float32) * scale
+    return to_float32(values) * scale
 
 
 def _part(
     values: torch.Tensor, out: torch.Tensor, first: int, cols: int, block: tuple[int, int], grid: torch.Tensor
 ) -> None:
-    """Elements ``first ..`` of one [rows, cols] part: a partial first row, whole rows in steps of
-    bounded size, a partial last row."""
-    bm, bn = block
+    """Elements ``first ..`` of one [rows, cols] part into ``out``: converted at once, then each
+    run of rows multiplied by its scales broadcast over the block (no full-size scale tensor)."""
+    _convert_into(values, out)
     pos, n = 0, values.numel()
-    step_rows = max(1, _ROWS_AT_ONCE_BYTES // (4 * cols))
     while pos < n:
         row, col = divmod(first + pos, cols)
         if col or n - pos < cols:  # part of one row
             take = min(n - pos, cols - col)
-            scale = grid[row // bm].repeat_interleave(bn)[col : col + take]
-            torch.mul(values[pos : pos + take].to(torch.float32), scale, out=out[pos : pos + take])
+            _scale_rows(out[pos : pos + take].view(1, take), grid, row, col, block)
         else:
-            rows = min(step_rows, (n - pos) // cols)
-            take = rows * cols
-            index = torch.arange(row, row + rows, device=grid.device) // bm
-            scale = grid.index_select(0, index).repeat_interleave(bn, dim=1)[:, :cols]
-            chunk = values[pos : pos + take].view(rows, cols).to(torch.float32)
-            torch.mul(chunk, scale, out=out[pos : pos + take].view(rows, cols))
+            take = (n - pos) // cols * cols
+            _scale_rows(out[pos : pos + take].view(-1, cols), grid, row, 0, block)
         pos += take
+
+
+def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:] = float32(values)`` (see :func:`to_float32`), without a temporary on the CPU."""
+    table = _TABLES.get(values.dtype) if values.device.type == "cpu" else None
+    if table is None and values.device.type == "cpu" and values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        to_float32(values[:0])  # builds the table
+        table = _TABLES[values.dtype]
+    if table is None:
+        out.copy_(values)
+        return
+    torch.index_select(table, 0, values.reshape(-1).view(torch.uint8).int(), out=out.view(-1))
+
+
+def _scale_rows(x: torch.Tensor, grid: torch.Tensor, row: int, col: int, block: tuple[int, int]) -> None:
+    """Multiply ``x`` [k, w], rows ``row ..`` and columns ``col ..`` of a part, by their block scales in
+    place: the scale rows gathered once per matrix row ([k, grid columns], 1/bn of the elements), then
+    broadcast over each block's columns."""
+    bm, bn = block
+    k, width = x.shape
+    index = torch.arange(row, row + k, device=grid.device) // bm
+    rows = grid.index_select(0, index)  # [k, grid columns]
+    at = 0
+    if col % bn:  # a partial first column block
+        take = min(width, bn - col % bn)
+        x[:, :take].mul_(rows[:, col // bn, None])
+        at = take
+    whole = (width - at) // bn
+    if whole:
+        g = (col + at) // bn
+        x[:, at : at + whole * bn].view(k, whole, bn).mul_(rows[:, g : g + whole, None])
+        at += whole * bn
+    if at < width:  # a partial last column block
+        x[:, at:].mul_(rows[:, (col + at) // bn, None])

@@ -13,12 +13,12 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from . import _peft
-from ._convert import Conversion, ConversionMatch
+from ._convert import Conversion, ConversionMatch, KeyResolver
 from ._entries import FLOAT_WIRE, Entry, Part, build_entries, unconsumed
 from ._files import OpenFile, open_files
 from ._format import TensorHeader, read_header
@@ -134,6 +134,7 @@ def match_keys(
     mapped_from: dict[str, str] = {}
     unexpected: list[str] = []
     ignored: list[str] = []
+    resolve = KeyResolver(layout.canonical, conversions)
     for ckpt_key, t in headers.items():
         try:
             model_key = key_map(ckpt_key) if key_map is not None else ckpt_key
@@ -160,11 +161,7 @@ def match_keys(
         if model_key in layout.non_persistent:
             ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
             continue
-        canonical = layout.canonical(model_key)
-        converted = None
-        if canonical is None:
-            converted = _convert(model_key, layout, conversions)
-            canonical = converted.target if converted is not None else None
+        canonical, converted = resolve(model_key)
         if canonical is None or converted is not None and converted.unsupported is not None:
             if converted is not None and canonical is not None:
                 unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
@@ -189,18 +186,6 @@ def match_keys(
         unsupported=unsupported,
         kept=tuple(sorted(k for k in absent if k in layout.built)),
     )
-
-
-def _convert(
-    model_key: str, layout: ModelLayout, conversions: Sequence[Conversion]
-) -> ConversionMatch | None:
-    """The first conversion that maps ``model_key`` onto a tensor of the model (target canonical)."""
-    for conversion in conversions:
-        found = conversion.match(model_key)
-        target = layout.canonical(found.target) if found is not None else None
-        if found is not None and target is not None:
-            return replace(found, target=target)
-    return None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank0load._fp8 import dequantize, dequantize_at
+from rank0load._fp8 import dequantize, dequantize_at, to_float32
 from tests.moe_models import dequantize as reference
 from tests.moe_models import quantize
 
@@ -43,6 +43,36 @@ def test_any_run_of_elements_dequantises_exactly(case):
     values, scales, full = _quantised(block, cols, part_rows, seed)
     got = dequantize(values[start : start + n], start, part_rows, cols, block, scales)
     assert torch.equal(got, full[start : start + n])
+
+
+@st.composite
+def aligned_entries(draw):
+    """Parts that end on block boundaries (but the last): stacked experts of 128-multiple widths,
+    which dequantise as one matrix."""
+    block = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
+    cols = draw(st.integers(1, 13))
+    part_rows = [block[0] * r for r in draw(st.lists(st.integers(1, 3), min_size=1, max_size=5))]
+    part_rows[-1] = draw(st.integers(1, 11))
+    seed = draw(st.integers(0, 1000))
+    total = sum(part_rows) * cols
+    start = draw(st.integers(0, total - 1))
+    return block, cols, part_rows, seed, start, draw(st.integers(1, total - start))
+
+
+@settings(max_examples=200, deadline=None)
+@given(aligned_entries())
+def test_aligned_parts_dequantise_exactly(case):
+    block, cols, part_rows, seed, start, n = case
+    values, scales, full = _quantised(block, cols, part_rows, seed)
+    got = dequantize(values[start : start + n], start, part_rows, cols, block, scales)
+    assert torch.equal(got, full[start : start + n])
+
+
+def test_table_conversion_is_torchs_bit_for_bit():
+    """to_float32: every float8 byte (NaNs and signed zeros included) as torch converts it."""
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q = torch.arange(256, dtype=torch.uint8).view(dtype)
+        assert torch.equal(to_float32(q).view(torch.int32), q.to(torch.float32).view(torch.int32))
 
 
 @settings(max_examples=200, deadline=None)
