@@ -189,7 +189,11 @@ def _part(
 def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
     """``out[:] = float32(values)`` (see :func:`to_float32`), without a temporary on the CPU."""
     table = _TABLES.get(values.dtype) if values.device.type == "cpu" else None
-    if table is None and values.device.type == "cpu" and values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if (
+        table is None
+        and values.device.type == "cpu"
+        and values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    ):
         to_float32(values[:0])  # builds the table
         table = _TABLES[values.dtype]
     if table is None:

@@ -26,7 +26,10 @@ def _keys() -> list[str]:
         out.append(f"model.layers.{la}.norm.weight")
         for e in range(EXPERTS):  # header order: lexicographic, as safetensors stores them
             for w in ("w1", "w2", "w3"):
-                out += [f"model.layers.{la}.experts.{e}.{w}.weight", f"model.layers.{la}.experts.{e}.{w}.weight_scale_inv"]
+                out += [
+                    f"model.layers.{la}.experts.{e}.{w}.weight",
+                    f"model.layers.{la}.experts.{e}.{w}.weight_scale_inv",
+                ]
     return sorted(out)
 
 
@@ -37,7 +40,10 @@ def _model_keys() -> set[str]:
 
 
 RULES = [
-    StackExperts("model.layers.*.experts.w13", ("model.layers.*.experts.{e}.w1.weight", "model.layers.*.experts.{e}.w3.weight")),
+    StackExperts(
+        "model.layers.*.experts.w13",
+        ("model.layers.*.experts.{e}.w1.weight", "model.layers.*.experts.{e}.w3.weight"),
+    ),
     StackExperts("model.layers.*.experts.w2", ("model.layers.*.experts.{e}.w2.weight",)),
 ]
 
