@@ -194,11 +194,16 @@ def _with_scales(
         raise ModelMismatchError(
             f"model tensor {entry.key!r}: its float8 parts use different block sizes {sorted(blocks)}"
         )
+    block = blocks.pop()
+    rows = [t.shape[0] for t in parts]
+    # Parts that end on block boundaries (all but the last) are one matrix to the dequantisation:
+    # their grids one after the other are the grid of the parts stacked (stacked experts of
+    # 128-multiple widths, as real checkpoints have), so the entry is decoded with no step per part.
     return replace(
         entry,
         scales=tuple(Part(s.file, s.key, s.offset, s.nbytes) for s, _ in found),
-        block=blocks.pop(),
-        part_rows=tuple(t.shape[0] for t in parts),
+        block=block,
+        part_rows=(sum(rows),) if all(r % block[0] == 0 for r in rows[:-1]) else tuple(rows),
     )
 
 

@@ -116,17 +116,12 @@ def dequantize(
 ) -> torch.Tensor:
     """float32 values of elements ``[start, start + len(values))`` of an entry made of 2-D parts
     of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales`` holds the
-    parts' scale grids (float32), one after the other.
-
-    When every part but the last ends on a block boundary (stacked experts of 128-multiple widths,
-    as real checkpoints have), the parts' grids one after the other are the grid of the parts
-    stacked: the entry is dequantised as one matrix, with no step per part.
+    parts' scale grids (float32), one after the other. (Parts that end on block boundaries are one
+    part to this: ``_entries`` gives such an entry a single ``part_rows``.)
     """
     out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
     bm, bn = block
     grid_cols = math.ceil(cols / bn)
-    if all(rows % bm == 0 for rows in part_rows[:-1]):
-        part_rows = [sum(part_rows)]
     done, base, grid_base = 0, 0, 0
     for rows in part_rows:
         size = rows * cols

@@ -37,7 +37,7 @@ from ._files import FileIdentity, OpenFile
 from ._format import DTYPES
 from ._plan import Piece, Plan, Route, block_half, deliveries
 from ._sink import Sink, Staging
-from ._stream import read_into
+from ._stream import read_vectored, runs
 from ._transfer import fan_out
 from .errors import CheckpointChangedError, LoadError
 
@@ -221,10 +221,11 @@ class LocalReader:
 
     def _read(self, piece: Piece, data: torch.Tensor) -> None:
         entry = self.plan.entries[piece.index]
-        for path, offset, nbytes, at in entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES):
+        extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
+        for path, offset, views in runs(extents, data):
             self.touched.add(path)
             try:
-                read_into(self.files.fd(path), data[at : at + nbytes], offset, path)
+                read_vectored(self.files.fd(path), views, offset, path)
             except OSError as exc:
                 via, how = "", ""
                 if self.me != 0:

@@ -24,21 +24,60 @@ from ._entries import Entry
 from ._plan import Piece, Route
 from .errors import CheckpointFormatError, LoadError
 
-__all__ = ["Reader", "Staged", "read_into"]
+__all__ = ["Reader", "Staged", "read_into", "read_vectored", "runs"]
+
+
+_IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
 
 
 def read_into(fd: int, buf: torch.Tensor, offset: int, path: str) -> None:
     """Fill the contiguous uint8 CPU tensor ``buf`` from ``fd`` at ``offset`` (short reads retried)."""
-    view = host_bytes(buf)
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+    read_vectored(fd, [host_bytes(buf)], offset, path)
+
+
+def read_vectored(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` one after the other from the file bytes at ``offset`` on: one ``preadv`` for
+    them all unless the kernel returns less (short reads retried)."""
+    at, i = offset, 0
+    views = list(views)
+    while i < len(views):
+        n = os.preadv(fd, views[i : i + _IOV_MAX], at)
         if n <= 0:
             raise CheckpointFormatError(
-                f"{path}: unexpected end of file at byte {offset + done} while reading "
+                f"{path}: unexpected end of file at byte {at} while reading "
                 "(was the file changed during the load?). Load again; if it repeats, re-download the file."
             )
-        done += n
+        at += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+
+
+def runs(
+    extents: list[tuple[str, int, int, int]], data: torch.Tensor
+) -> list[tuple[str, int, list[memoryview]]]:
+    """A piece's extents (``Entry.extents``: file, file offset, bytes, offset in ``data``) as runs of
+    adjacent file bytes, each read with one ``preadv`` scattering into ``data``: ``(file, offset,
+    buffers)``, the files in the order the extents first name them, each file's runs by offset.
+    Stacked experts' parts are many small tensors, often next to each other in the file."""
+    view = host_bytes(data)
+    if len(extents) == 1:
+        path, offset, nbytes, at = extents[0]
+        return [(path, offset, [view[at : at + nbytes]])]
+    order: dict[str, int] = {}
+    for extent in extents:
+        order.setdefault(extent[0], len(order))
+    out: list[tuple[str, int, list[memoryview]]] = []
+    end = -1
+    for path, offset, nbytes, at in sorted(extents, key=lambda e: (order[e[0]], e[1])):
+        if out and out[-1][0] == path and offset == end:
+            out[-1][2].append(view[at : at + nbytes])
+        else:
+            out.append((path, offset, [view[at : at + nbytes]]))
+        end = offset + nbytes
+    return out
 
 
 @dataclass
@@ -94,7 +133,8 @@ class Reader:
     def _read(self, piece: Piece, data: torch.Tensor) -> None:
         """Read ``piece`` into ``data``, from the one or several checkpoint tensors it spans."""
         entry = self._entries[piece.index]
-        for path, offset, nbytes, at in entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES):
+        extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
+        for path, offset, views in runs(extents, data):
             if path != self._current:  # the manifest is in file order: leaving a file, check it
                 self._check(self._current)
                 self._current = path
@@ -102,7 +142,7 @@ class Reader:
             if opened is None:
                 raise LoadError(f"internal error: {path} was not opened when its header was read")
             try:
-                read_into(opened.fd, data[at : at + nbytes], offset, path)
+                read_vectored(opened.fd, views, offset, path)
             except OSError as exc:
                 raise LoadError(
                     f"rank 0 could not read {path} at byte {offset}: {exc.strerror or exc}. "

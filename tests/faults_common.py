@@ -114,21 +114,21 @@ def _inject(fault: str | None, rank: int):
         import rank0load._localread as localread_mod
         import rank0load._stream as stream_mod
 
-        original = stream_mod.read_into
+        original = stream_mod.read_vectored
         calls = [0]
 
-        def failing_read_into(fd, buf, offset, path):
+        def failing_read_vectored(fd, buf, offset, path):
             calls[0] += 1
             if calls[0] == 3:
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return original(fd, buf, offset, path)
 
         if rank == 0:  # its reader thread, or its own reads when every rank reads locally
-            stream_mod.read_into = localread_mod.read_into = failing_read_into
+            stream_mod.read_vectored = localread_mod.read_vectored = failing_read_vectored
         try:
             yield
         finally:
-            stream_mod.read_into = localread_mod.read_into = original
+            stream_mod.read_vectored = localread_mod.read_vectored = original
         return
     raise ValueError(fault)
 

@@ -175,7 +175,7 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
     import rank0load._stream as stream_mod
 
     mesh = init_device_mesh("cpu", (world,))
-    original = stream_mod.read_into
+    original = stream_mod.read_vectored
 
     def failing(fd, buf, offset, path):
         if bad[0] <= offset < bad[1]:  # a chunk of the BLOCK entry
@@ -185,7 +185,7 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
     out: dict = {}
     for local_reads in (False, True):
         if rank == 0:
-            stream_mod.read_into = localread_mod.read_into = failing
+            stream_mod.read_vectored = localread_mod.read_vectored = failing
         error = None
         try:
             rank0load.load_sharded(
@@ -194,7 +194,7 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
         except rank0load.LoadError as exc:
             error = (type(exc).__name__, str(exc))
         finally:
-            stream_mod.read_into = localread_mod.read_into = original
+            stream_mod.read_vectored = localread_mod.read_vectored = original
         model = rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp)
         out[local_reads] = {"error": error, "tensors": gather(model)}
     return out

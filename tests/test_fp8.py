@@ -64,8 +64,11 @@ def aligned_entries(draw):
 def test_aligned_parts_dequantise_exactly(case):
     block, cols, part_rows, seed, start, n = case
     values, scales, full = _quantised(block, cols, part_rows, seed)
-    got = dequantize(values[start : start + n], start, part_rows, cols, block, scales)
+    merged = [sum(part_rows)]  # as _entries describes such an entry
+    got = dequantize(values[start : start + n], start, merged, cols, block, scales)
     assert torch.equal(got, full[start : start + n])
+    flat = torch.arange(start, start + n)
+    assert torch.equal(dequantize_at(values[flat], flat, merged, cols, block, scales), full[flat])
 
 
 def test_table_conversion_is_torchs_bit_for_bit():

@@ -251,7 +251,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
     if case == "changed" and rank == 0:  # only the local reader may see it: its own check
         return _Patch((fileio.OpenFile, "check", lambda self: None))
     if case in ("read-error", "changed") and rank == (1 if case == "read-error" else 2):
-        read, calls = localread.read_into, [0]
+        read, calls = localread.read_vectored, [0]
 
         def failing(fd, buf, offset, path):
             calls[0] += 1
@@ -262,7 +262,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
                 os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
             return read(fd, buf, offset, path)
 
-        return _Patch((localread, "read_into", failing))
+        return _Patch((localread, "read_vectored", failing))
     return _Patch()
 
 
@@ -414,7 +414,7 @@ def _dies_reading(rank: int, world: int, root: str, victim: int, marker: str) ->
         hide(root)
     if rank == victim:  # every rank reads locally here, rank 0 too, through _localread
         module = localread
-        read, calls = module.read_into, [0]
+        read, calls = module.read_vectored, [0]
 
         def dying(*args):
             calls[0] += 1
@@ -423,7 +423,7 @@ def _dies_reading(rank: int, world: int, root: str, victim: int, marker: str) ->
                 os._exit(17)
             return read(*args)
 
-        module.read_into = dying
+        module.read_vectored = dying
     started = time.monotonic()
     try:
         rank0load.load_sharded(toy, os.path.join(root, "sharded"), max_staging_bytes=4096)

@@ -23,16 +23,16 @@ CASE_LIMIT = 15.0  # seconds; the process-group timeout is 60 s, so a hang canno
 
 
 def _changer(path: str, how: str):
-    """A read_into for rank 0 that changes ``path`` (as another writer would) before its 3rd read,
+    """A read_vectored for rank 0 that changes ``path`` (as another writer would) before its 3rd read,
     for its reader thread (``_stream``) and for its own reads when every rank reads locally
     (``_localread``)."""
     import rank0load._localread as localread_mod
     import rank0load._stream as stream_mod
 
-    original = stream_mod.read_into
+    original = stream_mod.read_vectored
     calls = [0]
 
-    def read_into(fd, buf, offset, where):
+    def read_vectored(fd, buf, offset, where):
         calls[0] += 1
         if calls[0] == 3:
             if how == "rewritten":  # same size, other bytes, in place
@@ -48,7 +48,7 @@ def _changer(path: str, how: str):
                 os.truncate(path, os.path.getsize(path) // 2)
         return original(fd, buf, offset, where)
 
-    return (stream_mod, localread_mod), original, read_into
+    return (stream_mod, localread_mod), original, read_vectored
 
 
 def _attempt(fn) -> tuple:
@@ -84,7 +84,7 @@ def _cases(rank: int, world: int, root: str, good: str) -> dict:
                 save_state(trained_toy(), path)  # whole again, for the second way
                 mods, original, changer = _changer(path, how)
                 for mod in mods:
-                    mod.read_into = changer
+                    mod.read_vectored = changer
             torch.distributed.barrier()
             try:
                 out[case] = _attempt(
@@ -92,7 +92,7 @@ def _cases(rank: int, world: int, root: str, good: str) -> dict:
                 )
             finally:
                 for mod in mods:
-                    mod.read_into = original
+                    mod.read_vectored = original
             out[case + ":good"] = good_load()
 
     # Local exceptions inside the stream: a receiver's cast, rank 0's copy into its own shard.
