@@ -175,10 +175,11 @@ class KeyResolver:
             return canonical, None
         numbers = _NUMBER.findall(key)
         pattern = _NUMBER.sub("\0", key)
-        rule = self._rules.get(pattern, False)
-        if rule is None or rule is False:
+        rule = self._rules.get(pattern)
+        if rule is None:
             found = self._convert(key)
-            if rule is False and len(set(numbers)) == len(numbers):  # else: read it off a later key
+            unread = pattern not in self._rules
+            if unread and len(set(numbers)) == len(numbers):  # else: read it off a later key
                 self._rules[pattern] = _rule_of(numbers, found)
             return (found.target if found else None), found
         predicted = rule.predict(numbers)

@@ -9,10 +9,13 @@ given their scale grids (:func:`_with_scales`, see ``_fp8``). ``_manifest`` re-e
 
 from __future__ import annotations
 
+import array
+import bisect
+import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +31,7 @@ from .errors import ModelMismatchError
 if TYPE_CHECKING:
     from ._manifest import KeyMatch
 
-__all__ = ["Entry", "FLOAT_WIRE", "Part", "build_entries", "unconsumed"]
+__all__ = ["Entry", "FLOAT_WIRE", "Part", "Parts", "build_entries", "unconsumed"]
 
 
 # Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
@@ -44,6 +47,58 @@ class Part:
     ckpt_key: str
     offset: int  # absolute offset in ``file``
     nbytes: int
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Several checkpoint tensors whose bytes, one after the other, are an entry's bytes, held as
+    arrays: a MoE layer's fused experts are hundreds of parts, a MiniMax-M2 checkpoint ~96,000, and
+    the manifest travels to every rank (one Python object per part would cost seconds to pickle)."""
+
+    files: tuple[str, ...] = ()  # the distinct files, absolute paths on rank 0
+    file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
+    offsets: array.array = field(default_factory=lambda: array.array("q"))  # absolute offset in its file
+    starts: array.array = field(default_factory=lambda: array.array("q", [0]))  # its first entry byte
+    keys: tuple[str, ...] = ()  # checkpoint keys, for messages
+
+    @classmethod
+    def of(cls, tensors: Sequence[TensorHeader]) -> Parts:
+        files = tuple(dict.fromkeys(t.file for t in tensors))
+        index = {f: i for i, f in enumerate(files)}
+        return cls(
+            files,
+            array.array("I", (index[t.file] for t in tensors)),
+            array.array("q", (t.offset for t in tensors)),
+            array.array("q", [0, *itertools.accumulate(t.nbytes for t in tensors)]),
+            tuple(t.key for t in tensors),
+        )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[Part]:
+        for i, key in enumerate(self.keys):
+            nbytes = self.starts[i + 1] - self.starts[i]
+            yield Part(self.files[self.file_of[i]], key, self.offsets[i], nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts[-1]
+
+    def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
+        """See :meth:`Entry.extents`: the parts that bytes [start, start + nbytes) span (a bisection)."""
+        out, stop = [], start + nbytes
+        i = bisect.bisect_right(self.starts, start) - 1
+        while i < len(self.keys) and self.starts[i] < stop:
+            base = self.starts[i]
+            lo, hi = max(start, base), min(stop, self.starts[i + 1])
+            if lo < hi:
+                out.append((self.files[self.file_of[i]], self.offsets[i] + lo - base, hi - lo, lo - start))
+            i += 1
+        return out
+
+
+NO_PARTS = Parts()
 
 
 @dataclass(frozen=True)
@@ -63,16 +118,16 @@ class Entry:
     shape: tuple[int, ...]  # the model tensor's
     offset: int  # absolute offset in ``file``
     nbytes: int
-    parts: tuple[Part, ...] = ()  # several checkpoint tensors, in order; empty: just the one above
+    parts: Parts = NO_PARTS  # several checkpoint tensors, in order; empty: just the one above
     # float8 block-quantised (see _fp8): each part's scale grid, in part order; the block size;
     # each part's rows (its columns are the entry's last dimension). Empty: not quantised.
-    scales: tuple[Part, ...] = ()
+    scales: Parts = NO_PARTS
     block: tuple[int, int] = (0, 0)
     part_rows: tuple[int, ...] = ()
 
     @property
     def scale_nbytes(self) -> int:
-        return sum(p.nbytes for p in self.scales)
+        return self.scales.nbytes
 
     def extents(self, start: int, nbytes: int, scales: bool = False) -> list[tuple[str, int, int, int]]:
         """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)
@@ -80,15 +135,7 @@ class Entry:
         parts = self.scales if scales else self.parts
         if not parts:
             return [(self.file, self.offset + start, nbytes, 0)]
-        out, base, stop = [], 0, start + nbytes
-        for part in parts:  # a few hundred parts at most (experts x sources): a scan is enough
-            lo, hi = max(start, base), min(stop, base + part.nbytes)
-            if lo < hi:
-                out.append((part.file, part.offset + lo - base, hi - lo, lo - start))
-            base += part.nbytes
-            if base >= stop:
-                break
-        return out
+        return parts.extents(start, nbytes)
 
 
 def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -137,9 +184,7 @@ def build_entries(
         if members is not None:
             entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
             if members[0][1].key in quantised:
-                entry = _with_scales(
-                    entry, [headers[p.ckpt_key] for p in entry.parts], headers, block, info.dtype
-                )
+                entry = _with_scales(entry, [headers[k] for k in entry.parts.keys], headers, block, info.dtype)
             return entry
         found = match.by_model_key[model_key]
         if found[0].key in quantised:
@@ -201,7 +246,7 @@ def _with_scales(
     # 128-multiple widths, as real checkpoints have), so the entry is decoded with no step per part.
     return replace(
         entry,
-        scales=tuple(Part(s.file, s.key, s.offset, s.nbytes) for s, _ in found),
+        scales=Parts.of([s for s, _ in found]),
         block=block,
         part_rows=(sum(rows),) if all(r % block[0] == 0 for r in rows[:-1]) else tuple(rows),
     )
@@ -271,7 +316,7 @@ def _assemble(
         shape,
         first.offset,
         nbytes,
-        tuple(Part(t.file, t.key, t.offset, t.nbytes) for t in parts),
+        Parts.of(parts),
     )
 
 
