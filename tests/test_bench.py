@@ -1,9 +1,13 @@
 """Smoke test of ``python -m rank0load.bench``: a tiny checkpoint, 2 gloo ranks, every method, 1 round.
 
-Checks that every figure is there and sane, that verification ran on every loading method, and that
-it fails when the loaded data is wrong (one tensor of a copied checkpoint corrupted on disk). The
-same for ``--model moe`` (a per-expert Qwen3-MoE checkpoint into transformers' fused experts), and
-that its checkpoint is exactly what ``save_pretrained`` writes.
+Checks that every figure is there and sane — the cold first load and the warm second one of each
+process — that verification ran on every loading method (both loads), and that it fails when the
+loaded data is wrong (one tensor of a copied checkpoint corrupted on disk). The same for ``--model
+moe`` (a per-expert Qwen3-MoE checkpoint into transformers' fused experts), and that its checkpoint
+is exactly what ``save_pretrained`` writes; and for ``--model minimax`` at 2 layers x 4 experts (a
+MiniMax-M2-shaped FP8 checkpoint: its layout is the one tests/moe_models.py ``save_fp8`` writes for a
+real tiny MiniMax-M2, its digests are what transformers loads, and every method — the floor
+included — verifies, and fails on a damaged expert).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ SIZE = "0.005"  # GB: hidden 256, 2 layers, vocab 4000, 3 shards
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     readme = out / "README.md"
-    readme.write_text("# title\n\n<!-- bench:results:start -->\nold\n<!-- bench:results:end -->\n\ntail\n")
+    readme.write_text("# title\n\n<!-- bench:results:start -->\nSTALE\n<!-- bench:results:end -->\n\ntail\n")
     rc = bench.main(["--size-gb", SIZE, "--rounds", "1", "--out", str(out), "--update-readme", str(readme)])
     with open(out / "bench.json") as f:
         return rc, json.load(f), out, readme
@@ -53,11 +57,15 @@ def test_every_method_reports_and_verifies(smoke):
             assert r["peak_rss"] >= r["rss_before"]
             assert r["transient"] == r["peak_rss"] - r["rss_before"] - r["resident"]
             assert r["cpu_seconds"] > 0  # getrusage around the method: every load costs some CPU
+            # the warm second load of the same process, measured the same way
+            assert r["warm_seconds"] > 0 and r["warm_rss_before"] > 0 and r["warm_resident"] == r["resident"]
+            assert r["warm_transient"] == r["warm_peak_rss"] - r["warm_rss_before"] - r["warm_resident"]
+        assert s["warm_seconds"] == max(r["warm_seconds"] for r in s["per_rank"])
         assert s["node_cpu_seconds"] == pytest.approx(sum(r["cpu_seconds"] for r in s["per_rank"]))
         assert s["node_transient"] == sum(r["transient"] for r in s["per_rank"])
         assert s["node_peak"] == sum(r["peak_rss"] for r in s["per_rank"])
         raw = res["raw"][method][0]
-        assert all(r["peak_reset"] for r in raw)
+        assert all(r["peak_reset"] and r["warm"]["peak_reset"] for r in raw)
         if method == "build-only":
             assert s["verified"] is None
         else:
@@ -65,6 +73,9 @@ def test_every_method_reports_and_verifies(smoke):
             # every checkpoint tensor was compared, plus the tied head
             assert s["tensors_checked"] == n_tensors
             assert all(r["verified"] and r["problem_count"] == 0 for r in raw)
+            assert all(
+                r["warm"]["verified"] and r["warm"]["tensors_checked"] in (n_tensors, None) for r in raw
+            )
     assert by_method["rank0load"]["tie_kept"] is True
     assert by_method["rank0load"]["stream_gbps"] > 0 and by_method["rank0load"]["stream_seconds"] > 0
     # node-local reads: rank 1 read its own bytes, unless told not to
@@ -76,8 +87,9 @@ def test_every_method_reports_and_verifies(smoke):
 def test_readme_section_rewritten(smoke):
     _, _, _, readme = smoke
     text = readme.read_text()
-    assert "old" not in text and text.startswith("# title") and text.rstrip().endswith("tail")
+    assert "STALE" not in text and text.startswith("# title") and text.rstrip().endswith("tail")
     assert "| rank0load |" in text and "torch" in text
+    assert "| method | cold load s | warm load s |" in text
 
 
 def _corrupt(path: str, key: str) -> None:
@@ -285,6 +297,28 @@ def test_save_flag_parsing():
         bench.parse_args(["--save", "--model", "moe"])
 
 
+def test_cold_warm_and_minimax_flags():
+    from rank0load.bench.minimax_methods import MINIMAX_METHODS
+
+    default = bench.parse_args([])
+    assert default.warm is True and default.warm_up is True  # cold first, then warm, by default
+    assert bench.parse_args(["--cold-only"]).warm is False
+    assert bench.parse_args(["--no-warm-up"]).warm is True  # still accepted: --save's warm-up only
+    args = bench.parse_args(["--model", "minimax"])
+    assert args.methods == list(MINIMAX_METHODS) == ["build-only", "rank0load", "floor", "transformers"]
+    assert args.minimax_shape is None
+    assert bench.parse_args(["--model", "minimax", "--minimax-shape", "2x4"]).minimax_shape == (2, 4)
+    for bad in (
+        ["--minimax-shape", "2x4"],  # llama
+        ["--model", "minimax", "--minimax-shape", "2"],
+        ["--model", "minimax", "--sweep", "0.2,0.8"],
+        ["--model", "minimax", "--methods", "dcp-hf"],
+        ["--model", "minimax", "--save"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
 @pytest.mark.slow
 def test_two_node_bench_counts_what_crosses_the_link(tmp_path):
     """``python -m rank0load.bench.nodes`` (1 + 1 ranks, no rate limit): rank0load sends node 1 its
@@ -305,3 +339,132 @@ def test_two_node_bench_counts_what_crosses_the_link(tmp_path):
     assert 0.45 < sent["rank0load"] < 0.6, sent  # node 1's half, and the protocol's few KB
     assert 0.95 < sent["broadcast-rank0"] < 1.1, sent  # every byte
     assert all(r["summary"]["verified"] for r in rows.values())
+
+
+# --- the MiniMax-M2 shape: ``--model minimax`` ---------------------------------------------------------
+
+
+def _tiny_minimax():
+    """The writer's config for tests/moe_models.py's tiny MiniMax-M2 (2 layers, 5 experts, hidden 32,
+    expert width 24: partial 128-blocks, uneven experts over 2 ranks)."""
+    from rank0load.bench.minimax import MiniMaxConfig
+
+    return MiniMaxConfig(
+        layers=2, experts=5, hidden=32, intermediate=24, heads=4, kv_heads=2, head_dim=8, vocab=64
+    )
+
+
+@pytest.mark.slow
+def test_minimax_checkpoint_is_the_hub_fp8_layout(tmp_path):
+    """The writer's keys, shapes and dtypes are those of transformers' own tiny MiniMax-M2 saved with
+    save_pretrained and FP8-quantised in the Hub's layout (tests/moe_models.save_fp8), config.json says
+    the same model and quantisation, and transformers' from_pretrained of the checkpoint (which
+    dequantises FP8 on the CPU) matches every recorded parameter and buffer digest: the reference is
+    transformers', not the bench's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rank0load.bench import minimax
+    from tests import moe_models
+
+    meta = minimax.write_checkpoint(_tiny_minimax(), str(tmp_path / "ckpt"), log=lambda s: None)
+    moe_models.save_fp8("minimax_m2", tmp_path / "ref")
+    ours, theirs = moe_models.headers(tmp_path / "ckpt"), moe_models.headers(tmp_path / "ref")
+    assert ours == theirs
+    assert ours["model.layers.1.block_sparse_moe.experts.4.w2.weight_scale_inv"] == ("F32", (1, 1))
+    assert meta["checkpoint_tensors"] == len(ours)
+    with open(tmp_path / "ckpt" / "config.json") as f, open(tmp_path / "ref" / "config.json") as g:
+        mine, ref = json.load(f), json.load(g)
+    for key in (
+        "model_type",
+        "architectures",
+        "hidden_size",
+        "num_local_experts",
+        "head_dim",
+        "quantization_config",
+    ):
+        assert mine[key] == ref[key], key
+    assert mine["dtype"] == "bfloat16" and mine["tie_word_embeddings"] is False
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16)
+    params = dict(loaded.named_parameters())
+    assert set(params) == set(meta["digests"])
+    assert params["model.layers.0.mlp.experts.gate_up_proj"].shape == (5, 48, 32)
+    for name, p in params.items():
+        assert tensor_digest(p) == meta["digests"][name], name
+    buffers = dict(loaded.named_buffers())
+    assert set(meta["buffer_digests"]) == {f"model.layers.{la}.mlp.e_score_correction_bias" for la in (0, 1)}
+    for name, digest in meta["buffer_digests"].items():
+        assert tensor_digest(buffers[name]) == digest, name
+
+
+MINIMAX_ARGV = ["--model", "minimax", "--minimax-shape", "2x4", "--rounds", "1"]
+
+
+@pytest.fixture(scope="module")
+def minimax_smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-minimax")
+    readme = out / "README.md"
+    readme.write_text("# title\n\n<!-- bench:results:start -->\nllama\n<!-- bench:results:end -->\n")
+    rc = bench.main([*MINIMAX_ARGV, "--out", str(out), "--update-readme", str(readme)])
+    with open(out / "bench.json") as f:
+        return rc, json.load(f), readme
+
+
+@pytest.mark.slow
+def test_minimax_every_method_reports_and_verifies(minimax_smoke):
+    from rank0load.bench.minimax_methods import MINIMAX_METHODS
+
+    rc, doc, readme = minimax_smoke
+    assert rc == 0
+    (res,) = doc["results"]
+    assert res["model"] == "minimax" and res["checkpoint"]["config"]["layers"] == 2
+    assert res["checkpoint"]["shards"] == 3  # one file per layer, one for embed / norm / head
+    # 2 layers x (8 attention + 4 norms + router + bias + 4 experts x 6) + embed, norm, head
+    assert res["checkpoint"]["tensors"] == 2 * (8 + 4 + 2 + 4 * 6) + 3
+    # per layer: 4 attention, 4 norms, router, 2 fused experts; embed, norm, head; the 2 biases
+    n_checked = 2 * 11 + 3 + 2
+    by_method = {s["method"]: s for s in res["summary"]}
+    assert list(by_method) == list(MINIMAX_METHODS)
+    for method, s in by_method.items():
+        assert s["ok"], (method, s)
+        assert s["processes"] == (1 if method == "transformers" else 2)
+        assert s["seconds"] > 0 and s["warm_seconds"] > 0
+        for r in s["per_rank"]:
+            assert r["transient"] == r["peak_rss"] - r["rss_before"] - r["resident"]
+            assert r["warm_transient"] == r["warm_peak_rss"] - r["warm_rss_before"] - r["warm_resident"]
+        if method == "build-only":
+            assert s["verified"] is None
+            continue
+        assert s["verified"] is True and s["tensors_checked"] == n_checked, (method, s)
+        for r in res["raw"][method][0]:
+            assert r["verified"] and r["warm"]["verified"], (method, r)
+    assert set(by_method["rank0load"]["phases"][0]) >= {"build", "stream"}
+    assert by_method["rank0load"]["warm_phases"][1]
+    assert by_method["floor"]["per_rank"][0]["resident"] > 0
+    text = readme.read_text()
+    assert (
+        "llama" in text and "## MiniMax-M2 shape" in text and "<!-- bench:results-minimax:start -->" in text
+    )
+    assert "| floor | 2 |" in text and "| transformers | 1 |" in text and "1.00x" in text
+    assert "Target: rank0load's cold load <= 1.15x floor's" in text
+
+
+@pytest.mark.slow
+def test_minimax_verification_catches_a_wrong_expert(minimax_smoke, tmp_path):
+    """One float8 byte of expert 3's w3 (owned by rank 1) damaged on disk: rank0load and the floor
+    both fail verification on the fused gate_up_proj it lands in: a fast wrong floor never counts."""
+    _, doc, _ = minimax_smoke
+    src = doc["results"][0]["checkpoint"]["dir"]
+    dst = tmp_path / "corrupt" / os.path.basename(src)
+    shutil.copytree(src, dst)
+    key = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    with open(dst / "model.safetensors.index.json") as f:
+        _corrupt(str(dst / json.load(f)["weight_map"][key]), key)
+    argv = [*MINIMAX_ARGV, "--out", str(tmp_path / "corrupt"), "--methods", "rank0load,floor", "--cold-only"]
+    assert bench.main(argv) == 1
+    with open(tmp_path / "corrupt" / "bench.json") as f:
+        (res,) = json.load(f)["results"]
+    assert res["checkpoint"]["dir"] == str(dst)  # the damaged copy was loaded, not regenerated
+    for s in res["summary"]:
+        assert s["ok"] is False and "model.layers.1.mlp.experts.gate_up_proj" in s["failure"], s

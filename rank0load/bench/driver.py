@@ -37,12 +37,15 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
+from . import minimax, moe
 from . import model as llama
-from . import moe
-from .methods import METHOD_NOTES, METHODS, SAVE_METHOD_NOTES, SAVE_METHODS, Config
-from .model import cached_checkpoint
+from .methods import METHOD_NOTES, METHODS, SAVE_METHOD_NOTES, SAVE_METHODS
+from .minimax_methods import MINIMAX_METHOD_NOTES, MINIMAX_METHODS, SINGLE_PROCESS
+from .model import BenchConfig, cached_checkpoint
 
-MODELS = ("llama", "moe")
+MODELS = ("llama", "moe", "minimax")
+Config = BenchConfig | moe.MoeConfig | minimax.MiniMaxConfig
+FLOOR_TARGET = 1.15  # issue #20: rank0load's cold load within 1.15x the floor's
 
 __all__ = ["main", "parse_args", "run_size"]
 
@@ -57,8 +60,13 @@ def _markers(ranks: int, model: str = "llama", save: bool = False) -> tuple[str,
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
 
 
-def config_for(model: str, size_gb: float) -> Config:
-    """The checkpoint shape of ``model`` ("llama" or "moe") for ``size_gb``."""
+def config_for(model: str, size_gb: float, shape: tuple[int, int] | None = None) -> Config:
+    """The checkpoint shape of ``model`` ("llama" or "moe") for ``size_gb``; "minimax" has one shape
+    whatever the size: MiniMax-M2's tensor count, or ``shape`` = (layers, experts)."""
+    if model == "minimax":
+        if shape is None:
+            return minimax.MiniMaxConfig()
+        return minimax.MiniMaxConfig(layers=shape[0], experts=shape[1])
     if model == "moe":
         return moe.config_for_size(size_gb)
     if model == "llama":
@@ -80,13 +88,32 @@ def ensure_checkpoint(cfg: Config, out: str) -> tuple[str, dict]:
         return directory, meta
     print(f"checkpoint: writing {directory} ({cfg.tag})", flush=True)
     started = time.perf_counter()
-    writer = moe.write_checkpoint if isinstance(cfg, moe.MoeConfig) else llama.write_checkpoint
-    meta = writer(cfg, directory, log=lambda s: print(s, flush=True))  # type: ignore[arg-type]
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if isinstance(cfg, minimax.MiniMaxConfig):
+        meta = minimax.write_checkpoint(cfg, directory, log=log)
+    elif isinstance(cfg, moe.MoeConfig):
+        meta = moe.write_checkpoint(cfg, directory, log=log)
+    else:
+        meta = llama.write_checkpoint(cfg, directory, log=log)
     print(
         f"checkpoint: {meta['total_bytes'] / 1e9:.3f} GB in {len(meta['files'])} shards, "
         f"{time.perf_counter() - started:.1f} s"
     )
     return directory, meta
+
+
+def model_name(cfg: Config) -> str:
+    """The ``--model`` name of ``cfg``'s model."""
+    if isinstance(cfg, minimax.MiniMaxConfig):
+        return "minimax"
+    return "moe" if isinstance(cfg, moe.MoeConfig) else "llama"
+
+
+def methods_for(model: str, save: bool = False) -> dict[str, str]:
+    """The methods ``--methods`` may name for ``model`` (or the save methods), with their notes."""
+    if save:
+        return SAVE_METHOD_NOTES
+    return MINIMAX_METHOD_NOTES if model == "minimax" else METHOD_NOTES
 
 
 def warm_page_cache(directory: str, meta: dict) -> None:
@@ -106,10 +133,12 @@ def run_once(
     warm_up: bool = True,
     options: dict | None = None,
     launch: Callable[[int], tuple[list[str], dict[str, str]]] | None = None,
+    warm: bool = True,
 ) -> list[dict]:
     """Launch ``ranks`` fresh worker processes for one method; one result dict per rank.
     ``launch(rank)``: a command prefix and environment for that rank (``bench.nodes``: its node's
-    network namespace)."""
+    network namespace). ``warm``: each process measures a second, warm call after the cold one.
+    ``warm_up``: the save methods' tiny save before the clock (the loads have none: they are cold)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -125,11 +154,12 @@ def run_once(
                 "world": ranks,
                 "store": store,
                 "ckpt": ckpt,
-                "model": "moe" if isinstance(cfg, moe.MoeConfig) else "llama",
+                "model": model_name(cfg),
                 "config": cfg.__dict__,
                 "out": outs[r],
                 "timeout": timeout,
                 "warm_up": warm_up,
+                "warm": warm,
                 "options": options or {},
             }
             if method in SAVE_METHODS:  # removed by the worker, and with tmp in any case
@@ -178,7 +208,14 @@ def _fmt_mib(n: float | None) -> str:
 
 
 def _round_ok(results: list[dict]) -> bool:
-    return all("error" not in r and r.get("verified") is not False for r in results)
+    return all(
+        "error" not in r and r.get("verified") is not False and r.get("warm", {}).get("verified") is not False
+        for r in results
+    )
+
+
+def _problems(r: dict) -> list[str]:
+    return [*r.get("problems", []), *(f"warm load: {p}" for p in r.get("warm", {}).get("problems", []))]
 
 
 def _round_line(results: list[dict]) -> str:
@@ -186,7 +223,9 @@ def _round_line(results: list[dict]) -> str:
     if errors:
         return "ERROR " + errors[0]["error"].splitlines()[0]
     secs = max(r["seconds"] for r in results)
-    parts = [f"{secs:.2f} s"]
+    parts = [f"cold {secs:.2f} s"]
+    if all("warm" in r for r in results):
+        parts.append(f"warm {max(r['warm']['seconds'] for r in results):.2f} s")
     if results[0].get("stream_gbps"):
         parts.append(f"stream {results[0]['stream_gbps']:.2f} GB/s")
     if results[0].get("local_readers") is not None:  # rank0load: ranks that read their own bytes
@@ -195,10 +234,12 @@ def _round_line(results: list[dict]) -> str:
         "transient " + " / ".join(f"r{r['rank']} {_fmt_mib(r['transient'])}" for r in results) + " MiB"
     )
     verified = results[0].get("verified")
+    if verified is not None and results[0].get("warm", {}).get("verified") is False:
+        verified = False
     parts.append(
         "verify n/a"
         if verified is None
-        else ("verified" if verified else f"VERIFY FAILED: {results[0]['problems'][:3]}")
+        else ("verified" if verified else f"VERIFY FAILED: {_problems(results[0])[:3]}")
     )
     return ", ".join(parts)
 
@@ -210,10 +251,11 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
     if not good:
         first_bad = next((r for rs in rounds for r in rs if "error" in r or r.get("verified") is False), {})
         out["ok"] = False
-        out["failure"] = first_bad.get("error") or "; ".join(first_bad.get("problems", []))
+        out["failure"] = first_bad.get("error") or "; ".join(_problems(first_bad))
         return out
     best = min(good, key=lambda rs: max(r["seconds"] for r in rs))
     seconds = max(r["seconds"] for r in best)
+    warm = [r["warm"] for r in best] if all("warm" in r for r in best) else None
     out.update(
         ok=True,
         seconds=seconds,
@@ -223,6 +265,11 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
         stream_seconds=best[0].get("stream_seconds"),
         local_readers=best[0].get("local_readers"),
         phases=[r.get("phases") for r in best] if best[0].get("phases") else None,
+        warm_seconds=max(w["seconds"] for w in warm) if warm else None,
+        warm_phases=[w.get("phases") for w in warm] if warm and warm[0].get("phases") else None,
+        warm_max_transient=max(w["transient"] for w in warm) if warm else None,
+        warm_node_transient=sum(w["transient"] for w in warm) if warm else None,
+        processes=len(best),
         # None: the model has no tie (MoE)
         tie_kept=None if best[0].get("tie_kept") is None else all(r.get("tie_kept") for r in best),
         verified=best[0].get("verified"),
@@ -231,8 +278,22 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
         written_files=best[0].get("written_files"),
         per_rank=[
             {
-                k: r.get(k)
-                for k in ("rank", "seconds", "cpu_seconds", "rss_before", "peak_rss", "resident", "transient")
+                **{
+                    k: r.get(k)
+                    for k in (
+                        "rank",
+                        "seconds",
+                        "cpu_seconds",
+                        "rss_before",
+                        "peak_rss",
+                        "resident",
+                        "transient",
+                    )
+                },
+                **{
+                    f"warm_{k}": r.get("warm", {}).get(k)
+                    for k in ("seconds", "cpu_seconds", "rss_before", "peak_rss", "resident", "transient")
+                },
             }
             for r in best
         ],
@@ -255,9 +316,12 @@ def run_size(
     warm_up: bool = True,
     options: dict | None = None,
     model: str = "llama",
+    warm: bool = True,
+    shape: tuple[int, int] | None = None,
 ) -> dict:
-    """Every method x round at one checkpoint size; returns the JSON-able results."""
-    cfg = config_for(model, size_gb)
+    """Every method x round at one checkpoint size; returns the JSON-able results. A method in
+    ``SINGLE_PROCESS`` (MiniMax's ``transformers``) runs in one process whatever ``ranks``."""
+    cfg = config_for(model, size_gb, shape)
     ckpt, meta = ensure_checkpoint(cfg, out)
     print("warming the page cache ...", flush=True)
     warm_page_cache(ckpt, meta)
@@ -265,8 +329,10 @@ def run_size(
     for rnd in range(rounds):
         order = list(methods) if rnd % 2 == 0 else list(reversed(methods))  # alternate, no fixed order bias
         for method in order:
-            print(f"[{model} {size_gb:g} GB, round {rnd + 1}/{rounds}] {method:<16} ...", end=" ", flush=True)
-            results = run_once(method, cfg, ckpt, ranks, timeout, warm_up, options)
+            label = cfg.tag if model == "minimax" else f"{model} {size_gb:g} GB"
+            print(f"[{label}, round {rnd + 1}/{rounds}] {method:<16} ...", end=" ", flush=True)
+            procs = 1 if model == "minimax" and method in SINGLE_PROCESS else ranks
+            results = run_once(method, cfg, ckpt, procs, timeout, warm_up, options, warm=warm)
             raw[method].append(results)
             print(_round_line(results), flush=True)
             for r in results:
@@ -287,6 +353,7 @@ def run_size(
         "ranks": ranks,
         "rounds": rounds,
         "warm_up": warm_up,
+        "warm": warm,
         "options": options or {},
         "summary": summary,
         "raw": raw,
@@ -373,10 +440,57 @@ def save_results_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _measured(res: dict) -> str:
+    """How the table's loads were measured, for its heading."""
+    if not res.get("warm", True):
+        return "cold: each method's first call in a fresh process (--cold-only: no warm figure)"
+    return (
+        "cold: each method's first call in a fresh process; warm: a second identical call in the same "
+        "process, after the first model was freed"
+    )
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _per_rank_rows(res: dict) -> list[str]:
+    lines = [
+        "",
+        "| method | rank | cold load s | warm load s | CPU s | RSS before MiB | peak RSS MiB | resident MiB | "
+        "transient MiB | warm transient MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in res["summary"]:
+        for r in s.get("per_rank", []):
+            lines.append(
+                f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {_secs(r.get('warm_seconds'))} | "
+                f"{r.get('cpu_seconds') or 0.0:.2f} | {_fmt_mib(r['rss_before'])} | {_fmt_mib(r['peak_rss'])} | "
+                f"{_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} | {_fmt_mib(r.get('warm_transient'))} |"
+            )
+    return lines
+
+
+def _phase_lines(res: dict) -> list[str]:
+    lines = []
+    for s in res["summary"]:
+        for which, key in (("cold", "phases"), ("warm", "warm_phases")):
+            for rank, phases in enumerate(s.get(key) or []):
+                if phases:
+                    text = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+                    lines += [
+                        "",
+                        f"{s['method']} phases on rank {rank}, {which} (seconds, its own report): {text}",
+                    ]
+    return lines
+
+
 def results_table(res: dict) -> str:
     """Markdown: one summary row per method, then one row per method and rank."""
     if res.get("save"):
         return save_results_table(res)
+    if res.get("model") == "minimax":
+        return minimax_table(res)
     gb = res["checkpoint"]["bytes"] / 1e9
     if res.get("model", "llama") == "moe":
         c = res["checkpoint"]["config"]
@@ -390,45 +504,31 @@ def results_table(res: dict) -> str:
     lines = [
         (
             f"Checkpoint {gb:.3g} GB ({res['checkpoint']['shards']} shards, {res['checkpoint']['tensors']} tensors, "
-            f"{kind}), {res['ranks']} gloo ranks on CPU, best of {res['rounds']} rounds"
-            f"{'' if res.get('warm_up', True) else ', torch lazy imports inside the measurement (--no-warm-up)'}"
+            f"{kind}), {res['ranks']} gloo ranks on CPU, best of {res['rounds']} rounds (by cold load s); "
+            f"{_measured(res)}"
             f"{''.join(f', {m} options {o}' for m, o in res.get('options', {}).items())}."
         ),
         "",
         (
-            "| method | load s | node CPU s | GB/s (ckpt / load s) | stream GB/s | max transient MiB | "
-            "node transient MiB | node peak MiB | tie kept | verified |"
+            "| method | cold load s | warm load s | node CPU s | GB/s (ckpt / cold s) | stream GB/s | "
+            "max transient MiB | warm max transient MiB | node transient MiB | node peak MiB | tie kept | verified |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for s in res["summary"]:
         if not s.get("ok"):
-            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | | |")
+            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | | | | |")
             continue
         load_gbps = "-" if s["load_gbps"] is None else f"{s['load_gbps']:.2f}"
         stream = "-" if not s["stream_gbps"] else f"{s['stream_gbps']:.2f}"
-        verified = "n/a" if s["verified"] is None else ("yes" if s["verified"] else "NO")
         tie = "n/a" if s["tie_kept"] is None else ("yes" if s["tie_kept"] else "no")
-        if s["rounds_ok"] < s["rounds"]:
-            verified += f" ({s['rounds_ok']}/{s['rounds']} rounds ok)"
         lines.append(
-            f"| {s['method']} | {s['seconds']:.2f} | {s.get('node_cpu_seconds', 0.0):.2f} | {load_gbps} | {stream} | "
-            f"{_fmt_mib(s['max_transient'])} | "
-            f"{_fmt_mib(s['node_transient'])} | {_fmt_mib(s['node_peak'])} | {tie} | "
-            f"{verified} |"
+            f"| {s['method']} | {s['seconds']:.2f} | {_secs(s.get('warm_seconds'))} | "
+            f"{s.get('node_cpu_seconds', 0.0):.2f} | {load_gbps} | {stream} | {_fmt_mib(s['max_transient'])} | "
+            f"{_fmt_mib(s.get('warm_max_transient'))} | {_fmt_mib(s['node_transient'])} | "
+            f"{_fmt_mib(s['node_peak'])} | {tie} | {_verified(s)} |"
         )
-    lines += [
-        "",
-        "| method | rank | load s | CPU s | RSS before MiB | peak RSS MiB | resident MiB | transient MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in res["summary"]:
-        for r in s.get("per_rank", []):
-            lines.append(
-                f"| {s['method']} | {r['rank']} | {r['seconds']:.2f} | {r.get('cpu_seconds') or 0.0:.2f} | "
-                f"{_fmt_mib(r['rss_before'])} | "
-                f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |"
-            )
+    lines += _per_rank_rows(res)
     for s in res["summary"]:
         if s.get("local_readers") is not None:
             lines += [
@@ -436,12 +536,63 @@ def results_table(res: dict) -> str:
                 f"{s['method']}: {s['local_readers']} of the {res['ranks'] - 1} other ranks read their own "
                 "bytes through rank 0's descriptors (node-local reads).",
             ]
+    return "\n".join(lines + _phase_lines(res))
+
+
+def _verified(s: dict) -> str:
+    verified = "n/a" if s["verified"] is None else ("yes" if s["verified"] else "NO")
+    if s["rounds_ok"] < s["rounds"]:
+        verified += f" ({s['rounds_ok']}/{s['rounds']} rounds ok)"
+    return verified
+
+
+def minimax_table(res: dict) -> str:
+    """``--model minimax``: the methods against ``floor`` (cold and warm), the target line, per rank,
+    rank0load's phases."""
+    c = res["checkpoint"]["config"]
+    gb = res["checkpoint"]["bytes"] / 1e9
+    by = {s["method"]: s for s in res["summary"] if s.get("ok")}
+    fl = by.get("floor")
+
+    def ratio(s: dict, key: str) -> str:
+        if fl is None or s.get(key) is None or not fl.get(key):
+            return "-"
+        return f"{s[key] / fl[key]:.2f}x"
+
+    lines = [
+        (
+            f"MiniMax-M2-shaped FP8 checkpoint {gb:.3g} GB ({res['checkpoint']['shards']} files, "
+            f"{res['checkpoint']['tensors']} tensors: {c['layers']} layers x {c['experts']} experts, hidden "
+            f"{c['hidden']}, expert width {c['intermediate']}, float8_e4m3fn in {c['block']}x{c['block']} "
+            f"blocks, dequantised to bf16), {res['ranks']} gloo ranks on CPU (`transformers`: one process), "
+            f"best of {res['rounds']} rounds (by cold load s); {_measured(res)}."
+        ),
+        "",
+        "| method | processes | cold load s | warm load s | cold x floor | warm x floor | node CPU s | "
+        "max transient MiB | warm max transient MiB | node peak MiB | verified |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for s in res["summary"]:
-        for rank, phases in enumerate(s.get("phases") or []):
-            if phases:
-                text = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
-                lines += ["", f"{s['method']} phases on rank {rank} (seconds, its own report): {text}"]
-    return "\n".join(lines)
+        if not s.get("ok"):
+            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | | | |")
+            continue
+        lines.append(
+            f"| {s['method']} | {s.get('processes', res['ranks'])} | {s['seconds']:.2f} | "
+            f"{_secs(s.get('warm_seconds'))} | {ratio(s, 'seconds')} | {ratio(s, 'warm_seconds')} | "
+            f"{s.get('node_cpu_seconds', 0.0):.2f} | {_fmt_mib(s['max_transient'])} | "
+            f"{_fmt_mib(s.get('warm_max_transient'))} | {_fmt_mib(s['node_peak'])} | {_verified(s)} |"
+        )
+    if fl is not None:
+        line = (
+            f"Target: rank0load's cold load <= {FLOOR_TARGET}x floor's ({FLOOR_TARGET * fl['seconds']:.2f} s)"
+        )
+        r0 = by.get("rank0load")
+        if r0 is not None:
+            met = r0["seconds"] <= FLOOR_TARGET * fl["seconds"]
+            line += f": {'met' if met else 'not met'}, {r0['seconds'] / fl['seconds']:.2f}x"
+        lines += ["", line + "."]
+    lines += _per_rank_rows(res)
+    return "\n".join(lines + _phase_lines(res))
 
 
 def sweep_table(results: list[dict]) -> str:
@@ -539,7 +690,9 @@ def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama",
         tail = rest.split(end, 1)[1]
         text = head + section + tail
     else:
-        title = "## Results" if model == "llama" else "## MoE checkpoint"
+        title = {"llama": "## Results", "moe": "## MoE checkpoint"}.get(
+            model, "## MiniMax-M2 shape: FP8, the real tensor count"
+        )
         if save:
             title = "## Save" if model == "llama" else f"## Save ({model})"
         if ranks != 2:
@@ -559,7 +712,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=MODELS,
         default="llama",
         help="llama: the Llama-style checkpoint (default); moe: a Qwen3-MoE checkpoint with one tensor "
-        "per expert, loaded into transformers' fused experts (needs transformers)",
+        "per expert, loaded into transformers' fused experts (needs transformers); minimax: a MiniMax-M2-"
+        "shaped FP8 checkpoint at the real tensor count (62 layers x 256 experts, ~96,100 tensors, "
+        "small widths; --size-gb does not apply), methods build-only, rank0load, floor, transformers",
     )
     p.add_argument("--size-gb", type=float, default=0.8, help="checkpoint size in GB (default 0.8)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks on the CPU (default 2)")
@@ -572,8 +727,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         default=None,
-        help=f"comma-separated subset of {','.join(METHODS)}, or with --save of {','.join(SAVE_METHODS)} "
-        "(default all)",
+        help=f"comma-separated subset of {','.join(METHODS)}; with --model minimax of "
+        f"{','.join(MINIMAX_METHODS)}; with --save of {','.join(SAVE_METHODS)} (default all)",
     )
     p.add_argument("--rounds", type=int, default=2, help="rounds; methods alternate within each (default 2)")
     p.add_argument(
@@ -592,11 +747,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="rewrite the results section of benchmarks/README.md (or PATH)",
     )
     p.add_argument(
+        "--minimax-shape",
+        default=None,
+        metavar="LAYERSxEXPERTS",
+        help="--model minimax: layers x experts per layer (default 62x256, MiniMax-M2's), e.g. 2x4 for a smoke run",
+    )
+    p.add_argument(
+        "--cold-only",
+        dest="warm",
+        action="store_false",
+        help="measure each load once, cold (the first call in a fresh process), without the warm "
+        "second call in the same process",
+    )
+    p.add_argument(
         "--no-warm-up",
         dest="warm_up",
         action="store_false",
-        help="do not pay torch's one-time lazy imports before the clock starts (they then count "
-        "in every method's time and transient RAM)",
+        help="--save only: no tiny save before the clock (the save's lazy imports then count in its "
+        "time and transient RAM). Loads are always measured cold first; accepted and ignored for them",
     )
     p.add_argument(
         "--staging-mib",
@@ -606,9 +774,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run's ranks count as hung")
     args = p.parse_args(argv)
-    known = SAVE_METHODS if args.save else METHODS
+    known = methods_for(args.model, args.save)
     if args.save and args.model != "llama":
         p.error("--save runs on the Llama model only (rank0load saves MoE experts under their fused names)")
+    if args.model == "minimax" and args.sweep:
+        p.error("--model minimax has one shape (MiniMax-M2's tensor count): no --sweep")
+    if args.minimax_shape is not None:
+        if args.model != "minimax":
+            p.error("--minimax-shape needs --model minimax")
+        try:
+            layers, experts = (int(v) for v in args.minimax_shape.lower().split("x"))
+        except ValueError:
+            p.error(f"--minimax-shape {args.minimax_shape!r}: expected LAYERSxEXPERTS, e.g. 62x256")
+        if layers < 1 or experts < 1:
+            p.error("--minimax-shape: at least one layer and one expert")
+        args.minimax_shape = (layers, experts)
     args.methods = [m.strip() for m in (args.methods or ",".join(known)).split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in known]
     if unknown:
@@ -649,6 +829,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             warm_up=args.warm_up,
             options=args.options,
             model=args.model,
+            warm=args.warm,
+            shape=args.minimax_shape,
         )
         all_results.append(res)
         prefix = ("save" if args.save else "results") + ("" if args.model == "llama" else f"-{args.model}")
@@ -666,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": args.model,
         "sizes": args.sizes,
         "save": args.save,
-        "methods": {m: {**METHOD_NOTES, **SAVE_METHOD_NOTES}[m] for m in args.methods},
+        "methods": {m: methods_for(args.model, args.save)[m] for m in args.methods},
         "results": all_results,
     }
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -1,15 +1,20 @@
 """One rank of one benchmark run: ``python -m rank0load.bench.worker '<json spec>'``.
 
-(every rank, a fresh process per method and round) Join a gloo group through a FileStore, pay
-torch's one-time lazy imports on a throwaway tiny model (unless told not to), read ``VmRSS`` ("before"), reset the peak (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), run the
+(every rank, a fresh process per method and round) Import what any method may import (torch,
+safetensors, DCP, rank0load; transformers and the model's module for the MoE and MiniMax models),
+join a gloo group through a FileStore, then measure the method's **first call in this process**
+(cold: its own lazy imports and one-time initialisation inside the clock, no warm-up before it):
+read ``VmRSS`` ("before"), reset the peak (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), run the
 method between barriers (timed), read ``VmHWM`` ("peak"), count the rank's resident shard bytes,
 then — after the measurement, so it cannot inflate the peak — verify the loaded model bit-exact
-against the SHA-256 digests recorded when the checkpoint was written. The result (or the error)
-goes to the JSON file named in the spec.
+against the SHA-256 digests recorded when the checkpoint was written. Then (unless the spec says
+``"warm": false``) free that model, return the freed heap to the kernel (``malloc_trim``), and
+measure and verify a second identical call in the same process the same way: the warm figure,
+under ``"warm"`` in the result. The result (or the error) goes to the JSON file named in the spec.
 
-A save method (``--save``) loads the model with rank0load first, outside the measurement, then
-measures the save the same way (transient = peak - before) and verifies the written files against
-the same digests.
+A save method (``--save``) loads the model with rank0load first, outside the measurement, pays its
+lazy imports on a tiny save (unless ``"warm_up": false``), then measures the save the same way
+(transient = peak - before) and verifies the written files against the same digests.
 """
 
 from __future__ import annotations
@@ -80,11 +85,14 @@ def _resident_bytes(model) -> int:
 
 def _expected_buffers(cfg) -> dict:
     """The non-persistent buffers every rank must hold, computed the way the model's constructor does."""
+    from . import minimax
     from .model import BenchConfig, expected_inv_freq
     from .moe import MoeConfig, expected_buffers
 
     if isinstance(cfg, MoeConfig):
         return expected_buffers(cfg)
+    if isinstance(cfg, minimax.MiniMaxConfig):
+        return minimax.expected_buffers(cfg)
     assert isinstance(cfg, BenchConfig)
     return {"model.rotary_emb.inv_freq": expected_inv_freq(cfg)}
 
@@ -102,6 +110,7 @@ def _verify(model, cfg, ckpt: str) -> dict:
     problems: list[str] = []
     digests: dict[str, str] = {}
     tied: dict[str, str] = {}
+    meta: dict = {}
     if rank == 0:
         with open(os.path.join(ckpt, META_FILE)) as f:
             meta = json.load(f)
@@ -126,6 +135,19 @@ def _verify(model, cfg, ckpt: str) -> dict:
     if rank == 0:
         never = sorted(set(digests) - checked)
         problems += [f"{k}: in the checkpoint, no parameter holds it" for k in never]
+    # Persistent buffers (MiniMax's e_score_correction_bias): every rank's against rank 0's digests.
+    nonpersistent = {
+        f"{mn}.{b}" if mn else b for mn, m in model.named_modules() for b in m._non_persistent_buffers_set
+    }
+    mine = {n: tensor_digest(b) for n, b in model.named_buffers() if n not in nonpersistent and not b.is_meta}
+    every_buffers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_buffers, mine)
+    if rank == 0:
+        for name, digest in sorted(meta.get("buffer_digests", {}).items()):
+            bad = [r for r, theirs in enumerate(every_buffers) if theirs.get(name) != digest]
+            if bad:
+                problems.append(f"buffer {name}: values differ from the checkpoint on ranks {bad}")
+            checked.add(name)
     for name, expected in _expected_buffers(cfg).items():
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -143,23 +165,6 @@ def _verify(model, cfg, ckpt: str) -> dict:
         "problems": every[:10],
         "problem_count": len(every),
     }
-
-
-def _warm_up(mesh, model: str) -> None:
-    """Pay torch's one-time lazy imports (meta kernels, FSDP2 internals) before the measurement:
-    build, shard and allocate a tiny model of the same classes, then drop it. No collectives."""
-    from .methods import build_sharded
-    from .model import BenchConfig
-    from .moe import MoeConfig
-
-    tiny: BenchConfig | MoeConfig
-    if model == "moe":
-        tiny = MoeConfig(
-            hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, head_dim=16, moe_intermediate=32
-        )
-    else:
-        tiny = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
-    build_sharded(tiny, mesh)  # the same code path as the methods' own build; dropped at once
 
 
 def _verify_saved(out_dir: str, ckpt: str) -> dict:
@@ -291,10 +296,67 @@ def _run_save(spec: dict, mesh, cfg, save) -> dict:
 
 def config_from_spec(spec: dict):
     """The spec's model config: a BenchConfig (``"model": "llama"``, the default) or a MoeConfig."""
+    from .minimax import MiniMaxConfig
     from .model import BenchConfig
     from .moe import MoeConfig
 
-    return (MoeConfig if spec.get("model", "llama") == "moe" else BenchConfig)(**spec["config"])
+    kinds = {"llama": BenchConfig, "moe": MoeConfig, "minimax": MiniMaxConfig}
+    return kinds[spec.get("model", "llama")](**spec["config"])
+
+
+def _measure(spec: dict, method, cfg, mesh) -> tuple:
+    """(all ranks) One call of the load method between barriers: the model and its figures."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    gc.collect()
+    _malloc_trim()  # hand back what an earlier load freed, so no load reuses it unseen
+    before = _status("VmRSS")
+    reset_ok = _reset_peak()
+    dist.barrier()
+    started = time.perf_counter()
+    cpu_started = _cpu_seconds()
+    link = _link_bytes()
+    model, info = method(cfg, spec["ckpt"], mesh, spec.get("options", {}))
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu_started
+    link_after = _link_bytes()
+    if link is not None and link_after is not None:  # this node's interface, during the load only
+        info = {**info, "link_tx_bytes": link_after[0] - link[0], "link_rx_bytes": link_after[1] - link[1]}
+    peak = _status("VmHWM")
+    # Not the peak's split (Linux keeps none), but a hint: file-backed pages (a mmap'd checkpoint)
+    # count in RSS like anonymous memory, although the kernel can drop them.
+    anon_after, file_after = _status("RssAnon"), _status("RssFile")
+    resident = _resident_bytes(model)
+    figures = {
+        "method": spec["method"],
+        "rank": rank,
+        "world": world,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "rss_before": before,
+        "peak_rss": peak,
+        "resident": resident,
+        "transient": peak - before - resident,
+        "rss_anon_after": anon_after,
+        "rss_file_after": file_after,
+        "peak_reset": reset_ok,
+        **info,
+    }
+    return model, figures
+
+
+def _check(spec: dict, model, cfg, info: dict) -> dict:
+    """(all ranks, collective) The verification figures of one load (none for build-only)."""
+    if spec["method"] == "build-only":
+        return {"verified": None, "problems": [], "problem_count": 0, "tensors_checked": 0}
+    out = _verify(model, cfg, spec["ckpt"])
+    if spec["method"].startswith("rank0load") and info.get("tie_kept") is False:
+        out["verified"] = False
+        out["problems"] = [*out["problems"], "rank0load broke the lm_head / embed_tokens tie"]
+    return out
 
 
 def main(spec: dict) -> dict:
@@ -311,12 +373,15 @@ def main(spec: dict) -> dict:
     import rank0load  # noqa: F401
 
     from .methods import METHODS, SAVE_METHODS
+    from .minimax_methods import MINIMAX_METHODS
 
-    if spec.get("model", "llama") == "moe":
+    model_kind = spec.get("model", "llama")
+    if model_kind in ("moe", "minimax"):
         # transformers, the model's module and what rank0load uses of it (its conversion mapping)
         import transformers.conversion_mapping
         import transformers.core_model_loading  # noqa: F401
         from transformers import AutoModelForCausalLM  # noqa: F401
+        from transformers.models.minimax_m2 import modeling_minimax_m2  # noqa: F401
         from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
 
     rank, world = spec["rank"], spec["world"]
@@ -332,56 +397,14 @@ def main(spec: dict) -> dict:
         cfg = config_from_spec(spec)
         if spec["method"] in SAVE_METHODS:
             return _run_save(spec, mesh, cfg, SAVE_METHODS[spec["method"]])
-        method = METHODS[spec["method"]]
-        if spec.get("warm_up", True):
-            _warm_up(mesh, spec.get("model", "llama"))
-        dist.barrier()
-        gc.collect()
-        before = _status("VmRSS")
-        reset_ok = _reset_peak()
-        dist.barrier()
-        started = time.perf_counter()
-        cpu_started = _cpu_seconds()
-        link = _link_bytes()
-        model, info = method(cfg, spec["ckpt"], mesh, spec.get("options", {}))
-        dist.barrier()
-        seconds = time.perf_counter() - started
-        cpu = _cpu_seconds() - cpu_started
-        link_after = _link_bytes()
-        if link is not None and link_after is not None:  # this node's interface, during the load only
-            info = {
-                **info,
-                "link_tx_bytes": link_after[0] - link[0],
-                "link_rx_bytes": link_after[1] - link[1],
-            }
-        peak = _status("VmHWM")
-        # Not the peak's split (Linux keeps none), but a hint: file-backed pages (a mmap'd checkpoint)
-        # count in RSS like anonymous memory, although the kernel can drop them.
-        anon_after, file_after = _status("RssAnon"), _status("RssFile")
-        resident = _resident_bytes(model)
-        result = {
-            "method": spec["method"],
-            "rank": rank,
-            "world": world,
-            "seconds": seconds,
-            "cpu_seconds": cpu,
-            "rss_before": before,
-            "peak_rss": peak,
-            "resident": resident,
-            "transient": peak - before - resident,
-            "rss_anon_after": anon_after,
-            "rss_file_after": file_after,
-            "peak_reset": reset_ok,
-            "warm_up": spec.get("warm_up", True),
-            **info,
-        }
-        if spec["method"] == "build-only":
-            result.update(verified=None, problems=[], problem_count=0, tensors_checked=0)
-        else:
-            result.update(_verify(model, cfg, spec["ckpt"]))
-            if spec["method"].startswith("rank0load") and info.get("tie_kept") is False:
-                result["verified"] = False
-                result["problems"] = [*result["problems"], "rank0load broke the lm_head / embed_tokens tie"]
+        method = (MINIMAX_METHODS if model_kind == "minimax" else METHODS)[spec["method"]]
+        model, result = _measure(spec, method, cfg, mesh)  # cold: the first call in this process
+        result.update(_check(spec, model, cfg, result))
+        if spec.get("warm", True):  # the same call again, in the same process
+            del model
+            model, warm = _measure(spec, method, cfg, mesh)
+            warm.update(_check(spec, model, cfg, warm))
+            result["warm"] = {k: v for k, v in warm.items() if k not in ("method", "rank", "world")}
         return result
     finally:
         dist.destroy_process_group()
