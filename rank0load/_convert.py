@@ -148,7 +148,8 @@ class _Rule:
             if slot is not None:
                 out[2 * i + 1] = numbers[slot]
         expert = int(numbers[self.expert]) if self.expert is not None else None
-        return replace(self.match, target="".join(out), expert=expert)
+        m = self.match  # a constructor call: dataclasses.replace costs ~10 us a key
+        return ConversionMatch("".join(out), expert, m.source, m.sources, m.rule, m.unsupported)
 
 
 class KeyResolver:
