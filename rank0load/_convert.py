@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per checkpoint tensor: no __dict__ each
 class ConversionMatch:
     """Where one checkpoint tensor goes."""
 

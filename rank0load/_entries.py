@@ -39,7 +39,7 @@ __all__ = ["Entry", "FLOAT_WIRE", "Part", "Parts", "build_entries", "unconsumed"
 FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per checkpoint tensor: no __dict__ each
 class Part:
     """One checkpoint tensor's bytes, as a run of an entry's bytes (see :attr:`Entry.parts`)."""
 

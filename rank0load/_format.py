@@ -65,7 +65,7 @@ for _name, _attr in (
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per checkpoint tensor: no __dict__ each
 class TensorHeader:
     """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``."""
 
