@@ -16,8 +16,9 @@ all ranks  re-tie, verify nothing is left on meta         -> _model.finish
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,7 @@ def load_sharded(
     assert built is not None  # agree() raised otherwise
     clock("agree")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
+        paused = opened.enter_context(_gc_paused())  # the manifest: ~100k objects for a MoE checkpoint
         result, files = (
             read_manifest(
                 ckpt_path,
@@ -142,6 +144,7 @@ def load_sharded(
             opened.callback(server.close)
         shared = _distribute.share(_local.with_offer(result, server))  # (manifest, offer)
         manifest: Manifest = shared[0]
+        paused.close()
         clock("manifest")
         comm = _distribute.mesh_device(mesh.device_type)
         handover = _local.hand_over(shared[1], server, manifest.files, comm, max_staging_bytes, local_reads)
@@ -218,6 +221,21 @@ def _prepare(
     )
     staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, comm, max_staging_bytes)
     return _Ready(plan, [_sink.target_of(found[e.key]) for e in entries], staging)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[contextlib.ExitStack]:
+    """Python's cyclic garbage collector off while the manifest is made and shared (close the
+    stack it yields to turn it back on early). Parsing 96,000 header entries creates some 500,000
+    containers, each batch of which started a collection that walked the whole heap (the model,
+    transformers' modules): 0.4-0.9 s of the 1.0 s that json spent on a MiniMax-M2 header with the
+    collector on, 0.15 s with it off. The manifest holds no cycles; what it frees, refcounting frees."""
+    stack = contextlib.ExitStack()
+    if gc.isenabled():
+        gc.disable()
+        stack.callback(gc.enable)
+    with stack:
+        yield stack
 
 
 def _default_device_type() -> str:

@@ -125,7 +125,7 @@ class StackExperts:
         return None
 
 
-_NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")  # a number that is a whole dotted segment
+_NUMBER = re.compile(r"(?<![^.])(\d+)(?![^.])")  # a number that is a whole dotted segment
 
 
 @dataclass
@@ -174,8 +174,8 @@ class KeyResolver:
         canonical = self._canonical(key)
         if canonical is not None or not self._conversions:
             return canonical, None
-        numbers = _NUMBER.findall(key)
-        pattern = _NUMBER.sub("\0", key)
+        pieces = _NUMBER.split(key)  # text, number, text, ...: one regex pass for both
+        numbers, pattern = pieces[1::2], "\0".join(pieces[0::2])
         rule = self._rules.get(pattern)
         if rule is None:
             found = self._convert(key)
@@ -211,13 +211,8 @@ def _rule_of(numbers: list[str], found: ConversionMatch | None) -> _Rule | None:
     be read off (an expert index that is none of its numbers)."""
     if found is None:
         return _Rule(tuple(numbers), (), (), None, None, set())
-    pieces = tuple(_NUMBER.split(found.target))
-    values = _NUMBER.findall(found.target)
-    joined: list[str] = []
-    for i, text in enumerate(pieces):
-        joined.append(text)
-        if i < len(values):
-            joined.append(values[i])
+    joined = _NUMBER.split(found.target)  # text, number, text, ...
+    values = joined[1::2]
     slots = tuple(numbers.index(v) if v in numbers else None for v in values)
     expert = None
     if found.expert is not None:

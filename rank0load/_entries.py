@@ -184,7 +184,9 @@ def build_entries(
         if members is not None:
             entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
             if members[0][1].key in quantised:
-                entry = _with_scales(entry, [headers[k] for k in entry.parts.keys], headers, block, info.dtype)
+                entry = _with_scales(
+                    entry, [headers[k] for k in entry.parts.keys], headers, block, info.dtype
+                )
             return entry
         found = match.by_model_key[model_key]
         if found[0].key in quantised:
@@ -306,7 +308,7 @@ def _assemble(
             "Does model_fn build the checkpoint's config?"
         )
     if first.key not in quantised:
-        _check_fits(replace(first, shape=shape), key, shape, dtype)
+        _check_fits(first._replace(shape=shape), key, shape, dtype)
     nbytes = sum(t.nbytes for t in parts)
     return Entry(
         key,

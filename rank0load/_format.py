@@ -17,7 +17,7 @@ import operator
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -65,9 +65,10 @@ for _name, _attr in (
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True, slots=True)  # one per checkpoint tensor: no __dict__ each
-class TensorHeader:
-    """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``."""
+class TensorHeader(NamedTuple):
+    """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``. (A named tuple:
+    one is made per checkpoint tensor, ~96,000 for a MoE checkpoint, at a fifth of a frozen
+    dataclass's cost.)"""
 
     file: str  # path as given to read_header (or OpenFile.path)
     key: str
