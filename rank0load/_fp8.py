@@ -26,7 +26,6 @@ from .errors import ModelMismatchError
 __all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for", "to_float32"]
 
 FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
-_ROWS_AT_ONCE_BYTES = 1 << 20  # float32 temporaries per step of dequantize
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -38,12 +37,20 @@ def to_float32(values: torch.Tensor) -> torch.Tensor:
     (``index_select`` with int32 indices) does the same about three times faster, NaNs included.
     Elsewhere (CUDA) torch's own conversion is already at memory speed and is used as it is.
     """
-    if values.device.type != "cpu" or values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    table = _table(values)
+    if table is None:
         return values.to(torch.float32)
+    return table.index_select(0, values.reshape(-1).view(torch.uint8).int()).view(values.shape)
+
+
+def _table(values: torch.Tensor) -> torch.Tensor | None:
+    """The float32 value of each of ``values``' 256 float8 bytes, for a CPU float8 tensor; else None."""
+    if values.device.type != "cpu" or values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return None
     table = _TABLES.get(values.dtype)
     if table is None:
         table = _TABLES[values.dtype] = torch.arange(256, dtype=torch.uint8).view(values.dtype).float()
-    return table.index_select(0, values.reshape(-1).view(torch.uint8).int()).view(values.shape)
+    return table
 
 
 def block_size(root: str) -> tuple[int, int] | None:
@@ -183,14 +190,7 @@ def _part(
 
 def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
     """``out[:] = float32(values)`` (see :func:`to_float32`), without a temporary on the CPU."""
-    table = _TABLES.get(values.dtype) if values.device.type == "cpu" else None
-    if (
-        table is None
-        and values.device.type == "cpu"
-        and values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    ):
-        to_float32(values[:0])  # builds the table
-        table = _TABLES[values.dtype]
+    table = _table(values)
     if table is None:
         out.copy_(values)
         return

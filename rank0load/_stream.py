@@ -24,15 +24,10 @@ from ._entries import Entry
 from ._plan import Piece, Route
 from .errors import CheckpointFormatError, LoadError
 
-__all__ = ["Reader", "Staged", "read_into", "read_vectored", "runs"]
+__all__ = ["Reader", "Staged", "read_vectored", "runs"]
 
 
 _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
-
-
-def read_into(fd: int, buf: torch.Tensor, offset: int, path: str) -> None:
-    """Fill the contiguous uint8 CPU tensor ``buf`` from ``fd`` at ``offset`` (short reads retried)."""
-    read_vectored(fd, [host_bytes(buf)], offset, path)
 
 
 def read_vectored(fd: int, views: list[memoryview], offset: int, path: str) -> None:

@@ -92,7 +92,7 @@ def test_any_set_of_elements_dequantises_exactly(case, pick):
 
 
 def test_large_runs_go_in_bounded_steps():
-    """Whole rows in steps of at most 1 MiB of float32, across a part boundary."""
+    """Whole rows past 1 MiB of float32 (the sink bounds each call; here one call), across a part boundary."""
     block, cols, part_rows = (128, 128), 1000, [700, 900]
     generator = torch.Generator().manual_seed(0)
     parts = [quantize(torch.randn(r, cols, generator=generator), block) for r in part_rows]
