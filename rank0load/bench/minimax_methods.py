@@ -7,8 +7,9 @@ transformers' ``MiniMaxM2ForCausalLM`` in bf16 holding the dequantised checkpoin
 - ``build-only``: the model rank0load builds (``from_config`` on meta in bf16, ``rank0load._model.cast``),
   sharded by rank0load's own default policy (``rank0load._shard.default_shard_fn``: the same FSDP
   groups), ``to_empty``, every local shard faulted in; loads nothing.
-- ``floor``: build-only, then each rank reads its own bytes and dequantises them itself
-  (:func:`floor_fill`): the least work any loader must do.
+- ``floor``: build-only, then each rank reads every file whole (one ``os.preadv`` each) and
+  dequantises the elements it holds itself, with no per-tensor bookkeeping (:func:`floor_fill`):
+  the least work any loader must do.
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)`` in one
   process (``SINGLE_PROCESS``: the driver runs it with one rank): on a machine without a GPU,
   transformers 5 dequantises the FP8 checkpoint to bf16 by itself (no ``quantization_config``
@@ -17,10 +18,10 @@ transformers' ``MiniMaxM2ForCausalLM`` in bf16 holding the dequantised checkpoin
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -111,102 +112,67 @@ def transformers_method(
 # ------------------------------------------------------------------------------------------ the floor
 
 
-@dataclass(frozen=True)
-class _Need:
-    """Rows ``[lo, hi)`` of checkpoint tensor ``key``: bytes ``[start, stop)`` of ``file``."""
-
-    key: str
-    file: str
-    start: int
-    stop: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]  # of the rows read
-
-
 _DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16}
 
 
-def _headers(path: str) -> dict[str, dict]:
-    """The safetensors header of ``path``, ``data_offsets`` made absolute."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    for entry in header.values():
-        entry["data_offsets"] = [8 + n + o for o in entry["data_offsets"]]
-    return header
+class _File:
+    """One checkpoint file read whole with one ``os.preadv`` (into ``buf``, reused across files):
+    ``self[key]`` is a view of that tensor's bytes in its dtype and shape."""
 
-
-def _rows(key: str, lo: int, hi: int, where: dict[str, str], headers: dict[str, dict]) -> _Need:
-    entry = headers[where[key]][key]
-    shape = tuple(entry["shape"])
-    dtype = _DTYPES[entry["dtype"]]
-    row = dtype.itemsize * (shape[1] if len(shape) > 1 else 1)
-    start = entry["data_offsets"][0]
-    return _Need(key, where[key], start + lo * row, start + hi * row, dtype, (hi - lo, *shape[1:]))
-
-
-def _read(ckpt: str, needs: list[_Need]) -> dict[str, torch.Tensor]:
-    """One file's needs read with one ``os.preadv`` per contiguous run of them; key -> its rows."""
-    needs = sorted(needs, key=lambda n: n.start)
-    runs: list[list[_Need]] = []
-    for need in needs:
-        if runs and runs[-1][-1].stop == need.start:
-            runs[-1].append(need)
-        else:
-            runs.append([need])
-    # Each run lands at the same address modulo 8 as in the file, so float32 rows stay aligned.
-    buf = torch.empty(sum(n.stop - n.start for n in needs) + 8 * len(runs), dtype=torch.uint8)
-    view = memoryview(buf.numpy())  # type: ignore[arg-type]  # a numpy array is a writable buffer
-    out: dict[str, torch.Tensor] = {}
-    fd = os.open(os.path.join(ckpt, needs[0].file), os.O_RDONLY)
-    try:
-        at = 0
-        for run in runs:
-            at += (run[0].start - at) % 8
-            size = run[-1].stop - run[0].start
-            got = os.preadv(fd, [view[at : at + size]], run[0].start)
+    def __init__(self, path: str, buf: list[torch.Tensor]) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            n = int.from_bytes(os.pread(fd, 8, 0), "little")
+            self.header = json.loads(os.pread(fd, n, 8))
+            self.header.pop("__metadata__", None)
+            size = os.fstat(fd).st_size - 8 - n
+            if buf[0].numel() < size:
+                buf[0] = torch.empty(size, dtype=torch.uint8)
+            self.data = buf[0][:size]
+            got = os.preadv(fd, [memoryview(self.data.numpy())], 8 + n)  # type: ignore[arg-type]
             if got != size:
-                raise OSError(f"short read of {needs[0].file}: {got} of {size} bytes at {run[0].start}")
-            for n in run:
-                out[n.key] = buf[at : at + n.stop - n.start].view(n.dtype).view(n.shape)
-                at += n.stop - n.start
-    finally:
-        os.close(fd)
-    return out
+                raise OSError(f"short read of {path}: {got} of {size} bytes")
+        finally:
+            os.close(fd)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        entry = self.header[key]
+        start, stop = entry["data_offsets"]
+        return self.data[start:stop].view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+
+    def stacked(self, keys: list[str]) -> torch.Tensor:
+        """The tensors ``keys`` (one dtype and shape) stacked: one slice per key, one view for all."""
+        entry = self.header[keys[0]]
+        q = torch.stack([self.data[slice(*self.header[k]["data_offsets"])] for k in keys])
+        return q.view(_DTYPES[entry["dtype"]]).view(len(keys), *entry["shape"])
 
 
 def _dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row0: int, block: int) -> None:
     """``dst[...] = bf16(to_float32(q) * scale)``; ``q``'s rows start at row ``row0`` of the weight,
-    ``scale``'s first grid row is ``row0 // block`` (leading dims: experts)."""
+    ``scale``'s first grid row is ``row0 // block`` (leading dims: experts). Whole blocks: the
+    scales broadcast over each block, no full-size scale tensor."""
     rows, cols = q.shape[-2:]
-    skip = row0 % block
-    full = scale.repeat_interleave(block, -2)[..., skip : skip + rows, :].repeat_interleave(block, -1)
-    dst.copy_(to_float32(q).mul_(full[..., :cols]))
+    lead = q.shape[:-2]
+    x = to_float32(q)
+    if row0 % block == 0 and rows % block == 0 and cols % block == 0:
+        g = x.view(*lead, rows // block, block, cols // block, block)
+        g.mul_(scale[..., : rows // block, None, : cols // block, None])
+    else:
+        skip = row0 % block
+        full = scale.repeat_interleave(block, -2)[..., skip : skip + rows, :].repeat_interleave(block, -1)
+        x.mul_(full[..., :cols])
+    dst.copy_(x)
 
 
-def floor_fill(model: nn.Module, cfg: MiniMaxConfig, ckpt: str) -> dict:
-    """(all ranks, no collectives) Fill this rank's local shards from the checkpoint: per file (one a
-    layer), the rows of every tensor this rank holds — its experts' w1/w2/w3 and their scales, its
-    rows of the attention weights, norms, router and head, and the whole e_score_correction_bias
-    (a buffer every rank holds) — are read with one ``os.preadv`` per contiguous run of them, then
-    every float8 element dequantised with ``rank0load._fp8.to_float32`` times its block's scale
-    and cast to bf16 into the shard (experts batched per layer and projection). Returns the
-    bytes it read."""
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
-        where: dict[str, str] = json.load(f)["weight_map"]
-    headers = {name: _headers(os.path.join(ckpt, name)) for name in sorted(set(where.values()))}
+Fill = Callable[[_File], None]
+
+
+def _fills(model: nn.Module, cfg: MiniMaxConfig, where: dict[str, str]) -> dict[str, list[Fill]]:
+    """File -> how each of this rank's local tensors is filled from it: its experts' w1/w2/w3
+    (batched per projection), its rows of the attention weights, norms, router and head, and the
+    whole e_score_correction_bias (a buffer every rank holds)."""
     b = cfg.block
-    per_file: dict[str, dict[str, _Need]] = {}  # file -> its needs, by key
-    fills: dict[str, list[Callable[[Got], object]]] = {}  # file -> what fills from it
-
-    def fill_from(file: str, fill: Callable[[Got], object]) -> None:
-        fills.setdefault(file, []).append(fill)
-
-    def need(key: str, lo: int, hi: int) -> None:
-        n = _rows(key, lo, hi, where, headers)
-        per_file.setdefault(n.file, {})[key] = n
-
+    fills: dict[str, list[Fill]] = {}
     for name, p in model.named_parameters():
         local = local_tensor(p).data
         first = 0
@@ -215,67 +181,71 @@ def floor_fill(model: nn.Module, cfg: MiniMaxConfig, ckpt: str) -> dict:
         count = local.shape[0]
         if count == 0:
             continue
-        parts = name.split(".")
-        prefix = ".".join(parts[:3]) + "."  # model.layers.{l}.
+        prefix = ".".join(name.split(".")[:3]) + "."  # model.layers.{l}.
         if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
             ws = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
-            keys = {
-                w: [f"{prefix}block_sparse_moe.experts.{e}.{w}.weight" for e in range(first, first + count)]
+            keys = [
+                [f"{prefix}block_sparse_moe.experts.{e}.{w}.weight" for e in range(first, first + count)]
                 for w in ws
-            }
-            for w in ws:
-                for k in keys[w]:
-                    need(k, 0, cfg.intermediate if w != "w2" else cfg.hidden)
-                    need(k + "_scale_inv", 0, headers[where[k]][k + "_scale_inv"]["shape"][0])
+            ]
 
-            def fill_experts(
-                got: Got,
-                local: torch.Tensor = local,
-                keys: dict[str, list[str]] = keys,
-                ws: tuple[str, ...] = ws,
-            ) -> None:
+            def fill_experts(f: _File, local: torch.Tensor = local, keys: list[list[str]] = keys) -> None:
                 at = 0
-                for w in ws:
-                    q = torch.stack([got[k].view(torch.uint8) for k in keys[w]]).view(torch.float8_e4m3fn)
-                    s = torch.stack([got[k + "_scale_inv"] for k in keys[w]])
+                for ks in keys:
+                    q = f.stacked(ks)
+                    s = f.stacked([k + "_scale_inv" for k in ks])
                     _dequantize_into(local[:, at : at + q.shape[1]], q, s, 0, b)
                     at += q.shape[1]
 
-            fill_from(where[keys[ws[0]][0]], fill_experts)
+            fills.setdefault(where[keys[0][0]], []).append(fill_experts)
             continue
         key = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-        need(key, first, first + count)
-        if headers[where[key]][key]["dtype"] == "F8_E4M3":
-            need(key + "_scale_inv", first // b, (first + count - 1) // b + 1)
 
-            def fill_fp8(got: Got, local: torch.Tensor = local, key: str = key, first: int = first) -> None:
-                _dequantize_into(local, got[key], got[key + "_scale_inv"], first, b)
+        def fill(f: _File, local: torch.Tensor = local, key: str = key, first: int = first) -> None:
+            rows = f[key][first : first + local.shape[0]]
+            if rows.dtype == torch.float8_e4m3fn:
+                _dequantize_into(local, rows, f[key + "_scale_inv"][first // b :], first, b)
+            else:
+                local.copy_(rows)  # bf16 as it is; the float32 router cast to bf16
 
-            fill_from(where[key], fill_fp8)
-        else:
+        fills.setdefault(where[key], []).append(fill)
+    for name, buffer in model.named_buffers():
+        if name.endswith("mlp.e_score_correction_bias"):
+            key = name.replace(".mlp.", ".block_sparse_moe.")
 
-            def fill_plain(got: Got, local: torch.Tensor = local, key: str = key) -> None:
-                local.copy_(got[key])  # bf16 as it is; the float32 router cast to bf16
+            def fill_buffer(f: _File, buffer: torch.Tensor = buffer, key: str = key) -> None:
+                buffer.copy_(f[key])
 
-            fill_from(where[key], fill_plain)
-    buffers = [n for n, _ in model.named_buffers() if n.endswith("mlp.e_score_correction_bias")]
-    for name in buffers:
-        key = name.replace(".mlp.", ".block_sparse_moe.")
-        need(key, 0, headers[where[key]][key]["shape"][0])
+            fills.setdefault(where[key], []).append(fill_buffer)
+    return fills
 
-        def fill_buffer(got: Got, name: str = name, key: str = key) -> None:
-            owner, _, leaf = name.rpartition(".")
-            getattr(model.get_submodule(owner), leaf).copy_(got[key])
 
-        fill_from(where[key], fill_buffer)
-    read = 0
-    with torch.no_grad():
-        for file, needs in per_file.items():
-            got = _read(ckpt, list(needs.values()))
-            read += sum(n.stop - n.start for n in needs.values())
-            for fill in fills.get(file, []):
-                fill(got)
-            del got
+def floor_fill(model: nn.Module, cfg: MiniMaxConfig, ckpt: str) -> dict:
+    """(all ranks, no collectives) Fill this rank's local shards from the checkpoint, doing no more
+    than any loader must: the garbage collector paused (as rank0load pauses it while it parses
+    headers), each file (one a layer) read whole with one ``os.preadv`` into one reused buffer and
+    its header parsed, then every float8 element this rank holds dequantised with
+    ``rank0load._fp8.to_float32`` times its block's scale (broadcast over the block) and cast to
+    bf16 into the shard, a layer's experts batched per projection. Reading whole files reads
+    each rank's share of every file and the rest of it (page cache to memory, about 0.1 s per
+    GB): cheaper than one read per tensor. Returns the bytes it read."""
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        where: dict[str, str] = json.load(f)["weight_map"]
+    fills = _fills(model, cfg, where)
+    read, buf = 0, [torch.empty(0, dtype=torch.uint8)]
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            for name in sorted(fills):
+                opened = _File(os.path.join(ckpt, name), buf)
+                read += opened.data.numel()
+                for fill in fills[name]:
+                    fill(opened)
+                del opened
+    finally:
+        if was:
+            gc.enable()
     return {"floor_bytes_read": read}
 
 
@@ -289,6 +259,6 @@ MINIMAX_METHODS: dict[str, Method] = {
 MINIMAX_METHOD_NOTES: dict[str, str] = {
     "build-only": "`AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)` on meta, sharded by rank0load's default policy (`default_shard_fn`), `to_empty`, local shards faulted in: loads nothing",
     "rank0load": "`rank0load.load_pretrained(AutoModelForCausalLM, ckpt, mesh, dtype=torch.bfloat16)`: config, build, default policy, FP8 dequantised on each rank",
-    "floor": "build-only, then each rank `os.preadv`s its own rows (one call per contiguous run in each file) and dequantises every float8 element it holds (`rank0load._fp8.to_float32` x block scale -> bf16): the least work any loader must do",
+    "floor": "build-only, then each rank, garbage collector paused, reads each file whole with one `os.preadv` and dequantises every float8 element it holds (`rank0load._fp8.to_float32` x its block's scale, broadcast -> bf16) into its shards, experts batched per layer and projection: the least work any loader must do",
     "transformers": "one process: `AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)` (transformers 5 dequantises FP8 on a machine without a GPU)",
 }
