@@ -126,6 +126,16 @@ class StackExperts:
 
 
 _NUMBER = re.compile(r"(?<![^.])(\d+)(?![^.])")  # a number that is a whole dotted segment
+_DOTTED_NUMBER = re.compile(r"\.(\d+)(?=\.)")  # the same, in keys each written as "." + key + "."
+
+
+def _numbers_blanked(keys: list[str]) -> list[str]:
+    """Each key's pattern (as :class:`KeyResolver` keys its rules: every whole-segment number
+    replaced by NUL), for keys without newlines or NULs: one regular-expression pass over them all,
+    joined, each between dots (a literal dot lets the scan skip ahead, where ``_NUMBER``'s
+    look-behind tests every character: 50 ms instead of 150 for 96,000 keys)."""
+    blanked = _DOTTED_NUMBER.sub(".\0", "." + ".\n.".join(keys) + ".")
+    return [line[1:-1] for line in blanked.split("\n")] if keys else []
 
 
 @dataclass
@@ -195,6 +205,64 @@ class KeyResolver:
         else:
             rule.varied.update(i for i, (a, b) in enumerate(zip(numbers, rule.first)) if a != b)
         return (found.target if found else None), found
+
+    def resolve_all(self, keys: Sequence[str]) -> list[tuple[str | None, ConversionMatch | None]]:
+        """``[self(key) for key in keys]``, the same answers at a fraction of the cost: the keys the
+        model lacks are grouped by pattern with one regular-expression pass over them all; a
+        pattern's keys go one by one until its rule is trusted, the rest are predicted together
+        (their numbers found in one pass, each distinct target checked once)."""
+        found: list[tuple[str | None, ConversionMatch | None]] = [
+            (c, None) for c in map(self._canonical, keys)
+        ]
+        if not self._conversions:
+            return found
+        lacking = [i for i, (c, _) in enumerate(found) if c is None]
+        if any("\n" in keys[i] or "\0" in keys[i] for i in lacking):  # cannot be joined: one by one
+            return [(c, None) if c is not None else self(k) for k, (c, _) in zip(keys, found)]
+        groups: dict[str, list[int]] = {}
+        for i, pattern in zip(lacking, _numbers_blanked([keys[i] for i in lacking])):
+            groups.setdefault(pattern, []).append(i)
+        for pattern, members in groups.items():
+            at = 0
+            while at < len(members) and not self._trusted(pattern):
+                found[members[at]] = self(keys[members[at]])
+                at += 1
+            rule = self._rules.get(pattern)
+            if rule is None or not self._trusted(pattern):
+                for i in members[at:]:
+                    found[i] = self(keys[i])
+                continue
+            for i, predicted in zip(members[at:], self._predict_all(rule, [keys[i] for i in members[at:]])):
+                found[i] = (predicted.target if predicted else None), predicted
+        return found
+
+    def _trusted(self, pattern: str) -> bool:
+        rule = self._rules.get(pattern)
+        return rule is not None and len(rule.varied) == len(rule.first)
+
+    def _predict_all(self, rule: _Rule, keys: list[str]) -> list[ConversionMatch | None]:
+        """A trusted ``rule``'s answers for ``keys`` (all of its pattern), as :meth:`__call__` gives
+        them: the predicted target must be a model key, else the key is converted by itself."""
+        if rule.match is None or not keys:
+            return [None] * len(keys)
+        width = len(rule.first)
+        flat = _DOTTED_NUMBER.findall("." + ".\n.".join(keys) + ".")
+        rows = zip(*[iter(flat)] * width) if width else iter([()] * len(keys))
+        m, out = rule.match, []
+        checked: dict[tuple[str, ...], str | None] = {}  # the slots a target copies -> target if valid
+        copied = [slot for slot in rule.slots if slot is not None]
+        for key, numbers in zip(keys, rows):
+            which = tuple(numbers[slot] for slot in copied)
+            target = checked.get(which, "")
+            if target == "":
+                predicted = rule.predict(list(numbers)).target  # type: ignore[union-attr]
+                target = checked[which] = predicted if self._canonical(predicted) == predicted else None
+            if target is None:
+                out.append(self._convert(key))
+                continue
+            expert = int(numbers[rule.expert]) if rule.expert is not None else None
+            out.append(ConversionMatch(target, expert, m.source, m.sources, m.rule, m.unsupported))
+        return out
 
     def _convert(self, key: str) -> ConversionMatch | None:
         """The first conversion that maps ``key`` onto a tensor of the model (target canonical)."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -65,14 +67,15 @@ def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[s
     found: dict[str, TensorHeader] = {}
     for path in source.files:
         tensors, _ = read_header(files[path] if files is not None else path)
-        for key, t in tensors.items():
-            if key in found:
-                raise CheckpointFormatError(
-                    f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
-                    f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
-                )
-            found[key] = t
-    if source.weight_map is not None:
+        twice = found.keys() & tensors.keys()  # ~96,000 keys in a MoE checkpoint: checked in C
+        if twice:
+            key = next(k for k in tensors if k in twice)
+            raise CheckpointFormatError(
+                f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
+                f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
+            )
+        found.update(tensors)
+    if source.weight_map is not None and not _index_agrees(source.weight_map, found):
         for key, path in source.weight_map.items():
             stored = found.get(key)
             if stored is None:
@@ -86,12 +89,20 @@ def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[s
                     f"but it is stored in {os.path.basename(stored.file)}. Re-save the checkpoint."
                 )
         extra = set(found) - set(source.weight_map)
-        if extra:
-            raise CheckpointFormatError(
-                f"{source.description}: the shards store keys the index does not list: "
-                f"{format_keys(extra)}. The index and the shards disagree: re-save the checkpoint."
-            )
+        raise CheckpointFormatError(
+            f"{source.description}: the shards store keys the index does not list: "
+            f"{format_keys(extra)}. The index and the shards disagree: re-save the checkpoint."
+        )
     return found
+
+
+def _index_agrees(weight_map: dict[str, str], found: dict[str, TensorHeader]) -> bool:
+    """Whether the index lists exactly the stored keys, each in the file that stores it (compared
+    in C: the files of the stored tensors, in the index's key order, against the index's)."""
+    if weight_map.keys() != found.keys():
+        return False
+    stored = map(operator.attrgetter("file"), map(found.__getitem__, weight_map))
+    return all(map(operator.eq, stored, weight_map.values()))
 
 
 @dataclass(frozen=True)
@@ -128,16 +139,58 @@ def match_keys(
         ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
             checkpoint keys to one model key.
     """
+    ignored: list[str] = []
+    if key_map is None:  # the header's keys are unique: none can map twice
+        pairs = [(k, k) for k in headers if k not in layout.non_persistent]
+        ignored = [k for k in headers if k in layout.non_persistent]
+    else:
+        pairs = _mapped(headers, key_map, layout.non_persistent, ignored)
     by_model_key: dict[str, list[TensorHeader]] = {}
     stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
     unsupported: dict[str, tuple[str, str, str]] = {}
-    mapped_from: dict[str, str] = {}
     unexpected: list[str] = []
-    ignored: list[str] = []
-    resolve = KeyResolver(layout.canonical, conversions)
+    answers = KeyResolver(layout.canonical, conversions).resolve_all([model_key for _, model_key in pairs])
+    for (ckpt_key, _), (canonical, converted) in zip(pairs, answers):
+        if canonical is None or converted is not None and converted.unsupported is not None:
+            if converted is not None and canonical is not None:
+                unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
+            unexpected.append(ckpt_key)
+        elif converted is not None and converted.expert is not None:
+            stacked.setdefault(canonical, []).append((converted, headers[ckpt_key]))
+        else:
+            by_model_key.setdefault(canonical, []).append(headers[ckpt_key])
+    both = sorted(set(stacked) & set(by_model_key))
+    if both:
+        raise ModelMismatchError(
+            f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
+            "layout (re-save it, or drop one set of keys with key_map)."
+        )
+    absent = [k for k in layout.tensors if k not in by_model_key and k not in stacked]
+    return KeyMatch(
+        by_model_key={k: tuple(found) for k, found in by_model_key.items()},
+        unexpected=tuple(sorted(unexpected)),
+        ignored=tuple(sorted(ignored)),
+        missing=tuple(sorted(k for k in absent if k not in layout.built)),
+        stacked={k: tuple(found) for k, found in stacked.items()},
+        unsupported=unsupported,
+        kept=tuple(sorted(k for k in absent if k in layout.built)),
+    )
+
+
+def _mapped(
+    headers: dict[str, TensorHeader],
+    key_map: Callable[[str], str | None],
+    non_persistent: AbstractSet[str],
+    ignored: list[str],
+) -> list[tuple[str, str]]:
+    """``(checkpoint key, model key)`` for every key ``key_map`` keeps that is no non-persistent
+    buffer of the model (those and the dropped keys go to ``ignored``). Raises ModelMismatchError
+    when ``key_map`` raises, returns neither a str nor None, or maps two keys to one model key."""
+    pairs: list[tuple[str, str]] = []
+    mapped_from: dict[str, str] = {}
     for ckpt_key, t in headers.items():
         try:
-            model_key = key_map(ckpt_key) if key_map is not None else ckpt_key
+            model_key = key_map(ckpt_key)
         except Exception as exc:
             raise ModelMismatchError(
                 f"key_map({ckpt_key!r}) raised {type(exc).__name__}: {exc} (checkpoint file "
@@ -158,34 +211,11 @@ def match_keys(
                 f"{model_key!r}. Each model key may come from one checkpoint key only."
             )
         mapped_from[model_key] = ckpt_key
-        if model_key in layout.non_persistent:
+        if model_key in non_persistent:
             ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
-            continue
-        canonical, converted = resolve(model_key)
-        if canonical is None or converted is not None and converted.unsupported is not None:
-            if converted is not None and canonical is not None:
-                unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
-            unexpected.append(ckpt_key)
-        elif converted is not None and converted.expert is not None:
-            stacked.setdefault(canonical, []).append((converted, t))
         else:
-            by_model_key.setdefault(canonical, []).append(t)
-    both = sorted(set(stacked) & set(by_model_key))
-    if both:
-        raise ModelMismatchError(
-            f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
-            "layout (re-save it, or drop one set of keys with key_map)."
-        )
-    absent = [k for k in layout.tensors if k not in by_model_key and k not in stacked]
-    return KeyMatch(
-        by_model_key={k: tuple(found) for k, found in by_model_key.items()},
-        unexpected=tuple(sorted(unexpected)),
-        ignored=tuple(sorted(ignored)),
-        missing=tuple(sorted(k for k in absent if k not in layout.built)),
-        stacked={k: tuple(found) for k, found in stacked.items()},
-        unsupported=unsupported,
-        kept=tuple(sorted(k for k in absent if k in layout.built)),
-    )
+            pairs.append((ckpt_key, model_key))
+    return pairs
 
 
 @dataclass(frozen=True)

@@ -130,13 +130,15 @@ class ModelLayout:
         from activation checkpointing) are ignored on both sides: a checkpoint saved from a
         compiled model loads into a plain one and the other way round, with no ``key_map``.
         """
-        for candidate in (key, strip_wrappers(key)):
-            if candidate in self.tensors:
-                return candidate
-            hit = self.aliases.get(candidate)
-            if hit is not None:
-                return hit
-        return None
+        if key in self.tensors:  # called for every checkpoint key: the common answers first
+            return key
+        hit = self.aliases.get(key)
+        if hit is not None:
+            return hit
+        stripped = strip_wrappers(key)
+        if stripped is key:
+            return None
+        return stripped if stripped in self.tensors else self.aliases.get(stripped)
 
     def fingerprint(self) -> tuple:
         """A picklable summary that differs whenever two ranks built different models."""

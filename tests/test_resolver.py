@@ -104,3 +104,47 @@ def test_repeated_numbers_and_absent_targets():
                 assert got[0] == f"model.layers.{la}.experts.w2" and got[1].expert == e
             else:
                 assert got == (None, None)
+
+
+def _resolve_one_by_one(model: set[str], conversions, keys: list[str]):
+    resolve = KeyResolver(lambda k: k if k in model else None, conversions)
+    return [resolve(k) for k in keys]
+
+
+def test_resolve_all_equals_every_key_decided_alone():
+    """The bulk path (patterns found in one pass, trusted patterns predicted together) gives each
+    key's own answer, and still asks the conversions about a layer's worth of keys only."""
+    model = _model_keys()
+    keys = _keys()
+    counted = [Counting(r) for r in RULES]
+    got = KeyResolver(lambda k: k if k in model else None, counted).resolve_all(keys)
+    assert got == [_direct(k, model) for k in keys]
+    converted = len([k for k in keys if k not in model])
+    assert counted[0].calls <= converted // LAYERS + 6, (counted[0].calls, converted)
+    # a model with fewer layers than the checkpoint: predicted targets it lacks are decided alone
+    few = {f"model.layers.{la}.experts.{n}" for la in range(2) for n in ("w13", "w2")}
+    assert KeyResolver(lambda k: k if k in few else None, RULES).resolve_all(keys) == [
+        _direct(k, few) for k in keys
+    ]
+
+
+def test_resolve_all_odd_keys_equal_one_by_one():
+    """Keys that start or end with a number, numbers of several widths, a Unicode digit, a newline
+    or a NUL in a key (those keys cannot be joined: every key is then decided alone), a rule that
+    depends on one expert's number: the bulk answers are the one-by-one answers."""
+    model = _model_keys() | {f"model.layers.{la}.experts.odd" for la in range(LAYERS)} | {"0.weight"}
+
+    class Odd:
+        def match(self, key):
+            found = RULES[1].match(key)
+            if found is not None and found.expert == 5:
+                return replace(found, target=found.target.replace("w2", "odd"), expert=0)
+            return found
+
+    base = _keys() + ["0.weight", "1.weight", "model.layers.3", "model.layers.10.experts.100.w2.weight"]
+    base += ["model.layers.\u0661.experts.2.w2.weight", "x.12.y.3.z"]
+    for conversions in (RULES, [Odd()]):
+        for extra in ([], ["model.layers.1.experts.3.w2.weight\nmore"], ["a.\0.b"]):
+            keys = base + extra
+            got = KeyResolver(lambda k: k if k in model else None, conversions).resolve_all(keys)
+            assert got == _resolve_one_by_one(model, conversions, keys), (conversions, extra)
