@@ -31,7 +31,7 @@ from .errors import ModelMismatchError
 if TYPE_CHECKING:
     from ._manifest import KeyMatch
 
-__all__ = ["Entry", "FLOAT_WIRE", "Part", "Parts", "build_entries", "unconsumed"]
+__all__ = ["Entry", "FLOAT_WIRE", "Part", "Parts", "build_entries", "quantised_keys", "unconsumed"]
 
 
 # Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
@@ -157,9 +157,16 @@ def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: 
     )
 
 
-def unconsumed(match: KeyMatch, layout: ModelLayout, headers: dict[str, TensorHeader]) -> tuple[str, ...]:
-    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised."""
-    scales = {k + "_scale_inv" for k in _quantised(match, layout)} & set(headers)
+def unconsumed(
+    match: KeyMatch,
+    layout: ModelLayout,
+    headers: dict[str, TensorHeader],
+    quantised: AbstractSet[str] | None = None,
+) -> tuple[str, ...]:
+    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised
+    (``quantised``: :func:`quantised_keys`, when already known)."""
+    quantised = quantised_keys(match, layout) if quantised is None else quantised
+    scales = {k + "_scale_inv" for k in quantised} & headers.keys()
     return tuple(k for k in match.unexpected if k not in scales)
 
 
@@ -169,12 +176,14 @@ def build_entries(
     headers: dict[str, TensorHeader],
     root: str,
     errors: list[str] | None = None,
+    quantised: AbstractSet[str] | None = None,
 ) -> list[Entry]:
     """(rank 0, or ``inspect``) One entry per model tensor found: shapes and dtypes checked, stacked
     experts assembled, float8 tensors given their scales. Raises the first ModelMismatchError, or,
     with ``errors`` (``inspect``: headers only), collects every message there and reads no data
     (tied names stored twice are then not compared)."""
-    quantised = _quantised(match, layout)  # float8 checkpoint tensors for floating model tensors
+    # float8 checkpoint tensors for floating model tensors
+    quantised = quantised_keys(match, layout) if quantised is None else quantised
     block = fp8_block_size(root) if quantised else None
     entries: list[Entry] = []
 
@@ -213,7 +222,7 @@ def _single(key: str, t: TensorHeader) -> Entry:
     return Entry(key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes)
 
 
-def _quantised(match: KeyMatch, layout: ModelLayout) -> set[str]:
+def quantised_keys(match: KeyMatch, layout: ModelLayout) -> set[str]:
     """Checkpoint keys of float8 tensors that go into floating (not float8) model tensors: they are
     dequantised with their ``_scale_inv`` (see _fp8)."""
     out = set()
@@ -235,7 +244,17 @@ def _with_scales(
     dtype: torch.dtype,
 ) -> Entry:
     """``entry`` (float8 parts) with each part's scale grid, checked; dequantised on arrival."""
-    found = [fp8_scale_for(entry.key, t, headers, block, dtype) for t in parts]
+    found = []
+    checked: dict[tuple, tuple[int, int]] = {}  # the checks depend on shapes and dtype alone
+    for t in parts:
+        scale = headers.get(t.key + "_scale_inv")
+        kind = (t.shape, None) if scale is None else (t.shape, scale.shape, scale.dtype)
+        known = checked.get(kind)
+        if known is None:
+            scale, known = fp8_scale_for(entry.key, t, headers, block, dtype)
+            checked[kind] = known
+        assert scale is not None  # fp8_scale_for raised for a weight without one
+        found.append((scale, known))
     blocks = {b for _, b in found}
     if len(blocks) > 1:
         raise ModelMismatchError(

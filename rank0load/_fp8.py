@@ -77,9 +77,9 @@ def scale_for(
     """(rank 0) The ``weight_scale_inv`` of float8 ``weight`` (checkpoint key ``weight.key``), checked
     against its shape, and the block size. Raises ModelMismatchError naming what is wrong: a float8
     weight is never loaded unscaled into a floating model."""
-    where = os.path.basename(weight.file)
     scale = headers.get(weight.key + "_scale_inv")
     if scale is None:
+        where = os.path.basename(weight.file)
         raise ModelMismatchError(
             f"model tensor {key!r} ({dtype}): checkpoint key {weight.key!r} in {where} is {weight.dtype} "
             f"but the checkpoint has no {weight.key + '_scale_inv'!r} to dequantise it with; loading it "

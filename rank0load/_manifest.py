@@ -21,7 +21,7 @@ from torch import nn
 
 from . import _peft
 from ._convert import Conversion, ConversionMatch, KeyResolver
-from ._entries import FLOAT_WIRE, Entry, Part, build_entries, unconsumed
+from ._entries import FLOAT_WIRE, Entry, Part, build_entries, quantised_keys, unconsumed
 from ._files import OpenFile, open_files
 from ._format import TensorHeader, read_header
 from ._meta import ModelLayout
@@ -141,16 +141,16 @@ def match_keys(
     """
     ignored: list[str] = []
     if key_map is None:  # the header's keys are unique: none can map twice
-        pairs = [(k, k) for k in headers if k not in layout.non_persistent]
+        ckpt_keys = model_keys = [k for k in headers if k not in layout.non_persistent]
         ignored = [k for k in headers if k in layout.non_persistent]
     else:
-        pairs = _mapped(headers, key_map, layout.non_persistent, ignored)
+        ckpt_keys, model_keys = _mapped(headers, key_map, layout.non_persistent, ignored)
     by_model_key: dict[str, list[TensorHeader]] = {}
     stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
     unsupported: dict[str, tuple[str, str, str]] = {}
     unexpected: list[str] = []
-    answers = KeyResolver(layout.canonical, conversions).resolve_all([model_key for _, model_key in pairs])
-    for (ckpt_key, _), (canonical, converted) in zip(pairs, answers):
+    answers = KeyResolver(layout.canonical, conversions).resolve_all(model_keys)
+    for ckpt_key, (canonical, converted) in zip(ckpt_keys, answers):
         if canonical is None or converted is not None and converted.unsupported is not None:
             if converted is not None and canonical is not None:
                 unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
@@ -182,11 +182,12 @@ def _mapped(
     key_map: Callable[[str], str | None],
     non_persistent: AbstractSet[str],
     ignored: list[str],
-) -> list[tuple[str, str]]:
-    """``(checkpoint key, model key)`` for every key ``key_map`` keeps that is no non-persistent
-    buffer of the model (those and the dropped keys go to ``ignored``). Raises ModelMismatchError
-    when ``key_map`` raises, returns neither a str nor None, or maps two keys to one model key."""
-    pairs: list[tuple[str, str]] = []
+) -> tuple[list[str], list[str]]:
+    """The checkpoint keys ``key_map`` keeps that are no non-persistent buffer of the model (those
+    and the dropped keys go to ``ignored``), and their model keys. Raises ModelMismatchError when
+    ``key_map`` raises, returns neither a str nor None, or maps two keys to one model key."""
+    ckpt_keys: list[str] = []
+    model_keys: list[str] = []
     mapped_from: dict[str, str] = {}
     for ckpt_key, t in headers.items():
         try:
@@ -214,8 +215,9 @@ def _mapped(
         if model_key in non_persistent:
             ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
         else:
-            pairs.append((ckpt_key, model_key))
-    return pairs
+            ckpt_keys.append(ckpt_key)
+            model_keys.append(model_key)
+    return ckpt_keys, model_keys
 
 
 @dataclass(frozen=True)
@@ -270,7 +272,8 @@ def build_manifest(
     headers = _headers(source, files)
     headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
-    missing, unexpected = match.missing, unconsumed(match, layout, headers)
+    quantised = quantised_keys(match, layout)
+    missing, unexpected = match.missing, unconsumed(match, layout, headers, quantised)
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
     if layout.tensors and not match.by_model_key and not match.stacked:
         raise ModelMismatchError(_nothing_matched(description, headers, layout, match))
@@ -305,7 +308,7 @@ def build_manifest(
             "module a reset_parameters()."
         )
 
-    entries = build_entries(match, layout, headers, source.root)
+    entries = build_entries(match, layout, headers, source.root, quantised=quantised)
     every = [*source.files, *(f for a in adapters for f in a.source.files)]
     order = {path: i for i, path in enumerate(every)}
     entries.sort(key=lambda e: (order[e.file], e.offset))

@@ -148,3 +148,14 @@ def test_resolve_all_odd_keys_equal_one_by_one():
             keys = base + extra
             got = KeyResolver(lambda k: k if k in model else None, conversions).resolve_all(keys)
             assert got == _resolve_one_by_one(model, conversions, keys), (conversions, extra)
+
+
+def test_resolve_all_in_small_batches(monkeypatch):
+    """Keys are joined a batch at a time (bounded temporaries): batch edges change nothing."""
+    from rank0load import _convert
+
+    monkeypatch.setattr(_convert, "_KEYS_AT_ONCE", 7)
+    model = _model_keys()
+    keys = _keys()
+    got = KeyResolver(lambda k: k if k in model else None, RULES).resolve_all(keys)
+    assert got == [_direct(k, model) for k in keys]
