@@ -17,7 +17,7 @@ import operator
 import os
 import struct
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -183,6 +183,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
 
 
 _ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items() if name != "F4"}
+_DTYPE_NAMES = {name: name for name in _ITEMSIZE}
 
 
 def _parse_entries(
@@ -210,9 +211,12 @@ def _parse_entries(
     sizes = [math.prod(shape) * _ITEMSIZE[d] for shape, d in zip(shapes, dtypes)]
     if any(map(operator.ne, map(operator.sub, ends, begins), sizes)):
         return None
+    # One string per dtype and one tuple per distinct shape, shared by every entry (json makes a
+    # new string and list for each): ~10 MiB less on rank 0 for 96,000 entries.
+    shared: dict[Any, Any] = dict(_DTYPE_NAMES)
     return {
-        key: TensorHeader(path, key, d, tuple(shape), data_start + b, n)
-        for key, d, shape, b, n in zip(header, dtypes, shapes, begins, sizes)
+        key: TensorHeader(path, key, shared[d], shared.setdefault(s, s), data_start + b, n)
+        for key, d, s, b, n in zip(header, dtypes, map(tuple, shapes), begins, sizes)
     }
 
 

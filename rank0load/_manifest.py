@@ -270,6 +270,8 @@ def build_manifest(
     """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
     list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`)."""
     headers = _headers(source, files)
+    if source.weight_map is not None:  # checked: its ~96,000 names need not stay alive from here on
+        source.weight_map.clear()
     headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
     quantised = quantised_keys(match, layout)

@@ -42,7 +42,8 @@ class Source:
 
     root: str
     files: tuple[str, ...]
-    weight_map: dict[str, str] | None  # checkpoint key -> absolute file path
+    # checkpoint key -> absolute file path; build_manifest empties it once the headers are checked
+    weight_map: dict[str, str] | None
     description: str
     # Weight files the directory also held but precedence passed over (model.safetensors wins over
     # an index, as in transformers); logged at INFO when resolved.
