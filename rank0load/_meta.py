@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
 from ._distribute import UserCodeFailure, user_code
@@ -60,7 +61,7 @@ def _build_once(
 ) -> nn.Module:
     default = torch.get_default_dtype()
     own_state = torch.get_rng_state() if rng_state is not None else None
-    with parameters_on_meta(), adapters_built_real(default):
+    with parameters_on_meta(), adapters_built_real(default), _MetaValuesSkipped():
         if rng_state is not None:
             torch.set_rng_state(rng_state)
         if dtype in _DEFAULTABLE:
@@ -74,6 +75,48 @@ def _build_once(
     if not isinstance(model, nn.Module):
         raise UserCodeFailure(f"model_fn must return an nn.Module, got {type(model).__name__}")
     return model
+
+
+# In-place operations that only set a tensor's values: on meta (no values) they change nothing.
+_VALUE_ONLY = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "normal_", "uniform_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_",
+        "bernoulli_", "erfinv_", "clamp_", "clamp_min_", "clamp_max_", "zero_", "fill_",
+    )
+) | frozenset(
+    (nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.constant_, nn.init.ones_, nn.init.zeros_)
+)  # fmt: skip
+# torch.nn.init functions that raise on tensors of fewer than 2 dimensions (fans undefined)
+_VALUE_ONLY_2D = frozenset(
+    (nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_)
+)
+
+
+class _MetaValuesSkipped(TorchFunctionMode):
+    """Initialisers on meta parameters return at once. torch runs some of them on meta through
+    Python reference implementations: ``normal_`` takes ~0.5 ms, ``clamp_`` 1.5 ms, so
+    transformers 4.57's ``_init_weights`` (``normal_`` on every ``nn.Linear``) spent ~80 s of a
+    48k-parameter per-expert MoE's build setting values meta tensors do not hold. Skipped only
+    for a floating meta tensor with no other tensor argument (nothing that could fail on a
+    shape), ``torch.nn.init``'s fan-based initialisers only from 2 dimensions up (below, they
+    raise); the CPU random stream is untouched either way (meta draws nothing). Whatever else runs
+    as it would, including what ``torch.nn.init`` calls inside a function this mode passes on."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _VALUE_ONLY or func in _VALUE_ONLY_2D:
+            target = args[0] if args else kwargs.get("tensor")
+            others = [*args[1:], *(v for k, v in kwargs.items() if k != "tensor" or args)]
+            if (
+                isinstance(target, torch.Tensor)
+                and target.is_meta
+                and target.is_floating_point()
+                and (func not in _VALUE_ONLY_2D or target.dim() >= 2)
+                and not any(isinstance(a, torch.Tensor) for a in others)
+            ):
+                return target
+        return func(*args, **kwargs)
 
 
 def _take_built(model: nn.Module) -> dict[str, torch.Tensor]:

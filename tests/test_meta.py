@@ -64,3 +64,62 @@ class SharedBeforeRegistering(nn.Module):
 def test_tie_made_before_registration_survives():
     model, _ = build_on_meta(SharedBeforeRegistering)
     assert model.a.weight is model.b.weight and model.a.weight.is_meta
+
+
+class _Initialised(nn.Module):
+    """Initialisers as transformers' ``_init_weights`` and timm run them, plus in-place operations
+    that must still run on meta: a shape change, one with a tensor argument, one on an integer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+        self.count = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+        self.register_buffer("stats", torch.ones(4))
+        with torch.no_grad():
+            self.proj.weight.normal_(mean=0.0, std=0.02)
+            nn.init.trunc_normal_(self.proj.weight, std=0.02)
+            self.proj.weight.clamp_(-1.0, 1.0)
+            self.proj.bias.zero_()
+            self.proj.bias.clamp_(min=self.proj.bias.new_zeros(4))  # a tensor argument: runs
+            self.count.random_(0, 5)  # integer: runs
+            self.stats.uniform_()  # a real buffer: runs, from the CPU random stream
+        self.flat = nn.Parameter(torch.empty(2, 3))
+        with torch.no_grad():
+            self.flat.t_()  # a shape change: runs
+
+
+def test_meta_initialisers_skipped_everything_else_runs(monkeypatch):
+    """Value-only in-place initialisers on floating meta parameters return at once (on meta torch
+    runs some through Python reference code: ~0.5 ms for normal_, 1.5 ms for clamp_), anything
+    that could change a shape or fail on one still reaches the dispatcher; the build is otherwise
+    the one without skipping: the same shapes, the same real buffers, the same CPU random state."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    import contextlib
+
+    from rank0load import _meta
+
+    torch.manual_seed(0)
+    with monkeypatch.context() as m:
+        m.setattr(_meta, "_MetaValuesSkipped", contextlib.nullcontext)
+        plain, _ = build_on_meta(_Initialised)
+    plain_state = torch.get_rng_state()
+    torch.manual_seed(0)
+    with Seen() as seen:
+        model, _ = build_on_meta(_Initialised)
+    assert torch.equal(torch.get_rng_state(), plain_state)
+    assert not {"normal_", "uniform_", "zero_", "erfinv_"} & set(seen.ops), seen.ops
+    assert seen.ops.count("clamp_") == 1, seen.ops  # the one with a tensor argument
+    assert "random_" in seen.ops and "t_" in seen.ops, seen.ops
+    assert model.proj.weight.is_meta and model.flat.shape == (3, 2) == plain.flat.shape
+    assert torch.equal(model.stats, plain.stats)
