@@ -32,7 +32,7 @@ from ._compat import (
 )
 from ._convert import conversions_for
 from ._distribute import user_code
-from ._layout import layout_flags, rank_coordinates
+from ._layout import layout_flags_of, rank_coordinates
 from ._memory import prefault
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
 from ._peft import tuner_layers_without_values
@@ -136,7 +136,7 @@ def build_sharded(
     check_dtype_groups(model)
     layout = describe(model, values)
     found = targets(model, layout)
-    flags = {key: layout_flags(t, mesh) for key, t in found.items()}
+    flags = layout_flags_of(found, mesh)
     built = {layout.canonical(k) or k: v for k, v in values.items()}
     return Built(model, layout, flags, conversions=found_conversions, built=built)
 
@@ -212,8 +212,10 @@ def set_config_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
     """Canonical key -> the model's tensor (DTensor parameter, plain parameter or buffer)."""
     out: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not one per key
     for key, info in layout.tensors.items():
-        module, leaf = resolve_module(model, key)
+        prefix, _, leaf = key.rpartition(".")
+        module = modules[prefix]
         out[key] = module._parameters[leaf] if info.is_param else module._buffers[leaf]  # type: ignore[assignment]
     return out
 
