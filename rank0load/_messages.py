@@ -81,17 +81,14 @@ class _Gaps:
     """Prefix counts over the plan's entries, so that any two pieces' separation is O(1)."""
 
     sends: tuple[int, ...]  # entries [0, i) that send point to point (SHARDED, BLOCK)
-    shares: tuple[int, ...]  # entries [0, i) that broadcast or fan out (all but plain-scaled SHARDED)
+    shares: tuple[int, ...]  # entries [0, i) that broadcast or fan out (all but SHARDED)
     round_of: tuple[int, ...]  # each entry's round
 
     @classmethod
     def of(cls, plan: Plan) -> _Gaps:
         moving = [e.nbytes > 0 for e in plan.entries]
         sends = [m and k in (Kind.SHARDED, Kind.BLOCK) for m, k in zip(moving, plan.kinds)]
-        shares = [
-            m and (k is not Kind.SHARDED or e.scale_nbytes > 0)
-            for m, k, e in zip(moving, plan.kinds, plan.entries)
-        ]
+        shares = [m and k is not Kind.SHARDED for m, k in zip(moving, plan.kinds)]
         return cls(
             tuple(itertools.accumulate(sends, initial=0)),
             tuple(itertools.accumulate(shares, initial=0)),

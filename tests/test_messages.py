@@ -121,11 +121,11 @@ def test_every_receiver_groups_as_rank0_sends(plan):
         assert m.nbytes == ends[-1]
 
 
-@pytest.mark.parametrize("scaled", [False])
+@pytest.mark.parametrize("scaled", [False, True])
 def test_many_small_tensors_travel_in_few_messages(scaled):
     """1,000 small row-sharded tensors of uneven shapes (``scaled``: half of them float8 with scale
     grids), then 1,000 small plain ones, over 3 ranks, 1 MiB slots: one message per tensor per
-    rank before; a handful now."""
+    rank before (float8 ones: their whole scale grids broadcast besides); a handful now."""
     specs = [(Kind.SHARDED, (3 + i % 5, 7 + i % 3), scaled and i % 2 == 0) for i in range(1000)]
     specs += [(Kind.PLAIN, (5 + i % 4,), False) for i in range(1000)]
     plan = make_plan(specs, 3, 1 << 20)
@@ -134,7 +134,10 @@ def test_many_small_tensors_travel_in_few_messages(scaled):
     moving = [p for p in pieces if p.dst != 0]
     assert len(moving) > 2500  # one message each, before
     assert len(sent) <= 10, [(m.dst, len(m.pieces)) for m in sent]
-    for rank in (1, 2):
+    grids = sum(e.scale_nbytes for e in plan.entries)
+    for rank in (1, 2):  # each rank gets the scale grid rows of its rows: about a third of the grids
+        scales = sum(p.nbytes for p in plan.pieces(rank) if p.route is Route.SCALES)
+        assert scales < grids * 0.6 if scaled else scales == 0, (rank, scales, grids)
         assert len([m for m in messages(plan, plan.pieces(rank))]) == len(
             [m for m in sent if m.dst in (rank, -1)]
         )
