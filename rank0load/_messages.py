@@ -121,9 +121,17 @@ def messages(plan: Plan, pieces: Iterable[Piece]) -> Iterator[Message]:
         group, offsets = open_.pop(lane)
         return Message(tuple(group), tuple(offsets), offsets[-1] + group[-1].nbytes)
 
+    round_ = -1
     for piece in pieces:
         lane = _lane(piece)
-        for other in sorted(open_):
+        # The lanes this piece may separate (see _Gaps.apart): every one at a round's first piece, a
+        # broadcast or a BLOCK piece; else only its own and the broadcast one (rank 0 with many
+        # ranks: a few checks per piece, not one per rank).
+        if gaps.round_of[piece.index] != round_ or lane in (BROADCAST, _BLOCK):
+            round_, suspects = gaps.round_of[piece.index], sorted(open_)
+        else:
+            suspects = [other for other in (BROADCAST, lane) if other in open_]
+        for other in suspects:
             if gaps.apart(open_[other][0][-1], other, piece, lane):
                 yield close(other)
         if lane in (_ALONE, _BLOCK):
