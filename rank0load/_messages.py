@@ -7,7 +7,9 @@ same place (point to point to one rank, or broadcast) into one :class:`Message` 
 ``preadv`` per run of adjacent file bytes) and sends it once; a receiver gets one buffer and hands each
 piece's slice to its sink.
 
-Every rank groups its own view of the plan (rank 0 sees every rank's pieces, another rank its own and
+Each piece has a *lane*: the rank it goes to, or :data:`BROADCAST`; rank 0's own pieces and BLOCK
+pieces (``_transfer.fan_out`` cuts a chunk into blocks) are messages of their own. Every rank groups
+its own view of the plan (rank 0 sees every rank's pieces, another rank its own and
 the broadcasts), so the grouping must not depend on what a view leaves out. A group is closed by facts
 every rank knows, the plan's entries, kinds and rounds (:meth:`_Gaps.apart`):
 
@@ -32,7 +34,7 @@ from ._plan import ALIGN, Kind, Piece, Plan, Route
 __all__ = ["BROADCAST", "Message", "messages"]
 
 BROADCAST = -1  # the lane of broadcast pieces (scale grids broadcast to all included)
-_ALONE = -2  # rank 0's own rows: read in place, never a message, separates nothing
+_ALONE = -2  # rank 0's own pieces (rows, scale grid rows): kept, never sent; separate nothing
 _BLOCK = -3  # a BLOCK entry's chunk or block: a message of its own (``_transfer.fan_out``)
 
 
@@ -64,7 +66,7 @@ class Message:
         return zip(self.pieces, self.offsets)
 
 
-def single(piece: Piece) -> Message:
+def _single(piece: Piece) -> Message:
     return Message((piece,), (0,), piece.nbytes)
 
 
@@ -135,7 +137,7 @@ def messages(plan: Plan, pieces: Iterable[Piece]) -> Iterator[Message]:
             if gaps.apart(open_[other][0][-1], other, piece, lane):
                 yield close(other)
         if lane in (_ALONE, _BLOCK):
-            yield single(piece)
+            yield _single(piece)
             continue
         at = 0
         if lane in open_:

@@ -255,6 +255,15 @@ def _scatter(sink: Sink, message: Message, data: torch.Tensor) -> None:
         sink.broadcast(piece, data[at : at + piece.nbytes], landed=False)
 
 
+def _in_place(sink: Sink, message: Message) -> torch.Tensor | None:
+    """(receivers) Where a message can land with no staging: one piece of rows, into its target's
+    own bytes (same dtype, contiguous, on the mesh device), unless this rank has failed."""
+    piece, target = message.first, sink.targets[message.index]
+    if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or sink.faults.error is not None:
+        return None
+    return landing(target, piece, sink.wires[piece.index]) if target.tensor.device == sink.device else None
+
+
 def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None = None) -> int:
     """(ranks other than 0) Post up to ``slots`` receives ahead: a one-piece message straight into
     the local shard when the wire dtype is the target's, else into a staging slot, from which each
@@ -285,8 +294,6 @@ def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None
                 for p in message.pieces:
                     local.read(p)
                 continue
-            if message.dst >= 0 and message.dst != me:
-                continue
             if message.dst < 0:  # BROADCAST, SCALES
                 while pending:
                     complete_oldest()
@@ -300,11 +307,7 @@ def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None
                     _scatter(sink, message, into)
                     free.append(slot)
                 continue
-            target = sink.targets[piece.index]
-            view = None
-            if single and piece.route is Route.TO_RANK and sink.faults.error is None:
-                if target.tensor.device == sink.device:
-                    view = landing(target, piece, sink.wires[piece.index])
+            view = _in_place(sink, message)
             if view is not None:
                 pending.append((dist.irecv(view, src=0), message, None))
             else:
