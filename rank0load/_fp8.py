@@ -8,7 +8,8 @@ bit. The wire carries the float8 bytes (one per element) and the scales (4 bytes
 
 (rank 0) :func:`block_size` reads ``quantization_config.weight_block_size`` from the checkpoint's
 ``config.json``, :func:`scale_for` finds and checks a weight's scale. (all ranks) :func:`dequantize`
-turns a run of an entry's elements into float32, bounded temporaries, whole rows vectorised.
+turns a run of an entry's elements into float32, bounded temporaries, whole rows vectorised;
+:func:`scale_span` says which bytes of the scale grids a run needs (a row-sharded rank gets only those).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 
 from ._format import TensorHeader
 from .errors import ModelMismatchError
 
-__all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for", "to_float32"]
+__all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for", "scale_span", "to_float32"]
 
 FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
@@ -111,6 +113,28 @@ def _infer(size: int, blocks: int) -> int:
     least = math.ceil(size / max(1, blocks))
     power = 1 << max(0, least - 1).bit_length()
     return power if math.ceil(size / power) == blocks else least
+
+
+def scale_span(
+    part_rows: Sequence[int], cols: int, block: tuple[int, int], start: int, stop: int
+) -> tuple[int, int]:
+    """The bytes ``[first, end)`` of an entry's scale grids (its parts' grids one after the other, as
+    :func:`dequantize` takes them) that its elements ``[start, stop)`` are dequantised with: one run,
+    from the grid row of the first element's row to that of the last one's; ``(0, 0)`` if empty."""
+    if start >= stop:
+        return 0, 0
+    bm, bn = block
+    row_bytes = math.ceil(cols / bn) * 4  # one grid row of float32
+    first, last = start // cols, (stop - 1) // cols  # the rows of the first and last elements
+    span, base, grid_base = [0, 0], 0, 0  # the part's first row and first grid row
+    for rows in part_rows:
+        if base <= first < base + rows:
+            span[0] = (grid_base + (first - base) // bm) * row_bytes
+        if base <= last < base + rows:
+            span[1] = (grid_base + (last - base) // bm + 1) * row_bytes
+            break
+        base, grid_base = base + rows, grid_base + math.ceil(rows / bm)
+    return span[0], span[1]
 
 
 def dequantize(

@@ -94,8 +94,8 @@ class LocalReads:
         """(rank 0) Its pieces less those the readers read themselves; their bytes are counted on
         ``on_bytes`` (the progress bar) as they are passed over, from the thread iterating."""
         for piece in plan.pieces(0):
-            if piece.route is Route.TO_RANK and piece.dst in self.readers:
-                if on_bytes is not None:
+            if piece.dst in self.readers:  # its rows, and the scale grid rows they need
+                if on_bytes is not None and piece.route is Route.TO_RANK:
                     on_bytes(piece.nbytes)
                 continue
             yield piece
@@ -160,19 +160,19 @@ class LocalReader:
     def read(self, piece: Piece) -> None:
         """Read ``piece`` (this rank's rows, a BLOCK chunk, or with :attr:`everything` a broadcast
         piece) into this rank's tensors. After a local failure it does nothing: no message depends on it."""
-        if self.sink.faults.error is not None:
+        if self.sink.faults.error is not None or piece.dst not in (-1, self.me):  # (rank 0 sees all)
             return
         try:
             if piece.route is Route.FAN_OUT:
                 self._chunk(piece)
-            elif piece.route in (Route.BROADCAST, Route.SCALES):  # the local work of a broadcast
+            elif piece.route in (Route.BROADCAST, Route.SCALES):  # a broadcast's work, or own scale rows
                 into = self.sink.landing(piece)
                 if into is not None and into.device.type == "cpu":
                     self._read(piece, into)
                     self.sink.broadcast(piece, into, landed=True)
                 else:
                     self.sink.broadcast(piece, self._staged(piece), landed=False)
-            elif piece.route is Route.TO_RANK and piece.dst == self.me:
+            elif piece.route is Route.TO_RANK:
                 target = self.sink.targets[piece.index].tensor
                 view = self.sink.landing(piece) if target.device.type == "cpu" else None
                 if view is not None:

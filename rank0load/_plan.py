@@ -8,7 +8,8 @@ place in the destination's local tensor.
 * ``SHARDED`` (a DTensor whose placements are only ``Shard(0)`` and ``Replicate``): each rank's
   local tensor is a contiguous range of rows, one contiguous range of the file. Rank 0 sends each
   rank exactly its rows, point to point, in pieces of at most ``piece_bytes``; the rows it keeps
-  itself are read straight into its local shard.
+  itself are read straight into its local shard. A float8 entry's rank gets the rows of the scale
+  grids its rows need (``_fp8.scale_span``) just before them; other kinds get the whole grids.
 * ``PLAIN`` (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
 * ``BLOCK`` (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``: tensor-parallel
   ``Shard(1)``, the ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): each rank's local
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from ._distribute import round_ends
 from ._entries import Entry
+from ._fp8 import scale_span
 from ._layout import ROWS_OK, RUNS_OK, Runs, placements_on, rank_coordinates, rows_of, runs_at
 
 __all__ = [
@@ -259,7 +261,8 @@ class Plan:
         if entry.nbytes == 0:  # zero-width: nothing to move
             return
         step = self.piece_bytes
-        for start in range(0, entry.scale_nbytes, step):  # every rank needs the scales first
+        shared = entry.scale_nbytes if kind is not Kind.SHARDED else 0  # SHARDED: each rank its rows
+        for start in range(0, shared, step):  # every rank needs the scales first
             yield Piece(index, Route.SCALES, -1, start, min(step, entry.scale_nbytes - start), start, kind)
         if kind is Kind.BLOCK:
             mine = None if me == 0 or chunks else self.block_layouts(index, [me])
@@ -282,19 +285,16 @@ class Plan:
         # Rank 0 sends every rank's pieces; another rank needs only its own.
         for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
             lo, hi = rows_of(self.mesh_shape, placements, entry.shape[0], coord)
-            size = (hi - lo) * row
+            size, (first, end) = (hi - lo) * row, _scale_rows(entry, lo, hi)
+            scales = [  # the scale grid rows of its rows, before them
+                Piece(index, Route.SCALES, rank, at, min(step, end - at), at, kind)
+                for at in range(first, end, step)
+            ]
             per_rank.append(
-                [
-                    Piece(
-                        index,
-                        Route.TO_RANK,
-                        rank,
-                        lo * row + start,
-                        min(step, size - start),
-                        start,
-                        kind,
-                    )
-                    for start in range(0, size, step)
+                scales
+                + [
+                    Piece(index, Route.TO_RANK, rank, lo * row + at, min(step, size - at), at, kind)
+                    for at in range(0, size, step)
                 ]
             )
         # Round-robin over the destinations: while rank 0 reads its own rows straight into its
@@ -302,6 +302,14 @@ class Plan:
         # sees its own pieces in order.
         for round_ in itertools.zip_longest(*per_rank):
             yield from (p for p in round_ if p is not None)
+
+
+def _scale_rows(entry: Entry, lo: int, hi: int) -> tuple[int, int]:
+    """The bytes of ``entry``'s scale grids that its rows ``[lo, hi)`` need; (0, 0) if unquantised."""
+    if not entry.scales:
+        return 0, 0
+    per_row = math.prod(entry.shape[1:])
+    return scale_span(entry.part_rows, entry.shape[-1], entry.block, lo * per_row, hi * per_row)
 
 
 def _block_chunks(index: int, entry: Entry, step: int) -> Iterator[Piece]:

@@ -1,8 +1,9 @@
 """Rank 0's reader: file bytes into a few reusable staging slots, one thread ahead of the sender.
 
-(rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._plan.Piece` it
+(rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._messages.Message` it
 either reads straight into the final destination (rank 0's own rows, when no cast is needed and
-the shard is on the CPU) or into one of the staging buffers allocated before the stream. The sender
+the shard is on the CPU) or into one of the staging buffers allocated before the stream: all its
+pieces at once, one ``preadv`` per run of adjacent file bytes. The sender
 hands buffers back once their bytes are sent, so host RAM spent on staging never exceeds the
 staging budget whatever the checkpoint's size. Reads use
 ``os.preadv`` at file offsets: no file is mapped, so page-cache pages never count in RSS.
@@ -21,7 +22,8 @@ import torch
 
 from ._compat import host_bytes
 from ._entries import Entry
-from ._plan import Piece, Route
+from ._messages import Message
+from ._plan import Route
 from .errors import CheckpointFormatError, LoadError
 
 __all__ = ["Reader", "Staged", "read_vectored", "runs"]
@@ -77,21 +79,21 @@ def runs(
 
 @dataclass
 class Staged:
-    """A piece whose bytes are ready: in ``slot`` (a staging buffer) or already at ``direct``."""
+    """A message whose bytes are ready: in ``slot`` (a staging buffer) or already at ``direct``."""
 
-    piece: Piece
-    data: torch.Tensor  # uint8, exactly piece.nbytes
+    message: Message
+    data: torch.Tensor  # uint8, exactly message.nbytes
     slot: int | None  # staging slot index to release, or None when read in place
 
 
 class Reader:
-    """Background reader. Iterate it to get :class:`Staged` pieces in order; call :meth:`release`.
+    """Background reader. Iterate it to get :class:`Staged` messages in order; call :meth:`release`.
 
     Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
     ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
     reader leaves it and once more for every file at the end: a file replaced, rewritten or
-    truncated during the load is a failure. The first failure of any piece (an I/O error, a changed
-    file, an allocation) is kept in :attr:`failed`; the remaining pieces still flow, unread, so that
+    truncated during the load is a failure. The first failure of any message (an I/O error, a changed
+    file, an allocation) is kept in :attr:`failed`; the remaining messages still flow, unread, so that
     every rank completes the same messages, and the sender reports it at the end of the round.
     """
 
@@ -99,13 +101,13 @@ class Reader:
 
     def __init__(
         self,
-        pieces: Iterable[Piece],
+        messages: Iterable[Message],
         entries: Sequence[Entry],
         files: Mapping[str, Any],
-        direct: Callable[[Piece], torch.Tensor | None],
+        direct: Callable[[Message], torch.Tensor | None],
         buffers: list[torch.Tensor],
     ) -> None:
-        self._pieces = pieces
+        self._messages = messages
         self._entries = entries
         self._current: str | None = None  # the file read last
         self._files = files
@@ -125,10 +127,13 @@ class Reader:
         if self.failed is None:
             self.failed = exc
 
-    def _read(self, piece: Piece, data: torch.Tensor) -> None:
-        """Read ``piece`` into ``data``, from the one or several checkpoint tensors it spans."""
-        entry = self._entries[piece.index]
-        extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
+    def _read(self, message: Message, data: torch.Tensor) -> None:
+        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans."""
+        extents = []  # every piece's, shifted to its place in the message: adjacent ones merge
+        for piece, at in message.parts():
+            entry, scales = self._entries[piece.index], piece.route is Route.SCALES
+            for path, offset, nbytes, into in entry.extents(piece.start, piece.nbytes, scales):
+                extents.append((path, offset, nbytes, at + into))
         for path, offset, views in runs(extents, data):
             if path != self._current:  # the manifest is in file order: leaving a file, check it
                 self._check(self._current)
@@ -154,26 +159,26 @@ class Reader:
 
     def _run(self) -> None:
         try:
-            for piece in self._pieces:
+            for message in self._messages:
                 if self._stop.is_set():
                     return
                 data: torch.Tensor | None = None
                 slot: int | None = None
                 try:
-                    data = self._direct(piece)
+                    data = self._direct(message)
                 except Exception as exc:
                     self._fail(exc)
                 if data is None:
                     slot = self._get_slot()
                     if slot is None:
                         return
-                    data = self._buffers[slot][: piece.nbytes]
+                    data = self._buffers[slot][: message.nbytes]
                 if self.failed is None:
                     try:
-                        self._read(piece, data)
+                        self._read(message, data)
                     except Exception as exc:
                         self._fail(exc)
-                self._put(Staged(piece, data, slot))
+                self._put(Staged(message, data, slot))
             for path in self._files:  # every file, once more, after the last read
                 self._check(path)
         except BaseException as exc:  # handed to the consumer, re-raised there

@@ -2,7 +2,8 @@
 
 The staging (``_sink.allocate_staging``) is reserved before the last agreement, so that no
 allocation inside the stream can leave a rank unable to take part; the local work on arriving bytes
-is ``_sink.Sink``'s. (all ranks) :func:`stream` moves every :class:`~._plan.Piece` of the plan. The messages are fixed by
+is ``_sink.Sink``'s. (all ranks) :func:`stream` moves every :class:`~._plan.Piece` of the plan,
+grouped into messages (``_messages``: consecutive pieces bound for the same place, one buffer each). The messages are fixed by
 the plan: after a *local* failure (a read error or a changed file on rank 0, a cast or copy error
 anywhere) a rank keeps sending and receiving the round's remaining messages, from and into scratch,
 and does no more local work. At the end of every round the ranks compare notes
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _distribute
+from ._messages import Message, messages
 from ._plan import Piece, Plan, Route, block_half, cut, deliveries
 from ._sink import Sink, Staging, Target, landing
 from ._stream import Reader
@@ -140,14 +142,14 @@ def _send(
     readers = local.readers if local is not None else frozenset()
     alone = len(readers) == dist.get_world_size() - 1  # no one to send anything to
 
-    def direct(piece: Piece) -> torch.Tensor | None:  # rank 0's own rows, read in place
-        target = sink.targets[piece.index]
+    def direct(message: Message) -> torch.Tensor | None:  # rank 0's own rows, read in place
+        piece, target = message.first, sink.targets[message.index]
         if piece.route is Route.TO_RANK and piece.dst == 0 and target.tensor.device.type == "cpu":
-            return landing(target, piece, sink.wires[piece.index])
+            return landing(target, piece, sink.wires[piece.index])  # rank 0's own: one piece each
         return None
 
     pieces = local.rank0_pieces(plan, on_bytes) if local is not None else plan.pieces(0)
-    reader = Reader(pieces, plan.entries, files, direct, staging.slots)
+    reader = Reader(messages(plan, pieces), plan.entries, files, direct, staging.slots)
     pending: collections.deque[tuple[Any, int | None]] = collections.deque()
     fan_to = [r for r, _ in plan.coords if r not in readers]
     layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, fan_to))
@@ -159,15 +161,15 @@ def _send(
             reader.release(slot)
 
     try:
-        rounds = _Rounds(iter(reader), lambda s: s.piece.index)
+        rounds = _Rounds(iter(reader), lambda s: s.message.index)
         for stop in plan.rounds:
             for staged in rounds.until(stop):
-                piece, data, slot = staged.piece, staged.data, staged.slot
-                own = piece.route is Route.TO_RANK and piece.dst == 0
+                message, data, slot = staged.message, staged.data, staged.slot
+                piece, own = message.first, message.dst == 0
                 if not on_cpu and not own:  # through the one device buffer, once earlier sends are done
                     drain()
                     assert staging.device is not None
-                    data = staging.device[: piece.nbytes]
+                    data = staging.device[: message.nbytes]
                     data.copy_(staged.data)
                 if piece.route is Route.FAN_OUT:
                     spare = staging.slots[slot] if on_cpu and slot is not None else staging.device
@@ -178,18 +180,18 @@ def _send(
                     pending.append((blocks, slot))
                 elif own:
                     if slot is not None:
-                        sink.write(piece, data)
+                        _scatter(sink, message, data)
                     reader.release(slot)
-                elif piece.route is Route.TO_RANK:
-                    pending.append((dist.isend(data, dst=piece.dst), slot))
+                elif message.dst > 0:
+                    pending.append((dist.isend(data, dst=message.dst), slot))
                 else:  # BROADCAST, SCALES
                     if not alone:
                         _distribute.broadcast(data, 0)
-                    sink.broadcast(piece, data, landed=False)
+                    _scatter(sink, message, data)
                     reader.release(slot)
                 drain(keep=max(1, len(staging.slots) - 1))
-                if on_bytes is not None and piece.route is not Route.SCALES:
-                    on_bytes(piece.nbytes)
+                if on_bytes is not None:
+                    on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
             drain()
             if stop == len(plan.entries):
                 for _ in rounds.until(stop + 1):  # the reader's last checks come with its end
@@ -247,56 +249,70 @@ def fan_out(
     return _All(works, keep)
 
 
+def _scatter(sink: Sink, message: Message, data: torch.Tensor) -> None:
+    """(all ranks) The local work of each piece of ``message``, whose bytes arrived in ``data``."""
+    for piece, at in message.parts():
+        sink.broadcast(piece, data[at : at + piece.nbytes], landed=False)
+
+
+def _in_place(sink: Sink, message: Message) -> torch.Tensor | None:
+    """(receivers) Where a message can land with no staging: one piece of rows, into its target's
+    own bytes (same dtype, contiguous, on the mesh device), unless this rank has failed."""
+    piece, target = message.first, sink.targets[message.index]
+    if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or sink.faults.error is not None:
+        return None
+    return landing(target, piece, sink.wires[piece.index]) if target.tensor.device == sink.device else None
+
+
 def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None = None) -> int:
-    """(ranks other than 0) Post up to ``slots`` receives ahead, straight into the local shard when
-    the wire dtype is the target's, else into a staging slot, then cast or dequantise; or, with
-    ``local``, read this rank's own pieces instead (synchronously: it needs no slot of its own).
-    Returns the first failing rank (world: none)."""
+    """(ranks other than 0) Post up to ``slots`` receives ahead: a one-piece message straight into
+    the local shard when the wire dtype is the target's, else into a staging slot, from which each
+    piece is cast or dequantised into place; or, with ``local``, read this rank's own pieces instead
+    (synchronously: it needs no slot of its own). Returns the first failing rank (world: none)."""
     me = dist.get_rank()
     free = collections.deque(range(len(staging.slots)))
-    pending: collections.deque[tuple[Any, Piece, int | None]] = collections.deque()
+    pending: collections.deque[tuple[Any, Message, int | None]] = collections.deque()
 
     def complete_oldest() -> None:
-        work, piece, slot = pending.popleft()
+        work, message, slot = pending.popleft()
         work.wait()
         if slot is not None:
-            sink.write(piece, staging.slots[slot][: piece.nbytes])
+            _scatter(sink, message, staging.slots[slot])
             free.append(slot)
 
-    def stage(piece: Piece) -> tuple[torch.Tensor, int]:
+    def stage(message: Message) -> tuple[torch.Tensor, int]:
         while not free:
             complete_oldest()
         slot = free.popleft()
-        return staging.slots[slot][: piece.nbytes], slot
+        return staging.slots[slot][: message.nbytes], slot
 
-    rounds = _Rounds(plan.pieces(me, chunks=local is not None), lambda p: p.index)
+    rounds = _Rounds(messages(plan, plan.pieces(me, chunks=local is not None)), lambda m: m.index)
     for stop in plan.rounds:
-        for piece in rounds.until(stop):
-            if local is not None and (local.everything or piece.route in (Route.TO_RANK, Route.FAN_OUT)):
-                local.read(piece)
+        for message in rounds.until(stop):
+            piece, single = message.first, len(message.pieces) == 1
+            if local is not None and (local.everything or message.dst == me or piece.route is Route.FAN_OUT):
+                for p in message.pieces:
+                    local.read(p)
                 continue
-            if piece.route is Route.TO_RANK and piece.dst != me:
-                continue
-            if piece.route in (Route.BROADCAST, Route.SCALES):
+            if message.dst < 0:  # BROADCAST, SCALES
                 while pending:
                     complete_oldest()
-                into, slot = sink.landing(piece), None
+                into, slot = sink.landing(piece) if single else None, None
                 if into is None:
-                    into, slot = stage(piece)
+                    into, slot = stage(message)
                 _distribute.broadcast(into, 0)
-                sink.broadcast(piece, into, landed=slot is None)
-                if slot is not None:
+                if slot is None:
+                    sink.broadcast(piece, into, landed=True)
+                else:
+                    _scatter(sink, message, into)
                     free.append(slot)
                 continue
-            target = sink.targets[piece.index]
-            view = None
-            if sink.faults.error is None and target.tensor.device == sink.device:
-                view = landing(target, piece, sink.wires[piece.index])
+            view = _in_place(sink, message)
             if view is not None:
-                pending.append((dist.irecv(view, src=0), piece, None))
+                pending.append((dist.irecv(view, src=0), message, None))
             else:
-                into, slot = stage(piece)
-                pending.append((dist.irecv(into, src=0), piece, slot))
+                into, slot = stage(message)
+                pending.append((dist.irecv(into, src=0), message, slot))
             while len(pending) > len(staging.slots):
                 complete_oldest()
         while pending:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank0load._fp8 import dequantize, dequantize_at, to_float32
+from rank0load._fp8 import dequantize, dequantize_at, scale_span, to_float32
 from tests.moe_models import dequantize as reference
 from tests.moe_models import quantize
 
@@ -43,6 +43,27 @@ def test_any_run_of_elements_dequantises_exactly(case):
     values, scales, full = _quantised(block, cols, part_rows, seed)
     got = dequantize(values[start : start + n], start, part_rows, cols, block, scales)
     assert torch.equal(got, full[start : start + n])
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries())
+def test_a_run_needs_only_its_scale_span(case):
+    """``scale_span``: the scale bytes a run needs (what a row-sharded rank receives) are enough, every
+    other scale NaN, and none is spare: its first and last grid rows are the first and last element's."""
+    block, cols, part_rows, seed, start, n = case
+    values, scales, full = _quantised(block, cols, part_rows, seed)
+    first, end = scale_span(part_rows, cols, block, start, start + n)
+    only = torch.full_like(scales, float("nan"))
+    only.view(torch.uint8)[first:end] = scales.view(torch.uint8)[first:end]
+    got = dequantize(values[start : start + n], start, part_rows, cols, block, only)
+    assert torch.equal(got, full[start : start + n])
+    row = -(-cols // block[1]) * 4  # bytes of one grid row
+    assert first % row == 0 and end % row == 0 and first < end <= scales.numel() * 4
+    for at, grid_row in ((start, first), (start + n - 1, end - row)):  # its first and last grid rows
+        spoiled = scales.clone()  # are needed: the first and last elements' (0 x NaN is NaN)
+        spoiled.view(torch.uint8)[grid_row : grid_row + row].view(torch.float32).fill_(float("nan"))
+        assert dequantize(values[at : at + 1], at, part_rows, cols, block, spoiled).isnan().all()
+    assert scale_span(part_rows, cols, block, start, start) == (0, 0)
 
 
 @st.composite

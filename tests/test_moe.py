@@ -6,7 +6,8 @@ gloo ranks, for Mixtral, Qwen3-MoE, MiniMax-M2 and DeepSeek-V3 (5 experts: no ev
 - the per-expert layout (``experts.{e}.w1/w3/w2`` or ``gate_proj/up_proj/down_proj``), fp32 and bf16;
 - transformers' own fused layout (``save_original_format=False``);
 - the FP8 block-quantised Hub layout (MiniMax-M2, DeepSeek-V3), 128x128 and 16x16 blocks (partial
-  blocks: 24 and 40 are no multiples of 16), dequantised into fp32 and bf16;
+  blocks: 24 and 40 are no multiples of 16), dequantised into fp32 and bf16; and streamed
+  (``local_reads=False``: each rank gets its rows and only the scale grid rows they need);
 - errors, the same ModelMismatchError on every rank: a missing expert, half an expert, a missing or
   mis-shaped ``weight_scale_inv``.
 
@@ -34,7 +35,7 @@ from tests import moe_models as mm
 from tests.fakes import hide
 from tests.models import assert_same, gather, reference
 
-pytestmark = pytest.mark.slow  # two spawns (2 and 3 ranks) of 23 loads each: about a minute
+pytestmark = pytest.mark.slow  # two spawns (2 and 3 ranks) of 27 loads each: about a minute
 
 FP8_FAMILIES = ("minimax_m2", "deepseek_v3")
 BLOCKS = {"b128": (128, 128), "b16": (16, 16)}
@@ -50,6 +51,7 @@ class Job:
     path: str  # the checkpoint directory
     dtype: torch.dtype  # load_sharded's dtype= argument
     reference: str | None = None  # the directory from_pretrained reads for the expected state; None: path
+    local_reads: bool = True  # False: rank 0 streams every rank its bytes (the ranks share one host here)
 
 
 # --- the checkpoints, written once for the module ------------------------------------------------------
@@ -168,6 +170,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
             mm.save_dequantized(path, ref)
             for d, dtype in DTYPES.items():
                 jobs[f"{family}-fp8-{b}-{d}"] = Job(family, path, dtype, ref)
+            jobs[f"{family}-fp8-{b}-fp32-stream"] = Job(family, path, torch.float32, ref, local_reads=False)
     broken = _broken(root)
     jobs.update({name: job for name, (job, _) in broken.items()})
     return {"root": str(root), "jobs": jobs, "errors": {name: m for name, (_, m) in broken.items()}}
@@ -188,7 +191,9 @@ def _load_one(job: Job) -> dict:
     import rank0load
 
     cfg = mm.config(job.family)
-    model = rank0load.load_sharded(lambda: AutoModelForCausalLM.from_config(cfg), job.path, dtype=job.dtype)
+    model = rank0load.load_sharded(
+        lambda: AutoModelForCausalLM.from_config(cfg), job.path, dtype=job.dtype, local_reads=job.local_reads
+    )
     return _summarise(model.eval())
 
 
@@ -313,6 +318,15 @@ def test_fp8_checkpoint(loaded, ckpts, family, block, dtype):
     the model's dtype. The reference is from_pretrained of the same checkpoint dequantised by
     moe_models.dequantize (test_dequantize_matches_transformers pins that formula)."""
     name = f"{family}-fp8-{block}-{dtype}"
+    _check(ckpts["jobs"][name], loaded[name])
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_checkpoint_streamed(loaded, ckpts, family, block):
+    """The same, streamed (``local_reads=False``): rank 0 sends each rank its rows of each fused
+    expert tensor and only the scale grid rows they need, point to point, coalesced with the rows."""
+    name = f"{family}-fp8-{block}-fp32-stream"
     _check(ckpts["jobs"][name], loaded[name])
 
 

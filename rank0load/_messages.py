@@ -1,0 +1,157 @@
+"""Which pieces travel together: the plan's pieces grouped into messages (all ranks; no collectives).
+
+A checkpoint of many small tensors (a MoE checkpoint's ~96,000 per-expert tensors) would otherwise be
+one message per tensor per rank. (all ranks) :func:`messages` groups consecutive pieces bound for the
+same place (point to point to one rank, or broadcast) into one :class:`Message` of at most
+``Plan.piece_bytes``: rank 0 reads a message's bytes into one staging slot (``_stream.Reader``, one
+``preadv`` per run of adjacent file bytes) and sends it once; a receiver gets one buffer and hands each
+piece's slice to its sink.
+
+Each piece has a *lane*: the rank it goes to, or :data:`BROADCAST`; rank 0's own pieces and BLOCK
+pieces (``_transfer.fan_out`` cuts a chunk into blocks) are messages of their own. Every rank groups
+its own view of the plan (rank 0 sees every rank's pieces, another rank its own and
+the broadcasts), so the grouping must not depend on what a view leaves out. A group is closed by facts
+every rank knows, the plan's entries, kinds and rounds (:meth:`_Gaps.apart`):
+
+* a round's end (failures are settled there, ``_transfer``);
+* for a broadcast group: an entry in between that sends something point to point;
+* for a group to rank ``r``: an entry in between that broadcasts something or fans out a BLOCK entry.
+
+A rank closes a group as soon as it sees a piece that would separate it (or at the next piece it sees,
+when the separating pieces are other ranks'), so messages to rank ``r`` and broadcasts come in the same
+order on rank 0 and on rank ``r``: no rank waits on a broadcast while its peer waits on a send.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from ._plan import ALIGN, Kind, Piece, Plan, Route
+
+__all__ = ["BROADCAST", "Message", "messages"]
+
+BROADCAST = -1  # the lane of broadcast pieces (scale grids broadcast to all included)
+_ALONE = -2  # rank 0's own pieces (rows, scale grid rows): kept, never sent; separate nothing
+_BLOCK = -3  # a BLOCK entry's chunk or block: a message of its own (``_transfer.fan_out``)
+
+
+@dataclass(frozen=True)
+class Message:
+    """Pieces moved as one buffer: piece ``i``'s bytes at ``offsets[i]`` (multiples of ALIGN, so
+    each slice views as its dtype), ``nbytes`` in all (at most ``Plan.piece_bytes``)."""
+
+    pieces: tuple[Piece, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def first(self) -> Piece:
+        return self.pieces[0]
+
+    @property
+    def index(self) -> int:
+        """The entry of its first piece (a message never crosses a round's end)."""
+        return self.pieces[0].index
+
+    @property
+    def dst(self) -> int:
+        """Its destination rank, or -1: every rank (a broadcast) or a FAN_OUT chunk."""
+        return self.pieces[0].dst
+
+    def parts(self) -> Iterator[tuple[Piece, int]]:
+        """Each piece with its offset in the message."""
+        return zip(self.pieces, self.offsets)
+
+
+def _single(piece: Piece) -> Message:
+    return Message((piece,), (0,), piece.nbytes)
+
+
+def _lane(piece: Piece) -> int:
+    if piece.route is Route.FAN_OUT or piece.kind is Kind.BLOCK and piece.route is Route.TO_RANK:
+        return _BLOCK
+    if piece.dst < 0:
+        return BROADCAST
+    return _ALONE if piece.dst == 0 else piece.dst
+
+
+@dataclass(frozen=True)
+class _Gaps:
+    """Prefix counts over the plan's entries, so that any two pieces' separation is O(1)."""
+
+    sends: tuple[int, ...]  # entries [0, i) that send point to point (SHARDED, BLOCK)
+    shares: tuple[int, ...]  # entries [0, i) that broadcast or fan out (all but SHARDED)
+    round_of: tuple[int, ...]  # each entry's round
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Gaps:
+        moving = [e.nbytes > 0 for e in plan.entries]
+        sends = [m and k in (Kind.SHARDED, Kind.BLOCK) for m, k in zip(moving, plan.kinds)]
+        shares = [m and k is not Kind.SHARDED for m, k in zip(moving, plan.kinds)]
+        return cls(
+            tuple(itertools.accumulate(sends, initial=0)),
+            tuple(itertools.accumulate(shares, initial=0)),
+            tuple(bisect.bisect_right(plan.rounds, i) for i in range(len(plan.entries))),
+        )
+
+    def apart(self, last: Piece, lane: int, piece: Piece, piece_lane: int) -> bool:
+        """Whether an open group of ``lane`` ending with ``last`` must close before ``piece``."""
+        a, b = last.index, piece.index
+        if self.round_of[a] != self.round_of[b]:
+            return True
+        if piece_lane == _ALONE:
+            return False
+        if lane == BROADCAST:  # an entry's own point-to-point pieces follow its broadcast ones
+            return piece_lane != BROADCAST or self.sends[b] > self.sends[a]
+        if piece_lane in (BROADCAST, _BLOCK):  # an entry's broadcast pieces precede its own
+            return True
+        return piece_lane == lane and self.shares[b + 1] > self.shares[a + 1]
+
+
+def messages(plan: Plan, pieces: Iterable[Piece]) -> Iterator[Message]:
+    """(all ranks) ``pieces`` (one rank's view of ``plan``, in plan order) grouped into messages, in
+    the order they move: consecutive pieces of one lane (to one rank, or broadcast) until a round's
+    end, a separating entry (see the module docstring) or ``plan.piece_bytes``. Rank 0's own pieces
+    and BLOCK pieces are messages of one piece each."""
+    gaps = _Gaps.of(plan)
+    open_: dict[int, tuple[list[Piece], list[int]]] = {}  # lane -> its open group: pieces, offsets
+
+    def close(lane: int) -> Message:
+        group, offsets = open_.pop(lane)
+        return Message(tuple(group), tuple(offsets), offsets[-1] + group[-1].nbytes)
+
+    round_ = -1
+    for piece in pieces:
+        lane = _lane(piece)
+        # The lanes this piece may separate (see _Gaps.apart): every one at a round's first piece, a
+        # broadcast or a BLOCK piece; else only its own and the broadcast one (rank 0 with many
+        # ranks: a few checks per piece, not one per rank).
+        if gaps.round_of[piece.index] != round_ or lane in (BROADCAST, _BLOCK):
+            round_, suspects = gaps.round_of[piece.index], sorted(open_)
+        else:
+            suspects = [other for other in (BROADCAST, lane) if other in open_]
+        for other in suspects:
+            if gaps.apart(open_[other][0][-1], other, piece, lane):
+                yield close(other)
+        if lane in (_ALONE, _BLOCK):
+            yield _single(piece)
+            continue
+        at = 0
+        if lane in open_:
+            group, offsets = open_[lane]
+            at = _up(offsets[-1] + group[-1].nbytes)
+            if at + piece.nbytes > plan.piece_bytes:
+                yield close(lane)
+                at = 0
+        group, offsets = open_.setdefault(lane, ([], []))
+        group.append(piece)
+        offsets.append(at)
+    for lane in sorted(open_):
+        yield close(lane)
+
+
+def _up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
