@@ -136,7 +136,7 @@ def _numbers_blanked(keys: list[str]) -> list[str]:
     look-behind tests every character: 50 ms instead of 150 for 96,000 keys)."""
     out: list[str] = []
     for at in range(0, len(keys), _KEYS_AT_ONCE):  # bounded temporaries: a few MiB at a time
-        blanked = _DOTTED_NUMBER.sub(".\0", "." + ".\n.".join(keys[at : at + _KEYS_AT_ONCE]) + ".")
+        blanked = _DOTTED_NUMBER.sub(".\0", _dotted(keys[at : at + _KEYS_AT_ONCE]))
         out += [line[1:-1] for line in blanked.split("\n")]
     return out
 
@@ -148,8 +148,13 @@ def _numbers_of(keys: list[str], width: int) -> Iterator[tuple[str, ...]]:
         if not width:
             yield from [()] * len(chunk)
             continue
-        flat = _DOTTED_NUMBER.findall("." + ".\n.".join(chunk) + ".")
+        flat = _DOTTED_NUMBER.findall(_dotted(chunk))
         yield from zip(*[iter(flat)] * width)
+
+
+def _dotted(keys: list[str]) -> str:
+    """``keys`` one a line, each between dots (what ``_DOTTED_NUMBER`` scans)."""
+    return "." + ".\n.".join(keys) + "."
 
 
 _KEYS_AT_ONCE = 8192

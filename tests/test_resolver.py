@@ -71,17 +71,20 @@ def test_pattern_rules_equal_every_key_decided_alone():
     assert counted[0].calls <= converted // LAYERS + 6, (counted[0].calls, converted)
 
 
+class Odd:
+    """RULES[1], except that expert 5 goes to another tensor (a rule that depends on a number)."""
+
+    def match(self, key: str) -> ConversionMatch | None:
+        found = RULES[1].match(key)
+        if found is not None and found.expert == 5:
+            return replace(found, target=found.target.replace("w2", "odd"), expert=0)
+        return found
+
+
 def test_a_rule_that_depends_on_a_number_is_decided_key_by_key():
     """Expert 5 goes elsewhere: the prediction from expert 0..4 fails on it and the pattern is then
     computed for every key (the odd rule is met before the pattern is trusted)."""
     model = _model_keys() | {f"model.layers.{la}.experts.odd" for la in range(LAYERS)}
-
-    class Odd:
-        def match(self, key):
-            found = RULES[1].match(key)
-            if found is not None and found.expert == 5:
-                return replace(found, target=found.target.replace("w2", "odd"), expert=0)
-            return found
 
     resolve = KeyResolver(lambda k: k if k in model else None, [Odd()])
     for key in _keys():
@@ -133,13 +136,6 @@ def test_resolve_all_odd_keys_equal_one_by_one():
     or a NUL in a key (those keys cannot be joined: every key is then decided alone), a rule that
     depends on one expert's number: the bulk answers are the one-by-one answers."""
     model = _model_keys() | {f"model.layers.{la}.experts.odd" for la in range(LAYERS)} | {"0.weight"}
-
-    class Odd:
-        def match(self, key):
-            found = RULES[1].match(key)
-            if found is not None and found.expert == 5:
-                return replace(found, target=found.target.replace("w2", "odd"), expert=0)
-            return found
 
     base = _keys() + ["0.weight", "1.weight", "model.layers.3", "model.layers.10.experts.100.w2.weight"]
     base += ["model.layers.\u0661.experts.2.w2.weight", "x.12.y.3.z"]
