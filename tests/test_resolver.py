@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from rank0load._convert import ConversionMatch, KeyResolver, StackExperts
 
 LAYERS, EXPERTS = 6, 12
@@ -77,7 +75,7 @@ class Odd:
     def match(self, key: str) -> ConversionMatch | None:
         found = RULES[1].match(key)
         if found is not None and found.expert == 5:
-            return replace(found, target=found.target.replace("w2", "odd"), expert=0)
+            return found._replace(target=found.target.replace("w2", "odd"), expert=0)
         return found
 
 
