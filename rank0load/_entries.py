@@ -174,8 +174,8 @@ def unconsumed(
     """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised
     (``quantised``: :func:`quantised_keys`, when already known)."""
     quantised = quantised_keys(match, layout) if quantised is None else quantised
-    scales = {k + "_scale_inv" for k in quantised} & headers.keys()
-    return tuple(k for k in match.unexpected if k not in scales)
+    scales = set(map(operator.add, quantised, itertools.repeat("_scale_inv"))) & headers.keys()
+    return tuple(itertools.filterfalse(scales.__contains__, match.unexpected))
 
 
 def build_entries(
