@@ -131,16 +131,15 @@ _NUMBER = re.compile(r"(?<![^.])(\d+)(?![^.])")  # a number that is a whole dott
 _DOTTED_NUMBER = re.compile(r"\.(\d+)(?=\.)")  # the same, in keys each written as "." + key + "."
 
 
-def _numbers_blanked(keys: list[str]) -> list[str]:
+def _numbers_blanked(keys: list[str]) -> Iterator[str]:
     """Each key's pattern (as :class:`KeyResolver` keys its rules: every whole-segment number
     replaced by NUL), for keys without newlines or NULs: one regular-expression pass over them all,
     joined, each between dots (a literal dot lets the scan skip ahead, where ``_NUMBER``'s
-    look-behind tests every character: 50 ms instead of 150 for 96,000 keys)."""
-    out: list[str] = []
-    for at in range(0, len(keys), _KEYS_AT_ONCE):  # bounded temporaries: a few MiB at a time
+    look-behind tests every character: 50 ms instead of 150 for 96,000 keys). A generator: one
+    pattern string per key would be ~10 MiB for a MoE checkpoint, so they live a chunk at a time."""
+    for at in range(0, len(keys), _KEYS_AT_ONCE):
         blanked = _DOTTED_NUMBER.sub(".\0", _dotted(keys[at : at + _KEYS_AT_ONCE]))
-        out += [line[1:-1] for line in blanked.split("\n")]
-    return out
+        yield from [line[1:-1] for line in blanked.split("\n")]
 
 
 def _numbers_of(keys: list[str], width: int) -> Iterator[tuple[str, ...]]:
@@ -152,6 +151,12 @@ def _numbers_of(keys: list[str], width: int) -> Iterator[tuple[str, ...]]:
             continue
         flat = _DOTTED_NUMBER.findall(_dotted(chunk))
         yield from zip(*[iter(flat)] * width)
+
+
+def _joined(keys: list[str]) -> Iterator[str]:
+    """``keys`` concatenated, a chunk at a time (bounded temporaries)."""
+    for at in range(0, len(keys), _KEYS_AT_ONCE):
+        yield "".join(keys[at : at + _KEYS_AT_ONCE])
 
 
 def _dotted(keys: list[str]) -> str:
@@ -242,8 +247,7 @@ class KeyResolver:
         lacking = list(
             itertools.compress(range(len(keys)), map(operator.is_, canonical, itertools.repeat(None)))
         )
-        joined = "".join([keys[i] for i in lacking])
-        if "\n" in joined or "\0" in joined:  # cannot be joined: one by one
+        if any("\n" in text or "\0" in text for text in _joined([keys[i] for i in lacking])):  # one by one
             return [(c, None) if c is not None else self(k) for k, (c, _) in zip(keys, found)]
         groups: dict[str, list[int]] = {}
         for i, pattern in zip(lacking, _numbers_blanked([keys[i] for i in lacking])):

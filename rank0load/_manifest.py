@@ -10,8 +10,8 @@ ordered list of :class:`Entry` that every rank will iterate during streaming. An
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
-import operator
 import os
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
@@ -59,7 +59,9 @@ class Manifest:
 
 
 def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
-    """All tensors of all files; cross-checked against the index when there is one.
+    """All tensors of all files; checked against the index when there is one, which is consumed:
+    each file's keys are taken out of ``source.weight_map`` as that file's header is checked, so a
+    MoE index's ~96,000 names are freed while the headers are read rather than held beside them.
 
     ``files``: the source's files already opened (``_files.open_files(source.files)``); each
     header is then read through its descriptor. Without it, each file is opened by path.
@@ -74,35 +76,36 @@ def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[s
                 f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
                 f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
             )
+        if source.weight_map is not None:
+            _listed_in(source, path, tensors)
         found.update(tensors)
-    if source.weight_map is not None and not _index_agrees(source.weight_map, found):
-        for key, path in source.weight_map.items():
-            stored = found.get(key)
-            if stored is None:
-                raise CheckpointFormatError(
-                    f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
-                    "but no file stores it. The index and the shards disagree: re-save the checkpoint."
-                )
-            if stored.file != path:
-                raise CheckpointFormatError(
-                    f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
-                    f"but it is stored in {os.path.basename(stored.file)}. Re-save the checkpoint."
-                )
-        extra = set(found) - set(source.weight_map)
+    if source.weight_map:  # listed, but in no file's header
+        key, path = next(iter(source.weight_map.items()))
         raise CheckpointFormatError(
-            f"{source.description}: the shards store keys the index does not list: "
-            f"{format_keys(extra)}. The index and the shards disagree: re-save the checkpoint."
+            f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
+            "but no file stores it. The index and the shards disagree: re-save the checkpoint."
         )
     return found
 
 
-def _index_agrees(weight_map: dict[str, str], found: dict[str, TensorHeader]) -> bool:
-    """Whether the index lists exactly the stored keys, each in the file that stores it (compared
-    in C: the files of the stored tensors, in the index's key order, against the index's)."""
-    if weight_map.keys() != found.keys():
-        return False
-    stored = map(operator.attrgetter("file"), map(found.__getitem__, weight_map))
-    return all(map(operator.eq, stored, weight_map.values()))
+def _listed_in(source: Source, path: str, tensors: dict[str, TensorHeader]) -> None:
+    """Take the keys of file ``path`` (its ``tensors``) out of ``source.weight_map``; each must be
+    listed there, in that file (compared in C: the files the index gives, against ``path``)."""
+    assert source.weight_map is not None
+    listed = list(map(source.weight_map.pop, tensors, itertools.repeat(None)))
+    if listed.count(path) == len(listed):
+        return
+    unlisted = [k for k, where in zip(tensors, listed) if where is None]
+    if unlisted:
+        raise CheckpointFormatError(
+            f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
+            f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
+        )
+    key, where = next((k, w) for k, w in zip(tensors, listed) if w is not None and w != path)
+    raise CheckpointFormatError(
+        f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
+        f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
+    )
 
 
 @dataclass(frozen=True)
@@ -269,9 +272,7 @@ def build_manifest(
 ) -> Manifest:
     """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
     list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`)."""
-    headers = _headers(source, files)
-    if source.weight_map is not None:  # checked: its ~96,000 names need not stay alive from here on
-        source.weight_map.clear()
+    headers = _headers(source, files)  # consumes source.weight_map
     headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
     quantised = quantised_keys(match, layout)

@@ -633,4 +633,5 @@ def test_headers_read_through_open_files(tmp_path: Path, monkeypatch: pytest.Mon
         for f in files.values():
             f.close()
     monkeypatch.undo()
-    assert set(_manifest._headers(source)) == {"x", "y"}  # by path, as before
+    assert source.weight_map == {}  # single use: each file's keys were taken out as it was checked
+    assert set(_manifest._headers(_source.resolve(tmp_path))) == {"x", "y"}  # by path, as before
