@@ -3,7 +3,10 @@
 Each rank counts the payload bytes it receives through torch.distributed while
 ``_distribute.agree`` runs (all-reduce: the tensor; broadcast: the tensor, on the receivers;
 all-gather and gather: every other rank's tensor; point to point: the tensor), for a model of
-1,000 parameters on 2, 4 and 8 gloo ranks. The counts must not grow with the world.
+1,000 parameters on 2, 3 and 6 gloo ranks. The counts must not grow with the world: every rank of
+every world must receive the same bytes, so a cost of one message per peer (linear) or per tree level
+(logarithmic: 1 level at 2 ranks, 2 at 3, 3 at 6) shows. Six ranks, not eight: the test runs on two
+cores, where each extra rank costs its start-up and its share of every collective.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def test_agreement_bytes_do_not_grow_with_the_world(tmp_path):
     path = str(tmp_path / "wide.safetensors")
     save_state(wide(), path)
     per_world = {}
-    for world in (2, 4, 8):
+    for world in (2, 3, 6):
         results = _dist.ok(_dist.run(_count, world, path, timeout=400, pg_timeout=120))
         assert all(r["params"] == 1000 for r in results)
         per_world[world] = [r["received"] for r in results]
