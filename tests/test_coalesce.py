@@ -134,3 +134,44 @@ def test_many_small_tensors_few_messages_bit_exact(tmp_path, world):
     assert len({(o[0], o[2]) for o in outcomes}) == 1, outcomes  # one error, the same everywhere
     name, bases, message, _ = outcomes[0]
     assert name == "CheckpointChangedError" and "a.safetensors" in message, outcomes[0]
+
+
+def test_nearby_extents_are_one_read(tmp_path):
+    """``_stream.runs``: extents of one file at most ``_GAP`` bytes apart are one run (the bytes
+    between read into scratch), farther ones and other files start their own; reading the runs
+    fills ``data`` exactly as reading each extent by itself does."""
+    from rank0load import _stream
+
+    blob = os.urandom(3 * _stream._GAP)
+    a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    for path in (a, b):
+        with open(path, "wb") as f:
+            f.write(blob)
+    gap = _stream._GAP
+    # (file, file offset, bytes, offset in data): out of order, a gap of 10, one of exactly _GAP,
+    # one of _GAP + 1, adjacent extents, and another file in between
+    extents = [
+        (a, 100, 50, 0),
+        (b, 7, 9, 50),
+        (a, 160, 20, 59),
+        (a, 180, 5, 79),
+        (a, 185 + gap, 30, 84),
+        (a, 215 + 2 * gap + 1, 40, 114),
+    ]
+    data = torch.zeros(154, dtype=torch.uint8)
+    found = _stream.runs(extents, data)
+    assert [(p, o) for p, o, _ in found] == [(a, 100), (a, 215 + 2 * gap + 1), (b, 7)]
+    assert sum(map(len, found[0][2])) == 185 + gap + 30 - 100  # the gaps read, not skipped
+    fds = {p: os.open(p, os.O_RDONLY) for p in (a, b)}
+    try:
+        for path, offset, views in found:
+            _stream.read_vectored(fds[path], views, offset, path)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    want = torch.zeros(154, dtype=torch.uint8)
+    for _, offset, nbytes, at in extents:  # both files hold the same bytes
+        want[at : at + nbytes] = torch.frombuffer(
+            bytearray(blob[offset : offset + nbytes]), dtype=torch.uint8
+        )
+    assert torch.equal(data, want)
