@@ -307,8 +307,7 @@ def _assemble(
                 )
             seen[(expert, m.source)] = t
     every = list(itertools.product(range(experts), range(sources)))  # the fused tensor's order
-    # every (expert, source) found is one of ``every`` (checked above): as many means all of them
-    absent = [] if len(seen) == len(every) else [k for k in every if k not in seen]
+    absent = [k for k in every if k not in seen]
     if absent:
         e, s = absent[0]
         present = next(((e2, t.key) for (e2, s2), t in seen.items() if s2 == s), None)

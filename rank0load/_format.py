@@ -226,8 +226,9 @@ def _as_written(
     """(tensors, metadata, tiled) of a header in the layout safetensors writes whose every entry
     passes :func:`_parse_entries`'s checks (tiled: the entries, in the header's order, fill the data
     section end to end, so :func:`_check_coverage` has nothing to find); None for anything else
-    (read_header then parses it as JSON and names the problem). The entries must tile the text after the metadata exactly: matches
-    found in order whose lengths add up to the text's cannot leave a character unread."""
+    (read_header then parses it as JSON and names the problem). The entries must tile the text
+    after the metadata exactly: matches found in order whose lengths add up to the text's cannot
+    leave a character unread."""
     body = raw.rstrip(b" ")
     if len(body.translate(None, _NOT_WRITTEN)) != len(body):
         return None

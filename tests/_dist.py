@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from rank0load.bench._exit import exit_without_teardown
+
 
 @dataclass
 class Raised:
@@ -67,25 +69,7 @@ def _entry(
         pickle.dump(result, f)
     if exit_at_once:  # tearing down a group whose peer died only costs time
         os._exit(0)
-    _exit_without_teardown()
-
-
-def _exit_without_teardown() -> None:
-    """End this rank as interpreter shutdown would, less its last step: wait for the threads that are
-    not daemons (one that never ends still hangs the rank, and fails the test) and run the atexit
-    handlers, then leave without tearing down every module. That teardown only frees memory, and costs
-    about a second of CPU per rank once torch is imported (more than many tests' own work)."""
-    import atexit
-    import sys
-    import threading
-
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)  # the result is written: skip module teardown (~1 s of CPU a rank)
 
 
 def spawn(

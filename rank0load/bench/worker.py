@@ -28,6 +28,8 @@ import sys
 import time
 import traceback
 
+from rank0load.bench._exit import exit_without_teardown
+
 
 def _status(field: str) -> int:
     """A ``/proc/self/status`` field in bytes."""
@@ -425,16 +427,4 @@ if __name__ == "__main__":
     with open(tmp, "w") as f:
         json.dump(out, f)
     os.replace(tmp, spec["out"])
-    # Leave as interpreter shutdown would (threads that are not daemons joined, atexit handlers run),
-    # less the teardown of every module: about a second of CPU per process once torch is imported,
-    # paid by every rank of every method and round, after the result is already written.
-    import atexit
-    import threading
-
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if "error" in out else 0)
+    exit_without_teardown(1 if "error" in out else 0)  # the result is written: skip module teardown
