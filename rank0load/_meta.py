@@ -93,6 +93,28 @@ _VALUE_ONLY_2D = frozenset(
 )
 
 
+_VALUE_ONLY_NAMES = frozenset(
+    f.__name__ for f in _VALUE_ONLY if getattr(f, "__module__", None) == "torch.nn.init"
+)
+_VALUE_ONLY_2D_NAMES = frozenset(f.__name__ for f in _VALUE_ONLY_2D)
+# transformers 5 swaps torch.nn.init's functions for its own guarded ones of the same names while
+# it initialises weights (initialization.guard_torch_init_functions), so torch.nn.init.normal_
+# dispatches with transformers' normal_ as the function: recognised by module and name.
+_HF_INIT = "transformers.initialization"
+
+
+def _kind(func: object) -> int:
+    """2: a value-only initialiser that needs 2 dimensions; 1: one that does not; 0: anything else."""
+    if func in _VALUE_ONLY_2D:
+        return 2
+    if func in _VALUE_ONLY:
+        return 1
+    if getattr(func, "__module__", None) == _HF_INIT:
+        name = getattr(func, "__name__", "")
+        return 2 if name in _VALUE_ONLY_2D_NAMES else 1 if name in _VALUE_ONLY_NAMES else 0
+    return 0
+
+
 class _MetaValuesSkipped(TorchFunctionMode):
     """Initialisers on meta parameters return at once. torch runs some of them on meta through
     Python reference implementations: ``normal_`` takes ~0.5 ms, ``clamp_`` 1.5 ms, so
@@ -101,18 +123,21 @@ class _MetaValuesSkipped(TorchFunctionMode):
     for a floating meta tensor with no other tensor argument (nothing that could fail on a
     shape), ``torch.nn.init``'s fan-based initialisers only from 2 dimensions up (below, they
     raise); the CPU random stream is untouched either way (meta draws nothing). Whatever else runs
-    as it would, including what ``torch.nn.init`` calls inside a function this mode passes on."""
+    as it would, including what ``torch.nn.init`` calls inside a function this mode passes on.
+    transformers 5's guarded stand-ins for these functions (same names) are skipped alike: missed,
+    they sent MiniMax-M2's 436 ``normal_`` calls through the reference path, ~0.25 s of each build."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in _VALUE_ONLY or func in _VALUE_ONLY_2D:
+        kind = _kind(func)
+        if kind:
             target = args[0] if args else kwargs.get("tensor")
             others = [*args[1:], *(v for k, v in kwargs.items() if k != "tensor" or args)]
             if (
                 isinstance(target, torch.Tensor)
                 and target.is_meta
                 and target.is_floating_point()
-                and (func not in _VALUE_ONLY_2D or target.dim() >= 2)
+                and (kind == 1 or target.dim() >= 2)
                 and not any(isinstance(a, torch.Tensor) for a in others)
             ):
                 return target

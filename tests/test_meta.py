@@ -123,3 +123,37 @@ def test_meta_initialisers_skipped_everything_else_runs(monkeypatch):
     assert "random_" in seen.ops and "t_" in seen.ops, seen.ops
     assert model.proj.weight.is_meta and model.flat.shape == (3, 2) == plain.flat.shape
     assert torch.equal(model.stats, plain.stats)
+
+
+def test_transformers_guarded_initialisers_skipped_on_meta():
+    """transformers 5 initialises weights with torch.nn.init's functions swapped for its own guarded
+    ones of the same names, so torch's ``normal_`` dispatches with transformers' as the function:
+    those too return at once on meta (none reaches the dispatcher), and the model is the same."""
+    import pytest
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    pytest.importorskip("transformers.initialization", reason="transformers 4.x: no guarded initialisers")
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf import config
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+                self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cfg = config("llama")
+    with Seen() as seen:
+        model, _ = build_on_meta(lambda: AutoModelForCausalLM.from_config(cfg))
+    assert not {"normal_", "uniform_", "zero_", "fill_"} & seen.ops, seen.ops
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(cfg)
+    assert [(n, p.shape, p.dtype) for n, p in model.named_parameters()] == [
+        (n, p.shape, p.dtype) for n, p in plain.named_parameters()
+    ]
+    assert all(p.is_meta for p in model.parameters())

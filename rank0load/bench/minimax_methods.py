@@ -45,12 +45,14 @@ Got = dict[str, torch.Tensor]  # checkpoint key -> the rows of it read
 
 def build_sharded(cfg: MiniMaxConfig, mesh: DeviceMesh) -> nn.Module:
     """(all ranks) The model rank0load's ``load_pretrained`` builds, sharded by its default policy,
-    allocated (not faulted in) with the rotary buffers recomputed."""
+    allocated (not faulted in) with the rotary buffers recomputed. Built on meta as rank0load
+    builds it (``build_on_meta``: initialisers skipped on meta), so that no method is charged a
+    slower build than rank0load's."""
+    from rank0load._meta import build_on_meta
     from rank0load._model import cast
     from rank0load._shard import default_shard_fn
 
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model, _ = build_on_meta(lambda: build_model(cfg))
     cast(model, torch.bfloat16)
     default_shard_fn(model, mesh)
     model.to_empty(device="cpu")
