@@ -3,10 +3,11 @@
 all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
+all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
 rank 0     resolve, open, read headers, validate          -> _source, _files, _format, _manifest
 all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
 all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
-all ranks  allocate shards and staging, init what's missing, put adapters in, plan -> _model, _plan
+all ranks  shards resident; init what's missing, put adapters in, staging, plan -> _model, _plan
 all ranks  settle: any rank's failure raised everywhere   -> _distribute.settle
 all ranks  agree on which ranks read locally              -> _local.Handover.decide
 all ranks  stream: rank 0 reads and sends, or each reads   -> _transfer (_stream, _localread)
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from . import _distribute, _local, _model, _sink, _transfer
 from ._convert import StackExperts
 from ._manifest import Manifest, adapters_of, read_manifest
+from ._memory import FaultIn, trim_heap
 from ._plan import Plan, build_plan
 from ._progress import peak_rss_bytes, progress_bar
 from ._report import Clock, LoadReport, log_summary
@@ -123,7 +125,14 @@ def load_sharded(
     flags = _distribute.agree(built.proposal if built else None, error)
     assert built is not None  # agree() raised otherwise
     clock("agree")
+    comm = _distribute.mesh_device(mesh.device_type)
+    # the shards' pages are faulted in by a thread while rank 0 makes the manifest; any failure is
+    # raised inside _prepare, where every rank learns of it
+    faulting, allocation_error = _distribute.attempt(lambda: _model.materialise(built.model, comm))
+    clock("allocate")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
+        if faulting is not None:
+            opened.callback(faulting.close)
         paused = opened.enter_context(_gc_paused())  # the manifest: ~100k objects for a MoE checkpoint
         result, files = (
             read_manifest(
@@ -145,19 +154,21 @@ def load_sharded(
         shared = _distribute.share(_local.with_offer(result, server))  # (manifest, offer)
         manifest: Manifest = shared[0]
         paused.close()
+        trim_heap()  # what making and sharing the manifest used, back to the OS
         clock("manifest")
-        comm = _distribute.mesh_device(mesh.device_type)
         handover = _local.hand_over(shared[1], server, manifest.files, comm, max_staging_bytes, local_reads)
         opened.callback(handover.close)
         ready, error = _distribute.attempt(
-            lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes)
+            lambda: _prepare(
+                built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error
+            )
         )
         _distribute.settle(
             error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
         )
         assert ready is not None  # settle() raised otherwise
         local = handover.decide()
-        clock("allocate")
+        clock("plan")
         with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
             _transfer.stream(ready.plan, ready.targets, ready.staging, comm, files, on_bytes, local)
         clock("stream")
@@ -204,9 +215,15 @@ def _prepare(
     mesh: DeviceMesh,
     comm: torch.device,
     max_staging_bytes: int,
+    faulting: FaultIn | None,
+    allocation_error: Exception | None,
 ) -> _Ready:
-    """(all ranks) Allocate the shards and the staging, initialise what the checkpoint lacks, plan."""
-    _model.materialise(built.model, comm)
+    """(all ranks) Once the shards are resident (or raising why they could not be allocated):
+    initialise what the checkpoint lacks, allocate the staging, plan."""
+    if allocation_error is not None:
+        raise allocation_error
+    assert faulting is not None
+    faulting.wait()
     _model.init_missing(built.model, built.layout, manifest.missing)
     _model.apply_built(built.model, built.built, manifest.kept)
     found = _model.targets(built.model, built.layout)

@@ -3,7 +3,8 @@ checkpoint lacks, and put it back together afterwards (all ranks; no collectives
 
 (all ranks) :func:`build_sharded` runs ``model_fn`` on meta and the sharding policy, and describes
 the result (:class:`~._meta.ModelLayout`) and each tensor's layout flags for the agreement.
-(all ranks) :func:`materialise` allocates every local shard and puts back the real buffers;
+(all ranks) :func:`materialise` allocates every local shard (a thread faults them in) and puts back
+the real buffers;
 :func:`init_missing` gives parameters absent from the checkpoint the model's own initialisation
 (``strict=False``); :func:`finish` re-ties shared parameters and checks that nothing is left on meta.
 """
@@ -33,7 +34,7 @@ from ._compat import (
 from ._convert import conversions_for
 from ._distribute import user_code
 from ._layout import layout_flags_of, rank_coordinates
-from ._memory import prefault
+from ._memory import FaultIn, fault_in
 from ._meta import ModelLayout, build_on_meta, describe, resolve_module
 from ._peft import tuner_layers_without_values
 from ._plan import ALIGN
@@ -220,13 +221,14 @@ def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
     return out
 
 
-def materialise(model: nn.Module, device: torch.device) -> None:
+def materialise(model: nn.Module, device: torch.device) -> FaultIn:
     """(all ranks) Allocate every local shard on ``device``; keep the real buffers built by model_fn.
 
     ``to_empty`` is FSDP2's supported way to allocate sharded parameters (it re-pads the local
     shards and keeps tied parameters one object), but it also empties buffers: save and restore them.
-    Local shards are faulted in, and their storage's bytes outside the shard zeroed (see _memory).
-    Plain buffers are made contiguous so pieces can land in them directly.
+    The local shards are faulted in (their storages' bytes outside the shard zeroed) by a background
+    thread (see _memory): wait on what this returns before anything is written to a parameter. Plain buffers are made
+    contiguous so pieces can land in them directly.
     """
     saved: list[tuple[nn.Module, str, torch.Tensor]] = []
     for module in model.modules():
@@ -234,9 +236,7 @@ def materialise(model: nn.Module, device: torch.device) -> None:
             if buf is not None:
                 saved.append((module, name, buf))
     model.to_empty(device=device)
-    with torch.no_grad():
-        for p in model.parameters():
-            prefault(local_tensor(p))
+    faulting = fault_in(local_tensor(p) for p in model.parameters())
     moved: dict[int, torch.Tensor] = {}
     for module, name, buf in saved:
         new = moved.get(id(buf))
@@ -245,7 +245,9 @@ def materialise(model: nn.Module, device: torch.device) -> None:
         module._buffers[name] = new
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor) and not p.is_contiguous():
+            faulting.wait()
             raise LoadError(f"parameter {name!r} is not contiguous after allocation")
+    return faulting
 
 
 def apply_built(model: nn.Module, values: dict[str, torch.Tensor], keys: Sequence[str]) -> None:

@@ -101,12 +101,13 @@ class Case:
     names: tuple[str, ...]  # the message must name these (file, key, expected / found)
     todo: tuple[str, ...]  # ... and say what to do: one of these
     kwargs: dict = field(default_factory=dict)
-    fault: str | None = None  # a failure injected in the stream phase (see _inject)
+    fault: str | None = None  # a failure injected after validation (see _inject)
 
 
 @contextlib.contextmanager
 def _inject(fault: str | None, rank: int):
-    """Failures that cannot be validated up front, injected into the stream phase."""
+    """Failures that cannot be validated up front: a read error while rank 0 streams, or the
+    allocation's fault-in failing on one rank."""
     if fault is None:
         yield
         return
@@ -129,6 +130,21 @@ def _inject(fault: str | None, rank: int):
             yield
         finally:
             stream_mod.read_vectored = localread_mod.read_vectored = original
+        return
+    if fault == "fault_in_fails_on_rank1":  # the shards' pages, faulted in behind the manifest
+        import rank0load._memory as memory_mod
+
+        one = memory_mod.FaultIn.__dict__["_one"]
+
+        def failing_one(item) -> None:
+            raise MemoryError("faulting a shard in failed on purpose on rank 1")
+
+        if rank == 1:
+            memory_mod.FaultIn._one = staticmethod(failing_one)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            memory_mod.FaultIn._one = one  # type: ignore[method-assign]
         return
     raise ValueError(fault)
 

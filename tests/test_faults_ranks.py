@@ -1,6 +1,6 @@
 """Fault corpus, ranks: model_fn or shard_fn failing on one rank (or returning no module), ranks
-building different models, reset_parameters() failing on one rank, a read error on rank 0 while it
-streams, and ranks that die or stall mid-load.
+building different models, reset_parameters() failing on one rank, the shards' fault-in failing on
+one rank (in its background thread), a read error on rank 0 while it streams, and ranks that die or stall mid-load.
 
 Every rank raises the same LoadError, never a hang. The corpus cases run in one pair of gloo ranks
 (see tests/faults_common.py); a rank that dies needs a process group of its own per case.
@@ -138,6 +138,14 @@ CASES = [
         ("rank 1", "MemoryError", "failed on purpose"),
         ("load again",),
         kwargs={"model_fn": toy_failing_init, "strict": False},
+    ),
+    Case(
+        "fault_in_fails_on_rank1",
+        single,
+        "RankMismatchError",
+        ("rank 1", "allocating", "MemoryError", "failed on purpose"),
+        ("load again",),
+        fault="fault_in_fails_on_rank1",
     ),
     Case(
         "read_error_mid_stream",

@@ -1,8 +1,10 @@
 """prefault: local shards resident before data lands, padding zeroed, shard bytes never rewritten
-where the kernel can fault pages in (MADV_POPULATE_WRITE)."""
+where the kernel can fault pages in (MADV_POPULATE_WRITE); fault_in: the same for many tensors, in a
+background thread and the caller's, and the thread's failure raised to the caller."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rank0load import _memory
@@ -41,3 +43,49 @@ def test_without_madvise_it_zero_fills(monkeypatch):
     t = torch.full((50000,), 3.0)
     _memory.prefault(t)
     assert torch.count_nonzero(t) == 0
+
+
+def _padded(n: int, lo: int, hi: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    storage = torch.full((n,), fill, dtype=torch.int32)
+    return storage, storage[lo:hi]
+
+
+def test_fault_in_does_what_prefault_does_for_every_tensor():
+    fresh = [torch.empty(n, dtype=torch.uint8) for n in (32 << 20, 8 << 20, 100, 5000)]
+    storages, shards = zip(*[_padded(3 * 4096 + 100, 1000 + i, 10000 + i, 7) for i in range(40)])
+    before = _rss()
+    pending = _memory.fault_in([*fresh, *shards])
+    pending.wait()
+    assert _rss() - before > (40 << 20) * 0.9
+    for storage, shard in zip(storages, shards):
+        start = shard.storage_offset()
+        assert torch.count_nonzero(storage[:start]) == 0
+        assert torch.count_nonzero(storage[start + shard.numel() :]) == 0
+        if _memory._madvise:
+            assert torch.all(shard == 7)
+    assert torch.count_nonzero(fresh[2]) == 0  # under a page: zero-filled
+
+
+def test_fault_in_thread_failure_is_raised_by_wait(monkeypatch):
+    def failing(address: int, length: int) -> bool:
+        raise MemoryError("no pages, on purpose")
+
+    monkeypatch.setattr(_memory, "_populate", failing)
+    pending = _memory.fault_in([torch.empty(n, dtype=torch.uint8) for n in (1 << 20, 2 << 20, 3 << 20)])
+    with pytest.raises(MemoryError, match="on purpose"):
+        pending.wait()
+    pending.close()  # after a failure: returns, raising nothing
+
+
+def test_fault_in_without_madvise_zero_fills(monkeypatch):
+    monkeypatch.setattr(_memory, "_madvise", False)
+    tensors = [torch.full((50000 + i,), 3.0) for i in range(5)]
+    _memory.fault_in(tensors).wait()
+    assert all(torch.count_nonzero(t) == 0 for t in tensors)
+
+
+def test_fault_in_parameters_that_require_grad():
+    """The thread zero-fills a parameter (under a page) as prefault does: no in-place-on-a-leaf error."""
+    params = [torch.nn.Parameter(torch.full((10,), 2.0)), torch.nn.Parameter(torch.full((1 << 20,), 2.0))]
+    _memory.fault_in(params).wait()
+    assert torch.count_nonzero(params[0].detach()) == 0 and params[1].requires_grad
