@@ -205,8 +205,15 @@ class KeyResolver:
     is computed key by key. A predicted target must still be a model key, or the key is computed.
     """
 
-    def __init__(self, canonical: Callable[[str], str | None], conversions: Sequence[Conversion]) -> None:
+    def __init__(
+        self,
+        canonical: Callable[[str], str | None],
+        conversions: Sequence[Conversion],
+        canonical_all: Callable[[Sequence[str]], list[str | None]] | None = None,
+    ) -> None:
+        """``canonical_all``: ``canonical`` of many keys at once (``ModelLayout.canonical_all``)."""
         self._canonical, self._conversions = canonical, tuple(conversions)
+        self._canonical_all = canonical_all or (lambda keys: list(map(canonical, keys)))
         self._rules: dict[str, _Rule | None] = {}  # None: computed key by key
 
     def __call__(self, key: str) -> tuple[str | None, ConversionMatch | None]:
@@ -240,7 +247,7 @@ class KeyResolver:
         model lacks are grouped by pattern with one regular-expression pass over them all; a
         pattern's keys go one by one until its rule is trusted, the rest are predicted together
         (their numbers found in one pass, each distinct target checked once)."""
-        canonical = list(map(self._canonical, keys))
+        canonical = self._canonical_all(keys)
         found: list[tuple[str | None, ConversionMatch | None]] = list(zip(canonical, itertools.repeat(None)))
         if not self._conversions:
             return found

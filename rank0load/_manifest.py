@@ -152,7 +152,7 @@ def match_keys(
     stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
     unsupported: dict[str, tuple[str, str, str]] = {}
     unexpected: list[str] = []
-    answers = KeyResolver(layout.canonical, conversions).resolve_all(model_keys)
+    answers = KeyResolver(layout.canonical, conversions, layout.canonical_all).resolve_all(model_keys)
     for ckpt_key, (canonical, converted) in zip(ckpt_keys, answers):
         if canonical is None or converted is not None and converted.unsupported is not None:
             if converted is not None and canonical is not None:

@@ -157,3 +157,24 @@ def test_transformers_guarded_initialisers_skipped_on_meta():
         (n, p.shape, p.dtype) for n, p in plain.named_parameters()
     ]
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_canonical_all_answers_as_canonical_does():
+    """The bulk lookup gives each key the answer ``canonical`` gives it: direct names, the other name
+    of a tie, wrapper segments on either side, unknown keys; with and without a wrapped key present."""
+    from rank0load._meta import describe
+    from tests.models import Toy
+
+    model, _ = build_on_meta(Toy)
+    layout = describe(model)
+    assert layout.aliases, "the toy has a tie"
+    known = [*layout.tensors, *layout.aliases]
+    plain = [*known, "nope.weight", "blocks.0", "", "emb.weight.extra", "\n"]
+    wrapped = (
+        [f"_orig_mod.{k}" for k in known]
+        + [k.replace(".", "._checkpoint_wrapped_module.", 1) for k in known]
+        + ["_orig_mod.nope.weight"]
+    )
+    for keys in (plain, plain + wrapped, wrapped):
+        assert layout.canonical_all(keys) == [layout.canonical(k) for k in keys]
+    assert any(layout.canonical_all(wrapped))  # wrapped names do resolve
