@@ -25,6 +25,7 @@ A collective that itself fails (a peer died, the network broke, the process-grou
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -239,15 +240,22 @@ def broadcast(t: torch.Tensor, src: int) -> None:
 
 
 def _broadcast_object(obj: object, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank: ``src`` keeps its own (no copy of a MoE manifest, its
+    ~100,000 objects, beside the original), the others unpickle theirs. The pickle is written
+    into one writable buffer the tensor shares, not copied out of a ``bytes``."""
     device = _object_device()
-    payload = None
+    payload, written = None, None
     if dist.get_rank() == src:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        written = io.BytesIO()
+        pickle.Pickler(written, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        payload = torch.frombuffer(written.getbuffer(), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
     broadcast(size, src)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     broadcast(payload, src)
+    if written is not None:
+        return obj
     return pickle.loads(host_bytes(payload.cpu().contiguous()))
 
 
