@@ -243,35 +243,43 @@ class KeyResolver:
         return (found.target if found else None), found
 
     def resolve_all(self, keys: Sequence[str]) -> list[tuple[str | None, ConversionMatch | None]]:
-        """``[self(key) for key in keys]``, the same answers at a fraction of the cost: the keys the
-        model lacks are grouped by pattern with one regular-expression pass over them all; a
-        pattern's keys go one by one until its rule is trusted, the rest are predicted together
-        (their numbers found in one pass, each distinct target checked once)."""
+        """``[self(key) for key in keys]``, the same answers at a fraction of the cost (see
+        :meth:`resolve_columns`)."""
+        return list(zip(*self.resolve_columns(keys)))
+
+    def resolve_columns(self, keys: Sequence[str]) -> tuple[list[str | None], list[ConversionMatch | None]]:
+        """:meth:`resolve_all`'s answers as two columns (each key's canonical model key, and its
+        conversion), without a pair per key (~96,000 in a MoE checkpoint, 5 MiB under rank 0's peak).
+        The keys the model lacks are grouped by pattern with one regular-expression pass over them
+        all; a pattern's keys go one by one until its rule is trusted, the rest are predicted
+        together (their numbers found in one pass, each distinct target checked once)."""
         canonical = self._canonical_all(keys)
-        found: list[tuple[str | None, ConversionMatch | None]] = list(zip(canonical, itertools.repeat(None)))
+        converted: list[ConversionMatch | None] = [None] * len(keys)
         if not self._conversions:
-            return found
+            return canonical, converted
         lacking = list(
             itertools.compress(range(len(keys)), map(operator.is_, canonical, itertools.repeat(None)))
         )
         if any("\n" in text or "\0" in text for text in _joined([keys[i] for i in lacking])):  # one by one
-            return [(c, None) if c is not None else self(k) for k, (c, _) in zip(keys, found)]
+            for i in lacking:
+                canonical[i], converted[i] = self(keys[i])
+            return canonical, converted
         groups: dict[str, list[int]] = {}
         for i, pattern in zip(lacking, _numbers_blanked([keys[i] for i in lacking])):
             groups.setdefault(pattern, []).append(i)
         for pattern, members in groups.items():
             at = 0
             while at < len(members) and not self._trusted(pattern):
-                found[members[at]] = self(keys[members[at]])
+                canonical[members[at]], converted[members[at]] = self(keys[members[at]])
                 at += 1
             rule = self._rules.get(pattern)
             if rule is None or not self._trusted(pattern):
                 for i in members[at:]:
-                    found[i] = self(keys[i])
+                    canonical[i], converted[i] = self(keys[i])
                 continue
             for i, predicted in zip(members[at:], self._predict_all(rule, [keys[i] for i in members[at:]])):
-                found[i] = (predicted.target if predicted else None), predicted
-        return found
+                canonical[i], converted[i] = (predicted.target if predicted else None), predicted
+        return canonical, converted
 
     def _trusted(self, pattern: str) -> bool:
         rule = self._rules.get(pattern)

@@ -171,7 +171,7 @@ def inspect_checkpoint(
         model_tensors=len(layout.tensors),
         matched=len(match.by_model_key) + len(match.stacked),
         missing=match.missing,
-        unexpected=unconsumed(match, layout, headers),
+        unexpected=unconsumed(match, layout),
         mismatched=tuple(sorted(mismatched)),
         ignored=match.ignored,
         converted=converted,
