@@ -27,7 +27,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -98,13 +98,20 @@ class FaultIn:
     def _run(self) -> None:
         try:
             _lowest_priority()
-            with torch.no_grad():  # grad mode is per thread; the tensors may be parameters
-                while self._todo:
-                    self._one(self._todo.popleft())  # atomic: each tensor to one thread
-        except IndexError:  # the caller's thread took the last one
-            pass
+            self._work(self._todo.popleft)
         except BaseException as exc:  # handed to wait(), on the caller's thread
             self._error = exc
+
+    def _work(self, take: Callable[[], tuple[tuple[int, int] | None, torch.Tensor]]) -> None:
+        """Fault in tensors taken off the queue (deque pops are atomic: each to one thread) until
+        it is empty."""
+        with torch.no_grad():  # grad mode is per thread; the tensors may be parameters
+            while True:
+                try:
+                    item = take()
+                except IndexError:
+                    return
+                self._one(item)
 
     @staticmethod
     def _one(item: tuple[tuple[int, int] | None, torch.Tensor]) -> None:
@@ -120,12 +127,9 @@ class FaultIn:
     def wait(self) -> None:
         """Fault in the rest here too (smallest first); then raise what the thread raised."""
         try:
-            with torch.no_grad():
-                while self._todo:
-                    self._one(self._todo.pop())
-        except IndexError:
-            pass
-        self._thread.join()
+            self._work(self._todo.pop)
+        finally:
+            self.close()
         if self._error is not None:
             raise self._error
 
