@@ -171,9 +171,10 @@ def unconsumed(
     """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised
     (``quantised``: :func:`quantised_keys`, when already known)."""
     quantised = quantised_keys(match, layout) if quantised is None else quantised
-    unexpected = match.unexpected  # header keys: one ending in _scale_inv whose weight is quantised
-    # is consumed. Tested key by key in C, each prefix freed at once: no set of ~48,000
-    # names made for it (9 MiB under rank 0's peak on a MiniMax-M2 checkpoint)
+    # A header key ending in _scale_inv whose weight is quantised is consumed. Tested key by key in
+    # C, each prefix freed at once: no set of ~48,000 names made for it (9 MiB under rank 0's
+    # peak on a MiniMax-M2 checkpoint).
+    unexpected = match.unexpected
     scale = map(operator.methodcaller("endswith", "_scale_inv"), unexpected)
     weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len("_scale_inv"))))
     consumed = map(operator.and_, scale, map(quantised.__contains__, weight))

@@ -63,7 +63,12 @@ def _populate(address: int, length: int) -> bool:
 def prefault(t: torch.Tensor) -> None:
     """Make ``t``'s storage resident (CPU) or zero it (other devices, or no ``MADV_POPULATE_WRITE``);
     zero the storage's bytes outside ``t``."""
-    pages = _outside_zeroed(t)
+    _fill(_outside_zeroed(t), t)
+
+
+def _fill(pages: tuple[int, int] | None, t: torch.Tensor) -> None:
+    """Make ``pages`` (:func:`_outside_zeroed`'s) resident, one ctypes call that lets the GIL go;
+    zero ``t`` instead where there are none or the kernel cannot."""
     if pages is None or not _populate(*pages):
         t.zero_()
 
@@ -115,9 +120,7 @@ class FaultIn:
 
     @staticmethod
     def _one(item: tuple[tuple[int, int] | None, torch.Tensor]) -> None:
-        pages, t = item
-        if pages is None or not _populate(*pages):  # one ctypes call: the GIL is let go
-            t.zero_()
+        _fill(*item)
 
     def close(self) -> None:
         """Until the thread is done, raising nothing (cleanup on the way out of a failed load)."""
@@ -154,7 +157,7 @@ def fault_in(tensors: Iterable[torch.Tensor]) -> FaultIn:
     with torch.no_grad():
         for t in tensors:
             if t.device.type != "cpu":
-                t.zero_()
+                prefault(t)
             else:
                 todo.append((_outside_zeroed(t), t))
     return FaultIn(todo)

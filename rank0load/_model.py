@@ -227,8 +227,8 @@ def materialise(model: nn.Module, device: torch.device) -> FaultIn:
     ``to_empty`` is FSDP2's supported way to allocate sharded parameters (it re-pads the local
     shards and keeps tied parameters one object), but it also empties buffers: save and restore them.
     The local shards are faulted in (their storages' bytes outside the shard zeroed) by a background
-    thread (see _memory): wait on what this returns before anything is written to a parameter. Plain buffers are made
-    contiguous so pieces can land in them directly.
+    thread (see _memory): wait on what this returns before anything is written to a parameter.
+    Plain buffers are made contiguous so pieces can land in them directly.
     """
     saved: list[tuple[nn.Module, str, torch.Tensor]] = []
     for module in model.modules():

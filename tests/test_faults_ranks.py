@@ -1,6 +1,7 @@
 """Fault corpus, ranks: model_fn or shard_fn failing on one rank (or returning no module), ranks
 building different models, reset_parameters() failing on one rank, the shards' fault-in failing on
-one rank (in its background thread), a read error on rank 0 while it streams, and ranks that die or stall mid-load.
+one rank (in its background thread), a read error on rank 0 while it streams, and ranks that die or
+stall mid-load.
 
 Every rank raises the same LoadError, never a hang. The corpus cases run in one pair of gloo ranks
 (see tests/faults_common.py); a rank that dies needs a process group of its own per case.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rank0load._meta import build_on_meta, describe
 from tests.models import Toy
@@ -88,23 +89,24 @@ class _Initialised(nn.Module):
             self.flat.t_()  # a shape change: runs
 
 
+class _SeenOnMeta(TorchDispatchMode):
+    """The operations that reach the dispatcher with a meta tensor first, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_meta_initialisers_skipped_everything_else_runs(monkeypatch):
     """Value-only in-place initialisers on floating meta parameters return at once (on meta torch
     runs some through Python reference code: ~0.5 ms for normal_, 1.5 ms for clamp_), anything
     that could change a shape or fail on one still reaches the dispatcher; the build is otherwise
     the one without skipping: the same shapes, the same real buffers, the same CPU random state."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     import contextlib
 
     from rank0load import _meta
@@ -115,7 +117,7 @@ def test_meta_initialisers_skipped_everything_else_runs(monkeypatch):
         plain, _ = build_on_meta(_Initialised)
     plain_state = torch.get_rng_state()
     torch.manual_seed(0)
-    with Seen() as seen:
+    with _SeenOnMeta() as seen:
         model, _ = build_on_meta(_Initialised)
     assert torch.equal(torch.get_rng_state(), plain_state)
     assert not {"normal_", "uniform_", "zero_", "erfinv_"} & set(seen.ops), seen.ops
@@ -130,27 +132,16 @@ def test_transformers_guarded_initialisers_skipped_on_meta():
     ones of the same names, so torch's ``normal_`` dispatches with transformers' as the function:
     those too return at once on meta (none reaches the dispatcher), and the model is the same."""
     import pytest
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     pytest.importorskip("transformers.initialization", reason="transformers 4.x: no guarded initialisers")
     from transformers import AutoModelForCausalLM
 
     from tests.hf import config
 
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-                self.ops.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     cfg = config("llama")
-    with Seen() as seen:
+    with _SeenOnMeta() as seen:
         model, _ = build_on_meta(lambda: AutoModelForCausalLM.from_config(cfg))
-    assert not {"normal_", "uniform_", "zero_", "fill_"} & seen.ops, seen.ops
+    assert not {"normal_", "uniform_", "zero_", "fill_"} & set(seen.ops), seen.ops
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(cfg)
     assert [(n, p.shape, p.dtype) for n, p in model.named_parameters()] == [
