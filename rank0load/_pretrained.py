@@ -10,7 +10,8 @@
             ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
             generation config. Every rank computes it from the same data; a failure is raised everywhere.
 (all ranks) ``load_sharded`` with ``model_fn`` building ``model_cls`` from that config; rank 0 passes
-            the directory it resolved, so a Hub repo is looked up once.
+            what it resolved (``_source.Resolved``), so a Hub repo is looked up once and an index
+            parsed once.
 
 Other ranks never read the checkpoint or the Hugging Face cache, and never reach the network: they
 build the model from the config rank 0 sent.
@@ -36,7 +37,7 @@ from ._entries import FLOAT_WIRE
 from ._files import OpenFile, read_exact
 from ._format import DTYPES, read_header
 from ._model import cast, set_config_dtype
-from ._source import resolve
+from ._source import Resolved, resolve
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
 
 __all__ = ["load_pretrained"]
@@ -183,7 +184,8 @@ def _read(
 ) -> tuple[_Checkpoint | LoadError, str | os.PathLike[str]]:
     """(rank 0) The checkpoint's configs (``generation``: its generation config too), or the
     LoadError to share; and the path for ``load_sharded``: the folder ``subfolder`` names, the
-    snapshot directory when ``ckpt_path`` was a Hub repo id, so that it is resolved once."""
+    snapshot directory when ``ckpt_path`` was a Hub repo id, with its resolved Source (``Resolved``),
+    so that it is resolved once."""
     try:
         if overrides is not None and (
             not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)
@@ -211,9 +213,8 @@ def _read(
             stored_dtype=stored,
         )
         pickle.dumps(read)  # what share() sends: a failure here must not leave the other ranks waiting
-        if hub:
-            return read, source.root
-        return read, ckpt_path if subfolder is None else os.path.join(ckpt_path, subfolder)
+        path = source.root if hub else ckpt_path if subfolder is None else os.path.join(ckpt_path, subfolder)
+        return read, Resolved(path, source)  # load_sharded takes the source as it is
     except LoadError as exc:
         return exc, ckpt_path
     except Exception as exc:  # anything unforeseen must still reach every rank

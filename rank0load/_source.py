@@ -23,7 +23,7 @@ from ._files import OpenFile, not_regular, read_exact
 from ._format import Twice, parse_json
 from .errors import CheckpointFormatError, CheckpointNotFoundError
 
-__all__ = ["Source", "resolve"]
+__all__ = ["Resolved", "Source", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,38 @@ class Source:
     ignored: tuple[str, ...] = ()
 
 
+class Resolved(os.PathLike[str]):
+    """(rank 0) A checkpoint path resolved already, with its :class:`Source`: ``load_pretrained``
+    resolves the checkpoint to read its config, then passes this as ``load_sharded``'s path, so
+    that the index (~96,000 names for a MoE checkpoint, 0.15 s to parse) is read once, not twice.
+    :func:`resolve` hands the Source out once (its ``weight_map`` is consumed by the manifest);
+    after that it resolves the path again. Anywhere else it is just the path."""
+
+    def __init__(self, path: str | os.PathLike[str], source: Source) -> None:
+        self.path = os.fspath(path)
+        self._source: Source | None = source
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return repr(self.path)
+
+    def take(self) -> Source | None:
+        source, self._source = self._source, None
+        return source
+
+
 def resolve(
     ckpt_path: str | os.PathLike[str], revision: str | None = None, subfolder: str | None = None
 ) -> Source:
     """(rank 0) Find the files of the checkpoint (in its folder ``subfolder``, if given). Raises
     CheckpointNotFoundError / CheckpointFormatError; a ``revision`` with a path that exists locally
-    is a CheckpointNotFoundError (never ignored)."""
+    is a CheckpointNotFoundError (never ignored). A :class:`Resolved` path gives its Source (once)."""
+    if isinstance(ckpt_path, Resolved) and revision is None and subfolder is None:
+        source = ckpt_path.take()
+        if source is not None:
+            return source
     path = os.fspath(ckpt_path)
     if subfolder is not None:
         _check_subfolder(path, subfolder)

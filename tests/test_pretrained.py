@@ -62,7 +62,16 @@ def _loaded(model) -> dict:
 
 def _rank(rank: int, world: int, root: str, jobs: dict) -> dict:
     touched: list[str] = []
+    indexes: list[str] = []  # rank 0: the index files it opened
     hidden = False
+    if rank == 0:
+
+        def audit_indexes(event: str, args: tuple) -> None:
+            if event == "open" and args and isinstance(args[0], (str, bytes)):
+                if os.fsdecode(args[0]).endswith(".safetensors.index.json"):
+                    indexes.append(os.fsdecode(args[0]))
+
+        sys.addaudithook(audit_indexes)
     if rank:
         os.environ["HF_HOME"] = os.path.join(root, "nowhere")
         hidden = _hide(root)
@@ -84,11 +93,14 @@ def _rank(rank: int, world: int, root: str, jobs: dict) -> dict:
 
     hf._quiet()
     out: dict = {"hidden": hidden, "sees": os.path.exists(os.path.join(root, "llama", "config.json"))}
+    out["index_reads"] = {}
     for name, (cls_name, path, kwargs) in jobs.items():
+        del indexes[:]
         try:
             out[name] = _loaded(rank0load.load_pretrained(getattr(transformers, cls_name), path, **kwargs))
         except rank0load.LoadError as exc:
             out[name] = (type(exc).__name__, str(exc))
+        out["index_reads"][name] = len(indexes)
     out["touched"] = touched
     return out
 
@@ -208,6 +220,18 @@ def test_rank1_never_sees_the_checkpoint(loaded):
     if not results[1]["hidden"]:
         pytest.skip("a private mount namespace needs root: only the audit hook checked rank 1")
     assert not results[1]["sees"]
+
+
+def test_the_index_is_read_once(loaded):
+    """load_pretrained resolves the checkpoint for its config and hands that to load_sharded
+    (``_source.Resolved``): a MoE index (~96,000 names) is parsed once, not once for the config and
+    again for the manifest."""
+    _, _, _, results = loaded
+    reads = results[0]["index_reads"]
+    loads = ["auto", "concrete_fp32", "nodtype_auto", "seq_llama", "fp8", "hub"]
+    assert all(isinstance(results[0][name], dict) for name in loads)
+    assert {name: reads[name] for name in loads} == dict.fromkeys(loads, 1)
+    assert results[1]["index_reads"] == dict.fromkeys(results[1]["index_reads"], 0)
 
 
 @pytest.mark.parametrize(
