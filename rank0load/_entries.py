@@ -94,16 +94,26 @@ class Parts:
         return self.starts[-1]
 
     def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
-        """See :meth:`Entry.extents`: the parts that bytes [start, start + nbytes) span (a bisection)."""
-        out, stop = [], start + nbytes
-        i = bisect.bisect_right(self.starts, start) - 1
-        while i < len(self.keys) and self.starts[i] < stop:
-            base = self.starts[i]
-            lo, hi = max(start, base), min(stop, self.starts[i + 1])
-            if lo < hi:
-                out.append((self.files[self.file_of[i]], self.offsets[i] + lo - base, hi - lo, lo - start))
-            i += 1
-        return out
+        """See :meth:`Entry.extents`: the parts that bytes [start, start + nbytes) span (found by
+        bisection), made column by column: a piece of stacked experts spans hundreds of parts."""
+        stop, starts, n = start + nbytes, self.starts, len(self.keys)
+        lo = bisect.bisect_right(starts, start) - 1
+        if lo >= n or nbytes <= 0:
+            return []
+        hi = bisect.bisect_left(starts, stop, lo + 1, n)  # parts lo .. hi - 1 begin before stop
+        skipped = starts[lo:hi].tolist()
+        begins, ends = skipped.copy(), starts[lo + 1 : hi + 1].tolist()
+        begins[0], ends[-1] = max(begins[0], start), min(ends[-1], stop)  # only these two are cut
+        sizes = list(map(operator.sub, ends, begins))
+        out = list(
+            zip(
+                map(self.files.__getitem__, self.file_of[lo:hi]),
+                map(operator.add, self.offsets[lo:hi], map(operator.sub, begins, skipped)),
+                sizes,
+                map(operator.sub, begins, itertools.repeat(start)),
+            )
+        )
+        return out if min(sizes) > 0 else [e for e in out if e[2] > 0]  # zero-byte parts: nothing to read
 
 
 NO_PARTS = Parts()

@@ -144,13 +144,19 @@ def dequantize(
     cols: int,
     block: tuple[int, int],
     scales: torch.Tensor,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 values of elements ``[start, start + len(values))`` of an entry made of 2-D parts
     of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales`` holds the
     parts' scale grids (float32), one after the other. (Parts that end on block boundaries are one
     part to this: ``_entries`` gives such an entry a single ``part_rows``.)
+
+    ``into``: a contiguous tensor of ``len(values)`` elements of a floating dtype that receives the
+    values instead (returned), each product rounded once to its dtype, as ``.to(dtype)`` of the
+    float32 values rounds it: the shard itself, with no float32 copy of the values to cast after.
     """
     out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
+    dest = out if into is None else into.view(-1)
     bm, bn = block
     grid_cols = math.ceil(cols / bn)
     done, base, grid_base = 0, 0, 0
@@ -159,13 +165,14 @@ def dequantize(
         lo, hi = max(start, base), min(start + values.numel(), base + size)
         if lo < hi:
             grid = scales[grid_base : grid_base + math.ceil(rows / bm) * grid_cols].view(-1, grid_cols)
-            _part(values[lo - start : hi - start], out[lo - start : hi - start], lo - base, cols, block, grid)
+            at, to = lo - start, hi - start
+            _part(values[at:to], out[at:to], dest[at:to], lo - base, cols, block, grid)
             done += hi - lo
         base += size
         grid_base += math.ceil(rows / bm) * grid_cols
         if done == values.numel():
             break
-    return out
+    return dest
 
 
 def dequantize_at(
@@ -195,20 +202,30 @@ def dequantize_at(
 
 
 def _part(
-    values: torch.Tensor, out: torch.Tensor, first: int, cols: int, block: tuple[int, int], grid: torch.Tensor
+    values: torch.Tensor,
+    out: torch.Tensor,
+    dest: torch.Tensor,
+    first: int,
+    cols: int,
+    block: tuple[int, int],
+    grid: torch.Tensor,
 ) -> None:
-    """Elements ``first ..`` of one [rows, cols] part into ``out``: converted at once, then each
-    run of rows multiplied by its scales broadcast over the block (no full-size scale tensor)."""
+    """Elements ``first ..`` of one [rows, cols] part: converted at once into ``out`` (float32),
+    then each run of rows multiplied by its scales broadcast over the block (no full-size scale
+    tensor), the products written to ``dest`` (``out`` itself, or the destination)."""
     _convert_into(values, out)
     pos, n = 0, values.numel()
     while pos < n:
         row, col = divmod(first + pos, cols)
         if col or n - pos < cols:  # part of one row
             take = min(n - pos, cols - col)
-            _scale_rows(out[pos : pos + take].view(1, take), grid, row, col, block)
+            shape: tuple[int, int] = (1, take)
         else:
             take = (n - pos) // cols * cols
-            _scale_rows(out[pos : pos + take].view(-1, cols), grid, row, 0, block)
+            shape, col = (take // cols, cols), 0
+        _scale_rows(
+            out[pos : pos + take].view(shape), dest[pos : pos + take].view(shape), grid, row, col, block
+        )
         pos += take
 
 
@@ -221,23 +238,33 @@ def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
     torch.index_select(table, 0, values.reshape(-1).view(torch.uint8).int(), out=out.view(-1))
 
 
-def _scale_rows(x: torch.Tensor, grid: torch.Tensor, row: int, col: int, block: tuple[int, int]) -> None:
-    """Multiply ``x`` [k, w], rows ``row ..`` and columns ``col ..`` of a part, by their block scales in
-    place: the scale rows gathered once per matrix row ([k, grid columns], 1/bn of the elements), then
-    broadcast over each block's columns."""
+def _scale_rows(
+    x: torch.Tensor, y: torch.Tensor, grid: torch.Tensor, row: int, col: int, block: tuple[int, int]
+) -> None:
+    """``y = x`` [k, w] times the block scales of rows ``row ..`` and columns ``col ..`` of a part
+    (``y`` may be ``x``). Whole blocks (the usual run of a stacked expert's rows): one multiply with
+    the grid broadcast over each block. Otherwise the scale rows are gathered once per matrix row
+    ([k, grid columns], 1/bn of the elements), then broadcast over each block's columns."""
     bm, bn = block
     k, width = x.shape
+    if not col and not row % bm and not k % bm and not width % bn:
+        g, blocks = row // bm, (k // bm, bm, width // bn, bn)
+        torch.mul(x.view(blocks), grid[g : g + k // bm, None, : width // bn, None], out=y.view(blocks))
+        return
     index = torch.arange(row, row + k, device=grid.device) // bm
     rows = grid.index_select(0, index)  # [k, grid columns]
     at = 0
     if col % bn:  # a partial first column block
         take = min(width, bn - col % bn)
-        x[:, :take].mul_(rows[:, col // bn, None])
+        torch.mul(x[:, :take], rows[:, col // bn, None], out=y[:, :take])
         at = take
     whole = (width - at) // bn
     if whole:
         g = (col + at) // bn
-        x[:, at : at + whole * bn].view(k, whole, bn).mul_(rows[:, g : g + whole, None])
+        span = slice(at, at + whole * bn)
+        torch.mul(
+            x[:, span].view(k, whole, bn), rows[:, g : g + whole, None], out=y[:, span].view(k, whole, bn)
+        )
         at += whole * bn
     if at < width:  # a partial last column block
-        x[:, at:].mul_(rows[:, (col + at) // bn, None])
+        torch.mul(x[:, at:], rows[:, (col + at) // bn, None], out=y[:, at:])

@@ -148,22 +148,32 @@ class Sink:
         step = max(1, values.numel())
         if self.entries[piece.index].scales:
             step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
+        flat, scaled = dst.view(-1), bool(self.entries[piece.index].scales)
+        in_place = dst.device == values.device  # the products written straight into the shard
         for at in range(0, values.numel(), step):  # float8: float32 temporaries of one step at a time
-            if block and self.entries[piece.index].scales:
-                part = self._decode_block(piece.index, values[at : at + step], start + at)
+            some = values[at : at + step]
+            into = flat[start + at : start + at + some.numel()]
+            if block and scaled:
+                into.copy_(self._decode_block(piece.index, some, start + at))
+            elif scaled and in_place:  # no float32 copy to cast after
+                self._decode(piece.index, some, first + at, into)
+            elif scaled:
+                into.copy_(self._decode(piece.index, some, first + at))
             else:
-                part = self._decode(piece.index, values[at : at + step], first + at)
-            dst.view(-1)[start + at : start + at + part.numel()].copy_(part)
+                into.copy_(some)
 
-    def _decode(self, index: int, values: torch.Tensor, first: int) -> torch.Tensor:
-        """Wire values of elements ``first ..`` of entry ``index``; float8 ones dequantised."""
+    def _decode(
+        self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Wire values of elements ``first ..`` of entry ``index``; float8 ones dequantised (into
+        ``into``, if given: see ``_fp8.dequantize``)."""
         entry = self.entries[index]
         if not entry.scales:
             return values
         if self.scales.index != index or self.scales.buffer is None:
             raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
         grids = self.scales.buffer.view(torch.float32)
-        return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids)
+        return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids, into)
 
     def _decode_block(self, index: int, values: torch.Tensor, local_first: int) -> torch.Tensor:
         """Float8 values of elements ``local_first ..`` of this rank's BLOCK shard, dequantised with

@@ -11,6 +11,7 @@ staging budget whatever the checkpoint's size. Reads use
 
 from __future__ import annotations
 
+import operator
 import os
 import queue
 import threading
@@ -64,12 +65,15 @@ def runs(
     if len(extents) == 1:
         path, offset, nbytes, at = extents[0]
         return [(path, offset, [view[at : at + nbytes]])]
-    order: dict[str, int] = {}
-    for extent in extents:
-        order.setdefault(extent[0], len(order))
+    order = dict.fromkeys(map(_PATH, extents))  # the files, as the extents first name them
+    if len(order) == 1:  # the usual case: sorted by offset with a C-level key
+        ordered = sorted(extents, key=_OFFSET)
+    else:
+        rank = {path: i for i, path in enumerate(order)}
+        ordered = sorted(extents, key=lambda e: (rank[e[0]], e[1]))
     out: list[tuple[str, int, list[memoryview]]] = []
     end = -1
-    for path, offset, nbytes, at in sorted(extents, key=lambda e: (order[e[0]], e[1])):
+    for path, offset, nbytes, at in ordered:
         if out and out[-1][0] == path and end <= offset <= end + _GAP:
             if offset > end:  # bytes no one asked for: read into the scratch buffer, not another call
                 out[-1][2].append(_SCRATCH[: offset - end])
@@ -79,6 +83,8 @@ def runs(
         end = offset + nbytes
     return out
 
+
+_PATH, _OFFSET = operator.itemgetter(0), operator.itemgetter(1)
 
 # A gap of at most _GAP bytes between two extents of one file is read too (into _SCRATCH, whose
 # contents nobody reads: sharing it between threads is harmless): one preadv for a rank's rows of

@@ -45,6 +45,22 @@ def test_any_run_of_elements_dequantises_exactly(case):
     assert torch.equal(got, full[start : start + n])
 
 
+@settings(max_examples=200, deadline=None)
+@given(entries(), st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]))
+def test_dequantised_into_the_destination_as_to_casts(case, dtype):
+    """``into``: the products land in the destination's dtype with the bits ``.to(dtype)`` of the
+    float32 values gives (what the shard held when the sink cast a float32 copy), returned as is."""
+    block, cols, part_rows, seed, start, n = case
+    values, scales, full = _quantised(block, cols, part_rows, seed)
+    shard = torch.full((n + 3,), 7.0, dtype=dtype)
+    into = shard[2 : 2 + n]
+    got = dequantize(values[start : start + n], start, part_rows, cols, block, scales, into=into)
+    assert got.data_ptr() == into.data_ptr()
+    want = full[start : start + n].to(dtype)
+    assert torch.equal(into.view(-1).view(torch.uint8), want.view(torch.uint8))
+    assert shard[:2].eq(7).all() and shard[-1] == 7  # nothing written outside it
+
+
 @settings(max_examples=300, deadline=None)
 @given(entries())
 def test_a_run_needs_only_its_scale_span(case):
