@@ -66,7 +66,9 @@ class Parts:
     file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
     offsets: array.array = field(default_factory=lambda: array.array("q"))  # absolute offset in its file
     starts: array.array = field(default_factory=lambda: array.array("q", [0]))  # its first entry byte
-    keys: tuple[str, ...] = ()  # checkpoint keys, for messages
+    # checkpoint keys, for messages: a tuple while the manifest is made, then (:meth:`compacted`)
+    # one string of them joined by newlines; read them with :meth:`key_list`
+    keys: tuple[str, ...] | str = ()
 
     @classmethod
     def of(cls, tensors: Sequence[TensorHeader]) -> Parts:
@@ -82,10 +84,24 @@ class Parts:
         )
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.offsets)
+
+    def key_list(self) -> list[str]:
+        return self.keys.split("\n") if isinstance(self.keys, str) else list(self.keys)
+
+    def compacted(self) -> Parts:
+        """The same parts with their keys in one string (unless a key holds a newline): a MoE
+        checkpoint's ~96,000 key strings, which rank 0's headers allocated among objects since
+        freed, are freed too, and the manifest pickles as a few hundred strings."""
+        if isinstance(self.keys, str) or not self.keys:
+            return self
+        joined = "\n".join(self.keys)
+        if joined.count("\n") != len(self.keys) - 1:
+            return self
+        return replace(self, keys=joined)
 
     def __iter__(self) -> Iterator[Part]:
-        for i, key in enumerate(self.keys):
+        for i, key in enumerate(self.key_list()):
             nbytes = self.starts[i + 1] - self.starts[i]
             yield Part(self.files[self.file_of[i]], key, self.offsets[i], nbytes)
 
@@ -96,7 +112,7 @@ class Parts:
     def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
         """See :meth:`Entry.extents`: the parts that bytes [start, start + nbytes) span (found by
         bisection), made column by column: a piece of stacked experts spans hundreds of parts."""
-        stop, starts, n = start + nbytes, self.starts, len(self.keys)
+        stop, starts, n = start + nbytes, self.starts, len(self.offsets)
         lo = bisect.bisect_right(starts, start) - 1
         if lo >= n or nbytes <= 0:
             return []
@@ -146,6 +162,12 @@ class Entry:
     @property
     def scale_nbytes(self) -> int:
         return self.scales.nbytes
+
+    def compacted(self) -> Entry:
+        """The same entry, its parts' and scales' keys each in one string (:meth:`Parts.compacted`)."""
+        if not self.parts and not self.scales:
+            return self
+        return replace(self, parts=self.parts.compacted(), scales=self.scales.compacted())
 
     def extents(self, start: int, nbytes: int, scales: bool = False) -> list[tuple[str, int, int, int]]:
         """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)
@@ -215,7 +237,7 @@ def build_entries(
             entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
             if members[0][1].key in quantised:
                 entry = _with_scales(
-                    entry, [headers[k] for k in entry.parts.keys], headers, block, info.dtype
+                    entry, [headers[k] for k in entry.parts.key_list()], headers, block, info.dtype
                 )
             return entry
         found = match.by_model_key[model_key]

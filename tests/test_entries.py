@@ -53,6 +53,18 @@ def test_extents_equal_a_scan_of_every_part(case):
         (t.file, t.key, t.offset, t.nbytes) for t in tensors
     ]
     assert pickle.loads(pickle.dumps(parts)) == parts
+    compact = parts.compacted()  # the keys in one string: the same parts, extents and length
+    assert isinstance(compact.keys, str) or any("\n" in t.key for t in tensors)
+    assert list(compact) == list(parts) and len(compact) == len(parts) == len(tensors)
+    assert compact.extents(start, nbytes) == parts.extents(start, nbytes)
+    assert compact.key_list() == [t.key for t in tensors]
+    assert compact.compacted() is compact
+
+
+def test_keys_with_a_newline_stay_a_tuple():
+    tensors = [TensorHeader("/c/a.safetensors", k, "U8", (1,), 8 + i, 1) for i, k in enumerate(["a\nb", "c"])]
+    parts = Parts.of(tensors)
+    assert parts.compacted() is parts and parts.key_list() == ["a\nb", "c"]
 
 
 def test_a_layer_of_experts_pickles_small():
@@ -70,3 +82,7 @@ def test_a_layer_of_experts_pickles_small():
         for w in (1, 3)
     ]
     assert len(pickle.dumps(Parts.of(tensors), protocol=pickle.HIGHEST_PROTOCOL)) < 512 * 80
+    # compacted, as the manifest travels: the names in one string, ~70 bytes a part
+    compact = Parts.of(tensors).compacted()
+    assert isinstance(compact.keys, str)
+    assert len(pickle.dumps(compact, protocol=pickle.HIGHEST_PROTOCOL)) < 512 * 75
