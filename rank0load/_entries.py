@@ -100,6 +100,23 @@ class Parts:
             return self
         return replace(self, keys=joined)
 
+    def __eq__(self, other: object) -> bool:  # the keys compared as names, in either form
+        if not isinstance(other, Parts):
+            return NotImplemented
+        mine = (self.files, self.file_of, self.offsets, self.starts)
+        return mine == (other.files, other.file_of, other.offsets, other.starts) and (
+            self.key_list() == other.key_list()
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # arrays: never hashable
+
+    def __reduce__(self) -> tuple[type[Parts], tuple[object, ...]]:
+        """Pickled with :meth:`compacted`'s keys: the manifest reaches the other ranks as a few
+        hundred strings, not ~96,000 (rank 0 keeps its own tuples: joining them there would add
+        the joined copy to its heap, where the freed names would not give their memory back)."""
+        c = self.compacted()
+        return Parts, (c.files, c.file_of, c.offsets, c.starts, c.keys)
+
     def __iter__(self) -> Iterator[Part]:
         for i, key in enumerate(self.key_list()):
             nbytes = self.starts[i + 1] - self.starts[i]
@@ -162,12 +179,6 @@ class Entry:
     @property
     def scale_nbytes(self) -> int:
         return self.scales.nbytes
-
-    def compacted(self) -> Entry:
-        """The same entry, its parts' and scales' keys each in one string (:meth:`Parts.compacted`)."""
-        if not self.parts and not self.scales:
-            return self
-        return replace(self, parts=self.parts.compacted(), scales=self.scales.compacted())
 
     def extents(self, start: int, nbytes: int, scales: bool = False) -> list[tuple[str, int, int, int]]:
         """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)

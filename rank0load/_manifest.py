@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -429,9 +429,7 @@ def read_manifest(
             conversions=conversions,
             adapters=found,
         )
-        # the headers are freed now: the parts' keys (~96,000 strings for a MoE checkpoint) go into
-        # one string per entry, and the heap they held among the headers' objects goes back
-        return replace(manifest, entries=tuple(e.compacted() for e in manifest.entries)), files
+        return manifest, files
     except LoadError as exc:
         return exc, files
     except Exception as exc:  # anything unforeseen must still reach every rank

@@ -52,7 +52,8 @@ def test_extents_equal_a_scan_of_every_part(case):
     assert [(p.file, p.ckpt_key, p.offset, p.nbytes) for p in parts] == [
         (t.file, t.key, t.offset, t.nbytes) for t in tensors
     ]
-    assert pickle.loads(pickle.dumps(parts)) == parts
+    sent = pickle.loads(pickle.dumps(parts))  # what the other ranks hold: the keys in one string
+    assert sent == parts and (isinstance(sent.keys, str) or any("\n" in t.key for t in tensors))
     compact = parts.compacted()  # the keys in one string: the same parts, extents and length
     assert isinstance(compact.keys, str) or any("\n" in t.key for t in tensors)
     assert list(compact) == list(parts) and len(compact) == len(parts) == len(tensors)
@@ -82,7 +83,4 @@ def test_a_layer_of_experts_pickles_small():
         for w in (1, 3)
     ]
     assert len(pickle.dumps(Parts.of(tensors), protocol=pickle.HIGHEST_PROTOCOL)) < 512 * 80
-    # compacted, as the manifest travels: the names in one string, ~70 bytes a part
-    compact = Parts.of(tensors).compacted()
-    assert isinstance(compact.keys, str)
-    assert len(pickle.dumps(compact, protocol=pickle.HIGHEST_PROTOCOL)) < 512 * 75
+    assert isinstance(pickle.loads(pickle.dumps(Parts.of(tensors))).keys, str)  # travels compacted
