@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _distribute, _local, _model, _sink, _transfer
 from ._convert import StackExperts
-from ._manifest import Manifest, adapters_of, read_manifest
+from ._files import OpenFile
+from ._manifest import Checkpoint, Manifest, adapters_of, open_checkpoint, read_manifest
 from ._memory import FaultIn, trim_heap
 from ._plan import Plan, build_plan
 from ._progress import peak_rss_bytes, progress_bar
@@ -122,32 +123,37 @@ def load_sharded(
     rng = _distribute.rank0_rng_state(_distribute.mesh_device(mesh.device_type))  # PEFT's draws
     built, error = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
     clock("build")
-    flags = _distribute.agree(built.proposal if built else None, error)
-    assert built is not None  # agree() raised otherwise
-    clock("agree")
-    comm = _distribute.mesh_device(mesh.device_type)
-    # the shards' pages are faulted in by a thread while rank 0 makes the manifest; any failure is
-    # raised inside _prepare, where every rank learns of it
-    faulting, allocation_error = _distribute.attempt(lambda: _model.materialise(built.model, comm))
-    clock("allocate")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
-        if faulting is not None:
-            opened.callback(faulting.close)
-        paused = opened.enter_context(_gc_paused())  # the manifest: ~100k objects for a MoE checkpoint
-        result, files = (
-            read_manifest(
+        # the collector is off until the manifest is shared: ~100k objects for a MoE checkpoint,
+        # from the headers on (with them alive, each collection would walk them all)
+        paused = opened.enter_context(_gc_paused())
+        # rank 0 reads the headers (they need no model) while slower ranks still build
+        checkpoint: Checkpoint | LoadError | None = None
+        files: dict[str, OpenFile] = {}
+        if rank == 0 and built is not None:
+            checkpoint, files = open_checkpoint(
                 ckpt_path,
                 revision,
-                built.layout,
-                strict,
-                key_map,
                 opened,
-                built.conversions,
                 lambda: adapters_of(built.model, adapter) if adapter is not None else (),
             )
-            if rank == 0
-            else (None, {})
+        clock("headers")
+        flags = _distribute.agree(built.proposal if built else None, error)
+        assert built is not None  # agree() raised otherwise
+        clock("agree")
+        comm = _distribute.mesh_device(mesh.device_type)
+        # the shards' pages are faulted in by a thread while rank 0 makes the manifest; any failure
+        # is raised inside _prepare, where every rank learns of it
+        faulting, allocation_error = _distribute.attempt(lambda: _model.materialise(built.model, comm))
+        clock("allocate")
+        if faulting is not None:
+            opened.callback(faulting.close)
+        result = (
+            read_manifest(checkpoint, ckpt_path, built.layout, strict, key_map, built.conversions)
+            if checkpoint is not None
+            else None
         )
+        del checkpoint  # its headers are freed with the manifest's making
         server = _local.listen(result, files) if local_reads else None  # rank 0, for its host's ranks
         if server is not None:
             opened.callback(server.close)

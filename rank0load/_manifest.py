@@ -35,11 +35,13 @@ __all__ = [
     "FLOAT_WIRE",
     "Part",
     "Adapter",
+    "Checkpoint",
     "adapters_of",
     "KeyMatch",
     "Manifest",
     "build_manifest",
     "match_keys",
+    "open_checkpoint",
     "read_manifest",
 ]
 
@@ -273,10 +275,13 @@ def build_manifest(
     files: dict[str, OpenFile] | None = None,
     conversions: Sequence[Conversion] = (),
     adapters: Sequence[Adapter] = (),
+    headers: dict[str, TensorHeader] | None = None,
 ) -> Manifest:
     """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
-    list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`)."""
-    headers = _headers(source, files)  # consumes source.weight_map
+    list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`).
+    ``headers``: the source's headers, read already (:func:`open_checkpoint`)."""
+    if headers is None:
+        headers = _headers(source, files)  # consumes source.weight_map
     headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
     quantised = quantised_keys(match, layout)
@@ -399,20 +404,27 @@ def _prefix_hint(ckpt: list[str], model: list[str]) -> str:
     return ""
 
 
-def read_manifest(
+@dataclass
+class Checkpoint:
+    """(rank 0) The checkpoint resolved, its files open and its headers read and checked: what
+    :func:`read_manifest` matches against the model. Read before the ranks agree on their models,
+    while the slower ranks still build (the headers need no model)."""
+
+    source: Source
+    adapters: Sequence[Adapter]
+    files: dict[str, OpenFile]
+    headers: dict[str, TensorHeader]
+
+
+def open_checkpoint(
     ckpt_path: str | os.PathLike[str],
     revision: str | None,
-    layout: ModelLayout,
-    strict: bool,
-    key_map: Callable[[str], str | None] | None,
     stack: contextlib.ExitStack,
-    conversions: Sequence[Conversion] = (),
     adapters: Callable[[], Sequence[Adapter]] = lambda: (),
-) -> tuple[Manifest | LoadError, dict[str, OpenFile]]:
+) -> tuple[Checkpoint | LoadError, dict[str, OpenFile]]:
     """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
-    (closed by ``stack``), read and validate their headers against the model. Returns the manifest,
-    or the LoadError to share with every rank (anything unforeseen is wrapped in one), and the open
-    files the stream reads from."""
+    (closed by ``stack``) and read the checkpoint's headers. Returns them, or the LoadError to share
+    with every rank (anything unforeseen is wrapped in one), and the open files the stream reads."""
     files: dict[str, OpenFile] = {}
     try:
         source = resolve(ckpt_path, revision)
@@ -420,18 +432,44 @@ def read_manifest(
         files = open_files((*source.files, *(f for a in found for f in a.source.files)))
         for opened in files.values():
             stack.callback(opened.close)
-        manifest = build_manifest(
-            source,
-            layout,
-            strict=strict,
-            key_map=key_map,
-            files=files,
-            conversions=conversions,
-            adapters=found,
-        )
-        return manifest, files
+        return Checkpoint(source, found, files, _headers(source, files)), files  # consumes weight_map
     except LoadError as exc:
         return exc, files
     except Exception as exc:  # anything unforeseen must still reach every rank
-        message = f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
-        return LoadError(message), files
+        return _unforeseen(ckpt_path, exc), files
+
+
+def read_manifest(
+    checkpoint: Checkpoint | LoadError,
+    ckpt_path: str | os.PathLike[str],
+    layout: ModelLayout,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion] = (),
+) -> Manifest | LoadError:
+    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model, or the
+    LoadError to share with every rank: its own, or any problem found matching its headers."""
+    if isinstance(checkpoint, LoadError):
+        return checkpoint
+    headers, checkpoint.headers = checkpoint.headers, {}  # held here only: freed when this returns
+    try:
+        return build_manifest(
+            checkpoint.source,
+            layout,
+            strict=strict,
+            key_map=key_map,
+            files=checkpoint.files,
+            conversions=conversions,
+            adapters=checkpoint.adapters,
+            headers=headers,
+        )
+    except LoadError as exc:
+        return exc
+    except Exception as exc:  # anything unforeseen must still reach every rank
+        return _unforeseen(ckpt_path, exc)
+
+
+def _unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception) -> LoadError:
+    return LoadError(
+        f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
+    )
