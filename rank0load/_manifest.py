@@ -1,6 +1,8 @@
 """Match the checkpoint's headers to the model and produce the manifest (rank 0; no collectives).
 
-(rank 0) :func:`build_manifest` reads every header, maps checkpoint keys to model keys
+(rank 0) :func:`open_checkpoint` resolves the checkpoint, opens its files and reads their headers
+(before the ranks agree: headers need no model); :func:`read_manifest` then runs
+:func:`build_manifest` on them, which maps checkpoint keys to model keys
 (:func:`match_keys`, which ``inspect`` shares so its dry run matches keys exactly as a load does),
 checks keys (the entries themselves come from ``_entries``), and returns a :class:`Manifest`: the
 ordered list of :class:`Entry` that every rank will iterate during streaming. Any problem raises a
