@@ -30,7 +30,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _distribute, _local, _model, _sink, _transfer
 from ._convert import StackExperts
-from ._files import OpenFile
 from ._manifest import Checkpoint, Manifest, adapters_of, open_checkpoint, read_manifest
 from ._memory import FaultIn, trim_heap
 from ._plan import Plan, build_plan
@@ -129,9 +128,8 @@ def load_sharded(
         paused = opened.enter_context(_gc_paused())
         # rank 0 reads the headers (they need no model) while slower ranks still build
         checkpoint: Checkpoint | LoadError | None = None
-        files: dict[str, OpenFile] = {}
         if rank == 0 and built is not None:
-            checkpoint, files = open_checkpoint(
+            checkpoint = open_checkpoint(
                 ckpt_path,
                 revision,
                 opened,
@@ -153,6 +151,7 @@ def load_sharded(
             if checkpoint is not None
             else None
         )
+        files = checkpoint.files if isinstance(checkpoint, Checkpoint) else {}  # what the stream reads
         del checkpoint  # its headers are freed with the manifest's making
         server = _local.listen(result, files) if local_reads else None  # rank 0, for its host's ranks
         if server is not None:

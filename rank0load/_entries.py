@@ -66,8 +66,8 @@ class Parts:
     file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
     offsets: array.array = field(default_factory=lambda: array.array("q"))  # absolute offset in its file
     starts: array.array = field(default_factory=lambda: array.array("q", [0]))  # its first entry byte
-    # checkpoint keys, for messages: a tuple while the manifest is made, then (:meth:`compacted`)
-    # one string of them joined by newlines; read them with :meth:`key_list`
+    # checkpoint keys, for messages: a tuple on rank 0, one string of them joined by newlines on
+    # the ranks that received the manifest (see __reduce__); read them with :meth:`key_list`
     keys: tuple[str, ...] | str = ()
 
     @classmethod
@@ -90,9 +90,8 @@ class Parts:
         return self.keys.split("\n") if isinstance(self.keys, str) else list(self.keys)
 
     def compacted(self) -> Parts:
-        """The same parts with their keys in one string (unless a key holds a newline): a MoE
-        checkpoint's ~96,000 key strings, which rank 0's headers allocated among objects since
-        freed, are freed too, and the manifest pickles as a few hundred strings."""
+        """The same parts with their keys in one string (unless a key holds a newline): the form
+        the manifest travels in (see :meth:`__reduce__`), one string per entry, not per part."""
         if isinstance(self.keys, str) or not self.keys:
             return self
         joined = "\n".join(self.keys)

@@ -423,22 +423,21 @@ def open_checkpoint(
     revision: str | None,
     stack: contextlib.ExitStack,
     adapters: Callable[[], Sequence[Adapter]] = lambda: (),
-) -> tuple[Checkpoint | LoadError, dict[str, OpenFile]]:
+) -> Checkpoint | LoadError:
     """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
-    (closed by ``stack``) and read the checkpoint's headers. Returns them, or the LoadError to share
-    with every rank (anything unforeseen is wrapped in one), and the open files the stream reads."""
-    files: dict[str, OpenFile] = {}
+    (closed by ``stack``) and read the checkpoint's headers. Returns them with the open files the
+    stream reads, or the LoadError to share with every rank (anything unforeseen is wrapped in one)."""
     try:
         source = resolve(ckpt_path, revision)
         found = adapters()
         files = open_files((*source.files, *(f for a in found for f in a.source.files)))
         for opened in files.values():
             stack.callback(opened.close)
-        return Checkpoint(source, found, files, _headers(source, files)), files  # consumes weight_map
+        return Checkpoint(source, found, files, _headers(source, files))  # consumes weight_map
     except LoadError as exc:
-        return exc, files
+        return exc
     except Exception as exc:  # anything unforeseen must still reach every rank
-        return _unforeseen(ckpt_path, exc), files
+        return _unforeseen(ckpt_path, exc)
 
 
 def read_manifest(
