@@ -323,12 +323,20 @@ def hf_revert_key(
     key: str, renamings: list[Any], converters: list[Any]
 ) -> tuple[str, Any | None, str | None]:
     """``revert_weight_conversion`` for one key: (the key renamed, None, None) when no reverse
-    converter applies, else (the converter's intermediate name, the converter, its pattern)."""
-    from transformers.core_model_loading import apply_converters, apply_renamings
+    converter applies, else (the converter's intermediate name, the converter, its pattern).
+    transformers 5.24 and later renames a converted key after the conversion (``apply_converters``,
+    then ``apply_renamings`` on its outputs); before that (5.0-5.2x) ``rename_source_key(...,
+    reverse=True)`` applied both to the key and left the converter's outputs as they came."""
+    import transformers.core_model_loading as core
 
-    renamed, pattern = apply_converters(key, converters)
+    if not hasattr(core, "apply_converters"):
+        renamed, pattern = core.rename_source_key(key, renamings, converters, reverse=True)
+    else:
+        renamed, pattern = core.apply_converters(key, converters)
+        if pattern is None:
+            renamed = core.apply_renamings(key, renamings)
     if pattern is None:
-        return apply_renamings(key, renamings), None, None
+        return renamed, None, None
     return renamed, next(c for c in converters if pattern in c.source_patterns), pattern
 
 
@@ -342,13 +350,15 @@ def hf_revert_tensor(
     renamings: list[Any],
 ) -> dict[str, torch.Tensor]:
     """A reverse converter applied to one tensor, as ``revert_weight_conversion`` applies it, the
-    renamings then applied to the names it produces."""
-    from transformers.core_model_loading import apply_renamings
+    renamings then applied to the names it produces (transformers 5.24 and later; see
+    :func:`hf_revert_key`)."""
+    import transformers.core_model_loading as core
 
     converter = copy.deepcopy(converter)
     converter.add_tensor(renamed, key, pattern, tensor)
     out = converter.convert(renamed, model=model, config=getattr(model, "config", None))
-    return {apply_renamings(n, renamings): v[0] if isinstance(v, list) else v for n, v in out.items()}
+    after = core.apply_renamings if hasattr(core, "apply_converters") else lambda name, _: name
+    return {after(n, renamings): v[0] if isinstance(v, list) else v for n, v in out.items()}
 
 
 def hf_rename(
