@@ -30,7 +30,7 @@ from . import _distribute
 from ._messages import Message, messages
 from ._plan import Piece, Plan, Route, block_half, cut, deliveries
 from ._sink import Sink, Staging, Target, landing
-from ._stream import Reader
+from ._stream import Reader, read_threads
 from .errors import LoadError
 
 if TYPE_CHECKING:
@@ -149,7 +149,9 @@ def _send(
         return None
 
     pieces = local.rank0_pieces(plan, on_bytes) if local is not None else plan.pieces(0)
-    reader = Reader(messages(plan, pieces), plan.entries, files, direct, staging.slots)
+    reader = Reader(
+        messages(plan, pieces), plan.entries, files, direct, staging.slots, read_threads(sink.device)
+    )
     pending: collections.deque[tuple[Any, int | None]] = collections.deque()
     fan_to = [r for r, _ in plan.coords if r not in readers]
     layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, fan_to))
@@ -166,7 +168,9 @@ def _send(
             for staged in rounds.until(stop):
                 message, data, slot = staged.message, staged.data, staged.slot
                 piece, own = message.first, message.dst == 0
-                if not on_cpu and not own:  # through the one device buffer, once earlier sends are done
+                if not on_cpu and (not own or sink.converts(message)):
+                    # through the one device buffer, once earlier sends are done (rank 0's own
+                    # pieces too when they are cast or dequantised: on the device, not the host)
                     drain()
                     assert staging.device is not None
                     data = staging.device[: message.nbytes]

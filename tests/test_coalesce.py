@@ -101,6 +101,17 @@ def _loads(rank: int, world: int, root: str) -> dict:
         model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False, **kwargs)
         out[name] = {**calls, "tensors": gather(model)}
         calls.update(dict.fromkeys(calls, 0))
+    # Rank 0's reader with 4 threads, each message's runs cut into parts of 64 bytes or more (as on
+    # an accelerator mesh, where each message is read by several threads side by side)
+    from rank0load import _stream, _transfer
+
+    threads, split = _transfer.read_threads, _stream._MIN_SPLIT
+    _transfer.read_threads, _stream._MIN_SPLIT = (lambda device: 4), 64
+    try:
+        model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False)
+        out["parallel"] = {"tensors": gather(model)}
+    finally:
+        _transfer.read_threads, _stream._MIN_SPLIT = threads, split
     if rank == 0:  # the checkpoint rewritten in place before rank 0's 3rd read
         modules, original, patched = _changer(os.path.join(root, "a.safetensors"), "rewritten")
         for m in modules:
@@ -121,7 +132,7 @@ def test_many_small_tensors_few_messages_bit_exact(tmp_path, world):
     want = reference(trained_many())
     results = _dist.ok(_dist.run(_loads, world, str(tmp_path), timeout=300))
     for rank, res in enumerate(results):
-        for name in ("default", "small"):
+        for name in ("default", "small", "parallel"):
             assert_same(res[name]["tensors"], want)
         # Before coalescing: one isend per parameter per rank holding rows of it (~240 x (world - 1)).
         calls = res["default"]["isend" if rank == 0 else "irecv"]
@@ -175,3 +186,40 @@ def test_nearby_extents_are_one_read(tmp_path):
             bytearray(blob[offset : offset + nbytes]), dtype=torch.uint8
         )
     assert torch.equal(data, want)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_runs_split_between_threads_read_the_same_bytes(tmp_path, monkeypatch, parts):
+    """``_stream.split_runs``: the runs cut into about ``parts`` equal reads, each one run of file
+    bytes, fill ``data`` exactly as the uncut runs do, and no part is larger than its share."""
+    from rank0load import _stream
+
+    monkeypatch.setattr(_stream, "_MIN_SPLIT", 16)
+    blob = os.urandom(4096)
+    a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    for path in (a, b):
+        with open(path, "wb") as f:
+            f.write(blob)
+    extents = [(a, 0, 100, 0), (a, 100, 7, 100), (a, 300, 1000, 107), (b, 11, 333, 1107), (a, 2000, 3, 1440)]
+    fds = {p: os.open(p, os.O_RDONLY) for p in (a, b)}
+    try:
+        got = []
+        for cut in (False, True):
+            data = torch.zeros(1443, dtype=torch.uint8)
+            found = _stream.runs(extents, data)
+            if cut:
+                found = _stream.split_runs(found, parts)
+                share = max(16, -(-sum(len(v) for _, _, vs in found for v in vs) // parts))
+                assert all(sum(map(len, views)) <= share for _, _, views in found), found
+                assert len(found) <= parts + 3  # at most one short part per uncut run
+            for path, offset, views in found:
+                _stream.read_vectored(fds[path], views, offset, path)
+            got.append(data)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert torch.equal(got[0], got[1])
+    want = torch.cat(
+        [torch.frombuffer(bytearray(blob[o : o + n]), dtype=torch.uint8) for _, o, n, _ in extents]
+    )
+    assert torch.equal(got[1], want)
