@@ -2,7 +2,8 @@
 
 ``run(fn, world, *args)`` returns one result per rank: whatever ``fn(rank, world, *args)``
 returned, or a :class:`Raised` describing the exception it raised. A rank that hangs or dies
-fails the test (after ``timeout`` seconds) instead of hanging the suite.
+fails the test (after ``timeout`` seconds) instead of hanging the suite. ``backend="nccl"`` (or
+``"cpu:gloo,cuda:nccl"``) puts each rank on its own GPU, ``cuda:rank``, first (tests/test_cuda.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _entry(
     pg_timeout: float,
     env: dict,
     exit_at_once: bool,
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(env)
     import torch
@@ -49,8 +51,10 @@ def _entry(
     torch.set_num_threads(1)
     result: Any
     try:
+        if "nccl" in backend:  # NCCL takes the current device: one GPU per rank
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             store=dist.FileStore(store, world),
             rank=rank,
             world_size=world,
@@ -80,9 +84,12 @@ def spawn(
     pg_timeout: float = 60,
     env: dict | None = None,
     exit_at_once: bool = False,
+    backend: str = "gloo",
 ) -> tuple[list[Any], list[int | None], float]:
     """Run ``fn`` on ``world`` ranks; a rank may die. Returns (result or None per rank, exit codes,
-    seconds until the last rank ended). A rank still running after ``timeout`` fails the test."""
+    seconds until the last rank ended). A rank still running after ``timeout`` fails the test.
+    ``backend``: the process group's, as ``init_process_group`` takes it ("gloo", "nccl",
+    "cpu:gloo,cuda:nccl"); with NCCL in it, rank r first sets ``cuda:r`` as its device."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
@@ -90,7 +97,7 @@ def spawn(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, r, world, store, outs[r], args, pg_timeout, env or {}, exit_at_once),
+                args=(fn, r, world, store, outs[r], args, pg_timeout, env or {}, exit_at_once, backend),
                 daemon=True,
             )
             for r in range(world)
@@ -125,9 +132,13 @@ def run(
     timeout: float = 120,
     pg_timeout: float = 60,
     env: dict | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn`` on ``world`` ranks; every rank must end and leave a result (or a Raised)."""
-    results, codes, _ = spawn(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, env=env)
+    """Run ``fn`` on ``world`` ranks; every rank must end and leave a result (or a Raised).
+    ``backend``: as for :func:`spawn`."""
+    results, codes, _ = spawn(
+        fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, env=env, backend=backend
+    )
     for r, res in enumerate(results):
         if res is None:
             pytest.fail(f"rank {r} died with exit code {codes[r]} and left no result")
