@@ -33,13 +33,14 @@ __all__ = ["Reader", "Staged", "read_threads", "read_vectored", "runs", "split_r
 
 _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
 
-# Threads that read one staged message together, on an accelerator mesh (rank 0's reader). On the
-# H100 machine (benchmarks/README.md) one thread reads the page cache into pinned memory at 7-8
-# GB/s, eight at 31-52, and the pinned host-to-device copy runs at 53: a 4 GB stream took 0.93 s
-# with 64 MiB of staging and one thread, 0.34 s with eight. On the CPU the shards are written in
-# place and the other ranks read beside rank 0: one thread.
+# Threads that read rank 0's staged messages on an accelerator mesh: every free slot's message is
+# read at once, in parts of at most _PART_BYTES, while the sender copies the oldest one to the
+# device. On the H100 machine (benchmarks/README.md) one thread reads the page cache into pinned
+# memory at 7-8 GB/s, 8 threads at 52 and 16 at 64 (4 MiB reads), and the pinned host-to-device
+# copy runs at 53. On the CPU the shards are written in place and the other ranks read beside
+# rank 0: one thread, reading each message before the next.
 ACCELERATOR_READ_THREADS = 8
-_MIN_SPLIT = 1 << 20  # bytes below which a run is not cut between threads
+_PART_BYTES = 4 << 20  # the read size at which those threads were fastest
 
 
 def read_threads(device: torch.device) -> int:
@@ -104,16 +105,15 @@ _PATH, _OFFSET = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def split_runs(
-    reads: list[tuple[str, int, list[memoryview]]], parts: int
+    reads: list[tuple[str, int, list[memoryview]]], size: int
 ) -> list[tuple[str, int, list[memoryview]]]:
-    """``reads`` (:func:`runs`) cut into about ``parts`` reads of equal size, each still one run of
-    file bytes (a buffer is cut where a read ends), so that threads can read them side by side."""
-    total = sum(len(v) for _, _, views in reads for v in views)
-    size = max(_MIN_SPLIT, -(-total // max(1, parts)))
-    if parts <= 1 or total <= size:
-        return reads
+    """``reads`` (:func:`runs`) cut into reads of at most ``size`` bytes, each still one run of file
+    bytes (a buffer is cut where a read ends), so that threads can read them side by side."""
     out: list[tuple[str, int, list[memoryview]]] = []
     for path, offset, views in reads:
+        if sum(map(len, views)) <= size:
+            out.append((path, offset, views))
+            continue
         cur: list[memoryview] = []
         start, filled = offset, 0
         for view in views:
@@ -145,6 +145,7 @@ class Staged:
     message: Message
     data: torch.Tensor  # uint8, exactly message.nbytes
     slot: int | None  # staging slot index to release, or None when read in place
+    reads: list[concurrent.futures.Future[None]] | None = None  # its parts' reads still in flight
 
 
 class Reader:
@@ -156,6 +157,10 @@ class Reader:
     truncated during the load is a failure. The first failure of any message (an I/O error, a changed
     file, an allocation) is kept in :attr:`failed`; the remaining messages still flow, unread, so that
     every rank completes the same messages, and the sender reports it at the end of the round.
+
+    ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
+    at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
+    the oldest message's parts only; a file is checked when its last reads are done.
     """
 
     _DONE = object()
@@ -182,12 +187,12 @@ class Reader:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.failed: BaseException | None = None  # the first failure (I/O error, file changed, ...)
-        self._threads = threads
-        self._pool = (  # the reader thread reads one part itself, these the others
-            concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="rank0load-read")
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="rank0load-read")
             if threads > 1
             else None
         )
+        self._inflight: list[concurrent.futures.Future[None]] = []  # the current file's reads
         self._thread = threading.Thread(target=self._run, name="rank0load-reader", daemon=True)
         self._thread.start()
 
@@ -195,40 +200,43 @@ class Reader:
         if self.failed is None:
             self.failed = exc
 
-    def _read(self, message: Message, data: torch.Tensor) -> None:
-        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans."""
+    def _runs(self, message: Message, data: torch.Tensor) -> list[tuple[str, int, list[memoryview]]]:
+        """The runs of file bytes that fill ``data`` with ``message``'s pieces (see :func:`runs`)."""
         extents = []  # every piece's, shifted to its place in the message: adjacent ones merge
         for piece, at in message.parts():
             entry, scales = self._entries[piece.index], piece.route is Route.SCALES
             for path, offset, nbytes, into in entry.extents(piece.start, piece.nbytes, scales):
                 extents.append((path, offset, nbytes, at + into))
-        todo: list[tuple[str, int, list[memoryview]]] = []  # the runs of the file read now
-        for run in runs(extents, data):
-            if run[0] != self._current:  # the manifest is in file order: leaving a file, check it
-                self._read_runs(todo)
-                todo = []
-                self._check(self._current)
-                self._current = run[0]
-            todo.append(run)
-        self._read_runs(todo)
+        return runs(extents, data)
 
-    def _read_runs(self, reads: list[tuple[str, int, list[memoryview]]]) -> None:
-        """Each run's bytes, several threads side by side for a large message (``threads``)."""
-        if not reads:
-            return
-        if self._pool is None:
-            for path, offset, views in reads:
-                self._read_run(path, offset, views)
-            return
-        parts = split_runs(reads, self._threads)
-        futures = [self._pool.submit(self._read_run, *part) for part in parts[1:]]
+    def _read(self, message: Message, data: torch.Tensor) -> None:
+        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans."""
+        for path, offset, views in self._runs(message, data):
+            if path != self._current:  # the manifest is in file order: leaving a file, check it
+                self._check(self._current)
+                self._current = path
+            self._read_run(path, offset, views)
+
+    def _submit(self, message: Message, data: torch.Tensor) -> list[concurrent.futures.Future[None]]:
+        """(``threads`` > 1) Hand ``message``'s reads to the threads, in parts; returns them."""
+        assert self._pool is not None
+        parts: list[concurrent.futures.Future[None]] = []
+        for path, offset, views in self._runs(message, data):
+            if path != self._current:  # leaving a file: check it once its last reads are done
+                concurrent.futures.wait(self._inflight)
+                self._inflight = []
+                self._check(self._current)
+                self._current = path
+            for part in split_runs([(path, offset, views)], _PART_BYTES):
+                parts.append(self._pool.submit(self._read_part, *part))
+        self._inflight = [f for f in self._inflight if not f.done()] + parts
+        return parts
+
+    def _read_part(self, path: str, offset: int, views: list[memoryview]) -> None:
         try:
-            self._read_run(*parts[0])
-        finally:  # every part done before the buffer is handed on (or the error raised)
-            for future in futures:
-                future.exception()
-        for future in futures:
-            future.result()
+            self._read_run(path, offset, views)
+        except Exception as exc:
+            self._fail(exc)
 
     def _read_run(self, path: str, offset: int, views: list[memoryview]) -> None:
         opened = self._files.get(path)
@@ -266,12 +274,17 @@ class Reader:
                     if slot is None:
                         return
                     data = self._buffers[slot][: message.nbytes]
+                reads = None
                 if self.failed is None:
                     try:
-                        self._read(message, data)
+                        if self._pool is None:
+                            self._read(message, data)
+                        else:
+                            reads = self._submit(message, data)
                     except Exception as exc:
                         self._fail(exc)
-                self._put(Staged(message, data, slot))
+                self._put(Staged(message, data, slot, reads))
+            concurrent.futures.wait(self._inflight)  # the last reads done before the last checks
             for path in self._files:  # every file, once more, after the last read
                 self._check(path)
         except BaseException as exc:  # handed to the consumer, re-raised there
@@ -306,10 +319,12 @@ class Reader:
                 if self._error is not None:
                     raise self._error
                 return
+            for read in item.reads or ():  # type: ignore[attr-defined]
+                read.result()  # never raises: a part's failure is kept in `failed`
             yield item  # type: ignore[misc]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=True, cancel_futures=True)  # no read into a slot after this

@@ -101,17 +101,32 @@ def _loads(rank: int, world: int, root: str) -> dict:
         model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False, **kwargs)
         out[name] = {**calls, "tensors": gather(model)}
         calls.update(dict.fromkeys(calls, 0))
-    # Rank 0's reader with 4 threads, each message's runs cut into parts of 64 bytes or more (as on
-    # an accelerator mesh, where each message is read by several threads side by side)
+    # Rank 0's reader with 4 threads, the messages' runs cut into parts of at most 64 bytes, every
+    # free slot's read at once (as on an accelerator mesh); with the default staging, and with 2 KiB
     from rank0load import _stream, _transfer
 
-    threads, split = _transfer.read_threads, _stream._MIN_SPLIT
-    _transfer.read_threads, _stream._MIN_SPLIT = (lambda device: 4), 64
+    threads, size = _transfer.read_threads, _stream._PART_BYTES
+    _transfer.read_threads, _stream._PART_BYTES = (lambda device: 4), 64
     try:
-        model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False)
-        out["parallel"] = {"tensors": gather(model)}
+        for name, staging in (("parallel", None), ("parallel-small", 2048)):
+            kwargs = {"max_staging_bytes": staging} if staging else {}
+            model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False, **kwargs)
+            out[name] = {"tensors": gather(model)}
+        if rank == 0:  # the checkpoint rewritten in place before rank 0's 3rd read, read by threads
+            modules, original, patched = _changer(os.path.join(root, "b.safetensors"), "rewritten")
+            for m in modules:
+                m.read_vectored = patched
+        dist.barrier()
+        out["rewritten-parallel"] = _attempt(
+            lambda: rank0load.load_sharded(
+                many, root, shard_fn=_root_only, max_staging_bytes=2048, local_reads=False
+            )
+        )
+        if rank == 0:
+            for m in modules:
+                m.read_vectored = original
     finally:
-        _transfer.read_threads, _stream._MIN_SPLIT = threads, split
+        _transfer.read_threads, _stream._PART_BYTES = threads, size
     if rank == 0:  # the checkpoint rewritten in place before rank 0's 3rd read
         modules, original, patched = _changer(os.path.join(root, "a.safetensors"), "rewritten")
         for m in modules:
@@ -132,7 +147,7 @@ def test_many_small_tensors_few_messages_bit_exact(tmp_path, world):
     want = reference(trained_many())
     results = _dist.ok(_dist.run(_loads, world, str(tmp_path), timeout=300))
     for rank, res in enumerate(results):
-        for name in ("default", "small", "parallel"):
+        for name in ("default", "small", "parallel", "parallel-small"):
             assert_same(res[name]["tensors"], want)
         # Before coalescing: one isend per parameter per rank holding rows of it (~240 x (world - 1)).
         calls = res["default"]["isend" if rank == 0 else "irecv"]
@@ -141,10 +156,11 @@ def test_many_small_tensors_few_messages_bit_exact(tmp_path, world):
         assert calls < small < COUNT * (world - 1) // 4, (rank, res["small"])
         # Before: one broadcast per buffer (240) and a few for the manifest and agreements.
         assert res["default"]["broadcast"] < 20, (rank, res["default"])
-    outcomes = [res["rewritten"] for res in results]
-    assert len({(o[0], o[2]) for o in outcomes}) == 1, outcomes  # one error, the same everywhere
-    name, bases, message, _ = outcomes[0]
-    assert name == "CheckpointChangedError" and "a.safetensors" in message, outcomes[0]
+    for case, path in (("rewritten", "a.safetensors"), ("rewritten-parallel", "b.safetensors")):
+        outcomes = [res[case] for res in results]
+        assert len({(o[0], o[2]) for o in outcomes}) == 1, outcomes  # one error, the same everywhere
+        name, bases, message, _ = outcomes[0]
+        assert name == "CheckpointChangedError" and path in message, outcomes[0]
 
 
 def test_nearby_extents_are_one_read(tmp_path):
@@ -188,13 +204,12 @@ def test_nearby_extents_are_one_read(tmp_path):
     assert torch.equal(data, want)
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3, 8])
-def test_runs_split_between_threads_read_the_same_bytes(tmp_path, monkeypatch, parts):
-    """``_stream.split_runs``: the runs cut into about ``parts`` equal reads, each one run of file
-    bytes, fill ``data`` exactly as the uncut runs do, and no part is larger than its share."""
+@pytest.mark.parametrize("size", [16, 100, 333, 5000])
+def test_runs_split_between_threads_read_the_same_bytes(tmp_path, size):
+    """``_stream.split_runs``: the runs cut into reads of at most ``size`` bytes, each one run of
+    file bytes, fill ``data`` exactly as the uncut runs do."""
     from rank0load import _stream
 
-    monkeypatch.setattr(_stream, "_MIN_SPLIT", 16)
     blob = os.urandom(4096)
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
     for path in (a, b):
@@ -208,10 +223,11 @@ def test_runs_split_between_threads_read_the_same_bytes(tmp_path, monkeypatch, p
             data = torch.zeros(1443, dtype=torch.uint8)
             found = _stream.runs(extents, data)
             if cut:
-                found = _stream.split_runs(found, parts)
-                share = max(16, -(-sum(len(v) for _, _, vs in found for v in vs) // parts))
-                assert all(sum(map(len, views)) <= share for _, _, views in found), found
-                assert len(found) <= parts + 3  # at most one short part per uncut run
+                whole = found
+                found = _stream.split_runs(found, size)
+                assert all(sum(map(len, views)) <= size for _, _, views in found), found
+                # as many parts as each run needs, and no fewer: each part but a run's last is full
+                assert len(found) == sum(-(-sum(map(len, v)) // size) for _, _, v in whole)
             for path, offset, views in found:
                 _stream.read_vectored(fds[path], views, offset, path)
             got.append(data)
