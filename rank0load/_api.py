@@ -52,7 +52,7 @@ def load_sharded(
     strict: bool = True,
     key_map: Callable[[str], str | None] | None = None,
     revision: str | None = None,
-    max_staging_bytes: int = DEFAULT_STAGING_BYTES,
+    max_staging_bytes: int | None = None,
     conversions: Sequence[StackExperts] = (),
     local_reads: bool = True,
     adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None = None,
@@ -78,7 +78,9 @@ def load_sharded(
             parameters the model's own initialisation (``reset_parameters`` / ``_init_weights``).
         key_map: maps a checkpoint key to a model key, or to ``None`` to drop it (used on rank 0).
         revision: the Hub revision, when ``ckpt_path`` is a repo id (used on rank 0).
-        max_staging_bytes: host RAM the loader may use for staging on each rank.
+        max_staging_bytes: host RAM the loader may use for staging on each rank (on an accelerator
+            mesh: rank 0's pinned host slots, the other ranks' device slots). ``None``:
+            ``DEFAULT_STAGING_BYTES`` (16 MiB) on a CPU mesh, 64 MiB on an accelerator mesh.
         conversions: checkpoint tensors assembled into model tensors (:class:`StackExperts`), tried
             for keys the model does not have, before transformers' own conversions (applied
             automatically to a transformers model: per-expert Hub checkpoints into fused experts).
@@ -113,6 +115,8 @@ def load_sharded(
         )
     clock, rank = Clock(), dist.get_rank()
     mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
+    if max_staging_bytes is None:
+        max_staging_bytes = _model.default_staging_bytes(mesh.device_type)
     options = {
         "strict": strict,
         "dtype": dtype,
