@@ -351,47 +351,50 @@ def m_read_pinned(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     return out
 
 
-SWEEP = [(16, 8), (64, 8), (64, 16), (128, 16), (256, 8), (256, 16), (512, 16)]  # (staging MiB, threads)
+SWEEP = [(64, 1), (16, 8), (64, 8), (64, 16), (128, 8), (128, 16), (256, 16)]  # (staging MiB, reader threads)
 
 
 def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
-    """rank0load warm (after one load), with each staging size and reader thread count; then one
-    load under cProfile (the main thread: where the stream waits), at the largest staging."""
-    import cProfile
-    import io
-    import pstats
+    """rank0load warm (after one load), with each staging size and reader thread count, and where
+    the stream's main thread spends its time: waiting for the reader (``wait_s``) or moving the
+    bytes it was handed (``scatter_s``: the host-to-device copies)."""
+    from rank0load import _stream, _transfer
 
-    from rank0load import _stream
+    spent = {"wait_s": 0.0, "scatter_s": 0.0, "messages": 0}
+    iterate, scatter = _stream.Reader.__iter__, _transfer._scatter
 
+    def timed_iter(self):
+        items = iterate(self)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            spent["wait_s"] += time.perf_counter() - started
+            spent["messages"] += 1
+            yield item
+
+    def timed_scatter(*args):
+        started = time.perf_counter()
+        scatter(*args)
+        spent["scatter_s"] += time.perf_counter() - started
+
+    _stream.Reader.__iter__, _transfer._scatter = timed_iter, timed_scatter  # type: ignore[method-assign]
     m_rank0load(ckpt, cfg, {})  # warm-up
     out: dict = {}
     for staging_mib, threads in SWEEP:
         _stream.ACCELERATOR_READ_THREADS = threads
+        spent.update(wait_s=0.0, scatter_s=0.0, messages=0)
         r = m_rank0load(ckpt, cfg, {"max_staging_bytes": staging_mib << 20})
         out[f"{staging_mib}mib_{threads}t"] = {
-            k: r[k] for k in ("seconds", "transient_mib", "verified", "stream_s")
+            **{k: r[k] for k in ("seconds", "transient_mib", "verified", "stream_s")},
+            **spent,
         }
         gc.collect()
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    profile = cProfile.Profile()
-    profile.enable()
-    m_rank0load(ckpt, cfg, {"max_staging_bytes": 256 << 20})
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
-    out["profile"] = text.getvalue()[-3500:]
     return out
-
-
-def pick(sweep: dict) -> tuple[int, int]:
-    """The smallest staging (then fewest threads) whose load is within 5 % of the fastest."""
-    timed = {k: v["seconds"] for k, v in sweep.items() if isinstance(v, dict) and v.get("verified")}
-    best = min(timed.values())
-    for staging_mib, threads in sorted(SWEEP):
-        if timed.get(f"{staging_mib}mib_{threads}t", 1e9) <= 1.05 * best:
-            return staging_mib, threads
-    return SWEEP[-1]
 
 
 def m_fp8(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
@@ -489,7 +492,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the results here too")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per method")
     parser.add_argument(
-        "--tuned", default=None, help="STAGING_MIB,THREADS for rank0load (else: the sweep's pick)"
+        "--tuned", default=None, help="STAGING_MIB,THREADS for rank0load (else: its defaults)"
     )
     parser.add_argument("--cpu-smoke", action="store_true", help="check the script on the CPU")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -529,10 +532,6 @@ def main() -> int:
     tuned = args.tuned
     for method in args.methods.split(","):
         t0 = time.perf_counter()
-        if method == "rank0load" and tuned is None and "sweep" in results["methods"]:
-            sweep = results["methods"]["sweep"].get("cold")
-            if sweep:
-                tuned = ",".join(map(str, pick(sweep)))
         try:
             proc = subprocess.run(
                 [
