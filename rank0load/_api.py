@@ -165,7 +165,10 @@ def load_sharded(
         paused.close()
         trim_heap()  # what making and sharing the manifest used, back to the OS
         clock("manifest")
-        handover = _local.hand_over(shared[1], server, manifest.files, comm, max_staging_bytes, local_reads)
+        # a local reader on an accelerator reads one piece at a time through a pinned host buffer:
+        # one staging slot's size (pieces are at most max_staging_bytes / SLOTS)
+        slot = max_staging_bytes // _sink.SLOTS
+        handover = _local.hand_over(shared[1], server, manifest.files, comm, slot, local_reads)
         opened.callback(handover.close)
         ready, error = _distribute.attempt(
             lambda: _prepare(
