@@ -3,10 +3,12 @@
 (rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._messages.Message` it
 either reads straight into the final destination (rank 0's own rows, when no cast is needed and
 the shard is on the CPU) or into one of the staging buffers allocated before the stream: all its
-pieces at once, one ``preadv`` per run of adjacent file bytes. The sender
-hands buffers back once their bytes are sent, so host RAM spent on staging never exceeds the
-staging budget whatever the checkpoint's size. Reads use
-``os.preadv`` at file offsets: no file is mapped, so page-cache pages never count in RSS.
+pieces at once, one ``preadv`` per run of adjacent file bytes. On an accelerator mesh the reads go
+to a few threads, in parts of at most 4 MiB, for every free slot at once (:func:`read_threads`):
+one thread reads the page cache at a few GB/s, the pinned host-to-device copy runs at tens. The
+sender hands buffers back once their bytes are sent, so host RAM spent on staging never exceeds
+the staging budget whatever the checkpoint's size. Reads use ``os.preadv`` at file offsets: no file
+is mapped, so page-cache pages never count in RSS.
 """
 
 from __future__ import annotations
