@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from rank0load.bench.model import BenchConfig, _pack, config_for_size, tensor_specs  # noqa: E402
+from rank0load.bench.worker import _reset_peak, _status  # noqa: E402
 
 # --cpu-smoke: the same code on the CPU with gloo (no pinning, no device clocks), to check the
 # script itself before a GPU is lent; its figures mean nothing.
@@ -107,23 +108,6 @@ def files_of(ckpt: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------- measuring
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def sync() -> None:

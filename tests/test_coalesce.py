@@ -96,11 +96,32 @@ def _loads(rank: int, world: int, root: str) -> dict:
 
     calls = _counted()
     out: dict = {}
-    for name, staging in (("default", None), ("small", 2048)):
-        kwargs = {"max_staging_bytes": staging} if staging else {}
-        model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False, **kwargs)
-        out[name] = {**calls, "tensors": gather(model)}
-        calls.update(dict.fromkeys(calls, 0))
+
+    def loads(*names: str) -> None:  # "<name>" with the default staging, "<name>-small" with 2 KiB
+        for name in names:
+            kwargs = {"max_staging_bytes": 2048} if name.endswith("small") else {}
+            model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False, **kwargs)
+            out[name] = {**calls, "tensors": gather(model)}
+            calls.update(dict.fromkeys(calls, 0))
+
+    def rewritten(name: str, file: str) -> None:  # the file rewritten in place before rank 0's 3rd read
+        if rank == 0:
+            modules, original, patched = _changer(os.path.join(root, file), "rewritten")
+            for m in modules:
+                m.read_vectored = patched
+        dist.barrier()
+        try:
+            out[name] = _attempt(
+                lambda: rank0load.load_sharded(
+                    many, root, shard_fn=_root_only, max_staging_bytes=2048, local_reads=False
+                )
+            )
+        finally:
+            if rank == 0:
+                for m in modules:
+                    m.read_vectored = original
+
+    loads("default", "small")
     # Rank 0's reader with 4 threads, the messages' runs cut into parts of at most 64 bytes, every
     # free slot's read at once (as on an accelerator mesh); with the default staging, and with 2 KiB
     from rank0load import _stream, _transfer
@@ -108,39 +129,15 @@ def _loads(rank: int, world: int, root: str) -> dict:
     threads, size = _transfer.read_threads, _stream._PART_BYTES
     _transfer.read_threads, _stream._PART_BYTES = (lambda device: 4), 64
     try:
-        for name, staging in (("parallel", None), ("parallel-small", 2048)):
-            kwargs = {"max_staging_bytes": staging} if staging else {}
-            model = rank0load.load_sharded(many, root, shard_fn=_root_only, local_reads=False, **kwargs)
-            out[name] = {"tensors": gather(model)}
-        if rank == 0:  # the checkpoint rewritten in place before rank 0's 3rd read, read by threads
-            modules, original, patched = _changer(os.path.join(root, "b.safetensors"), "rewritten")
-            for m in modules:
-                m.read_vectored = patched
-        dist.barrier()
-        out["rewritten-parallel"] = _attempt(
-            lambda: rank0load.load_sharded(
-                many, root, shard_fn=_root_only, max_staging_bytes=2048, local_reads=False
-            )
-        )
-        if rank == 0:
-            for m in modules:
-                m.read_vectored = original
+        loads("parallel", "parallel-small")
+        rewritten("rewritten-parallel", "b.safetensors")
     finally:
         _transfer.read_threads, _stream._PART_BYTES = threads, size
-    if rank == 0:  # the checkpoint rewritten in place before rank 0's 3rd read
-        modules, original, patched = _changer(os.path.join(root, "a.safetensors"), "rewritten")
-        for m in modules:
-            m.read_vectored = patched
-    dist.barrier()
-    out["rewritten"] = _attempt(
-        lambda: rank0load.load_sharded(
-            many, root, shard_fn=_root_only, max_staging_bytes=2048, local_reads=False
-        )
-    )
+    rewritten("rewritten", "a.safetensors")
     return out
 
 
-@pytest.mark.slow  # one spawn of 3 loads per world size: about 20 s each
+@pytest.mark.slow  # one spawn of 6 loads per world size: about 30 s each
 @pytest.mark.parametrize("world", [2, 3])
 def test_many_small_tensors_few_messages_bit_exact(tmp_path, world):
     save_many(str(tmp_path))
