@@ -409,8 +409,14 @@ def test_fixtures(ckpts):
 
 def test_dequantize_matches_transformers():
     """moe_models.dequantize is transformers' own block formula (integrations/finegrained_fp8.py,
-    _dequantize_fp8_weight), partial blocks included."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    _dequantize_fp8_weight), partial blocks included. Some transformers 5 releases (5.17) have no
+    such function, and their Fp8Dequantize cannot do partial blocks: nothing to compare with there."""
+    import transformers
+    from transformers.integrations import finegrained_fp8
+
+    _dequantize_fp8_weight = getattr(finegrained_fp8, "_dequantize_fp8_weight", None)
+    if _dequantize_fp8_weight is None:
+        pytest.skip(f"transformers {transformers.__version__} has no _dequantize_fp8_weight to compare with")
 
     torch.manual_seed(0)
     for shape, block in [
