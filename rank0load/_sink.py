@@ -133,26 +133,36 @@ class Sink:
             landing(target, piece, self.wires[piece.index]) if target.tensor.device == self.device else None
         )
 
-    def broadcast(self, piece: Piece, data: torch.Tensor, landed: bool) -> None:
-        """(all ranks) The local work of a broadcast piece (``landed``: it arrived where it belongs)."""
+    def broadcast(self, piece: Piece, data: torch.Tensor, landed: bool, non_blocking: bool = False) -> None:
+        """(all ranks) The local work of a broadcast piece (``landed``: it arrived where it belongs;
+        ``non_blocking``: see :meth:`write`)."""
         entry = self.entries[piece.index]
         if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
             into = self.scales if piece.route is Route.SCALES else self.whole
             size = entry.scale_nbytes if piece.route is Route.SCALES else entry.nbytes
             if not landed:
-                self.faults.run(lambda: into.land(piece, size).copy_(data))
+                self.faults.run(lambda: into.land(piece, size).copy_(data, non_blocking=non_blocking))
             if piece.route is not Route.SCALES and piece.start + piece.nbytes == entry.nbytes:
                 self.faults.run(self._cut_whole, piece.index)
             return
-        self.write(piece, data)
+        self.write(piece, data, non_blocking=non_blocking)
 
-    def write(self, piece: Piece, data: torch.Tensor, local_offset: int | None = None) -> None:
-        """Wire bytes ``data`` (entry bytes from ``piece.start``) into the target at ``local_offset``."""
+    def write(
+        self, piece: Piece, data: torch.Tensor, local_offset: int | None = None, non_blocking: bool = False
+    ) -> None:
+        """Wire bytes ``data`` (entry bytes from ``piece.start``) into the target at ``local_offset``.
+        ``non_blocking`` (rank 0's pinned slots into device shards): a plain copy is only queued on the
+        device's current stream; the caller keeps ``data`` unchanged until an event recorded after it
+        has completed."""
         self.faults.run(
-            self._write, piece, data, piece.local_offset if local_offset is None else local_offset
+            self._write,
+            piece,
+            data,
+            piece.local_offset if local_offset is None else local_offset,
+            non_blocking,
         )
 
-    def _write(self, piece: Piece, data: torch.Tensor, local_offset: int) -> None:
+    def _write(self, piece: Piece, data: torch.Tensor, local_offset: int, non_blocking: bool = False) -> None:
         wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
         if not dst.is_contiguous():
             raise LoadError("internal error: a write into a non-contiguous tensor")  # ensured by _model
@@ -175,7 +185,7 @@ class Sink:
             elif scaled:
                 into.copy_(self._decode(piece.index, some, first + at))
             else:
-                into.copy_(some)
+                into.copy_(some, non_blocking=non_blocking)
 
     def _decode(
         self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None

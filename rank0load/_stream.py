@@ -6,8 +6,9 @@ the shard is on the CPU) or into one of the staging buffers allocated before the
 pieces at once, one ``preadv`` per run of adjacent file bytes. On an accelerator mesh the reads go
 to a few threads, in parts of at most 4 MiB, for every free slot at once (:func:`read_threads`):
 one thread reads the page cache at a few GB/s, the pinned host-to-device copy runs at tens. The
-sender hands buffers back once their bytes are sent, so host RAM spent on staging never exceeds
-the staging budget whatever the checkpoint's size. Reads use ``os.preadv`` at file offsets: no file
+sender hands buffers back once their bytes are sent (on an accelerator, with the event recorded
+after the non-blocking copies that read them: the reader waits for it before filling the slot
+again), so host RAM spent on staging never exceeds the staging budget whatever the checkpoint's size. Reads use ``os.preadv`` at file offsets: no file
 is mapped, so page-cache pages never count in RSS.
 """
 
@@ -182,9 +183,10 @@ class Reader:
         self._files = files
         self._direct = direct
         self._buffers = buffers
-        self._free: queue.Queue[int] = queue.Queue()
+        # free slots, each with the event after which its last copy to the device is done (or None)
+        self._free: queue.Queue[tuple[int, torch.Event | None]] = queue.Queue()
         for i in range(len(buffers)):
-            self._free.put(i)
+            self._free.put((i, None))
         self._ready: queue.Queue[object] = queue.Queue(maxsize=len(buffers) + 1)
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -297,9 +299,12 @@ class Reader:
     def _get_slot(self) -> int | None:
         while not self._stop.is_set():
             try:
-                return self._free.get(timeout=0.1)
+                slot, copied = self._free.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if copied is not None:
+                copied.synchronize()  # the device has read the slot: it may be filled again
+            return slot
         return None
 
     def _put(self, item: object) -> None:
@@ -310,9 +315,12 @@ class Reader:
             except queue.Full:
                 continue
 
-    def release(self, slot: int | None) -> None:
+    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
+        """Hand ``slot`` back to be filled again; with ``copied`` (an accelerator mesh: the event
+        recorded after the non-blocking copies that read it), only once that event has completed.
+        The reader thread waits for it, not the sender, so the copies are queued back to back."""
         if slot is not None:
-            self._free.put(slot)
+            self._free.put((slot, copied))
 
     def __iter__(self) -> Iterator[Staged]:
         while True:

@@ -137,7 +137,10 @@ def _send(
 ) -> int:
     """(rank 0) Read and send round by round, nothing to ``local.readers`` but the broadcasts (they
     read their own bytes; when they are all the other ranks, their broadcast pieces too); returns
-    the first failing rank (world: none)."""
+    the first failing rank (world: none). On an accelerator mesh the copies out of the pinned slots
+    are non-blocking, on the device's current stream (what reads the shards later is ordered after
+    them): the sender never waits for one; the reader waits, before filling a slot again, for an
+    event recorded after that slot's copies, and the last round ends with the stream synchronised."""
     on_cpu = sink.device.type == "cpu"
     readers = local.readers if local is not None else frozenset()
     alone = len(readers) == dist.get_world_size() - 1  # no one to send anything to
@@ -162,37 +165,53 @@ def _send(
             work.wait()
             reader.release(slot)
 
+    def done_with(slot: int | None) -> None:
+        """``slot``'s bytes are used: on the CPU, hand it back; on an accelerator its copies to the
+        device are only queued, so the reader fills it again once an event recorded now has
+        completed, while the sender goes on to queue the next ones."""
+        if on_cpu or slot is None:
+            reader.release(slot)
+            return
+        copies = torch.Event(device=sink.device)
+        copies.record()
+        reader.release(slot, copies)
+
     try:
         rounds = _Rounds(iter(reader), lambda s: s.message.index)
         for stop in plan.rounds:
             for staged in rounds.until(stop):
                 message, data, slot = staged.message, staged.data, staged.slot
                 piece, own = message.first, message.dst == 0
+                held = slot  # the slot this message's bytes still need, handed back once they are sent
                 if not on_cpu and (not own or sink.converts(message)):
                     # through the one device buffer, once earlier sends are done (rank 0's own
-                    # pieces too when they are cast or dequantised: on the device, not the host)
+                    # pieces too when they are cast or dequantised: on the device, not the host).
+                    # Everything after reads the device buffer on the same stream: the slot is
+                    # free once this copy is.
                     drain()
                     assert staging.device is not None
                     data = staging.device[: message.nbytes]
-                    data.copy_(staged.data)
+                    data.copy_(staged.data, non_blocking=True)
+                    done_with(held)
+                    held = None
                 if piece.route is Route.FAN_OUT:
                     spare = staging.slots[slot] if on_cpu and slot is not None else staging.device
                     assert spare is not None
                     blocks = fan_out(
                         piece, data, spare[block_half(plan.piece_bytes) :], layouts(piece.index), sink
                     )
-                    pending.append((blocks, slot))
+                    pending.append((blocks, held))
                 elif own:
-                    if slot is not None:
-                        _scatter(sink, message, data)
-                    reader.release(slot)
+                    if slot is not None:  # read into a slot, not in place: pinned, on an accelerator
+                        _scatter(sink, message, data, non_blocking=not on_cpu)
+                    done_with(held)
                 elif message.dst > 0:
-                    pending.append((dist.isend(data, dst=message.dst), slot))
+                    pending.append((dist.isend(data, dst=message.dst), held))
                 else:  # BROADCAST, SCALES
                     if not alone:
                         _distribute.broadcast(data, 0)
                     _scatter(sink, message, data)
-                    reader.release(slot)
+                    done_with(held)
                 drain(keep=max(1, len(staging.slots) - 1))
                 if on_bytes is not None:
                     on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
@@ -200,6 +219,8 @@ def _send(
             if stop == len(plan.entries):
                 for _ in rounds.until(stop + 1):  # the reader's last checks come with its end
                     pass
+                if not on_cpu:  # the queued copies done before the load is reported (or fails)
+                    sink.faults.run(torch.accelerator.current_stream(sink.device).synchronize)
             if sink.faults.error is None and reader.failed is not None:
                 sink.faults.note(reader.failed)
             first = _distribute.first_failure(sink.faults.error)
@@ -253,10 +274,11 @@ def fan_out(
     return _All(works, keep)
 
 
-def _scatter(sink: Sink, message: Message, data: torch.Tensor) -> None:
-    """(all ranks) The local work of each piece of ``message``, whose bytes arrived in ``data``."""
+def _scatter(sink: Sink, message: Message, data: torch.Tensor, non_blocking: bool = False) -> None:
+    """(all ranks) The local work of each piece of ``message``, whose bytes arrived in ``data``
+    (``non_blocking``: rank 0's pinned slot, kept until an event after these copies completes)."""
     for piece, at in message.parts():
-        sink.broadcast(piece, data[at : at + piece.nbytes], landed=False)
+        sink.broadcast(piece, data[at : at + piece.nbytes], landed=False, non_blocking=non_blocking)
 
 
 def _in_place(sink: Sink, message: Message) -> torch.Tensor | None:
