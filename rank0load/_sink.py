@@ -55,6 +55,8 @@ class Staging:
 
     slots: list[torch.Tensor]
     device: torch.Tensor | None
+    # rank 0 of an accelerator mesh: the one pinned buffer that ``slots`` are views of (a ring)
+    host: torch.Tensor | None = None
 
 
 def allocate_staging(rank: int, piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
@@ -62,9 +64,14 @@ def allocate_staging(rank: int, piece_bytes: int, comm: torch.device, max_stagin
     on_cpu = comm.type == "cpu"
     where = torch.device("cpu") if rank == 0 else comm
     pin = rank == 0 and not on_cpu
-    slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes, pin)
-    device = None if rank != 0 or on_cpu else reserve(1, piece_bytes, comm, max_staging_bytes)[0]
-    return Staging(slots, device)
+    if not pin:
+        slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes)
+        return Staging(slots, None)
+    # rank 0 of an accelerator mesh: one pinned buffer, which its reader uses as a ring (see
+    # _stream.RING_ON_ACCELERATORS), and the device buffer
+    host = reserve(1, SLOTS * piece_bytes, where, max_staging_bytes, pin)[0]
+    device = reserve(1, piece_bytes, comm, max_staging_bytes)[0]
+    return Staging(list(host.split(piece_bytes)), device, host)
 
 
 def landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ is mapped, so page-cache pages never count in RSS.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import operator
 import os
@@ -44,6 +45,14 @@ _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
 # rank 0: one thread, reading each message before the next.
 ACCELERATOR_READ_THREADS = 8
 _PART_BYTES = 4 << 20  # the read size at which those threads were fastest
+# On an accelerator mesh rank 0's pinned staging is one ring rather than SLOTS fixed slots: each
+# message takes the next bytes it needs (from _RING_ALIGN boundaries), so many small messages are
+# read at once where a slot each would leave most of the staging idle. At world size 1 every piece
+# is a message (a Llama layer: 2 norms of 4 KiB, k and v of 2 MiB, ... in slots of 16 MiB). False:
+# the fixed slots (for benchmarks/cuda_bench.py's same-run comparison).
+RING_ON_ACCELERATORS = True
+_RING_ALIGN = 4096
+_RING_MESSAGES = 64  # messages read ahead at most, in the ring
 
 
 def read_threads(device: torch.device) -> int:
@@ -147,23 +156,75 @@ class Staged:
 
     message: Message
     data: torch.Tensor  # uint8, exactly message.nbytes
-    slot: int | None  # staging slot index to release, or None when read in place
+    slot: int | None  # staging slot index (or ring token) to release, or None when read in place
     reads: list[concurrent.futures.Future[None]] | None = None  # its parts' reads still in flight
+
+
+class _Ring:
+    """(rank 0's reader thread, on an accelerator mesh) The pinned staging as one ring: each message
+    takes the next bytes it needs, from a ``_RING_ALIGN`` boundary, and they are filled again only
+    once the sender released them (``take``'s ``released`` gives the next release) and the event
+    released with them has completed. Releases may come in any order; the bytes come back in the
+    order they were taken."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.live: collections.deque[tuple[int, int, int]] = collections.deque()  # (token, start, end)
+        self._released: dict[int, torch.Event | None] = {}  # tokens released, their bytes not yet taken again
+        self._token = 0
+
+    def take(
+        self, nbytes: int, released: Callable[[], tuple[int, torch.Event | None] | None]
+    ) -> tuple[int, torch.Tensor] | None:
+        """The next ``nbytes`` (at most the ring's size) and a token to release them with; None
+        when ``released`` returned None (the reader was stopped)."""
+        size = self.buffer.numel()
+        need = min(size, max(1, -(-nbytes // _RING_ALIGN)) * _RING_ALIGN)  # never 0: see _place
+        while (at := self._place(need, size)) is None:
+            token = self.live[0][0]  # wait for the oldest bytes
+            while token not in self._released:
+                got = released()
+                if got is None:
+                    return None
+                self._released[got[0]] = got[1]
+            copied = self._released.pop(token)
+            if copied is not None:
+                copied.synchronize()  # the device has read these bytes: they may be filled again
+            self.live.popleft()
+        self._token += 1
+        self.live.append((self._token, at, at + need))
+        return self._token, self.buffer[at : at + nbytes]
+
+    def _place(self, need: int, size: int) -> int | None:
+        """Where ``need`` (> 0) bytes fit after the newest live region, or None."""
+        if not self.live:
+            return 0
+        first, last = self.live[0][1], self.live[-1][2]
+        if self.live[-1][1] >= first:  # not wrapped: the live bytes are first .. last
+            if last + need <= size:
+                return last
+            return 0 if need <= first else None
+        return last if last + need <= first else None
 
 
 class Reader:
     """Background reader. Iterate it to get :class:`Staged` messages in order; call :meth:`release`.
 
-    Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
-    ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
-    reader leaves it and once more for every file at the end: a file replaced, rewritten or
-    truncated during the load is a failure. The first failure of any message (an I/O error, a changed
-    file, an allocation) is kept in :attr:`failed`; the remaining messages still flow, unread, so that
-    every rank completes the same messages, and the sender reports it at the end of the round.
+        Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
+        ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
+        reader leaves it and once more for every file at the end: a file replaced, rewritten or
+        truncated during the load is a failure. The first failure of any message (an I/O error, a changed
+        file, an allocation) is kept in :attr:`failed`; the remaining messages still flow, unread, so that
+        every rank completes the same messages, and the sender reports it at the end of the round.
 
-    ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
-    at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
-    the oldest message's parts only; a file is checked when its last reads are done.
+        ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
+        at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
+        the oldest message's parts only; a file is checked when its last reads are done. With ``ring``
+        (the pinned buffer that ``buffers`` are views of) a message takes the next bytes of the ring it
+        needs instead of a slot, and ``Staged.slot`` is a token to release (see :class:`_Ring`). The
+    consumer must then release each message before it asks for the next one (the sender on an
+    accelerator does, with an event): the ring hands out its bytes in order, so a message kept back
+    would stall the reader.
     """
 
     _DONE = object()
@@ -176,6 +237,7 @@ class Reader:
         direct: Callable[[Message], torch.Tensor | None],
         buffers: list[torch.Tensor],
         threads: int = 1,
+        ring: torch.Tensor | None = None,
     ) -> None:
         self._messages = messages
         self._entries = entries
@@ -185,9 +247,12 @@ class Reader:
         self._buffers = buffers
         # free slots, each with the event after which its last copy to the device is done (or None)
         self._free: queue.Queue[tuple[int, torch.Event | None]] = queue.Queue()
-        for i in range(len(buffers)):
-            self._free.put((i, None))
-        self._ready: queue.Queue[object] = queue.Queue(maxsize=len(buffers) + 1)
+        self._ring = _Ring(ring) if ring is not None and RING_ON_ACCELERATORS and threads > 1 else None
+        if self._ring is None:
+            for i in range(len(buffers)):
+                self._free.put((i, None))
+        ahead = _RING_MESSAGES if self._ring is not None else len(buffers)
+        self._ready: queue.Queue[object] = queue.Queue(maxsize=ahead + 1)
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.failed: BaseException | None = None  # the first failure (I/O error, file changed, ...)
@@ -273,7 +338,12 @@ class Reader:
                     data = self._direct(message)
                 except Exception as exc:
                     self._fail(exc)
-                if data is None:
+                if data is None and self._ring is not None:
+                    taken = self._ring.take(message.nbytes, self._released)
+                    if taken is None:
+                        return
+                    slot, data = taken
+                elif data is None:
                     slot = self._get_slot()
                     if slot is None:
                         return
@@ -297,14 +367,21 @@ class Reader:
             self._put(self._DONE)
 
     def _get_slot(self) -> int | None:
+        released = self._released()
+        if released is None:
+            return None
+        slot, copied = released
+        if copied is not None:
+            copied.synchronize()  # the device has read the slot: it may be filled again
+        return slot
+
+    def _released(self) -> tuple[int, torch.Event | None] | None:
+        """The next slot or ring token the sender handed back, with its event; None: stopped."""
         while not self._stop.is_set():
             try:
-                slot, copied = self._free.get(timeout=0.1)
+                return self._free.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if copied is not None:
-                copied.synchronize()  # the device has read the slot: it may be filled again
-            return slot
         return None
 
     def _put(self, item: object) -> None:

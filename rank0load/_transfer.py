@@ -153,7 +153,13 @@ def _send(
 
     pieces = local.rank0_pieces(plan, on_bytes) if local is not None else plan.pieces(0)
     reader = Reader(
-        messages(plan, pieces), plan.entries, files, direct, staging.slots, read_threads(sink.device)
+        messages(plan, pieces),
+        plan.entries,
+        files,
+        direct,
+        staging.slots,
+        read_threads(sink.device),
+        staging.host,
     )
     pending: collections.deque[tuple[Any, int | None]] = collections.deque()
     fan_to = [r for r, _ in plan.coords if r not in readers]
@@ -168,7 +174,9 @@ def _send(
     def done_with(slot: int | None) -> None:
         """``slot``'s bytes are used: on the CPU, hand it back; on an accelerator its copies to the
         device are only queued, so the reader fills it again once an event recorded now has
-        completed, while the sender goes on to queue the next ones."""
+        completed, while the sender goes on to queue the next ones. On an accelerator every
+        message's slot (a ring token there: ``_stream._Ring``) is handed back here before the next
+        message is asked for, as the ring needs: sends go from the device buffer, not the slot."""
         if on_cpu or slot is None:
             reader.release(slot)
             return

@@ -236,3 +236,39 @@ def test_runs_split_between_threads_read_the_same_bytes(tmp_path, size):
         [torch.frombuffer(bytearray(blob[o : o + n]), dtype=torch.uint8) for _, o, n, _ in extents]
     )
     assert torch.equal(got[1], want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ring_staging_hands_out_disjoint_bytes(seed):
+    """``_stream._Ring`` (rank 0's pinned staging on an accelerator, one ring): messages of any size
+    up to a slot's, released in any order, each get bytes inside the ring, aligned, that no message
+    still holding bytes shares; a message waits only for bytes not yet released."""
+    import random
+
+    from rank0load import _stream
+
+    rng = random.Random(seed)
+    slot = 16 << 10
+    ring = _stream._Ring(torch.empty(4 * slot, dtype=torch.uint8))
+    held: dict[int, tuple[int, int]] = {}  # token -> (start, end), not released yet
+    released: list[tuple[int, None]] = []  # what the sender handed back, in its order
+
+    def next_release() -> tuple[int, None] | None:
+        if not released:  # the sender hands back a random held message (out of order)
+            token = rng.choice(sorted(held))
+            released.append((token, None))
+            del held[token]
+        return released.pop(0)
+
+    for _ in range(2000):
+        nbytes = rng.choice([0, 1, 100, 4096, 5000, slot // 2, slot - 64, slot, rng.randrange(1, slot + 1)])
+        token, data = ring.take(nbytes, next_release)  # type: ignore[misc]
+        start = data.storage_offset()
+        assert data.numel() == nbytes and start % _stream._RING_ALIGN == 0
+        assert 0 <= start and start + nbytes <= 4 * slot
+        for other, (lo, hi) in held.items():
+            assert start + nbytes <= lo or hi <= start or nbytes == 0 or lo == hi, (token, other)
+        held[token] = (start, start + nbytes)
+        while len(held) > rng.randrange(1, 12):
+            released.append((token := rng.choice(sorted(held)), None))
+            del held[token]
