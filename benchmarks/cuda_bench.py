@@ -37,7 +37,8 @@ import zlib
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# CUDA_BENCH_LIB: the tree whose rank0load to measure (another checkout, for a same-run comparison)
+sys.path.insert(0, os.environ.get("CUDA_BENCH_LIB") or os.path.dirname(HERE))
 
 from rank0load.bench.model import BenchConfig, _pack, config_for_size, tensor_specs  # noqa: E402
 from rank0load.bench.worker import _reset_peak, _status  # noqa: E402
@@ -444,18 +445,35 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     return out
 
 
-SWEEP = [(64, 1), (16, 8), (64, 8), (64, 16), (128, 8), (128, 16), (256, 16)]  # (staging MiB, reader threads)
+# (staging MiB, reader threads, read part MiB; "si": the interpreter's switch interval at 0.1 ms;
+# "slots": rank 0's staging as 4 slots, not a ring); CUDA_BENCH_SWEEP="64:8:4,64:8:1:si" picks others
+SWEEP = "64:1:4,16:8:4,64:8:4,64:16:4,128:8:4,128:16:4,256:16:4"
 
 
 def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
-    """rank0load warm (after one load), with each staging size and reader thread count, and where
-    the stream's main thread spends its time: waiting for the reader (``wait_s``) or moving the
-    bytes it was handed (``scatter_s``: the host-to-device copies; since they are non-blocking, only
-    the time to queue them, the copies themselves overlapping the wait)."""
+    """rank0load warm (after one load), with each staging size, reader thread count and read part
+    size, and where the time goes. The sender thread: waiting for the reader (``wait_s``) or moving
+    the bytes it was handed (``scatter_s``: the host-to-device copies; non-blocking ones, only the
+    time to queue them), its CPU time (``send_cpu_s``). The reader thread: waiting for a free slot
+    (``slot_wait_s``: on an accelerator, for the copies out of it) and handing out reads
+    (``submit_s``). The read threads: their summed time in reads (``read_busy_s``, over ``parts``;
+    divided by the stream's time, the reads' mean concurrency). ``process_cpu_s``: all threads."""
+    import threading
+
     from rank0load import _stream, _transfer
 
-    spent = {"wait_s": 0.0, "scatter_s": 0.0, "messages": 0}
+    spent: dict = {}
+    busy: list[float] = []
     iterate, scatter = _stream.Reader.__iter__, _transfer._scatter
+    get_slot, submit, read_part, send = (
+        _stream.Reader._get_slot,
+        _stream.Reader._submit,
+        _stream.Reader._read_part,
+        _transfer._send,
+    )
+
+    def add(key: str, started: float) -> None:
+        spent[key] = spent.get(key, 0.0) + time.perf_counter() - started
 
     def timed_iter(self):
         items = iterate(self)
@@ -465,25 +483,62 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
                 item = next(items)
             except StopIteration:
                 return
-            spent["wait_s"] += time.perf_counter() - started
-            spent["messages"] += 1
+            add("wait_s", started)
+            spent["messages"] = spent.get("messages", 0) + 1
             yield item
 
-    def timed_scatter(*args):
-        started = time.perf_counter()
-        scatter(*args)
-        spent["scatter_s"] += time.perf_counter() - started
+    def timed(key, fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                add(key, started)
 
-    _stream.Reader.__iter__, _transfer._scatter = timed_iter, timed_scatter  # type: ignore[method-assign]
+        return wrapper
+
+    def timed_read_part(*args, **kwargs):
+        started = time.perf_counter()
+        read_part(*args, **kwargs)
+        busy.append(time.perf_counter() - started)
+
+    def timed_send(*args, **kwargs):
+        cpu, process = time.thread_time(), time.process_time()
+        try:
+            return send(*args, **kwargs)
+        finally:
+            spent["send_cpu_s"] = time.thread_time() - cpu
+            spent["process_cpu_s"] = time.process_time() - process
+
+    _stream.Reader.__iter__ = timed_iter  # type: ignore[method-assign]
+    _stream.Reader._get_slot = timed("slot_wait_s", get_slot)  # type: ignore[method-assign]
+    if hasattr(_stream, "_Ring"):  # the ring's wait for released bytes counts as the slot's
+        _stream._Ring.take = timed("slot_wait_s", _stream._Ring.take)  # type: ignore[method-assign]
+    _stream.Reader._submit = timed("submit_s", submit)  # type: ignore[method-assign]
+    _stream.Reader._read_part = timed_read_part  # type: ignore[method-assign]
+    _transfer._scatter = timed("scatter_s", scatter)
+    _transfer._send = timed_send
     m_rank0load(ckpt, cfg, {})  # warm-up
     out: dict = {}
-    for staging_mib, threads in SWEEP:
-        _stream.ACCELERATOR_READ_THREADS = threads
-        spent.update(wait_s=0.0, scatter_s=0.0, messages=0)
-        r = m_rank0load(ckpt, cfg, {"max_staging_bytes": staging_mib << 20})
-        out[f"{staging_mib}mib_{threads}t"] = {
+    interval = sys.getswitchinterval()
+    for variant in os.environ.get("CUDA_BENCH_SWEEP", SWEEP).split(","):
+        staging_mib, threads, part_mib, *flags = variant.split(":")
+        _stream.ACCELERATOR_READ_THREADS = int(threads)
+        _stream._PART_BYTES = int(float(part_mib) * (1 << 20))
+        sys.setswitchinterval(1e-4 if "si" in flags else interval)
+        _stream.RING_ON_ACCELERATORS = "slots" not in flags  # type: ignore[attr-defined]
+        spent.clear()
+        busy.clear()
+        try:
+            r = m_rank0load(ckpt, cfg, {"max_staging_bytes": int(staging_mib) << 20})
+        finally:
+            sys.setswitchinterval(interval)
+        out[variant] = {
             **{k: r[k] for k in ("seconds", "transient_mib", "verified", "stream_s")},
             **spent,
+            "read_busy_s": sum(busy),
+            "parts": len(busy),
+            "threads_alive": threading.active_count(),
         }
         gc.collect()
         if DEV == "cuda":
