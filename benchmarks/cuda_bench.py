@@ -533,7 +533,9 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
             r = m_rank0load(ckpt, cfg, {"max_staging_bytes": int(staging_mib) << 20})
         finally:
             sys.setswitchinterval(interval)
-        out[variant] = {
+        repeats = sum(k == variant or k.startswith(variant + "#") for k in out)  # a variant run again
+        name = f"{variant}#{repeats + 1}" if repeats else variant
+        out[name] = {
             **{k: r[k] for k in ("seconds", "transient_mib", "verified", "stream_s")},
             **spent,
             "read_busy_s": sum(busy),

@@ -4,8 +4,9 @@
 either reads straight into the final destination (rank 0's own rows, when no cast is needed and
 the shard is on the CPU) or into one of the staging buffers allocated before the stream: all its
 pieces at once, one ``preadv`` per run of adjacent file bytes. On an accelerator mesh the reads go
-to a few threads, in parts of at most 4 MiB, for every free slot at once (:func:`read_threads`):
-one thread reads the page cache at a few GB/s, the pinned host-to-device copy runs at tens. The
+to a few threads, in parts of at most 4 MiB, for every message that fits in the free part of the
+staging, one ring there (:class:`_Ring`), at once (:func:`read_threads`): one thread reads the page
+cache at a few GB/s, the pinned host-to-device copy runs at tens. The
 sender hands buffers back once their bytes are sent (on an accelerator, with the event recorded
 after the non-blocking copies that read them: the reader waits for it before filling the slot
 again), so host RAM spent on staging never exceeds the staging budget whatever the checkpoint's size. Reads use ``os.preadv`` at file offsets: no file
