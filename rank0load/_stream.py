@@ -3,14 +3,14 @@
 (rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._messages.Message` it
 either reads straight into the final destination (rank 0's own rows, when no cast is needed and
 the shard is on the CPU) or into one of the staging buffers allocated before the stream: all its
-pieces at once, one ``preadv`` per run of adjacent file bytes. On an accelerator mesh the reads go
-to a few threads, in parts of at most 4 MiB, for every message that fits in the free part of the
-staging, one ring there (:class:`_Ring`), at once (:func:`read_threads`): one thread reads the page
-cache at a few GB/s, the pinned host-to-device copy runs at tens. The
-sender hands buffers back once their bytes are sent (on an accelerator, with the event recorded
-after the non-blocking copies that read them: the reader waits for it before filling the slot
-again), so host RAM spent on staging never exceeds the staging budget whatever the checkpoint's size. Reads use ``os.preadv`` at file offsets: no file
-is mapped, so page-cache pages never count in RSS.
+pieces at once, one ``preadv`` per run of adjacent file bytes. On an accelerator mesh the staging
+is one pinned ring (:class:`_Ring`), and the reads of every message that fits in its free part go
+to a few threads at once, in parts of at most 4 MiB (:func:`read_threads`): one thread reads the
+page cache at a few GB/s, the pinned host-to-device copy runs at tens. The sender hands buffers
+back once their bytes are sent (on an accelerator, with an event recorded after the non-blocking
+copies that read them: the reader waits for it before filling those bytes again), so host RAM
+spent on staging never exceeds the staging budget whatever the checkpoint's size. Reads use
+``os.preadv`` at file offsets: no file is mapped, so page-cache pages never count in RSS.
 """
 
 from __future__ import annotations
@@ -211,18 +211,19 @@ class _Ring:
 class Reader:
     """Background reader. Iterate it to get :class:`Staged` messages in order; call :meth:`release`.
 
-        Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
-        ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
-        reader leaves it and once more for every file at the end: a file replaced, rewritten or
-        truncated during the load is a failure. The first failure of any message (an I/O error, a changed
-        file, an allocation) is kept in :attr:`failed`; the remaining messages still flow, unread, so that
-        every rank completes the same messages, and the sender reports it at the end of the round.
+    Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
+    ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
+    reader leaves it and once more for every file at the end: a file replaced, rewritten or
+    truncated during the load is a failure. The first failure of any message (an I/O error, a
+    changed file, an allocation) is kept in :attr:`failed`; the remaining messages still flow,
+    unread, so that every rank completes the same messages, and the sender reports it at the end of
+    the round.
 
-        ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
-        at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
-        the oldest message's parts only; a file is checked when its last reads are done. With ``ring``
-        (the pinned buffer that ``buffers`` are views of) a message takes the next bytes of the ring it
-        needs instead of a slot, and ``Staged.slot`` is a token to release (see :class:`_Ring`). The
+    ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
+    at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
+    the oldest message's parts only; a file is checked when its last reads are done. With ``ring``
+    (the pinned buffer that ``buffers`` are views of) a message takes the next bytes of the ring it
+    needs instead of a slot, and ``Staged.slot`` is a token to release (see :class:`_Ring`). The
     consumer must then release each message before it asks for the next one (the sender on an
     accelerator does, with an event): the ring hands out its bytes in order, so a message kept back
     would stall the reader.
