@@ -448,6 +448,9 @@ def test_minimax_every_method_reports_and_verifies(minimax_smoke):
     )
     assert "| floor | 2 |" in text and "| transformers | 1 |" in text and "1.00x" in text
     assert "Target: rank0load's cold load <= 1.15x floor's" in text
+    # the targets round by round too, not only for the best rounds the tables show
+    assert "Round by round (rank0load's round i over the floor's round i): " in text
+    assert "Transient target: rank0load's worst rank <= build-only's + 48 MiB" in text
 
 
 @pytest.mark.slow
