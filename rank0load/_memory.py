@@ -18,7 +18,7 @@ reached when the shards are needed, the caller's thread faults in beside it. The
 call, which a main thread running Python hands over only every 5 ms (the switch interval), and a
 thread running all of ``prefault`` (six torch calls) reached 13-26 of 685 shards in 1.0-1.5 s.
 On the ranks that wait for the manifest the thread does all of it. On rank 0, which makes the
-manifest meanwhile, it does about half (measured: 15-45 of 685 shards, the largest, then 0.13-0.19
+manifest meanwhile, it does about half (measured: 10-45 of 685 shards, the largest, then 0.13-0.19
 s left to the caller against 0.33 s without the thread): besides the GIL, ``MADV_POPULATE_WRITE``
 holds the process's ``mmap_lock``, which the manifest's allocations need too. A shorter switch
 interval and 1 MiB calls did no better (benchmarks/README.md, "The evening run").
