@@ -4,7 +4,7 @@ all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
 all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
-rank 0     resolve, open, read headers, validate          -> _source, _files, _format, _manifest
+rank 0     resolve, open, read and match the headers run by run, validate -> _source, _files, _runs, _manifest
 all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
 all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
 all ranks  shards resident; init what's missing, put adapters in, staging, plan -> _model, _plan
@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import _distribute, _local, _model, _sink, _transfer
+from . import _distribute, _local, _model, _runs, _sink, _transfer
 from ._convert import StackExperts
-from ._manifest import Checkpoint, Manifest, adapters_of, open_checkpoint, read_manifest
+from ._manifest import Checkpoint, Manifest, adapters_of, open_checkpoint
 from ._memory import FaultIn, trim_heap
 from ._plan import Plan, build_plan
 from ._progress import peak_rss_bytes, progress_bar
@@ -138,6 +138,7 @@ def load_sharded(
                 revision,
                 opened,
                 lambda: adapters_of(built.model, adapter) if adapter is not None else (),
+                by_runs=key_map is None,  # key_map is the caller's code: its keys all at once
             )
         clock("headers")
         flags = _distribute.agree(built.proposal if built else None, error)
@@ -151,7 +152,7 @@ def load_sharded(
         if faulting is not None:
             opened.callback(faulting.close)
         result = (
-            read_manifest(checkpoint, ckpt_path, built.layout, strict, key_map, built.conversions)
+            _runs.read_manifest(checkpoint, ckpt_path, built.layout, strict, key_map, built.conversions)
             if checkpoint is not None
             else None
         )

@@ -12,7 +12,6 @@ ordered list of :class:`Entry` that every rank will iterate during streaming. An
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -42,6 +41,8 @@ __all__ = [
     "KeyMatch",
     "Manifest",
     "build_manifest",
+    "headers_of",
+    "manifest_of",
     "match_keys",
     "open_checkpoint",
     "read_manifest",
@@ -60,12 +61,13 @@ class Manifest:
     total_bytes: int = 0
     # (elements of the parameters initialised rather than loaded, elements of all parameters)
     initialised: tuple[int, int] = (0, 0)
+    # runs of files whose headers were matched one run at a time (see _runs); 0: all at once
+    runs: int = 0
 
 
 def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
-    """All tensors of all files; checked against the index when there is one, which is consumed:
-    each file's keys are taken out of ``source.weight_map`` as that file's header is checked, so a
-    MoE index's ~96,000 names are freed while the headers are read rather than held beside them.
+    """All tensors of all files; checked against the index when there is one (each file's keys
+    against the keys it lists for that file: :class:`~._source.Listing`).
 
     ``files``: the source's files already opened (``_files.open_files(source.files)``); each
     header is then read through its descriptor. Without it, each file is opened by path.
@@ -80,40 +82,38 @@ def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[s
                 f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
                 f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
             )
-        if source.weight_map is not None:
-            _listed_in(source, path, tensors)
+        if source.listing is not None and not source.listing.agrees(path, tensors):
+            _disagreement(source, source.listing.read_map(), path, tensors)
         found.update(tensors)
-    if source.weight_map:  # listed, but in no file's header
-        key, path = next(iter(source.weight_map.items()))
+    if source.listing is not None and source.listing.total != len(found):  # listed, in no header
+        key, path = next((k, p) for k, p in source.listing.read_map().items() if k not in found)
         raise CheckpointFormatError(
             f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
             "but no file stores it. The index and the shards disagree: re-save the checkpoint."
         )
-    if source.weight_map is not None:
-        # empty now, but a dict never shrinks as keys leave it: clear() frees its table (3.7 MiB
-        # for a MoE index), which would otherwise be held under the peak that matching makes
-        source.weight_map.clear()
     return found
 
 
-def _listed_in(source: Source, path: str, tensors: dict[str, TensorHeader]) -> None:
-    """Take the keys of file ``path`` (its ``tensors``) out of ``source.weight_map``; each must be
-    listed there, in that file (compared in C: the files the index gives, against ``path``)."""
-    assert source.weight_map is not None
-    listed = list(map(source.weight_map.pop, tensors, itertools.repeat(None)))
-    if listed.count(path) == len(listed):
-        return
-    unlisted = [k for k, where in zip(tensors, listed) if where is None]
+def _disagreement(
+    source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
+) -> None:
+    """Raise the error naming where file ``path``'s keys (its ``tensors``) and the index's map
+    ``listed`` disagree: a key it does not list, or lists in another file (a key it lists but
+    no file holds is named after the last file, as before the index was kept as a Listing)."""
+    unlisted = [k for k in tensors if k not in listed]
     if unlisted:
         raise CheckpointFormatError(
             f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
             f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
         )
-    key, where = next((k, w) for k, w in zip(tensors, listed) if w is not None and w != path)
-    raise CheckpointFormatError(
-        f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
-        f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
-    )
+    elsewhere = next(((k, listed[k]) for k in tensors if listed[k] != path), None)
+    if elsewhere is not None:
+        key, where = elsewhere
+        raise CheckpointFormatError(
+            f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
+            f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
+        )
+    # else the index lists more keys in this file than it holds: raised once all files are read
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,16 @@ def match_keys(
     layout: ModelLayout,
     key_map: Callable[[str], str | None] | None,
     conversions: Sequence[Conversion] = (),
+    resolver: KeyResolver | None = None,
 ) -> KeyMatch:
     """(rank 0, or one process for ``inspect``) Map every checkpoint key to a canonical model key:
     ``key_map`` first, then the model's non-persistent buffers (ignored) and its own aliases
     (:meth:`ModelLayout.canonical`); a key the model does not have is offered to ``conversions``
     (renamed, or one of the parts of a stacked parameter). Keys the model has win: a checkpoint
     already in the model's layout loads as it is. Shapes and dtypes are not checked here.
+
+    ``resolver``: a KeyResolver for ``layout`` and ``conversions`` that earlier calls used (see
+    ``_runs``: the headers matched file by file); None: a new one.
 
     Raises:
         ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
@@ -160,7 +164,9 @@ def match_keys(
     stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
     unsupported: dict[str, tuple[str, str, str]] = {}
     unexpected: list[str] = []
-    answers = KeyResolver(layout.canonical, conversions, layout.canonical_all).resolve_columns(model_keys)
+    if resolver is None:  # one per load: its rules, learnt from the first keys, hold for the rest
+        resolver = KeyResolver(layout.canonical, conversions, layout.canonical_all)
+    answers = resolver.resolve_columns(model_keys)
     for ckpt_key, canonical, converted in zip(ckpt_keys, *answers):
         if canonical is None or converted is not None and converted.unsupported is not None:
             if converted is not None and canonical is not None:
@@ -283,7 +289,7 @@ def build_manifest(
     list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`).
     ``headers``: the source's headers, read already (:func:`open_checkpoint`)."""
     if headers is None:
-        headers = _headers(source, files)  # consumes source.weight_map
+        headers = _headers(source, files)
     headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
     quantised = quantised_keys(match, layout)
@@ -326,19 +332,34 @@ def build_manifest(
     every = [*source.files, *(f for a in adapters for f in a.source.files)]
     order = {path: i for i, path in enumerate(every)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
+    return manifest_of(entries, layout, missing, unexpected, match.ignored, match.kept, tuple(every))
+
+
+def manifest_of(
+    entries: list[Entry],
+    layout: ModelLayout,
+    missing: tuple[str, ...],
+    unexpected: tuple[str, ...],
+    ignored: tuple[str, ...],
+    kept: tuple[str, ...],
+    files: tuple[str, ...],
+    runs: int = 0,
+) -> Manifest:
+    """(rank 0) The manifest of checked ``entries`` (in file order) and the keys' verdicts."""
     params = [t for t in layout.tensors.values() if t.is_param]
     return Manifest(
         entries=tuple(entries),
         missing=missing,
         unexpected=unexpected,
-        ignored=match.ignored,
-        files=tuple(every),
+        ignored=ignored,
+        files=files,
         total_bytes=sum(e.nbytes for e in entries),
-        kept=match.kept,
+        kept=kept,
         initialised=(
             sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
             sum(math.prod(t.shape) for t in params),
         ),
+        runs=runs,
     )
 
 
@@ -416,6 +437,12 @@ class Checkpoint:
     adapters: Sequence[Adapter]
     files: dict[str, OpenFile]
     headers: dict[str, TensorHeader]
+    by_runs: bool = False  # headers left unread: read and matched run by run (see _runs)
+
+
+def headers_of(checkpoint: Checkpoint) -> dict[str, TensorHeader]:
+    """(rank 0) Every header of the checkpoint, read through its open files, checked."""
+    return _headers(checkpoint.source, checkpoint.files)
 
 
 def open_checkpoint(
@@ -423,17 +450,22 @@ def open_checkpoint(
     revision: str | None,
     stack: contextlib.ExitStack,
     adapters: Callable[[], Sequence[Adapter]] = lambda: (),
+    by_runs: bool = False,
 ) -> Checkpoint | LoadError:
     """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
     (closed by ``stack``) and read the checkpoint's headers. Returns them with the open files the
-    stream reads, or the LoadError to share with every rank (anything unforeseen is wrapped in one)."""
+    stream reads, or the LoadError to share with every rank (anything unforeseen is wrapped in one).
+    ``by_runs``: without adapters, leave the headers unread (``_runs.read_manifest`` reads them
+    run by run)."""
     try:
         source = resolve(ckpt_path, revision)
         found = adapters()
         files = open_files((*source.files, *(f for a in found for f in a.source.files)))
         for opened in files.values():
             stack.callback(opened.close)
-        return Checkpoint(source, found, files, _headers(source, files))  # consumes weight_map
+        if by_runs and not found:
+            return Checkpoint(source, found, files, {}, by_runs=True)
+        return Checkpoint(source, found, files, _headers(source, files))
     except LoadError as exc:
         return exc
     except Exception as exc:  # anything unforeseen must still reach every rank

@@ -50,6 +50,9 @@ class LoadReport:
     local_read: bool = False
     local_readers: tuple[int, ...] = ()
     local_status: str = ""
+    # runs of checkpoint files whose headers rank 0 read and matched one run at a time, holding
+    # one run's header objects at once (see _runs); 0: all headers at once
+    manifest_runs: int = 0
 
     @classmethod
     def of(cls, manifest: Any, plan: Any, clock: Clock, peak_rss: int, local: Any = None) -> LoadReport:
@@ -76,6 +79,7 @@ class LoadReport:
             peak_rss_bytes=peak_rss,
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
+            manifest_runs=manifest.runs,
             local_read=local is not None and local.files is not None,
             local_readers=tuple(sorted(local.readers)) if local is not None else (),
             local_status=local.status if local is not None else "",

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ._files import OpenFile, not_regular, read_exact
@@ -38,25 +39,55 @@ _MAX_INDEX_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class Source:
-    """Resolved checkpoint: absolute file paths in load order, and the index's map (or None)."""
+    """Resolved checkpoint: absolute file paths in load order, and what its index lists (or None)."""
 
     root: str
     files: tuple[str, ...]
-    # checkpoint key -> absolute file path. Single use: _manifest._headers takes each file's keys
-    # out as it checks that file's header (a MoE index's ~96,000 names freed as they are checked)
-    weight_map: dict[str, str] | None
+    listing: Listing | None  # None: no index
     description: str
     # Weight files the directory also held but precedence passed over (model.safetensors wins over
     # an index, as in transformers); logged at INFO when resolved.
     ignored: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Listing:
+    """What an index lists, as much of it as checks the headers: each file's number of keys and
+    the sum of their hashes. A MoE index names ~96,000 keys; held as a map from ``resolve`` (before
+    ``load_pretrained`` builds the model) to the manifest, their strings stayed resident on rank 0
+    after they were freed, in the allocator's arenas the build's objects kept alive (13 MiB). The
+    map itself is read again (:meth:`read_map`) only to name the key where index and headers
+    disagree, or for ``inspect``."""
+
+    path: str  # the index file
+    boundary: str | None
+    counts: dict[str, tuple[int, int]]  # absolute file path -> (keys, sum of hash(key) mod 2**64)
+
+    def agrees(self, path: str, keys: Iterable[str]) -> bool:
+        """Whether ``keys`` (a header's) are exactly those the index lists for file ``path``
+        (two different sets of names with equal counts and equal hash sums: chance 2**-64)."""
+        keys = list(keys)
+        return self.counts.get(path) == (len(keys), _hash_sum(keys))
+
+    @property
+    def total(self) -> int:
+        return sum(n for n, _ in self.counts.values())
+
+    def read_map(self) -> dict[str, str]:
+        """The index's map again, checked as :func:`resolve` checked it: checkpoint key -> absolute
+        file path."""
+        return _read_map(self.path, self.boundary)[2]
+
+
+def _hash_sum(keys: Iterable[str]) -> int:
+    return sum(map(hash, keys)) & 0xFFFF_FFFF_FFFF_FFFF
+
+
 class Resolved(os.PathLike[str]):
     """(rank 0) A checkpoint path resolved already, with its :class:`Source`: ``load_pretrained``
     resolves the checkpoint to read its config, then passes this as ``load_sharded``'s path, so
     that the index (~96,000 names for a MoE checkpoint, 0.15 s to parse) is read once, not twice.
-    :func:`resolve` hands the Source out once (its ``weight_map`` is consumed by the manifest);
-    after that it resolves the path again. Anywhere else it is just the path."""
+    :func:`resolve` hands the Source out once; after that it resolves the path again. Anywhere else it is just the path."""
 
     def __init__(self, path: str | os.PathLike[str], source: Source) -> None:
         self.path = os.fspath(path)
@@ -312,6 +343,16 @@ def _read_index(index_path: str) -> object:
 
 
 def _from_index(index_path: str, boundary: str | None = None) -> Source:
+    root, files, mapped = _read_map(index_path, boundary)
+    per_file: dict[str, list[str]] = {f: [] for f in files}
+    for key, path in mapped.items():
+        per_file[path].append(key)
+    counts = {f: (len(keys), _hash_sum(keys)) for f, keys in per_file.items()}
+    return Source(root, files, Listing(index_path, boundary, counts), index_path)
+
+
+def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """(root, files, checkpoint key -> absolute file path) of an index, checked."""
     index = _read_index(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -337,7 +378,7 @@ def _from_index(index_path: str, boundary: str | None = None) -> Source:
     files = tuple(sorted(set(resolved.values())))
     if not files:
         raise _index_error(index_path, "'weight_map' is empty")
-    return Source(root, files, mapped, index_path)
+    return root, files, mapped
 
 
 def _short(value: object, limit: int = 60) -> str:

@@ -284,7 +284,11 @@ def test_index_entries_resolve(tmp_path: Path) -> None:
         os.path.join(root, "model-00001-of-00002.safetensors"),
         os.path.join(root, "model-00002-of-00002.safetensors"),
     )
-    assert source.weight_map == {"x": source.files[0], "y": source.files[1]}
+    assert source.listing is not None and source.listing.read_map() == {
+        "x": source.files[0],
+        "y": source.files[1],
+    }
+    assert source.listing.agrees(source.files[0], ["x"]) and not source.listing.agrees(source.files[0], ["y"])
     assert source.description == str(index) and source.root == root and source.ignored == ()
 
 
@@ -456,7 +460,7 @@ def test_single_file_wins_over_index(tmp_path: Path, caplog: pytest.LogCaptureFi
         source = _source.resolve(tmp_path)
     root = os.path.realpath(tmp_path)
     assert source.files == (os.path.join(root, "model.safetensors"),)
-    assert source.weight_map is None
+    assert source.listing is None
     assert source.ignored == (os.path.join(root, index.name),)
     assert source.description == str(tmp_path) and source.root == root
     assert set(_manifest._headers(source)) == {"other"}
@@ -470,7 +474,7 @@ def test_index_used_without_single_file(tmp_path: Path, caplog: pytest.LogCaptur
     sharded(tmp_path)
     with caplog.at_level(logging.INFO, logger="rank0load._source"):
         source = _source.resolve(tmp_path)
-    assert source.weight_map is not None and len(source.files) == 2 and source.ignored == ()
+    assert source.listing is not None and len(source.files) == 2 and source.ignored == ()
     assert not [r for r in caplog.records if r.name == "rank0load._source"]
 
 
@@ -633,5 +637,5 @@ def test_headers_read_through_open_files(tmp_path: Path, monkeypatch: pytest.Mon
         for f in files.values():
             f.close()
     monkeypatch.undo()
-    assert source.weight_map == {}  # single use: each file's keys were taken out as it was checked
+    assert set(_manifest._headers(source, None)) == {"x", "y"}  # the listing is not used up
     assert set(_manifest._headers(_source.resolve(tmp_path))) == {"x", "y"}  # by path, as before
