@@ -1,8 +1,9 @@
 """The manifest made run by run (``rank0load._runs``) gives what the manifest made at once gives.
 
-On 2 and 3 gloo ranks, a MiniMax-M2 FP8 checkpoint (16x16 blocks) re-sharded so that what the runs
-must settle between them is there: one layer's expert group split across two files, an expert's
-``weight_scale_inv`` in another file than its weight, and an attention weight likewise. Each file
+On 2 and 3 gloo ranks, a Mixtral checkpoint in MiniMax-M2's FP8 layout (16x16 blocks), re-sharded
+so that what the runs must settle between them is there: one layer's expert group split across two
+files (transformers 5 fuses it), an expert's ``weight_scale_inv`` in another file than its weight,
+and an attention weight's likewise. Each file
 is its own run (``RUN_TENSORS = 1``, as in the whole suite). The load must equal transformers'
 ``from_pretrained`` of the dequantised checkpoint bit for bit, and must have been made by runs
 (``LoadReport.manifest_runs`` = the files), not by the fallback. A checkpoint whose keys do not
@@ -23,8 +24,7 @@ from tests.models import assert_same, gather, reference
 
 pytestmark = pytest.mark.transformers
 
-FAMILY = "minimax_m2"
-EXPERT_W1 = ".block_sparse_moe.experts.{e}.w1.weight"
+FAMILY = "mixtral"  # FP8 as MiniMax-M2 stores it; built into transformers 4.57 and 5.x
 
 
 def _reshard(path: str, files: int, where) -> None:
@@ -50,7 +50,7 @@ def _reshard(path: str, files: int, where) -> None:
 
 
 def _where(key: str) -> int:
-    """Layer 0 in file 0 but experts 2.. of its w1 (and expert 1's w1 scale) in file 1; layer 0's
+    """Layer 0 in file 0 but experts 2.. of its w1 (an expert group, fused by transformers 5) (and expert 1's w1 scale) in file 1; layer 0's
     q_proj scale in file 2; everything else in file 2."""
     layer0 = key.startswith("model.layers.0.")
     if layer0 and ".experts." in key and ".w1." in key:
