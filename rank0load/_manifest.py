@@ -27,7 +27,7 @@ from ._files import OpenFile, open_files
 from ._format import TensorHeader, read_header
 from ._meta import ModelLayout
 from ._source import Source, resolve
-from .errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
+from .errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 
 __all__ = [
     "build_entries",
@@ -86,7 +86,14 @@ def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[s
             _disagreement(source, source.listing.read_map(), path, tensors)
         found.update(tensors)
     if source.listing is not None and source.listing.total != len(found):  # listed, in no header
-        key, path = next((k, p) for k, p in source.listing.read_map().items() if k not in found)
+        absent = next(((k, p) for k, p in source.listing.read_map().items() if k not in found), None)
+        if absent is None:  # the index read again lists only keys that are there
+            raise CheckpointChangedError(
+                f"{source.description}: the index changed while the checkpoint was loaded "
+                f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
+                "once it is written."
+            )
+        key, path = absent
         raise CheckpointFormatError(
             f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
             "but no file stores it. The index and the shards disagree: re-save the checkpoint."

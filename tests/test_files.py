@@ -639,3 +639,21 @@ def test_headers_read_through_open_files(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.undo()
     assert set(_manifest._headers(source, None)) == {"x", "y"}  # the listing is not used up
     assert set(_manifest._headers(_source.resolve(tmp_path))) == {"x", "y"}  # by path, as before
+
+
+def test_index_listing_a_missing_key(tmp_path: Path) -> None:
+    """The index kept as counts and hash sums still names the key it lists that no file holds, read
+    from the index again; and if the index no longer lists it by then, says the index changed."""
+    from rank0load.errors import CheckpointChangedError
+
+    sharded(tmp_path)
+    names = {"x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"}
+    write_index(tmp_path, {**names, "z": "model-00002-of-00002.safetensors"})
+    source = _source.resolve(tmp_path)
+    with pytest.raises(
+        CheckpointFormatError, match=r"index lists key 'z' in model-00002-of-00002.safetensors, but no file"
+    ):
+        _manifest._headers(source)
+    write_index(tmp_path, names)  # rewritten after it was resolved
+    with pytest.raises(CheckpointChangedError, match="the index changed while the checkpoint was loaded"):
+        _manifest._headers(source)
