@@ -2,17 +2,18 @@
 no collectives).
 
 Made at once, a MoE checkpoint's ~96,000 header entries, their matches and their entries are
-~50 MB of small Python objects on rank 0. Freed, they leave the allocator's arenas holding the
-few objects that outlive them (the manifest's names among them), and those pages stay resident
-for the rest of the load: ~20 MiB more on rank 0 than on any other rank (measured with
-``sys._debugmallocstats``: 1444 unused pools against 269). Here each run of consecutive files (at
-least :data:`RUN_TENSORS` tensors) is read, matched and made into entries, then its header objects
-are freed before the next run reuses their memory; an entry's checkpoint names are kept as one
-string per entry.
+~50 MB of small Python objects on rank 0 at the peak (``tracemalloc``). Freed, they leave the
+allocator's arenas holding the few objects that outlive them, and those pages stay resident for
+the rest of the load. Measured with ``sys._debugmallocstats`` after a MiniMax-M2-count load, rank 0
+held 1,444 unused 16 KiB pools against rank 1's 269; made run by run, 1,068; with the index kept
+as a ``_source.Listing`` as well (its ~96,000 names were the rest), 376. Here each run of
+consecutive files (at least :data:`RUN_TENSORS` tensors) is read, matched and made into entries,
+then its header objects are freed before the next run reuses their memory; an entry's checkpoint
+names are kept as one string per entry.
 
 :func:`read_manifest` makes it so when the load has no ``key_map`` and no adapters (see
 ``_manifest.open_checkpoint(by_runs=)``). A run settles what lies within it (:func:`_share`);
-:func:`_merge` settles what spans runs: the index's file count, a model tensor found in two runs,
+:func:`_merge` settles what spans runs: the index's key count, a model tensor found in two runs,
 expert groups and float8 scale grids whose pieces lie in several runs. Anything else that is not a
 clean load (any error, a tied parameter stored twice, strict keys that do not match) makes rank 0
 read every header again and make the manifest at once (``_manifest.read_manifest``), which raises
