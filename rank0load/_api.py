@@ -3,8 +3,9 @@
 all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
+rank 0     resolve the checkpoint, open its files         -> _source, _files, _manifest.open_checkpoint
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
-rank 0     resolve, open, read and match the headers run by run, validate -> _source, _files, _runs, _manifest
+rank 0     read and match the headers (run by run), validate -> _format, _runs, _manifest, _entries
 all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
 all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
 all ranks  shards resident; init what's missing, put adapters in, staging, plan -> _model, _plan

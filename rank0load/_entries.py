@@ -232,12 +232,12 @@ def build_entries(
     quantised: AbstractSet[str] | None = None,
     block: tuple[int, int] | None | str = "config",
 ) -> list[Entry]:
-    """(rank 0, ``inspect``, or a rank building its share of the manifest, see ``_split``) One
+    """(rank 0, for all headers at once or one run of files, see ``_runs``; or ``inspect``) One
     entry per model tensor found: shapes and dtypes checked, stacked experts assembled, float8
     tensors given their scales. Raises the first ModelMismatchError, or, with ``errors``
     (``inspect``: headers only), collects every message there and reads no data (tied names stored
     twice are then not compared). ``block``: the float8 block size, or ``"config"``: read from
-    ``root``'s config.json when a tensor is quantised (a rank other than 0 cannot read it)."""
+    ``root``'s config.json when a tensor is quantised (``_runs`` reads it once for all its runs)."""
     # float8 checkpoint tensors for floating model tensors
     quantised = quantised_keys(match, layout) if quantised is None else quantised
     if block == "config":
