@@ -46,6 +46,7 @@ __all__ = [
     "match_keys",
     "open_checkpoint",
     "read_manifest",
+    "unforeseen",
 ]
 
 
@@ -476,7 +477,7 @@ def open_checkpoint(
     except LoadError as exc:
         return exc
     except Exception as exc:  # anything unforeseen must still reach every rank
-        return _unforeseen(ckpt_path, exc)
+        return unforeseen(ckpt_path, exc)
 
 
 def read_manifest(
@@ -506,10 +507,11 @@ def read_manifest(
     except LoadError as exc:
         return exc
     except Exception as exc:  # anything unforeseen must still reach every rank
-        return _unforeseen(ckpt_path, exc)
+        return unforeseen(ckpt_path, exc)
 
 
-def _unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception) -> LoadError:
+def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception) -> LoadError:
+    """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading."""
     return LoadError(
         f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
     )

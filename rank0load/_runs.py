@@ -33,7 +33,7 @@ from ._convert import Conversion, ConversionMatch, KeyResolver
 from ._entries import Entry, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader, read_header
 from ._fp8 import block_size as fp8_block_size
-from ._manifest import Checkpoint, KeyMatch, Manifest, headers_of, manifest_of, match_keys
+from ._manifest import Checkpoint, KeyMatch, Manifest, headers_of, manifest_of, match_keys, unforeseen
 from ._manifest import read_manifest as read_at_once
 from ._meta import ModelLayout
 from .errors import LoadError, ModelMismatchError
@@ -91,9 +91,7 @@ def read_manifest(
         except LoadError as exc:
             return exc
         except Exception as exc:  # anything unforeseen must still reach every rank
-            return LoadError(
-                f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
-            )
+            return unforeseen(ckpt_path, exc)
     return read_at_once(checkpoint, ckpt_path, layout, strict, key_map, conversions)
 
 
