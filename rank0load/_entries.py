@@ -1,7 +1,7 @@
 """What moves: one :class:`Entry` per model tensor, built from the matched headers (rank 0 builds
 them; every rank reads them; no collectives).
 
-(rank 0, or ``inspect``) :func:`build_entries` turns a ``_manifest.KeyMatch`` into entries: shapes
+(rank 0, or ``inspect``) :func:`build_entries` turns a :class:`KeyMatch` (made by ``_manifest.match_keys``) into entries: shapes
 and dtypes checked against the model (:func:`_check_fits`), tied names stored twice compared,
 per-expert tensors assembled into one entry of :class:`Part` (:func:`_assemble`), float8 tensors
 given their scale grids (:func:`_with_scales`, see ``_fp8``). ``_manifest`` re-exports the types.
@@ -17,20 +17,15 @@ import os
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from ._convert import ConversionMatch
 from ._format import DTYPES, TensorHeader
 from ._fp8 import FP8_WIRE
-from ._fp8 import block_size as fp8_block_size
 from ._fp8 import scale_for as fp8_scale_for
 from ._meta import ModelLayout
 from .errors import ModelMismatchError
-
-if TYPE_CHECKING:
-    from ._manifest import KeyMatch
 
 # TensorHeader and ConversionMatch fields as C-level getters, for columns of ~96,000 of them
 _FILE, _KEY, _DTYPE, _SHAPE, _OFFSET, _NBYTES = map(
@@ -38,7 +33,16 @@ _FILE, _KEY, _DTYPE, _SHAPE, _OFFSET, _NBYTES = map(
 )
 _EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
 
-__all__ = ["Entry", "FLOAT_WIRE", "Part", "Parts", "build_entries", "quantised_keys", "unconsumed"]
+__all__ = [
+    "Entry",
+    "FLOAT_WIRE",
+    "KeyMatch",
+    "Part",
+    "Parts",
+    "build_entries",
+    "quantised_keys",
+    "unconsumed",
+]
 
 
 # Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
@@ -207,6 +211,24 @@ def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: 
     )
 
 
+@dataclass(frozen=True)
+class KeyMatch:
+    """How the checkpoint's keys map onto the model's (made by ``_manifest.match_keys``)."""
+
+    # canonical model key -> the checkpoint tensors stored under its names, in header order
+    # (more than one: a tied parameter stored under several of its names)
+    by_model_key: dict[str, tuple[TensorHeader, ...]]
+    unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
+    ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
+    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted (kept ones aside)
+    # canonical model key -> the checkpoint tensors a conversion assembles it from
+    stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
+    # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
+    unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    # canonical keys no checkpoint key maps to that keep the values model_fn built (layout.built)
+    kept: tuple[str, ...] = ()
+
+
 def unconsumed(
     match: KeyMatch, layout: ModelLayout, quantised: AbstractSet[str] | None = None
 ) -> tuple[str, ...]:
@@ -227,22 +249,19 @@ def build_entries(
     match: KeyMatch,
     layout: ModelLayout,
     headers: dict[str, TensorHeader],
-    root: str,
+    block: tuple[int, int] | None,
+    *,
     errors: list[str] | None = None,
     quantised: AbstractSet[str] | None = None,
-    block: tuple[int, int] | None | str = "config",
 ) -> list[Entry]:
     """(rank 0, for all headers at once or one run of files, see ``_runs``; or ``inspect``) One
     entry per model tensor found: shapes and dtypes checked, stacked experts assembled, float8
     tensors given their scales. Raises the first ModelMismatchError, or, with ``errors``
     (``inspect``: headers only), collects every message there and reads no data (tied names stored
-    twice are then not compared). ``block``: the float8 block size, or ``"config"``: read from
-    ``root``'s config.json when a tensor is quantised (``_runs`` reads it once for all its runs)."""
+    twice are then not compared). ``block``: the float8 block size the checkpoint's config.json
+    gives (``_fp8.block_size``; read by the caller, once for all of ``_runs``' runs)."""
     # float8 checkpoint tensors for floating model tensors
     quantised = quantised_keys(match, layout) if quantised is None else quantised
-    if block == "config":
-        block = fp8_block_size(root) if quantised else None
-    assert not isinstance(block, str)
     entries: list[Entry] = []
 
     def one(model_key: str) -> Entry:

@@ -21,8 +21,10 @@ from typing import Any
 from torch import nn
 
 from ._convert import conversions_for
+from ._entries import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
-from ._manifest import _headers, build_entries, match_keys, unconsumed
+from ._fp8 import block_size as fp8_block_size
+from ._manifest import _headers, match_keys
 from ._meta import build_on_meta, describe
 from ._source import resolve
 from .errors import LoadError
@@ -158,7 +160,9 @@ def inspect_checkpoint(
         for target, (ckpt_key, rule, why) in sorted(match.unsupported.items())
         if target in match.missing
     ]
-    entries = build_entries(match, layout, headers, source.root, errors=mismatched)
+    quantised = quantised_keys(match, layout)
+    block = fp8_block_size(source.root) if quantised else None
+    entries = build_entries(match, layout, headers, block, errors=mismatched, quantised=quantised)
     converted = tuple(
         f"{e.key} <- {len(e.parts) or 1} tensors ({e.ckpt_key}, ...)"
         + (f", float8 dequantised in blocks of {list(e.block)}" if e.scales else "")

@@ -3,7 +3,7 @@
 (a local reader: a rank other than 0 that ``_local.hand_over`` gave rank 0's descriptors)
 :class:`LocalReader` takes the place of the receives in ``_transfer._receive``. For every piece rank 0
 would have sent it — its rows of a SHARDED entry, the chunks of a BLOCK entry, from which it cuts its
-own blocks exactly as rank 0 would (``_transfer.fan_out``, with no one to send to) — it reads the
+own blocks exactly as rank 0 would (``_sink.fan_out``, with no one to send to) — it reads the
 bytes with ``preadv`` at their file offsets (``Entry.extents``, so assembled experts and float8
 weights too): straight into its local shard when that is on the CPU and of the wire dtype, else into
 a staging slot, followed by the sink's local work (cast, dequantise). It reads only the rows of a
@@ -36,9 +36,8 @@ import torch.distributed as dist
 from ._files import FileIdentity, OpenFile
 from ._format import DTYPES
 from ._plan import Piece, Plan, Route, block_half, deliveries
-from ._sink import Sink, Staging
+from ._sink import Sink, Staging, fan_out
 from ._stream import read_vectored, runs
-from ._transfer import fan_out
 from .errors import CheckpointChangedError, LoadError
 
 __all__ = ["LocalFiles", "LocalReader", "LocalReads"]

@@ -22,9 +22,10 @@ from torch import nn
 
 from . import _peft
 from ._convert import Conversion, ConversionMatch, KeyResolver
-from ._entries import FLOAT_WIRE, Entry, Part, build_entries, quantised_keys, unconsumed
+from ._entries import FLOAT_WIRE, Entry, KeyMatch, Part, build_entries, quantised_keys, unconsumed
 from ._files import OpenFile, open_files
 from ._format import TensorHeader, read_header
+from ._fp8 import block_size as fp8_block_size
 from ._meta import ModelLayout
 from ._source import Source, resolve
 from .errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
@@ -122,24 +123,6 @@ def _disagreement(
             f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
         )
     # else the index lists more keys in this file than it holds: raised once all files are read
-
-
-@dataclass(frozen=True)
-class KeyMatch:
-    """How the checkpoint's keys map onto the model's (see :func:`match_keys`)."""
-
-    # canonical model key -> the checkpoint tensors stored under its names, in header order
-    # (more than one: a tied parameter stored under several of its names)
-    by_model_key: dict[str, tuple[TensorHeader, ...]]
-    unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
-    ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
-    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted (kept ones aside)
-    # canonical model key -> the checkpoint tensors a conversion assembles it from
-    stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
-    # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
-    unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
-    # canonical keys no checkpoint key maps to that keep the values model_fn built (layout.built)
-    kept: tuple[str, ...] = ()
 
 
 def match_keys(
@@ -336,7 +319,8 @@ def build_manifest(
             "module a reset_parameters()."
         )
 
-    entries = build_entries(match, layout, headers, source.root, quantised=quantised)
+    block = fp8_block_size(source.root) if quantised else None
+    entries = build_entries(match, layout, headers, block, quantised=quantised)
     every = [*source.files, *(f for a in adapters for f in a.source.files)]
     order = {path: i for i, path in enumerate(every)}
     entries.sort(key=lambda e: (order[e.file], e.offset))

@@ -8,7 +8,7 @@ same place (point to point to one rank, or broadcast) into one :class:`Message` 
 piece's slice to its sink.
 
 Each piece has a *lane*: the rank it goes to, or :data:`BROADCAST`; rank 0's own pieces and BLOCK
-pieces (``_transfer.fan_out`` cuts a chunk into blocks) are messages of their own. Every rank groups
+pieces (``_sink.fan_out`` cuts a chunk into blocks) are messages of their own. Every rank groups
 its own view of the plan (rank 0 sees every rank's pieces, another rank its own and
 the broadcasts), so the grouping must not depend on what a view leaves out. A group is closed by facts
 every rank knows, the plan's entries, kinds and rounds (:meth:`_Gaps.apart`):
@@ -35,7 +35,7 @@ __all__ = ["BROADCAST", "Message", "messages"]
 
 BROADCAST = -1  # the lane of broadcast pieces (scale grids broadcast to all included)
 _ALONE = -2  # rank 0's own pieces (rows, scale grid rows): kept, never sent; separate nothing
-_BLOCK = -3  # a BLOCK entry's chunk or block: a message of its own (``_transfer.fan_out``)
+_BLOCK = -3  # a BLOCK entry's chunk or block: a message of its own (``_sink.fan_out``)
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ._convert import Conversion, ConversionMatch, KeyResolver
-from ._entries import Entry, build_entries, quantised_keys, unconsumed
+from ._entries import Entry, KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader, read_header
 from ._fp8 import block_size as fp8_block_size
-from ._manifest import Checkpoint, KeyMatch, Manifest, headers_of, manifest_of, match_keys, unforeseen
+from ._manifest import Checkpoint, Manifest, headers_of, manifest_of, match_keys, unforeseen
 from ._manifest import read_manifest as read_at_once
 from ._meta import ModelLayout
 from .errors import LoadError, ModelMismatchError
@@ -155,9 +155,7 @@ def _share(
         by_model_key={k: v for k, v in match.by_model_key.items() if k not in single},
         stacked={k: v for k, v in match.stacked.items() if k not in stacked},
     )
-    entries = [
-        _compact(e) for e in build_entries(whole, layout, headers, "", quantised=quantised, block=block)
-    ]
+    entries = [_compact(e) for e in build_entries(whole, layout, headers, block, quantised=quantised)]
     unexpected = unconsumed(match, layout, quantised)
     pending = itertools.chain((t for m in stacked.values() for _, t in m), (f[0] for f in single.values()))
     scales = [headers[k] for k in (t.key + _SCALE for t in pending if t.key in quantised) if k in headers]
@@ -204,9 +202,7 @@ def _merge(
     pool.update((t.key, t) for s in shares for t in s.scales)
     quantised = quantised_keys(pending, layout)
     try:
-        entries += [
-            _compact(e) for e in build_entries(pending, layout, pool, "", quantised=quantised, block=block)
-        ]
+        entries += [_compact(e) for e in build_entries(pending, layout, pool, block, quantised=quantised)]
     except ModelMismatchError as exc:
         raise _AtOnce(str(exc)) from None
     consumed = {k + _SCALE for k in quantised}

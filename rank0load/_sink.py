@@ -1,15 +1,18 @@
-"""This rank's local work on the tensor data (all ranks; no collectives).
+"""Where the tensor data lands on this rank (all ranks; no collectives).
 
 :class:`Target` says where an entry lands on this rank; (all ranks) :func:`allocate_staging` reserves
 every staging buffer before the last agreement; :class:`Sink` casts or dequantises arriving bytes
 into the targets, assembles GENERIC entries (then cuts this rank's shard with DTensor's own split,
-no communication) and float8 scale grids. ``_transfer`` moves the bytes; ``_localread`` reads them
-for a node-local reader; both hand them to a Sink.
+no communication) and float8 scale grids; :func:`fan_out` cuts a BLOCK chunk into each rank's
+block, writes this rank's own and posts the others' sends (point to point). ``_transfer`` moves the
+bytes; ``_localread`` reads them for a node-local reader; both hand them to a Sink (and a BLOCK
+chunk to ``fan_out``), so neither imports the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,10 +25,10 @@ from ._fp8 import dequantize, dequantize_at
 from ._layout import global_indices, held_indices
 from ._memory import reserve
 from ._messages import Message
-from ._plan import Kind, Piece, Plan, Route
+from ._plan import Kind, Piece, Plan, Route, cut, deliveries
 from .errors import LoadError
 
-__all__ = ["SLOTS", "Sink", "Staging", "Target", "allocate_staging", "landing", "target_of"]
+__all__ = ["SLOTS", "Sink", "Staging", "Target", "allocate_staging", "fan_out", "landing", "target_of"]
 
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
@@ -229,3 +232,58 @@ class Sink:
         local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
         target.tensor.copy_(local)
         self.whole.buffer = None
+
+
+class _All:
+    """Several sends, waited for together (and the tensors they send, kept alive until then)."""
+
+    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
+        self._works, self._keep = works, keep
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._keep.clear()
+
+
+def fan_out(
+    piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: Sink
+) -> _All:
+    """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
+    into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
+    others are sent. A block that is not a contiguous part of the chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
+    share one copy, so the packed blocks never exceed the chunk. After a local failure the blocks
+    still go out, as scratch bytes of the right size."""
+    entry, wire = sink.entries[piece.index], sink.wires[piece.index]
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
+    works: list[Any] = []
+    keep: list[torch.Tensor] = []
+    used, me = 0, dist.get_rank()
+    for d in deliveries(piece, entry, per_rank):
+        payload: torch.Tensor | None = None
+        if sink.faults.error is None:
+            try:
+                key = (d.row_lo, d.row_hi, d.inner)
+                block = made.get(key)
+                if block is None:
+                    shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
+                    chunk = data.view(wire).view(-1, *shape)
+                    block = cut(chunk, d)
+                    if not block.is_contiguous():
+                        packed = spare[used : used + d.nbytes].view(wire).view(block.shape)
+                        packed.copy_(block)
+                        used += d.nbytes
+                        block = packed
+                    made[key] = block
+                payload = block.reshape(-1).view(torch.uint8)
+            except Exception as exc:
+                sink.faults.note(exc)
+        if d.dst == me:
+            if payload is not None:
+                sink.write(piece, payload, local_offset=d.local_offset)
+            continue
+        if payload is None:
+            payload = data[: d.nbytes]  # scratch: the receiver discards it
+        works.append(dist.isend(payload, dst=d.dst))
+        keep.append(payload)
+    return _All(works, keep)

@@ -28,15 +28,15 @@ import torch.distributed as dist
 
 from . import _distribute
 from ._messages import Message, messages
-from ._plan import Piece, Plan, Route, block_half, cut, deliveries
-from ._sink import Sink, Staging, Target, landing
+from ._plan import Plan, Route, block_half
+from ._sink import Sink, Staging, Target, fan_out, landing
 from ._stream import Reader, read_threads
 from .errors import LoadError
 
 if TYPE_CHECKING:
     from ._localread import LocalReader, LocalReads
 
-__all__ = ["fan_out", "stream"]
+__all__ = ["stream"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +60,6 @@ class _Rounds(Generic[T]):
                 return
             item, self._next = self._next, None
             yield item
-
-
-class _All:
-    """Several sends, waited for together (and the tensors they send, kept alive until then)."""
-
-    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
-        self._works, self._keep = works, keep
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._keep.clear()
 
 
 def stream(
@@ -237,49 +225,6 @@ def _send(
         return dist.get_world_size()
     finally:
         reader.close()
-
-
-def fan_out(
-    piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: Sink
-) -> _All:
-    """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
-    into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
-    others are sent. A block that is not a contiguous part of the chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
-    share one copy, so the packed blocks never exceed the chunk. After a local failure the blocks
-    still go out, as scratch bytes of the right size."""
-    entry, wire = sink.entries[piece.index], sink.wires[piece.index]
-    made: dict[tuple[Any, ...], torch.Tensor] = {}
-    works: list[Any] = []
-    keep: list[torch.Tensor] = []
-    used, me = 0, dist.get_rank()
-    for d in deliveries(piece, entry, per_rank):
-        payload: torch.Tensor | None = None
-        if sink.faults.error is None:
-            try:
-                key = (d.row_lo, d.row_hi, d.inner)
-                block = made.get(key)
-                if block is None:
-                    shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
-                    chunk = data.view(wire).view(-1, *shape)
-                    block = cut(chunk, d)
-                    if not block.is_contiguous():
-                        packed = spare[used : used + d.nbytes].view(wire).view(block.shape)
-                        packed.copy_(block)
-                        used += d.nbytes
-                        block = packed
-                    made[key] = block
-                payload = block.reshape(-1).view(torch.uint8)
-            except Exception as exc:
-                sink.faults.note(exc)
-        if d.dst == me:
-            if payload is not None:
-                sink.write(piece, payload, local_offset=d.local_offset)
-            continue
-        if payload is None:
-            payload = data[: d.nbytes]  # scratch: the receiver discards it
-        works.append(dist.isend(payload, dst=d.dst))
-        keep.append(payload)
-    return _All(works, keep)
 
 
 def _scatter(sink: Sink, message: Message, data: torch.Tensor, non_blocking: bool = False) -> None:
