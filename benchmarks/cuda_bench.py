@@ -460,7 +460,7 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     divided by the stream's time, the reads' mean concurrency). ``process_cpu_s``: all threads."""
     import threading
 
-    from rank0load import _stream, _transfer
+    from rank0load.load import _stream, _transfer
 
     spent: dict = {}
     busy: list[float] = []
@@ -552,7 +552,7 @@ def m_fp8(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     """Float8 e4m3 block-quantised (128 x 128) matrices dequantised into bf16 on the device:
     rank0load's ``_fp8.dequantize`` (a whole matrix, and 1 MiB steps as the stream does them)
     against plain torch (``q.float() * scales`` broadcast per block), bit-equal."""
-    from rank0load import _fp8
+    from rank0load.checkpoint import _fp8
 
     rows, cols, block = (16384, 8192, 128) if DEV == "cuda" else (1024, 512, 128)
     q = (torch.randn(rows, cols, device=DEV) * 100).to(torch.float8_e4m3fn)
@@ -614,7 +614,7 @@ def worker(method: str, ckpt: str, cfg: BenchConfig, warm: bool, tuned: tuple[in
 
     options: dict = {}
     if tuned is not None and method == "rank0load":
-        from rank0load import _stream
+        from rank0load.load import _stream
 
         options["max_staging_bytes"] = tuned[0] << 20
         _stream.ACCELERATOR_READ_THREADS = tuned[1]

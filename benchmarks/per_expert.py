@@ -66,8 +66,8 @@ def _fsdp_only(ckpt: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rank0load._meta import build_on_meta
-    from rank0load._shard import default_shard_fn
+    from rank0load.model._meta import build_on_meta
+    from rank0load.model._shard import default_shard_fn
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

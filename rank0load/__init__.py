@@ -9,11 +9,7 @@ rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
 from __future__ import annotations
 
 from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
-from ._clip import clip_grad_norm_
-from ._convert import StackExperts
 from ._pretrained import load_pretrained
-from ._save import SaveReport, save_sharded
-from ._shard import default_shard_fn
 from .errors import (
     CheckpointChangedError,
     CheckpointFormatError,
@@ -24,6 +20,10 @@ from .errors import (
     RankMismatchError,
     SaveError,
 )
+from .integrations._convert import StackExperts
+from .model._shard import default_shard_fn
+from .save._save import SaveReport, save_sharded
+from .train._clip import clip_grad_norm_
 
 __all__ = [
     "load_sharded",

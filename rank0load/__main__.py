@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._inspect import Inspection, inspect_checkpoint, load_factory
+from .checkpoint._inspect import Inspection, inspect_checkpoint, load_factory
 from .errors import LoadError, ModelMismatchError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_MODEL = 0, 1, 2, 3

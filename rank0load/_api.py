@@ -29,14 +29,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import _distribute, _local, _model, _runs, _sink, _transfer
-from ._convert import StackExperts
-from ._manifest import Checkpoint, Manifest, adapters_of, open_checkpoint
-from ._memory import FaultIn, trim_heap
-from ._plan import Plan, build_plan
-from ._progress import peak_rss_bytes, progress_bar
-from ._report import Clock, LoadReport, log_summary
+from .checkpoint import _runs
+from .checkpoint._manifest import Checkpoint, Manifest, adapters_of, open_checkpoint
+from .common import _distribute
+from .common._memory import FaultIn, trim_heap
+from .common._progress import peak_rss_bytes, progress_bar
+from .common._report import Clock, LoadReport, log_summary
 from .errors import LoadError
+from .integrations._convert import StackExperts
+from .load import _local, _model, _sink, _transfer
+from .load._plan import Plan, build_plan
 
 __all__ = ["load_sharded", "LoadReport", "DEFAULT_STAGING_BYTES"]
 

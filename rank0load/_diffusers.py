@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _distribute
 from ._api import load_sharded
-from ._distribute import user_code
+from .common import _distribute
+from .common._distribute import user_code
 from .errors import LoadError, ModelMismatchError
 
 __all__ = ["Configured", "build", "configure", "load"]

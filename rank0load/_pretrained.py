@@ -31,14 +31,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _compat, _diffusers, _distribute
+from . import _diffusers
 from ._api import load_sharded
-from ._entries import FLOAT_WIRE
-from ._files import OpenFile, read_exact
-from ._format import DTYPES, read_header
-from ._model import cast, set_config_dtype
-from ._source import Resolved, resolve
+from .checkpoint._entries import FLOAT_WIRE
+from .checkpoint._files import OpenFile, read_exact
+from .checkpoint._format import DTYPES, read_header
+from .checkpoint._source import Resolved, resolve
+from .common import _distribute
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
+from .integrations import _compat
+from .load._model import cast, set_config_dtype
 
 __all__ = ["load_pretrained"]
 

@@ -112,8 +112,8 @@ def _inject(fault: str | None, rank: int):
         yield
         return
     if fault == "eio_on_rank0":
-        import rank0load._localread as localread_mod
-        import rank0load._stream as stream_mod
+        import rank0load.load._localread as localread_mod
+        import rank0load.load._stream as stream_mod
 
         original = stream_mod.read_vectored
         calls = [0]
@@ -132,7 +132,7 @@ def _inject(fault: str | None, rank: int):
             stream_mod.read_vectored = localread_mod.read_vectored = original
         return
     if fault == "fault_in_fails_on_rank1":  # the shards' pages, faulted in behind the manifest
-        import rank0load._memory as memory_mod
+        import rank0load.common._memory as memory_mod
 
         one = memory_mod.FaultIn.__dict__["_one"]
 

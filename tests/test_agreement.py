@@ -37,7 +37,7 @@ def _count(rank: int, world: int, path: str) -> dict:
     import torch.distributed as dist
 
     import rank0load
-    import rank0load._distribute as d
+    import rank0load.common._distribute as d
 
     counting = [False]
     received = [0]

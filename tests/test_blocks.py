@@ -32,7 +32,7 @@ def _kinds(model, mesh) -> dict[str, str]:
 
 
 def _runs(model) -> dict[str, object]:
-    from rank0load import _layout
+    from rank0load.model import _layout
 
     return {n: _layout.block_runs(getattr(model, n)) for n in ("strided_rows", "strided_cols")}
 
@@ -171,8 +171,8 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
     from torch.distributed.device_mesh import init_device_mesh
 
     import rank0load
-    import rank0load._localread as localread_mod
-    import rank0load._stream as stream_mod
+    import rank0load.load._localread as localread_mod
+    import rank0load.load._stream as stream_mod
 
     mesh = init_device_mesh("cpu", (world,))
     original = stream_mod.read_vectored
@@ -219,7 +219,7 @@ def _dies_while_cutting(rank: int, world: int, path: str, marker: str) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
     import rank0load
-    import rank0load._distribute as d
+    import rank0load.common._distribute as d
 
     mesh = init_device_mesh("cpu", (world,))
     if rank == 0:

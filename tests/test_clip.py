@@ -154,7 +154,7 @@ def _full(g: torch.Tensor | None) -> torch.Tensor | None:
 def _case(params: list[torch.Tensor], norm_type: float, max_norm: float, clip=None) -> dict:
     """Clip ``params`` with rank0load (or ``clip``) and torch's reference on the full gradients;
     restore the gradients afterwards so the next case starts from the same ones."""
-    from rank0load._compat import local_tensor
+    from rank0load.integrations._compat import local_tensor
 
     clip = clip or rank0load.clip_grad_norm_
     before = [_full(p.grad) for p in params]
@@ -205,8 +205,8 @@ def _naive(world: int):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
-    from rank0load import _clip
-    from rank0load._compat import StridedShard
+    from rank0load.integrations._compat import StridedShard
+    from rank0load.train import _clip
 
     def world_groups(mesh, placements, what):
         if any(isinstance(p, (Shard, StridedShard)) for p in placements):
@@ -229,7 +229,7 @@ def _empty_rank(rank: int, params: list[torch.Tensor], max_norm: float) -> dict:
     of the other ranks' shards."""
     from torch.distributed.tensor import DTensor
 
-    from rank0load._compat import local_tensor
+    from rank0load.integrations._compat import local_tensor
 
     zeroed = []
     for p in params:
@@ -267,7 +267,7 @@ def _ranks(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
-    from rank0load._compat import local_tensor
+    from rank0load.integrations._compat import local_tensor
 
     out: dict = {}
     flat = init_device_mesh("cpu", (world,))

@@ -124,7 +124,7 @@ def _loads(rank: int, world: int, root: str) -> dict:
     loads("default", "small")
     # Rank 0's reader with 4 threads, the messages' runs cut into parts of at most 64 bytes, every
     # free slot's read at once (as on an accelerator mesh); with the default staging, and with 2 KiB
-    from rank0load import _stream, _transfer
+    from rank0load.load import _stream, _transfer
 
     threads, size = _transfer.read_threads, _stream._PART_BYTES
     _transfer.read_threads, _stream._PART_BYTES = (lambda device: 4), 64
@@ -164,7 +164,7 @@ def test_nearby_extents_are_one_read(tmp_path):
     """``_stream.runs``: extents of one file at most ``_GAP`` bytes apart are one run (the bytes
     between read into scratch), farther ones and other files start their own; reading the runs
     fills ``data`` exactly as reading each extent by itself does."""
-    from rank0load import _stream
+    from rank0load.load import _stream
 
     blob = os.urandom(3 * _stream._GAP)
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
@@ -205,7 +205,7 @@ def test_nearby_extents_are_one_read(tmp_path):
 def test_runs_split_between_threads_read_the_same_bytes(tmp_path, size):
     """``_stream.split_runs``: the runs cut into reads of at most ``size`` bytes, each one run of
     file bytes, fill ``data`` exactly as the uncut runs do."""
-    from rank0load import _stream
+    from rank0load.load import _stream
 
     blob = os.urandom(4096)
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
@@ -245,7 +245,7 @@ def test_ring_staging_hands_out_disjoint_bytes(seed):
     still holding bytes shares; a message waits only for bytes not yet released."""
     import random
 
-    from rank0load import _stream
+    from rank0load.load import _stream
 
     rng = random.Random(seed)
     slot = 16 << 10

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from rank0load._compat import (
+from rank0load.integrations._compat import (
     StridedShard,
     clear_hf_initialized,
     foreach_mul_,
@@ -177,7 +177,7 @@ def test_foreach_helpers_clip_grad_norm_relies_on():
 
 def test_strided_shard_is_neither_shard_nor_is_shard():
     """clip_grad_norm_ names _StridedShard beside Shard: it is no subclass and is_shard() is False
-    (were that to change, rank0load._clip._shard_groups could test Shard alone)."""
+    (were that to change, rank0load.train._clip._shard_groups could test Shard alone)."""
     strided = StridedShard(0, split_factor=2)
     assert not isinstance(strided, Shard) and not strided.is_shard() and not strided.is_replicate()
 

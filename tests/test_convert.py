@@ -180,7 +180,7 @@ class NeedsTranspose:
     """A conversion rank0load cannot assemble: it must say so, naming the rule."""
 
     def match(self, key: str):
-        from rank0load._convert import ConversionMatch
+        from rank0load.integrations._convert import ConversionMatch
 
         if key.endswith(".w2.weight") and ".experts.0." in key:
             layer = key.split(".")[1]
@@ -232,7 +232,7 @@ def test_stack_experts_checks_its_patterns():
 
 
 def test_inspect_shows_the_conversions(checkpoint):
-    from rank0load._inspect import inspect_checkpoint
+    from rank0load.checkpoint._inspect import inspect_checkpoint
 
     path, _ = checkpoint
     plain = inspect_checkpoint(path, model_fn=titan)

@@ -259,7 +259,7 @@ def _same_bits(gpu: torch.Tensor, cpu: torch.Tensor, what: str) -> None:
 def test_fp8_dequantize_on_cuda_matches_the_cpu(case):
     """dequantize (float32, and into= bf16 / fp16 / fp32) and dequantize_at on CUDA tensors give the
     bits of the same call on the CPU, which are the documented formula's."""
-    from rank0load._fp8 import dequantize, dequantize_at
+    from rank0load.checkpoint._fp8 import dequantize, dequantize_at
 
     block, cols, part_rows, start, n = case
     values, scales, full = _quantised(block, cols, part_rows)

@@ -416,7 +416,7 @@ def test_a_pipeline_root_names_its_component_folders(ran, name):
 
 
 def test_subfolder_errors_name_the_folders(root):
-    from rank0load._source import resolve
+    from rank0load.checkpoint._source import resolve
     from rank0load.errors import CheckpointNotFoundError
 
     pipe = f"{root}/pipe"
@@ -441,7 +441,7 @@ def test_subfolder_of_a_hub_repo_fetches_that_folder_only(root, monkeypatch):
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
-    from rank0load import _source
+    from rank0load.checkpoint import _source
 
     calls = []
 

@@ -15,7 +15,7 @@ ROWS = 5  # uneven over 2 and 3 ranks: shards of 3+2 and 2+2+1 rows
 
 
 def dtype_of(name: str) -> torch.dtype:
-    from rank0load._format import DTYPES
+    from rank0load.checkpoint._format import DTYPES
 
     return DTYPES[name]
 
@@ -131,7 +131,7 @@ NEVER_CAST = [
 
 
 def test_every_dtype_is_known():
-    from rank0load._format import DTYPES
+    from rank0load.checkpoint._format import DTYPES
 
     assert sorted(DTYPES) == sorted(ALL_DTYPES), (
         f"torch {torch.__version__} lacks {sorted(set(ALL_DTYPES) - set(DTYPES))}"

@@ -8,8 +8,8 @@ import pickle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank0load._entries import Parts
-from rank0load._format import TensorHeader
+from rank0load.checkpoint._entries import Parts
+from rank0load.checkpoint._format import TensorHeader
 
 
 def _scan(tensors, start, nbytes):

@@ -187,7 +187,7 @@ def _fail_mid_load(rank: int, world: int, path: str, victim: int, how: str, mark
     import torch.distributed as dist
 
     import rank0load
-    import rank0load._distribute as d
+    import rank0load.common._distribute as d
 
     kwargs: dict = {}
     if how == "dies_in_build":

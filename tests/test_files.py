@@ -23,9 +23,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rank0load import _files, _manifest, _source
-from rank0load._files import FileIdentity, OpenFile, open_files
-from rank0load._format import MAX_HEADER_BYTES, read_header
+from rank0load.checkpoint import _files, _manifest, _source
+from rank0load.checkpoint._files import FileIdentity, OpenFile, open_files
+from rank0load.checkpoint._format import MAX_HEADER_BYTES, read_header
 from rank0load.errors import (
     CheckpointChangedError,
     CheckpointFormatError,
@@ -456,7 +456,7 @@ def test_dangling_symlink_is_not_a_hub_id(tmp_path: Path, monkeypatch: pytest.Mo
 def test_single_file_wins_over_index(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     index = sharded(tmp_path)  # keys x, y in two shards
     save(tmp_path / "model.safetensors", other=torch.full((5,), 7.0))  # different contents
-    with caplog.at_level(logging.INFO, logger="rank0load._source"):
+    with caplog.at_level(logging.INFO, logger="rank0load.checkpoint._source"):
         source = _source.resolve(tmp_path)
     root = os.path.realpath(tmp_path)
     assert source.files == (os.path.join(root, "model.safetensors"),)
@@ -464,7 +464,7 @@ def test_single_file_wins_over_index(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert source.ignored == (os.path.join(root, index.name),)
     assert source.description == str(tmp_path) and source.root == root
     assert set(_manifest._headers(source)) == {"other"}
-    records = [r for r in caplog.records if r.name == "rank0load._source"]
+    records = [r for r in caplog.records if r.name == "rank0load.checkpoint._source"]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     text = records[0].getMessage()
     assert all(w in text for w in ("loading model.safetensors", "ignoring the index", index.name)), text
@@ -472,19 +472,19 @@ def test_single_file_wins_over_index(tmp_path: Path, caplog: pytest.LogCaptureFi
 
 def test_index_used_without_single_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     sharded(tmp_path)
-    with caplog.at_level(logging.INFO, logger="rank0load._source"):
+    with caplog.at_level(logging.INFO, logger="rank0load.checkpoint._source"):
         source = _source.resolve(tmp_path)
     assert source.listing is not None and len(source.files) == 2 and source.ignored == ()
-    assert not [r for r in caplog.records if r.name == "rank0load._source"]
+    assert not [r for r in caplog.records if r.name == "rank0load.checkpoint._source"]
 
 
 def test_single_file_alone_logs_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     small(tmp_path / "model.safetensors")
     save(tmp_path / "extra.safetensors", z=torch.ones(1))  # model.safetensors wins, as before
-    with caplog.at_level(logging.INFO, logger="rank0load._source"):
+    with caplog.at_level(logging.INFO, logger="rank0load.checkpoint._source"):
         source = _source.resolve(tmp_path)
     assert [os.path.basename(f) for f in source.files] == ["model.safetensors"]
-    assert not [r for r in caplog.records if r.name == "rank0load._source"]
+    assert not [r for r in caplog.records if r.name == "rank0load.checkpoint._source"]
 
 
 # --- 5. OpenFile: open once, notice changes ---------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank0load._fp8 import dequantize, dequantize_at, scale_span, to_float32
+from rank0load.checkpoint._fp8 import dequantize, dequantize_at, scale_span, to_float32
 from tests.moe_models import dequantize as reference
 from tests.moe_models import quantize
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from rank0load import _format
-from rank0load._files import OpenFile
+from rank0load.checkpoint import _format
+from rank0load.checkpoint._files import OpenFile
 from rank0load.errors import CheckpointFormatError
 
 SETTINGS = settings(

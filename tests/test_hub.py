@@ -160,7 +160,7 @@ def test_only_weights_index_and_configs_are_fetched(toy_checkpoint, monkeypatch)
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
-    from rank0load import _source
+    from rank0load.checkpoint import _source
 
     calls = []
 

@@ -216,10 +216,10 @@ class _Patch:
 
 def _patches(rank: int, case: str, seen: dict) -> _Patch:
     """What ``case`` changes on ``rank`` (``seen``: what the case observed, returned to the test)."""
-    import rank0load._distribute as distribute
-    import rank0load._files as fileio
-    import rank0load._local as local
-    import rank0load._localread as localread
+    import rank0load.checkpoint._files as fileio
+    import rank0load.common._distribute as distribute
+    import rank0load.load._local as local
+    import rank0load.load._localread as localread
 
     server_serve = local.Server.serve
     if case == "no-listen" and rank == 0:
@@ -370,7 +370,8 @@ def _peer(name: str, token: bytes, claimed_rank: int) -> subprocess.Popen:
 def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
     """Rank 0's server hands its descriptors to the pid and uid a rank reported, with the token;
     a process that is not that rank gets nothing, token or not, and no rank gets them twice."""
-    from rank0load import _files, _local
+    from rank0load.checkpoint import _files
+    from rank0load.load import _local
 
     path = tmp_path / "f.safetensors"
     save_state(trained_toy(), str(path))
@@ -408,7 +409,7 @@ def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
 
 def _dies_reading(rank: int, world: int, root: str, victim: int, marker: str) -> float:
     import rank0load
-    import rank0load._localread as localread
+    import rank0load.load._localread as localread
 
     if rank != 0:
         hide(root)

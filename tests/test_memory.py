@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rank0load import _memory
+from rank0load.common import _memory
 
 
 def _rss() -> int:

@@ -39,7 +39,7 @@ class WithPolicy:
     def __call__(self, model, mesh) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        from rank0load._shard import find_blocks
+        from rank0load.model._shard import find_blocks
 
         for block in find_blocks(model):
             fully_shard(block, mesh=mesh, **self.kwargs)

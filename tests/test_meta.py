@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rank0load._meta import build_on_meta, describe
+from rank0load.model._meta import build_on_meta, describe
 from tests.models import Toy
 
 
@@ -109,7 +109,7 @@ def test_meta_initialisers_skipped_everything_else_runs(monkeypatch):
     the one without skipping: the same shapes, the same real buffers, the same CPU random state."""
     import contextlib
 
-    from rank0load import _meta
+    from rank0load.model import _meta
 
     torch.manual_seed(0)
     with monkeypatch.context() as m:
@@ -153,7 +153,7 @@ def test_transformers_guarded_initialisers_skipped_on_meta():
 def test_canonical_all_answers_as_canonical_does():
     """The bulk lookup gives each key the answer ``canonical`` gives it: direct names, the other name
     of a tie, wrapper segments on either side, unknown keys; with and without a wrapped key present."""
-    from rank0load._meta import describe
+    from rank0load.model._meta import describe
     from tests.models import Toy
 
     model, _ = build_on_meta(Toy)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rank0load._meta import strip_wrappers
+from rank0load.model._meta import strip_wrappers
 from tests import _dist
 from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
 

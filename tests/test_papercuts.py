@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from rank0load.__main__ import main
-from rank0load._source import resolve
+from rank0load.checkpoint._source import resolve
 from rank0load.errors import CheckpointNotFoundError
 from tests import _dist
 from tests.models import assert_same, gather, reference, toy, trained_toy
@@ -132,6 +132,6 @@ def test_readme_cpu_quick_start_runs(tmp_path):
         log = proc.stdout + proc.stderr
         for rank in (0, 1):
             assert f"rank {rank}: 39 tensors loaded, logits (1, 3, 32000)" in log, (attempt, log[-4000:])
-        summaries = re.findall(r"INFO:rank0load\._report:rank0load: 39 tensors, 0\.08 GB in ", log)
+        summaries = re.findall(r"INFO:rank0load\.common\._report:rank0load: 39 tensors, 0\.08 GB in ", log)
         assert len(summaries) == 1, (attempt, log[-4000:])
         assert (tmp_path / "tiny-llama" / "config.json").exists()

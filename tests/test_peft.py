@@ -367,7 +367,7 @@ def test_get_peft_model_after_loading_is_caught_at_the_first_forward(setup, ran)
 
 
 def test_most_of_the_model_initialised_is_said_loudly(caplog):
-    from rank0load._report import LoadReport, log_summary
+    from rank0load.common._report import LoadReport, log_summary
 
     report = LoadReport(missing=("a.weight", "b.weight"), initialised_fraction=0.9)
     with caplog.at_level("WARNING", logger="rank0load"):

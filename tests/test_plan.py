@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from rank0load import _layout, _plan
-from rank0load._compat import StridedShard
-from rank0load._manifest import Entry
+from rank0load.checkpoint._manifest import Entry
+from rank0load.integrations._compat import StridedShard
+from rank0load.load import _plan
+from rank0load.model import _layout
 
 
 def _fixed_plan(entry: Entry, per_rank: dict, piece_bytes: int) -> _plan.Plan:

@@ -109,7 +109,7 @@ IDS = torch.tensor([[1, 5, 9, 2], [4, 10, 8, 0]])
 
 
 def _groups(model) -> list[tuple[str, list[str]]]:
-    from rank0load._compat import fsdp_groups
+    from rank0load.integrations._compat import fsdp_groups
 
     names = {id(m): n for n, m in model.named_modules()}
     return [(names[id(m)], sorted({str(d) for _, d, _ in ps})) for m, ps in fsdp_groups(model)]
@@ -128,7 +128,7 @@ def _attempt(fn):
 
 def _rank(rank: int, world: int, root: str) -> dict:
     import rank0load
-    from rank0load import _model
+    from rank0load.load import _model
 
     touched = hide(root) if rank != 0 and os.geteuid() == 0 else []
     good = os.path.join(root, "mixed.safetensors")

@@ -26,8 +26,8 @@ def _changer(path: str, how: str):
     """A read_vectored for rank 0 that changes ``path`` (as another writer would) before its 3rd read,
     for its reader thread (``_stream``) and for its own reads when every rank reads locally
     (``_localread``)."""
-    import rank0load._localread as localread_mod
-    import rank0load._stream as stream_mod
+    import rank0load.load._localread as localread_mod
+    import rank0load.load._stream as stream_mod
 
     original = stream_mod.read_vectored
     calls = [0]
@@ -67,7 +67,7 @@ def _attempt(fn) -> tuple:
 
 def _cases(rank: int, world: int, root: str, good: str) -> dict:
     import rank0load
-    import rank0load._sink as transfer
+    import rank0load.load._sink as transfer
 
     out: dict = {}
 

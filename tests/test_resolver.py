@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rank0load._convert import ConversionMatch, KeyResolver, StackExperts
+from rank0load.integrations._convert import ConversionMatch, KeyResolver, StackExperts
 
 LAYERS, EXPERTS = 6, 12
 
@@ -146,7 +146,7 @@ def test_resolve_all_odd_keys_equal_one_by_one():
 
 def test_resolve_all_in_small_batches(monkeypatch):
     """Keys are joined a batch at a time (bounded temporaries): batch edges change nothing."""
-    from rank0load import _convert
+    from rank0load.integrations import _convert
 
     monkeypatch.setattr(_convert, "_KEYS_AT_ONCE", 7)
     model = _model_keys()

@@ -1,4 +1,4 @@
-"""The manifest made run by run (``rank0load._runs``) gives what the manifest made at once gives.
+"""The manifest made run by run (``rank0load.checkpoint._runs``) gives what the manifest made at once gives.
 
 On 2 and 3 gloo ranks, a Mixtral checkpoint in MiniMax-M2's FP8 layout (16x16 blocks), re-sharded
 so that what the runs must settle between them is there: one layer's expert group split across two
@@ -112,7 +112,7 @@ def test_runs_equal_the_manifest_made_at_once(ckpt, world):
 def test_listing_checks_each_file(tmp_path):
     """The index kept as counts and hash sums: a header's keys agree with it exactly when they are the
     keys it lists for that file."""
-    from rank0load._source import resolve
+    from rank0load.checkpoint._source import resolve
 
     path = str(tmp_path / "fp8")
     mm.save_fp8(FAMILY, path, (16, 16))

@@ -118,7 +118,7 @@ def test_dtype_casts_floats_only(tmp_path) -> None:
 def test_split_matches_huggingface_hub() -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from rank0load._saveplan import _split, parse_size
+    from rank0load.save._saveplan import _split, parse_size
 
     sizes = [30, 70, 10, 200, 50, 50, 1, 99]
     state = {f"t{i}": torch.zeros(s, dtype=torch.uint8) for i, s in enumerate(sizes)}
@@ -361,7 +361,7 @@ def _moe_save(rank: int, world: int, name: str, source: str, out: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import rank0load
-    from rank0load._compat import hf_reverse_conversions
+    from rank0load.integrations._compat import hf_reverse_conversions
     from tests import moe_models
 
     moe_models._quiet()

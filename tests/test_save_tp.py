@@ -55,7 +55,7 @@ def test_chunks_rebuild_the_tensor_from_every_rank_shard(shape, placements, mesh
     each at most half a slot, their parts (each a contiguous range of its sender's real local shard,
     cut here with DTensor's split) fill the chunk's receive area exactly once, and placing them
     gives the tensor bit for bit; for half-slots from one element to the whole tensor, and a cast."""
-    from rank0load._saveblock import block_chunks, blocks_of, place
+    from rank0load.save._saveblock import block_chunks, blocks_of, place
 
     # What blocks_of reads of a DTensor, for a mesh no process group backs.
     mesh = SimpleNamespace(mesh=torch.arange(math.prod(mesh_shape)).reshape(mesh_shape), shape=mesh_shape)
@@ -179,7 +179,7 @@ def _fallback_and_failure(rank: int, world: int, out: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     import rank0load
-    from rank0load import _write
+    from rank0load.save import _write
 
     mesh = init_device_mesh("cpu", (world,))
     model = trained_net()

@@ -32,8 +32,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rank0load._api import LoadReport
-from rank0load._compat import local_tensor
-from rank0load._memory import prefault
+from rank0load.common._memory import prefault
+from rank0load.integrations._compat import local_tensor
 
 from . import moe
 from .model import BenchConfig, BenchLlama, expected_inv_freq

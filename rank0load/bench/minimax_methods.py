@@ -4,8 +4,8 @@ Each takes ``(cfg, ckpt_dir, mesh, options)`` like :mod:`~.methods`' and returns
 transformers' ``MiniMaxM2ForCausalLM`` in bf16 holding the dequantised checkpoint.
 
 - ``rank0load``: ``rank0load.load_pretrained(AutoModelForCausalLM, ckpt, mesh, dtype=torch.bfloat16)``.
-- ``build-only``: the model rank0load builds (``from_config`` on meta in bf16, ``rank0load._model.cast``),
-  sharded by rank0load's own default policy (``rank0load._shard.default_shard_fn``: the same FSDP
+- ``build-only``: the model rank0load builds (``from_config`` on meta in bf16, ``rank0load.load._model.cast``),
+  sharded by rank0load's own default policy (``rank0load.model._shard.default_shard_fn``: the same FSDP
   groups), ``to_empty``, every local shard faulted in; loads nothing.
 - ``floor``: build-only, then each rank reads every file whole (one ``os.preadv`` each) and
   dequantises the elements it holds itself, with no per-tensor bookkeeping (:func:`floor_fill`):
@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rank0load._api import LoadReport
-from rank0load._compat import local_tensor
-from rank0load._fp8 import to_float32
-from rank0load._memory import prefault
+from rank0load.checkpoint._fp8 import to_float32
+from rank0load.common._memory import prefault
+from rank0load.integrations._compat import local_tensor
 
 from .minimax import MiniMaxConfig, build_model, expected_buffers
 
@@ -48,9 +48,9 @@ def build_sharded(cfg: MiniMaxConfig, mesh: DeviceMesh) -> nn.Module:
     allocated (not faulted in) with the rotary buffers recomputed. Built on meta as rank0load
     builds it (``build_on_meta``: initialisers skipped on meta), so that no method is charged a
     slower build than rank0load's."""
-    from rank0load._meta import build_on_meta
-    from rank0load._model import cast
-    from rank0load._shard import default_shard_fn
+    from rank0load.load._model import cast
+    from rank0load.model._meta import build_on_meta
+    from rank0load.model._shard import default_shard_fn
 
     model, _ = build_on_meta(lambda: build_model(cfg))
     cast(model, torch.bfloat16)
@@ -227,7 +227,7 @@ def floor_fill(model: nn.Module, cfg: MiniMaxConfig, ckpt: str) -> dict:
     than any loader must: the garbage collector paused (as rank0load pauses it while it parses
     headers), each file (one a layer) read whole with one ``os.preadv`` into one reused buffer and
     its header parsed, then every float8 element this rank holds dequantised with
-    ``rank0load._fp8.to_float32`` times its block's scale (broadcast over the block) and cast to
+    ``rank0load.checkpoint._fp8.to_float32`` times its block's scale (broadcast over the block) and cast to
     bf16 into the shard, a layer's experts batched per projection. Reading whole files reads
     each rank's share of every file and the rest of it (page cache to memory, about 0.1 s per
     GB): cheaper than one read per tensor. Returns the bytes it read."""
@@ -261,6 +261,6 @@ MINIMAX_METHODS: dict[str, Method] = {
 MINIMAX_METHOD_NOTES: dict[str, str] = {
     "build-only": "`AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)` on meta, sharded by rank0load's default policy (`default_shard_fn`), `to_empty`, local shards faulted in: loads nothing",
     "rank0load": "`rank0load.load_pretrained(AutoModelForCausalLM, ckpt, mesh, dtype=torch.bfloat16)`: config, build, default policy, FP8 dequantised on each rank",
-    "floor": "build-only, then each rank, garbage collector paused, reads each file whole with one `os.preadv` and dequantises every float8 element it holds (`rank0load._fp8.to_float32` x its block's scale, broadcast -> bf16) into its shards, experts batched per layer and projection: the least work any loader must do",
+    "floor": "build-only, then each rank, garbage collector paused, reads each file whole with one `os.preadv` and dequantises every float8 element it holds (`rank0load.checkpoint._fp8.to_float32` x its block's scale, broadcast -> bf16) into its shards, experts batched per layer and projection: the least work any loader must do",
     "transformers": "one process: `AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)` (transformers 5 dequantises FP8 on a machine without a GPU)",
 }

@@ -1,0 +1,443 @@
+"""What moves: one :class:`Entry` per model tensor, built from the matched headers (rank 0 builds
+them; every rank reads them; no collectives).
+
+(rank 0, or ``inspect``) :func:`build_entries` turns a :class:`KeyMatch` (made by ``_manifest.match_keys``) into entries: shapes
+and dtypes checked against the model (:func:`_check_fits`), tied names stored twice compared,
+per-expert tensors assembled into one entry of :class:`Part` (:func:`_assemble`), float8 tensors
+given their scale grids (:func:`_with_scales`, see ``_fp8``). ``_manifest`` re-exports the types.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import itertools
+import operator
+import os
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..errors import ModelMismatchError
+from ..integrations._convert import ConversionMatch
+from ..model._meta import ModelLayout
+from ._format import DTYPES, TensorHeader
+from ._fp8 import FP8_WIRE
+from ._fp8 import scale_for as fp8_scale_for
+
+# TensorHeader and ConversionMatch fields as C-level getters, for columns of ~96,000 of them
+_FILE, _KEY, _DTYPE, _SHAPE, _OFFSET, _NBYTES = map(
+    operator.attrgetter, ("file", "key", "dtype", "shape", "offset", "nbytes")
+)
+_EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
+
+__all__ = [
+    "Entry",
+    "FLOAT_WIRE",
+    "KeyMatch",
+    "Part",
+    "Parts",
+    "build_entries",
+    "quantised_keys",
+    "unconsumed",
+]
+
+
+# Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
+# Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
+FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
+
+
+@dataclass(frozen=True, slots=True)  # one per checkpoint tensor: no __dict__ each
+class Part:
+    """One checkpoint tensor's bytes, as a run of an entry's bytes (see :attr:`Entry.parts`)."""
+
+    file: str  # absolute path on rank 0
+    ckpt_key: str
+    offset: int  # absolute offset in ``file``
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Several checkpoint tensors whose bytes, one after the other, are an entry's bytes, held as
+    arrays: a MoE layer's fused experts are hundreds of parts, a MiniMax-M2 checkpoint ~96,000, and
+    the manifest travels to every rank (one Python object per part would cost seconds to pickle)."""
+
+    files: tuple[str, ...] = ()  # the distinct files, absolute paths on rank 0
+    file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
+    offsets: array.array = field(default_factory=lambda: array.array("q"))  # absolute offset in its file
+    starts: array.array = field(default_factory=lambda: array.array("q", [0]))  # its first entry byte
+    # checkpoint keys, for messages: a tuple on rank 0, one string of them joined by newlines on
+    # the ranks that received the manifest (see __reduce__); read them with :meth:`key_list`
+    keys: tuple[str, ...] | str = ()
+
+    @classmethod
+    def of(cls, tensors: Sequence[TensorHeader]) -> Parts:
+        paths = list(map(_FILE, tensors))
+        files = tuple(dict.fromkeys(paths))
+        index = {f: i for i, f in enumerate(files)}
+        return cls(
+            files,
+            array.array("I", map(index.__getitem__, paths)),
+            array.array("q", map(_OFFSET, tensors)),
+            array.array("q", [0, *itertools.accumulate(map(_NBYTES, tensors))]),
+            tuple(map(_KEY, tensors)),
+        )
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def key_list(self) -> list[str]:
+        return self.keys.split("\n") if isinstance(self.keys, str) else list(self.keys)
+
+    def compacted(self) -> Parts:
+        """The same parts with their keys in one string (unless a key holds a newline): the form
+        the manifest travels in (see :meth:`__reduce__`), one string per entry, not per part."""
+        if isinstance(self.keys, str) or not self.keys:
+            return self
+        joined = "\n".join(self.keys)
+        if joined.count("\n") != len(self.keys) - 1:
+            return self
+        return replace(self, keys=joined)
+
+    def __eq__(self, other: object) -> bool:  # the keys compared as names, in either form
+        if not isinstance(other, Parts):
+            return NotImplemented
+        mine = (self.files, self.file_of, self.offsets, self.starts)
+        return mine == (other.files, other.file_of, other.offsets, other.starts) and (
+            self.key_list() == other.key_list()
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # arrays: never hashable
+
+    def __reduce__(self) -> tuple[type[Parts], tuple[object, ...]]:
+        """Pickled with :meth:`compacted`'s keys: the manifest reaches the other ranks as a few
+        hundred strings, not ~96,000 (rank 0 keeps its own tuples: joining them there would add
+        the joined copy to its heap, where the freed names would not give their memory back)."""
+        c = self.compacted()
+        return Parts, (c.files, c.file_of, c.offsets, c.starts, c.keys)
+
+    def __iter__(self) -> Iterator[Part]:
+        for i, key in enumerate(self.key_list()):
+            nbytes = self.starts[i + 1] - self.starts[i]
+            yield Part(self.files[self.file_of[i]], key, self.offsets[i], nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts[-1]
+
+    def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
+        """See :meth:`Entry.extents`: the parts that bytes [start, start + nbytes) span (found by
+        bisection), made column by column: a piece of stacked experts spans hundreds of parts."""
+        stop, starts, n = start + nbytes, self.starts, len(self.offsets)
+        lo = bisect.bisect_right(starts, start) - 1
+        if lo >= n or nbytes <= 0:
+            return []
+        hi = bisect.bisect_left(starts, stop, lo + 1, n)  # parts lo .. hi - 1 begin before stop
+        skipped = starts[lo:hi].tolist()
+        begins, ends = skipped.copy(), starts[lo + 1 : hi + 1].tolist()
+        begins[0], ends[-1] = max(begins[0], start), min(ends[-1], stop)  # only these two are cut
+        sizes = list(map(operator.sub, ends, begins))
+        out = list(
+            zip(
+                map(self.files.__getitem__, self.file_of[lo:hi]),
+                map(operator.add, self.offsets[lo:hi], map(operator.sub, begins, skipped)),
+                sizes,
+                map(operator.sub, begins, itertools.repeat(start)),
+            )
+        )
+        return out if min(sizes) > 0 else [e for e in out if e[2] > 0]  # zero-byte parts: nothing to read
+
+
+NO_PARTS = Parts()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One model tensor to move, in the wire dtype (the checkpoint's) and the model's shape.
+
+    Its bytes are those of one checkpoint tensor (``file``, ``ckpt_key``, ``offset``), or, for a
+    tensor assembled from several (``parts``: stacked experts), the parts' bytes one after the other
+    in the model tensor's row-major order. Pieces address an entry's bytes from 0 to ``nbytes``;
+    :meth:`extents` says where in the files they are.
+    """
+
+    key: str  # canonical model key
+    file: str  # absolute path on rank 0 (informational elsewhere); the first part's, if any
+    ckpt_key: str  # the first part's, if any
+    dtype: str  # wire dtype: the checkpoint's
+    shape: tuple[int, ...]  # the model tensor's
+    offset: int  # absolute offset in ``file``
+    nbytes: int
+    parts: Parts = NO_PARTS  # several checkpoint tensors, in order; empty: just the one above
+    # float8 block-quantised (see _fp8): each part's scale grid, in part order; the block size;
+    # each part's rows (its columns are the entry's last dimension). Empty: not quantised.
+    scales: Parts = NO_PARTS
+    block: tuple[int, int] = (0, 0)
+    part_rows: tuple[int, ...] = ()
+
+    @property
+    def scale_nbytes(self) -> int:
+        return self.scales.nbytes
+
+    def extents(self, start: int, nbytes: int, scales: bool = False) -> list[tuple[str, int, int, int]]:
+        """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)
+        (of its scale grids, with ``scales``)."""
+        parts = self.scales if scales else self.parts
+        if not parts:
+            return [(self.file, self.offset + start, nbytes, 0)]
+        return parts.extents(start, nbytes)
+
+
+def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    where = os.path.basename(t.file)
+    if t.shape != shape:
+        raise ModelMismatchError(
+            f"key {model_key!r}: checkpoint shape {t.shape} != model {shape} in {where}. "
+            "Does model_fn build the same config as the checkpoint?"
+        )
+    wire = DTYPES[t.dtype]
+    if wire == dtype:
+        return
+    if t.dtype in FLOAT_WIRE and dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        return
+    raise ModelMismatchError(
+        f"key {model_key!r}: checkpoint dtype {t.dtype} ({wire}) cannot be loaded into the model's "
+        f"{dtype} in {where}: only float64/32/16 and bfloat16 are cast; integers, bools, complex "
+        "and float8/float4 must match exactly. Build the model with the checkpoint's dtype."
+    )
+
+
+@dataclass(frozen=True)
+class KeyMatch:
+    """How the checkpoint's keys map onto the model's (made by ``_manifest.match_keys``)."""
+
+    # canonical model key -> the checkpoint tensors stored under its names, in header order
+    # (more than one: a tied parameter stored under several of its names)
+    by_model_key: dict[str, tuple[TensorHeader, ...]]
+    unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
+    ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
+    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted (kept ones aside)
+    # canonical model key -> the checkpoint tensors a conversion assembles it from
+    stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
+    # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
+    unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    # canonical keys no checkpoint key maps to that keep the values model_fn built (layout.built)
+    kept: tuple[str, ...] = ()
+
+
+def unconsumed(
+    match: KeyMatch, layout: ModelLayout, quantised: AbstractSet[str] | None = None
+) -> tuple[str, ...]:
+    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised
+    (``quantised``: :func:`quantised_keys`, when already known)."""
+    quantised = quantised_keys(match, layout) if quantised is None else quantised
+    # A header key ending in _scale_inv whose weight is quantised is consumed. Tested key by key in
+    # C, each prefix freed at once: no set of ~48,000 names made for it (9 MiB under rank 0's
+    # peak on a MiniMax-M2 checkpoint).
+    unexpected = match.unexpected
+    scale = map(operator.methodcaller("endswith", "_scale_inv"), unexpected)
+    weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len("_scale_inv"))))
+    consumed = map(operator.and_, scale, map(quantised.__contains__, weight))
+    return tuple(itertools.compress(unexpected, map(operator.not_, consumed)))
+
+
+def build_entries(
+    match: KeyMatch,
+    layout: ModelLayout,
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    *,
+    errors: list[str] | None = None,
+    quantised: AbstractSet[str] | None = None,
+) -> list[Entry]:
+    """(rank 0, for all headers at once or one run of files, see ``_runs``; or ``inspect``) One
+    entry per model tensor found: shapes and dtypes checked, stacked experts assembled, float8
+    tensors given their scales. Raises the first ModelMismatchError, or, with ``errors``
+    (``inspect``: headers only), collects every message there and reads no data (tied names stored
+    twice are then not compared). ``block``: the float8 block size the checkpoint's config.json
+    gives (``_fp8.block_size``; read by the caller, once for all of ``_runs``' runs)."""
+    # float8 checkpoint tensors for floating model tensors
+    quantised = quantised_keys(match, layout) if quantised is None else quantised
+    entries: list[Entry] = []
+
+    def one(model_key: str) -> Entry:
+        info = layout.tensors[model_key]
+        members = match.stacked.get(model_key)
+        if members is not None:
+            entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
+            if members[0][1].key in quantised:
+                entry = _with_scales(
+                    entry, [headers[k] for k in entry.parts.key_list()], headers, block, info.dtype
+                )
+            return entry
+        found = match.by_model_key[model_key]
+        if found[0].key in quantised:
+            if found[0].shape != info.shape:
+                _check_fits(found[0], model_key, info.shape, info.dtype)  # raises: the shapes differ
+            return _with_scales(_single(model_key, found[0]), (found[0],), headers, block, info.dtype)
+        for t in found:
+            _check_fits(t, model_key, info.shape, info.dtype)
+        if len(found) > 1 and errors is None:
+            _check_tied_equal(model_key, found)
+        return _single(model_key, found[0])
+
+    for model_key in [*match.by_model_key, *match.stacked]:
+        try:
+            entries.append(one(model_key))
+        except ModelMismatchError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
+    return entries
+
+
+def _single(key: str, t: TensorHeader) -> Entry:
+    return Entry(key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes)
+
+
+def quantised_keys(match: KeyMatch, layout: ModelLayout) -> set[str]:
+    """Checkpoint keys of float8 tensors that go into floating (not float8) model tensors: they are
+    dequantised with their ``_scale_inv`` (see _fp8)."""
+    out = set()
+    floating = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    for key, found in match.by_model_key.items():
+        if found[0].dtype in FP8_WIRE and layout.tensors[key].dtype in floating:
+            out.add(found[0].key)
+    for key, members in match.stacked.items():
+        if layout.tensors[key].dtype in floating:
+            out |= {t.key for _, t in members if t.dtype in FP8_WIRE}
+    return out
+
+
+def _with_scales(
+    entry: Entry,
+    parts: Sequence[TensorHeader],
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> Entry:
+    """``entry`` (float8 parts) with each part's scale grid, checked; dequantised on arrival."""
+    scales = list(map(headers.get, map(operator.add, map(_KEY, parts), itertools.repeat("_scale_inv"))))
+    if None in scales:  # raises, naming the first weight without a scale
+        fp8_scale_for(entry.key, parts[scales.index(None)], headers, block, dtype)
+    # The checks depend on the shapes and the scale's dtype alone: made once for each kind of part
+    kinds = list(zip(map(_SHAPE, parts), map(_SHAPE, scales), map(_DTYPE, scales)))
+    first_of = dict(zip(reversed(kinds), reversed(parts)))  # each kind's first part, named in errors
+    blocks = {fp8_scale_for(entry.key, first_of[k], headers, block, dtype)[1] for k in dict.fromkeys(kinds)}
+    if len(blocks) > 1:
+        raise ModelMismatchError(
+            f"model tensor {entry.key!r}: its float8 parts use different block sizes {sorted(blocks)}"
+        )
+    block = blocks.pop()
+    rows = [shape[0] for shape in map(_SHAPE, parts)]
+    # Parts that end on block boundaries (all but the last) are one matrix to the dequantisation:
+    # their grids one after the other are the grid of the parts stacked (stacked experts of
+    # 128-multiple widths, as real checkpoints have), so the entry is decoded with no step per part.
+    return replace(
+        entry,
+        scales=Parts.of(scales),  # type: ignore[arg-type]  # no None: checked above
+        block=block,
+        part_rows=(sum(rows),) if all(r % block[0] == 0 for r in rows[:-1]) else tuple(rows),
+    )
+
+
+def _assemble(
+    key: str,
+    members: tuple[tuple[ConversionMatch, TensorHeader], ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    quantised: AbstractSet[str] = frozenset(),
+) -> Entry:
+    """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
+    ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in
+    (expert, source) order, which is the fused tensor's row-major byte order."""
+    rule = members[0][0].rule
+    sources = members[0][0].sources
+    experts = shape[0] if shape else 0
+    matches, tensors = zip(*members)
+    seen: dict[tuple[int, int], TensorHeader] = dict(
+        zip(zip(map(_EXPERT, matches), map(_SOURCE, matches)), tensors)
+    )
+    if len(seen) < len(members) or max(e for e, _ in seen) >= experts:  # find the first culprit
+        seen = {}
+        for m, t in members:
+            expert = m.expert
+            assert expert is not None  # match_keys stacks only matches with an expert index
+            if expert >= experts or (expert, m.source) in seen:
+                what = "beyond the model's" if expert >= experts else "stored twice"
+                raise ModelMismatchError(
+                    f"model tensor {key!r} (shape {shape}): checkpoint key {t.key!r} is expert {expert}, "
+                    f"{what} {experts} experts ({rule}). Does model_fn build the checkpoint's config "
+                    "(num_experts)?"
+                )
+            seen[(expert, m.source)] = t
+    every = list(itertools.product(range(experts), range(sources)))  # the fused tensor's order
+    absent = [k for k in every if k not in seen]
+    if absent:
+        e, s = absent[0]
+        present = next(((e2, t.key) for (e2, s2), t in seen.items() if s2 == s), None)
+        named = ""
+        if present is not None:  # a present expert's key, with the missing expert's index
+            head, sep, tail = present[1].rpartition(f".{present[0]}.")
+            named = f" ({head}.{e}.{tail})" if sep else ""
+        raise ModelMismatchError(
+            f"model tensor {key!r}: the checkpoint has no expert {e} for source {s}{named} of {rule} "
+            f"({len(absent)} expert tensors are missing). The checkpoint is incomplete: re-download it, "
+            "or check that model_fn builds its config."
+        )
+    first = seen[(0, 0)]
+    parts = list(map(seen.__getitem__, every))
+    heads = [seen[(0, s)].shape for s in range(sources)]
+    if sources == 1:
+        fits = heads[0] == shape[1:]
+    else:
+        fits = all(len(h) == len(shape) - 1 and h[1:] == shape[2:] for h in heads)
+        fits = fits and sum(h[0] for h in heads) == shape[1]
+    same = all(map(operator.eq, map(_SHAPE, parts), itertools.cycle(heads)))
+    dtypes = sorted(set(map(_DTYPE, parts)))
+    if not (fits and same and len(dtypes) == 1):
+        raise ModelMismatchError(
+            f"model tensor {key!r} (shape {shape}, {rule}): its per-expert tensors do not stack to it "
+            f"(expert 0: shapes {heads}; all experts alike: {same}; dtypes {dtypes}). "
+            "Does model_fn build the checkpoint's config?"
+        )
+    if first.key not in quantised:
+        _check_fits(first._replace(shape=shape), key, shape, dtype)
+    nbytes = sum(map(_NBYTES, parts))
+    return Entry(
+        key,
+        first.file,
+        first.key,
+        first.dtype,
+        shape,
+        first.offset,
+        nbytes,
+        Parts.of(parts),
+    )
+
+
+def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], chunk: int = 8 << 20) -> None:
+    """Several names of one tied parameter are stored: they must hold the same bytes."""
+    first = found[0]
+    for other in found[1:]:
+        same = first.dtype == other.dtype and first.nbytes == other.nbytes
+        if same:
+            with open(first.file, "rb", buffering=0) as fa, open(other.file, "rb", buffering=0) as fb:
+                for pos in range(0, first.nbytes, chunk):
+                    n = min(chunk, first.nbytes - pos)
+                    if os.pread(fa.fileno(), n, first.offset + pos) != os.pread(
+                        fb.fileno(), n, other.offset + pos
+                    ):
+                        same = False
+                        break
+        if not same:
+            raise ModelMismatchError(
+                f"tied parameter {model_key!r} is stored twice with different values: "
+                f"{first.key!r} in {os.path.basename(first.file)} and {other.key!r} in "
+                f"{os.path.basename(other.file)}. The model ties them to one tensor; keep one "
+                "in the checkpoint or untie them in model_fn."
+            )

@@ -1,0 +1,214 @@
+"""Opening checkpoint files: regular files only, read-only, opened once, checked for changes.
+
+(rank 0) :func:`open_files` / :meth:`OpenFile.open` refuse anything but a regular file before
+opening it (a FIFO or a device could block rank 0 forever while the other ranks wait in a
+collective), open it once read-only and record its :class:`FileIdentity`. Every later read goes
+through that descriptor (headers, index and configs by :func:`read_exact`, tensor bytes by
+``_stream`` and ``_localread``), never by re-opening the path, and :meth:`OpenFile.check` tells a file replaced or
+rewritten during the load from a corrupt one.
+(ranks on rank 0's host) ``_local`` and ``_localread`` compare the descriptors rank 0 lends them
+with the :class:`FileIdentity` it recorded. No collectives here.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError
+
+__all__ = [
+    "FileIdentity",
+    "OpenFile",
+    "open_files",
+]
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words ("a FIFO", "a directory", ...)."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def not_regular(path: str, mode: int, where: str | None = None) -> CheckpointFormatError:
+    """The error for a checkpoint path (file, shard, index) that is not a regular file; ``where``:
+    the index or directory that named it, if any."""
+    kind = file_kind(mode)
+    what = (
+        "pass the directory itself as ckpt_path, or name a .safetensors file inside it"
+        if stat.S_ISDIR(mode)
+        else "rank0load reads checkpoint files at offsets (pread), which only a regular file allows: "
+        "write the data to a regular file first and load that"
+    )
+    prefix = f"{where}: " if where else ""
+    target = os.path.realpath(path)
+    link = f", a symlink to {target}" if os.path.islink(path) or target != os.path.abspath(path) else ""
+    return CheckpointFormatError(f"{prefix}{path} is not a regular file ({kind}{link}): {what}.")
+
+
+# O_NONBLOCK: opening a FIFO with no writer (or some devices) would otherwise block rank 0 forever
+# while the other ranks wait in a collective; on a regular file it changes nothing.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What ``os.fstat`` says when the file is opened: a later difference means it changed."""
+
+    dev: int  # st_dev: the filesystem
+    ino: int  # st_ino: the file on it (a rename over the path gives a new one)
+    size: int  # st_size in bytes
+    mtime_ns: int  # st_mtime_ns: moves on every write (to the filesystem's timestamp granularity)
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def rewritten(self, fd: int) -> list[str]:
+        """How the file open at ``fd`` differs from this identity in content (size, mtime): empty
+        when it does not."""
+        now = FileIdentity.of(os.fstat(fd))
+        changes = []
+        if now.size != self.size:
+            changes.append(f"size {self.size} -> {now.size}")
+        if now.mtime_ns != self.mtime_ns:
+            changes.append(f"rewritten: mtime changed ({self.mtime_ns} -> {now.mtime_ns} ns)")
+        return changes
+
+
+class OpenFile:
+    """(rank 0) One checkpoint file, opened once (read-only, O_NONBLOCK, O_CLOEXEC) after checking
+    it is a regular file; the stream reads by this descriptor, never re-opening by path.
+
+    :meth:`check` compares the file (by descriptor and by path) with the :class:`FileIdentity` taken
+    at open time. The caller owns the descriptor: :meth:`close` it (or use ``with``).
+    """
+
+    __slots__ = ("path", "fd", "identity")
+
+    def __init__(self, path: str, fd: int, identity: FileIdentity) -> None:
+        self.path = path  # as given to open(): TensorHeader.file and error messages use it
+        self.fd = fd  # -1 once closed
+        self.identity = identity
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> OpenFile:
+        """Open ``path`` if it is a regular file (after following symlinks).
+
+        Raises:
+            CheckpointNotFoundError: it does not exist or cannot be opened.
+            CheckpointFormatError: it is not a regular file (FIFO, socket, device, directory).
+        """
+        path = os.fspath(path)
+        try:
+            mode = os.stat(path).st_mode  # refuse before open(): open() itself may block or act
+        except OSError as exc:
+            raise _cannot_open(path, exc) from None
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            raise _cannot_open(path, exc) from None
+        try:
+            st = os.fstat(fd)  # the path may have been swapped since os.stat: check what we opened
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular(path, st.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, FileIdentity.of(st))
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointChangedError` unless the open file and the file at its path are
+        still the one opened: same device, inode, size and mtime (``os.fstat`` and ``os.stat``)."""
+        if self.fd < 0:
+            raise ValueError(f"{self.path}: check() on a closed OpenFile")
+        was = self.identity
+        changes = was.rewritten(self.fd)
+        try:
+            at_path = FileIdentity.of(os.stat(self.path))
+        except OSError as exc:
+            changes.append(f"removed: the path cannot be read any more ({exc.strerror})")
+        else:
+            if (at_path.dev, at_path.ino) != (was.dev, was.ino):
+                dev = f", device {was.dev} -> {at_path.dev}" if at_path.dev != was.dev else ""
+                changes.append(f"replaced: inode {was.ino} -> {at_path.ino}{dev}")
+        if changes:
+            raise CheckpointChangedError(
+                f"{self.path} changed ({'; '.join(changes)}): the checkpoint changed during the load; "
+                "wait until whatever writes it has finished, then load again."
+            )
+
+    def close(self) -> None:
+        """Close the descriptor; calling it again does nothing."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> OpenFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            warnings.warn(f"unclosed OpenFile {self.path!r}", ResourceWarning, stacklevel=2)
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"OpenFile({self.path!r}, fd={self.fd})"
+
+
+def open_files(paths: Iterable[str]) -> dict[str, OpenFile]:
+    """(rank 0) Open every path once (see :meth:`OpenFile.open`), keyed by the path as given.
+
+    If one fails, those already opened are closed and the error is raised. The caller closes the
+    returned files (``for f in files.values(): f.close()``).
+    """
+    files: dict[str, OpenFile] = {}
+    try:
+        for path in paths:
+            if path not in files:
+                files[path] = OpenFile.open(path)
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return files
+
+
+def _cannot_open(path: str, exc: OSError) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"{path}: cannot open: {exc.strerror}. Check that the file exists and is readable by this "
+        "process (permissions, a broken symlink, an unmounted filesystem)."
+    )
+
+
+def read_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    """``n`` bytes at ``offset`` (looping over short reads); a CheckpointChangedError if the file
+    ends first, since its size was checked before."""
+    parts = []
+    done = 0
+    while done < n:
+        chunk = os.pread(fd, n - done, offset + done)
+        if not chunk:
+            raise CheckpointChangedError(
+                f"{path} changed (it ended after {offset + done} bytes, {n - done} short of what was "
+                "read before): the checkpoint changed during the load; wait until whatever writes it "
+                "has finished, then load again."
+            )
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)

@@ -1,0 +1,270 @@
+"""FP8 block-quantised checkpoints (MiniMax-M2, DeepSeek-V3) dequantised on the receiving rank.
+
+A quantised weight ``w`` [R, C] is stored as float8 with ``w_scale_inv`` float32
+[ceil(R/bm), ceil(C/bn)]; its value is ``float32(w[r, c]) * scale[r // bm, c // bn]``, then cast to
+the model's dtype: transformers' ``Fp8Dequantize`` (``integrations/finegrained_fp8.py``), bit for
+bit. The wire carries the float8 bytes (one per element) and the scales (4 bytes per block of
+``bm * bn`` elements); each rank dequantises exactly the elements it receives.
+
+(rank 0) :func:`block_size` reads ``quantization_config.weight_block_size`` from the checkpoint's
+``config.json``, :func:`scale_for` finds and checks a weight's scale. (all ranks) :func:`dequantize`
+turns a run of an entry's elements into float32, bounded temporaries, whole rows vectorised;
+:func:`scale_span` says which bytes of the scale grids a run needs (a row-sharded rank gets only those).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ModelMismatchError
+from ._format import TensorHeader
+
+__all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for", "scale_span", "to_float32"]
+
+FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
+_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def to_float32(values: torch.Tensor) -> torch.Tensor:
+    """``values.to(torch.float32)`` for a float8 tensor, bit for bit, faster on the CPU.
+
+    torch converts float8 to float32 one element at a time on the CPU (about 0.2 G elements/s per
+    core on our machines); a float8 dtype has only 256 values, so a 1 KiB table indexed by the bytes
+    (``index_select`` with int32 indices) does the same about three times faster, NaNs included.
+    Elsewhere (CUDA) torch's own conversion is already at memory speed and is used as it is.
+    """
+    table = _table(values)
+    if table is None:
+        return values.to(torch.float32)
+    return table.index_select(0, values.reshape(-1).view(torch.uint8).int()).view(values.shape)
+
+
+def _table(values: torch.Tensor) -> torch.Tensor | None:
+    """The float32 value of each of ``values``' 256 float8 bytes, for a CPU float8 tensor; else None."""
+    if values.device.type != "cpu" or values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return None
+    table = _TABLES.get(values.dtype)
+    if table is None:
+        table = _TABLES[values.dtype] = torch.arange(256, dtype=torch.uint8).view(values.dtype).float()
+    return table
+
+
+def block_size(root: str) -> tuple[int, int] | None:
+    """(rank 0) ``quantization_config.weight_block_size`` of ``root/config.json``, or None."""
+    try:
+        with open(os.path.join(root, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    size = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if isinstance(size, list) and len(size) == 2 and all(type(b) is int and b > 0 for b in size):
+        return size[0], size[1]
+    return None
+
+
+def scale_for(
+    key: str,
+    weight: TensorHeader,
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> tuple[TensorHeader, tuple[int, int]]:
+    """(rank 0) The ``weight_scale_inv`` of float8 ``weight`` (checkpoint key ``weight.key``), checked
+    against its shape, and the block size. Raises ModelMismatchError naming what is wrong: a float8
+    weight is never loaded unscaled into a floating model."""
+    scale = headers.get(weight.key + "_scale_inv")
+    if scale is None:
+        where = os.path.basename(weight.file)
+        raise ModelMismatchError(
+            f"model tensor {key!r} ({dtype}): checkpoint key {weight.key!r} in {where} is {weight.dtype} "
+            f"but the checkpoint has no {weight.key + '_scale_inv'!r} to dequantise it with; loading it "
+            "unscaled would give wrong weights. Re-download the checkpoint, or build the model in the "
+            "checkpoint's float8 dtype."
+        )
+    if len(weight.shape) != 2 or len(scale.shape) != 2 or scale.dtype != "F32":
+        raise ModelMismatchError(
+            f"model tensor {key!r}: {weight.key!r} {weight.shape} with scale {scale.key!r} {scale.shape} "
+            f"({scale.dtype}): rank0load dequantises 2-D float8 weights with a 2-D float32 scale grid"
+        )
+    rows, cols = weight.shape
+    if block is None:  # inferred from the grid, then checked like a declared one
+        block = (_infer(rows, scale.shape[0]), _infer(cols, scale.shape[1]))
+    want = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if scale.shape != want:
+        raise ModelMismatchError(
+            f"model tensor {key!r}: scale {scale.key!r} in {os.path.basename(scale.file)} has shape "
+            f"{scale.shape}, but {weight.key!r} {weight.shape} in blocks of {block} needs {want}. "
+            "The checkpoint's scales do not fit its weights (or config.json's weight_block_size is wrong)."
+        )
+    return scale, block
+
+
+def _infer(size: int, blocks: int) -> int:
+    """A block size giving ``blocks`` blocks over ``size``: the smallest power of two at least
+    ``ceil(size / blocks)`` (grids do not determine partial blocks: 24 rows in 2 blocks are blocks of
+    16, as weight_block_size [16, 16] says, not 12; real checkpoints use 128)."""
+    least = math.ceil(size / max(1, blocks))
+    power = 1 << max(0, least - 1).bit_length()
+    return power if math.ceil(size / power) == blocks else least
+
+
+def scale_span(
+    part_rows: Sequence[int], cols: int, block: tuple[int, int], start: int, stop: int
+) -> tuple[int, int]:
+    """The bytes ``[first, end)`` of an entry's scale grids (its parts' grids one after the other, as
+    :func:`dequantize` takes them) that its elements ``[start, stop)`` are dequantised with: one run,
+    from the grid row of the first element's row to that of the last one's; ``(0, 0)`` if empty."""
+    if start >= stop:
+        return 0, 0
+    bm, bn = block
+    row_bytes = math.ceil(cols / bn) * 4  # one grid row of float32
+    first, last = start // cols, (stop - 1) // cols  # the rows of the first and last elements
+    span, base, grid_base = [0, 0], 0, 0  # the part's first row and first grid row
+    for rows in part_rows:
+        if base <= first < base + rows:
+            span[0] = (grid_base + (first - base) // bm) * row_bytes
+        if base <= last < base + rows:
+            span[1] = (grid_base + (last - base) // bm + 1) * row_bytes
+            break
+        base, grid_base = base + rows, grid_base + math.ceil(rows / bm)
+    return span[0], span[1]
+
+
+def dequantize(
+    values: torch.Tensor,
+    start: int,
+    part_rows: list[int],
+    cols: int,
+    block: tuple[int, int],
+    scales: torch.Tensor,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 values of elements ``[start, start + len(values))`` of an entry made of 2-D parts
+    of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales`` holds the
+    parts' scale grids (float32), one after the other. (Parts that end on block boundaries are one
+    part to this: ``_entries`` gives such an entry a single ``part_rows``.)
+
+    ``into``: a contiguous tensor of ``len(values)`` elements of a floating dtype that receives the
+    values instead (returned), each product rounded once to its dtype, as ``.to(dtype)`` of the
+    float32 values rounds it: the shard itself, with no float32 copy of the values to cast after.
+    """
+    out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
+    dest = out if into is None else into.view(-1)
+    bm, bn = block
+    grid_cols = math.ceil(cols / bn)
+    done, base, grid_base = 0, 0, 0
+    for rows in part_rows:
+        size = rows * cols
+        lo, hi = max(start, base), min(start + values.numel(), base + size)
+        if lo < hi:
+            grid = scales[grid_base : grid_base + math.ceil(rows / bm) * grid_cols].view(-1, grid_cols)
+            at, to = lo - start, hi - start
+            _part(values[at:to], out[at:to], dest[at:to], lo - base, cols, block, grid)
+            done += hi - lo
+        base += size
+        grid_base += math.ceil(rows / bm) * grid_cols
+        if done == values.numel():
+            break
+    return dest
+
+
+def dequantize_at(
+    values: torch.Tensor,
+    flat: torch.Tensor,
+    part_rows: list[int],
+    cols: int,
+    block: tuple[int, int],
+    scales: torch.Tensor,
+) -> torch.Tensor:
+    """float32 values of the entry's elements at flat indices ``flat`` (int64, one per value, any
+    order): what a rank holding a block of a tensor-parallel shard needs, whose elements are not one
+    run of the entry. Same arithmetic as :func:`dequantize`, one gathered scale per element."""
+    bm, bn = block
+    grid_cols = math.ceil(cols / bn)
+    ends = torch.tensor(list(itertools.accumulate(part_rows)), dtype=torch.int64, device=flat.device)
+    grid_rows = [math.ceil(rows / bm) for rows in part_rows]
+    grid_bases = torch.tensor(
+        [0, *itertools.accumulate(grid_rows)][:-1], dtype=torch.int64, device=flat.device
+    )
+    row, col = flat // cols, flat % cols
+    part = torch.searchsorted(ends, row, right=True)
+    part_base = ends[part] - torch.tensor(part_rows, dtype=torch.int64, device=flat.device)[part]
+    grid_row = grid_bases[part] + (row - part_base) // bm
+    scale = scales.view(-1, grid_cols)[grid_row, col // bn]
+    return to_float32(values) * scale
+
+
+def _part(
+    values: torch.Tensor,
+    out: torch.Tensor,
+    dest: torch.Tensor,
+    first: int,
+    cols: int,
+    block: tuple[int, int],
+    grid: torch.Tensor,
+) -> None:
+    """Elements ``first ..`` of one [rows, cols] part: converted at once into ``out`` (float32),
+    then each run of rows multiplied by its scales broadcast over the block (no full-size scale
+    tensor), the products written to ``dest`` (``out`` itself, or the destination)."""
+    _convert_into(values, out)
+    pos, n = 0, values.numel()
+    while pos < n:
+        row, col = divmod(first + pos, cols)
+        if col or n - pos < cols:  # part of one row
+            take = min(n - pos, cols - col)
+            shape: tuple[int, int] = (1, take)
+        else:
+            take = (n - pos) // cols * cols
+            shape, col = (take // cols, cols), 0
+        _scale_rows(
+            out[pos : pos + take].view(shape), dest[pos : pos + take].view(shape), grid, row, col, block
+        )
+        pos += take
+
+
+def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:] = float32(values)`` (see :func:`to_float32`), without a temporary on the CPU."""
+    table = _table(values)
+    if table is None:
+        out.copy_(values)
+        return
+    torch.index_select(table, 0, values.reshape(-1).view(torch.uint8).int(), out=out.view(-1))
+
+
+def _scale_rows(
+    x: torch.Tensor, y: torch.Tensor, grid: torch.Tensor, row: int, col: int, block: tuple[int, int]
+) -> None:
+    """``y = x`` [k, w] times the block scales of rows ``row ..`` and columns ``col ..`` of a part
+    (``y`` may be ``x``). Whole blocks (the usual run of a stacked expert's rows): one multiply with
+    the grid broadcast over each block. Otherwise the scale rows are gathered once per matrix row
+    ([k, grid columns], 1/bn of the elements), then broadcast over each block's columns."""
+    bm, bn = block
+    k, width = x.shape
+    if not col and not row % bm and not k % bm and not width % bn:
+        g, blocks = row // bm, (k // bm, bm, width // bn, bn)
+        torch.mul(x.view(blocks), grid[g : g + k // bm, None, : width // bn, None], out=y.view(blocks))
+        return
+    index = torch.arange(row, row + k, device=grid.device) // bm
+    rows = grid.index_select(0, index)  # [k, grid columns]
+    at = 0
+    if col % bn:  # a partial first column block
+        take = min(width, bn - col % bn)
+        torch.mul(x[:, :take], rows[:, col // bn, None], out=y[:, :take])
+        at = take
+    whole = (width - at) // bn
+    if whole:
+        g = (col + at) // bn
+        span = slice(at, at + whole * bn)
+        torch.mul(
+            x[:, span].view(k, whole, bn), rows[:, g : g + whole, None], out=y[:, span].view(k, whole, bn)
+        )
+        at += whole * bn
+    if at < width:  # a partial last column block
+        torch.mul(x[:, at:], rows[:, (col + at) // bn, None], out=y[:, at:])

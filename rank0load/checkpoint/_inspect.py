@@ -1,0 +1,202 @@
+"""What a checkpoint holds, and whether it fits a model, from the headers alone (one process).
+
+(one process; no collectives, no process group) :func:`inspect_checkpoint` resolves the checkpoint
+like ``load_sharded`` does on rank 0 (directory, file, index or Hub repo id), validates every
+header and the index, and summarises files, tensors, dtypes and sizes. Given a ``model_fn``, it
+builds the model on meta (nothing is allocated), matches keys exactly as a load does
+(``_manifest.match_keys``: ``key_map``, non-persistent buffers, tied and wrapper aliases) and lists
+missing, unexpected and mismatched keys, all of them rather than the first. No tensor data is read, so
+tied names stored more than once are listed (``tied_twice``) for the load to compare.
+``python -m rank0load inspect`` is the command-line front end (``__main__``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch import nn
+
+from ..errors import LoadError
+from ..integrations._convert import conversions_for
+from ..model._meta import build_on_meta, describe
+from ._entries import build_entries, quantised_keys, unconsumed
+from ._format import TensorHeader
+from ._fp8 import block_size as fp8_block_size
+from ._manifest import _headers, match_keys
+from ._source import resolve
+
+__all__ = ["FileSummary", "Inspection", "inspect_checkpoint", "load_factory"]
+
+
+@dataclass(frozen=True)
+class FileSummary:
+    name: str  # as the checkpoint names it (a Hub snapshot's file, not the blob it links to)
+    path: str
+    bytes: int  # file size on disk
+    tensors: int
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """A checkpoint's contents and, when a model was given, how its keys fit that model."""
+
+    description: str
+    root: str
+    files: tuple[FileSummary, ...]
+    tensors: int
+    total_bytes: int  # tensor data, the bytes a load moves
+    dtypes: dict[str, tuple[int, int]]  # safetensors dtype -> (tensors, bytes)
+    largest: TensorHeader | None
+    model_checked: bool = False
+    model_tensors: int = 0
+    matched: int = 0  # model tensors the checkpoint holds (after key_map)
+    missing: tuple[str, ...] = ()  # model keys the checkpoint lacks
+    unexpected: tuple[str, ...] = ()  # checkpoint keys the model lacks
+    mismatched: tuple[str, ...] = field(default=())  # one message per key whose shape/dtype cannot load
+    ignored: tuple[str, ...] = ()  # checkpoint keys key_map dropped or non-persistent in the model
+    converted: tuple[str, ...] = ()  # model tensors assembled from several tensors or dequantised
+    # Tied parameters whose names the checkpoint stores more than once ("a = b"): a load compares
+    # their bytes and raises if they differ; headers alone cannot tell.
+    tied_twice: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        """No missing, unexpected or mismatched keys (True when no model was checked). Values are not
+        read: ``tied_twice`` lists what only a load can compare."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+
+def load_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
+    """``"package.module:factory"`` (the attribute may be dotted) -> the callable.
+
+    ``option``: the command-line option that named ``spec``, for the error messages.
+
+    Raises:
+        ValueError: ``spec`` is not ``MODULE:CALLABLE``.
+        TypeError: the attribute is not callable.
+        ImportError / AttributeError: the module or attribute does not exist.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{option} {spec!r}: expected MODULE:CALLABLE, e.g. 'mypkg.models:build_llama'")
+    obj: object = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{option} {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[return-value]
+
+
+def inspect_checkpoint(
+    ckpt_path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    model_fn: Callable[[], nn.Module] | None = None,
+    key_map: Callable[[str], str | None] | None = None,
+    conversions: Sequence[Any] = (),
+) -> Inspection:
+    """Summarise a checkpoint and, with ``model_fn``, check its keys, shapes and dtypes against the model.
+
+    Args:
+        ckpt_path: directory, ``.safetensors`` file, index ``.json`` or Hub repo id.
+        revision: Hub revision for a repo id.
+        model_fn: zero-argument callable building the model; it runs with parameters on meta.
+        key_map: checkpoint key -> model key, or None to drop the key; as ``load_sharded`` takes it.
+            Needs ``model_fn``.
+        conversions: :class:`~rank0load.StackExperts` rules, as ``load_sharded`` takes them
+            (transformers' own conversions apply to a transformers model without them).
+
+    Returns:
+        An :class:`Inspection`.
+
+    Raises:
+        ValueError: ``key_map`` without ``model_fn``.
+        LoadError: the checkpoint cannot be found or is malformed (``CheckpointNotFoundError``,
+            ``CheckpointFormatError``).
+        ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
+            checkpoint keys to one model key (what ``load_sharded`` raises too).
+        Exception: whatever ``model_fn`` raises.
+    """
+    if key_map is not None and model_fn is None:
+        raise ValueError("key_map maps checkpoint keys to model keys: pass model_fn as well")
+    source = resolve(ckpt_path, revision)
+    headers = _headers(source)
+    per_file: dict[str, int] = {path: 0 for path in source.files}
+    dtypes: dict[str, tuple[int, int]] = {}
+    largest: TensorHeader | None = None
+    for t in headers.values():
+        per_file[t.file] = per_file.get(t.file, 0) + 1
+        count, nbytes = dtypes.get(t.dtype, (0, 0))
+        dtypes[t.dtype] = (count + 1, nbytes + t.nbytes)
+        if largest is None or t.nbytes > largest.nbytes:
+            largest = t
+    names = _names(source.root)
+    files = tuple(
+        FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), n)
+        for path, n in per_file.items()
+    )
+    summary = Inspection(
+        description=source.description,
+        root=source.root,
+        files=files,
+        tensors=len(headers),
+        total_bytes=sum(t.nbytes for t in headers.values()),
+        dtypes=dict(sorted(dtypes.items())),
+        largest=largest,
+    )
+    if model_fn is None:
+        return summary
+
+    model, built = build_on_meta(model_fn)
+    layout = describe(model, built)
+    keys = list(layout.tensors) + list(layout.aliases)
+    match = match_keys(headers, layout, key_map, conversions_for(model, keys, conversions))
+    mismatched: list[str] = [
+        f"model tensor {target!r} would come from {ckpt_key!r} through {rule}, which {why}"
+        for target, (ckpt_key, rule, why) in sorted(match.unsupported.items())
+        if target in match.missing
+    ]
+    quantised = quantised_keys(match, layout)
+    block = fp8_block_size(source.root) if quantised else None
+    entries = build_entries(match, layout, headers, block, errors=mismatched, quantised=quantised)
+    converted = tuple(
+        f"{e.key} <- {len(e.parts) or 1} tensors ({e.ckpt_key}, ...)"
+        + (f", float8 dequantised in blocks of {list(e.block)}" if e.scales else "")
+        for e in sorted(entries, key=lambda e: e.key)
+        if e.parts or e.scales
+    )
+    return replace(
+        summary,
+        model_checked=True,
+        model_tensors=len(layout.tensors),
+        matched=len(match.by_model_key) + len(match.stacked),
+        missing=match.missing,
+        unexpected=unconsumed(match, layout),
+        mismatched=tuple(sorted(mismatched)),
+        ignored=match.ignored,
+        converted=converted,
+        tied_twice=tuple(
+            sorted(
+                " = ".join(t.key for t in found) for found in match.by_model_key.values() if len(found) > 1
+            )
+        ),
+    )
+
+
+def _names(root: str) -> dict[str, str]:
+    """Real path -> name for the files of ``root`` (Hub snapshots link their files to blobs)."""
+    try:
+        return {os.path.realpath(os.path.join(root, n)): n for n in os.listdir(root)}
+    except OSError:
+        return {}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError as exc:
+        raise LoadError(f"cannot stat {path!r}: {exc.strerror}") from None

@@ -1,0 +1,501 @@
+"""Match the checkpoint's headers to the model and produce the manifest (rank 0; no collectives).
+
+(rank 0) :func:`open_checkpoint` resolves the checkpoint, opens its files and reads their headers
+(before the ranks agree: headers need no model); :func:`read_manifest` then runs
+:func:`build_manifest` on them, which maps checkpoint keys to model keys
+(:func:`match_keys`, which ``inspect`` shares so its dry run matches keys exactly as a load does),
+checks keys (the entries themselves come from ``_entries``), and returns a :class:`Manifest`: the
+ordered list of :class:`Entry` that every rank will iterate during streaming. Any problem raises a
+:class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
+from ..integrations import _peft
+from ..integrations._convert import Conversion, ConversionMatch, KeyResolver
+from ..model._meta import ModelLayout
+from ._entries import FLOAT_WIRE, Entry, KeyMatch, Part, build_entries, quantised_keys, unconsumed
+from ._files import OpenFile, open_files
+from ._format import TensorHeader, read_header
+from ._fp8 import block_size as fp8_block_size
+from ._source import Source, resolve
+
+__all__ = [
+    "build_entries",
+    "unconsumed",
+    "Entry",
+    "FLOAT_WIRE",
+    "Part",
+    "Adapter",
+    "Checkpoint",
+    "adapters_of",
+    "KeyMatch",
+    "Manifest",
+    "build_manifest",
+    "headers_of",
+    "manifest_of",
+    "match_keys",
+    "open_checkpoint",
+    "read_manifest",
+    "unforeseen",
+]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    entries: tuple[Entry, ...]
+    missing: tuple[str, ...] = ()  # canonical model keys absent from the checkpoint (strict=False)
+    # canonical keys absent from the checkpoint that keep the values model_fn built (PEFT adapters)
+    kept: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()  # checkpoint keys skipped (strict=False)
+    ignored: tuple[str, ...] = ()  # checkpoint keys held by the model as non-persistent buffers
+    files: tuple[str, ...] = field(default=())
+    total_bytes: int = 0
+    # (elements of the parameters initialised rather than loaded, elements of all parameters)
+    initialised: tuple[int, int] = (0, 0)
+    # runs of files whose headers were matched one run at a time (see _runs); 0: all at once
+    runs: int = 0
+
+
+def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
+    """All tensors of all files; checked against the index when there is one (each file's keys
+    against the keys it lists for that file: :class:`~._source.Listing`).
+
+    ``files``: the source's files already opened (``_files.open_files(source.files)``); each
+    header is then read through its descriptor. Without it, each file is opened by path.
+    """
+    found: dict[str, TensorHeader] = {}
+    for path in source.files:
+        tensors, _ = read_header(files[path] if files is not None else path)
+        twice = found.keys() & tensors.keys()  # ~96,000 keys in a MoE checkpoint: checked in C
+        if twice:
+            key = next(k for k in tensors if k in twice)
+            raise CheckpointFormatError(
+                f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
+                f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
+            )
+        if source.listing is not None and not source.listing.agrees(path, tensors):
+            _disagreement(source, source.listing.read_map(), path, tensors)
+        found.update(tensors)
+    if source.listing is not None and source.listing.total != len(found):  # listed, in no header
+        absent = next(((k, p) for k, p in source.listing.read_map().items() if k not in found), None)
+        if absent is None:  # the index read again lists only keys that are there
+            raise CheckpointChangedError(
+                f"{source.description}: the index changed while the checkpoint was loaded "
+                f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
+                "once it is written."
+            )
+        key, path = absent
+        raise CheckpointFormatError(
+            f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
+            "but no file stores it. The index and the shards disagree: re-save the checkpoint."
+        )
+    return found
+
+
+def _disagreement(
+    source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
+) -> None:
+    """Raise the error naming where file ``path``'s keys (its ``tensors``) and the index's map
+    ``listed`` disagree: a key it does not list, or lists in another file (a key it lists but
+    no file holds is named after the last file, as before the index was kept as a Listing)."""
+    unlisted = [k for k in tensors if k not in listed]
+    if unlisted:
+        raise CheckpointFormatError(
+            f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
+            f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
+        )
+    elsewhere = next(((k, listed[k]) for k in tensors if listed[k] != path), None)
+    if elsewhere is not None:
+        key, where = elsewhere
+        raise CheckpointFormatError(
+            f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
+            f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
+        )
+    # else the index lists more keys in this file than it holds: raised once all files are read
+
+
+def match_keys(
+    headers: dict[str, TensorHeader],
+    layout: ModelLayout,
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion] = (),
+    resolver: KeyResolver | None = None,
+) -> KeyMatch:
+    """(rank 0, or one process for ``inspect``) Map every checkpoint key to a canonical model key:
+    ``key_map`` first, then the model's non-persistent buffers (ignored) and its own aliases
+    (:meth:`ModelLayout.canonical`); a key the model does not have is offered to ``conversions``
+    (renamed, or one of the parts of a stacked parameter). Keys the model has win: a checkpoint
+    already in the model's layout loads as it is. Shapes and dtypes are not checked here.
+
+    ``resolver``: a KeyResolver for ``layout`` and ``conversions`` that earlier calls used (see
+    ``_runs``: the headers matched file by file); None: a new one.
+
+    Raises:
+        ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
+            checkpoint keys to one model key.
+    """
+    ignored: list[str] = []
+    if key_map is None:  # the header's keys are unique: none can map twice
+        ckpt_keys = model_keys = [k for k in headers if k not in layout.non_persistent]
+        ignored = [k for k in headers if k in layout.non_persistent]
+    else:
+        ckpt_keys, model_keys = _mapped(headers, key_map, layout.non_persistent, ignored)
+    by_model_key: dict[str, list[TensorHeader]] = {}
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
+    unsupported: dict[str, tuple[str, str, str]] = {}
+    unexpected: list[str] = []
+    if resolver is None:  # one per load: its rules, learnt from the first keys, hold for the rest
+        resolver = KeyResolver(layout.canonical, conversions, layout.canonical_all)
+    answers = resolver.resolve_columns(model_keys)
+    for ckpt_key, canonical, converted in zip(ckpt_keys, *answers):
+        if canonical is None or converted is not None and converted.unsupported is not None:
+            if converted is not None and canonical is not None:
+                unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
+            unexpected.append(ckpt_key)
+        elif converted is not None and converted.expert is not None:
+            stacked.setdefault(canonical, []).append((converted, headers[ckpt_key]))
+        else:
+            by_model_key.setdefault(canonical, []).append(headers[ckpt_key])
+    both = sorted(set(stacked) & set(by_model_key))
+    if both:
+        raise ModelMismatchError(
+            f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
+            "layout (re-save it, or drop one set of keys with key_map)."
+        )
+    absent = [k for k in layout.tensors if k not in by_model_key and k not in stacked]
+    return KeyMatch(
+        by_model_key={k: tuple(found) for k, found in by_model_key.items()},
+        unexpected=tuple(sorted(unexpected)),
+        ignored=tuple(sorted(ignored)),
+        missing=tuple(sorted(k for k in absent if k not in layout.built)),
+        stacked={k: tuple(found) for k, found in stacked.items()},
+        unsupported=unsupported,
+        kept=tuple(sorted(k for k in absent if k in layout.built)),
+    )
+
+
+def _mapped(
+    headers: dict[str, TensorHeader],
+    key_map: Callable[[str], str | None],
+    non_persistent: AbstractSet[str],
+    ignored: list[str],
+) -> tuple[list[str], list[str]]:
+    """The checkpoint keys ``key_map`` keeps that are no non-persistent buffer of the model (those
+    and the dropped keys go to ``ignored``), and their model keys. Raises ModelMismatchError when
+    ``key_map`` raises, returns neither a str nor None, or maps two keys to one model key."""
+    ckpt_keys: list[str] = []
+    model_keys: list[str] = []
+    mapped_from: dict[str, str] = {}
+    for ckpt_key, t in headers.items():
+        try:
+            model_key = key_map(ckpt_key)
+        except Exception as exc:
+            raise ModelMismatchError(
+                f"key_map({ckpt_key!r}) raised {type(exc).__name__}: {exc} (checkpoint file "
+                f"{os.path.basename(t.file)}). key_map must return a model key (str) or None for "
+                "every checkpoint key: fix it, or return None for keys to drop."
+            ) from None
+        if model_key is None:
+            ignored.append(ckpt_key)
+            continue
+        if not isinstance(model_key, str):
+            raise ModelMismatchError(
+                f"key_map({ckpt_key!r}) returned {model_key!r}: expected a model key (str) or None "
+                "to drop the key. Fix key_map."
+            )
+        if model_key in mapped_from:
+            raise ModelMismatchError(
+                f"key_map maps both {mapped_from[model_key]!r} and {ckpt_key!r} to model key "
+                f"{model_key!r}. Each model key may come from one checkpoint key only."
+            )
+        mapped_from[model_key] = ckpt_key
+        if model_key in non_persistent:
+            ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
+        else:
+            ckpt_keys.append(ckpt_key)
+            model_keys.append(model_key)
+    return ckpt_keys, model_keys
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """(rank 0) A PEFT adapter folder to load with the base checkpoint: its resolved source, and the
+    model key each of its file's names stands for (``_peft.adapter_names``, inverted)."""
+
+    name: str
+    source: Source
+    model_keys: dict[str, str]
+
+
+def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
+    """(rank 0) ``load_sharded(adapter=...)`` resolved: a PEFT adapter folder (or Hub repo id) for the
+    model's active adapter, or a mapping of adapter name -> folder; each folder's
+    ``adapter_config.json`` checked against the model's config of that adapter."""
+    if isinstance(adapter, (str, os.PathLike)):
+        specs = {str(getattr(model, "active_adapter", "default")): adapter}
+    elif isinstance(adapter, dict):
+        specs = dict(adapter)
+    else:
+        raise LoadError(
+            f"adapter={adapter!r}: pass a PEFT adapter folder, or a dict of adapter name -> folder"
+        )
+    found = []
+    for name, path in specs.items():
+        source = resolve(path)
+        if [os.path.basename(f) for f in source.files] != [_peft.ADAPTER_WEIGHTS]:
+            raise CheckpointFormatError(
+                f"adapter {os.fspath(path)!r} holds {[os.path.basename(f) for f in source.files]}, not "
+                f"{_peft.ADAPTER_WEIGHTS!r} alone: pass the folder PEFT's save_pretrained (safetensors) "
+                "or rank0load.save_sharded(model, out_dir, adapter=...) wrote."
+            )
+        _peft.check_adapter_config(model, name, _peft.read_adapter_config(source.root), os.fspath(path))
+        names = _peft.adapter_names(model, name)
+        found.append(Adapter(name, source, {saved: key for key, saved in names.items()}))
+    return found
+
+
+def build_manifest(
+    source: Source,
+    layout: ModelLayout,
+    *,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    files: dict[str, OpenFile] | None = None,
+    conversions: Sequence[Conversion] = (),
+    adapters: Sequence[Adapter] = (),
+    headers: dict[str, TensorHeader] | None = None,
+) -> Manifest:
+    """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
+    list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`).
+    ``headers``: the source's headers, read already (:func:`open_checkpoint`)."""
+    if headers is None:
+        headers = _headers(source, files)
+    headers, key_map = _with_adapters(headers, key_map, adapters, files)
+    match = match_keys(headers, layout, key_map, conversions)
+    quantised = quantised_keys(match, layout)
+    missing, unexpected = match.missing, unconsumed(match, layout, quantised)
+    description = " + ".join([source.description, *(a.source.description for a in adapters)])
+    if layout.tensors and not match.by_model_key and not match.stacked:
+        raise ModelMismatchError(_nothing_matched(description, headers, layout, match))
+    cannot = {k: v for k, v in match.unsupported.items() if k in missing}
+    if cannot:
+        target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
+        raise ModelMismatchError(
+            f"{description}: model tensor {target!r} would come from checkpoint key {ckpt_key!r} "
+            f"through the conversion {rule}, which {why}; rank0load assembles only stacked experts "
+            f"(MergeModulelist(dim=0), then Concatenate(dim=1)). {len(cannot)} tensors are affected. "
+            "Convert the checkpoint to the model's layout first (from_pretrained, then save_pretrained "
+            "with save_original_format=False), or pass key_map."
+        )
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {format_keys(missing)}")
+        if unexpected:
+            parts.append(f"unexpected in the checkpoint: {format_keys(unexpected)}")
+        raise ModelMismatchError(
+            f"{description}: keys do not match the model; "
+            + "; ".join(parts)
+            + ". Pass key_map to rename keys, or strict=False to skip unexpected keys and "
+            "initialise missing ones with the model's own initialisation."
+        )
+    uninitialisable = [k for k in missing if layout.tensors[k].is_param and k not in layout.initialisable]
+    if uninitialisable:
+        raise ModelMismatchError(
+            f"{description}: missing parameters {format_keys(uninitialisable)} have no "
+            "initialiser (their module has no reset_parameters() and no ancestor has _init_weights()), "
+            "so strict=False would leave them uninitialised. Add them to the checkpoint or give the "
+            "module a reset_parameters()."
+        )
+
+    block = fp8_block_size(source.root) if quantised else None
+    entries = build_entries(match, layout, headers, block, quantised=quantised)
+    every = [*source.files, *(f for a in adapters for f in a.source.files)]
+    order = {path: i for i, path in enumerate(every)}
+    entries.sort(key=lambda e: (order[e.file], e.offset))
+    return manifest_of(entries, layout, missing, unexpected, match.ignored, match.kept, tuple(every))
+
+
+def manifest_of(
+    entries: list[Entry],
+    layout: ModelLayout,
+    missing: tuple[str, ...],
+    unexpected: tuple[str, ...],
+    ignored: tuple[str, ...],
+    kept: tuple[str, ...],
+    files: tuple[str, ...],
+    runs: int = 0,
+) -> Manifest:
+    """(rank 0) The manifest of checked ``entries`` (in file order) and the keys' verdicts."""
+    params = [t for t in layout.tensors.values() if t.is_param]
+    return Manifest(
+        entries=tuple(entries),
+        missing=missing,
+        unexpected=unexpected,
+        ignored=ignored,
+        files=files,
+        total_bytes=sum(e.nbytes for e in entries),
+        kept=kept,
+        initialised=(
+            sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
+            sum(math.prod(t.shape) for t in params),
+        ),
+        runs=runs,
+    )
+
+
+def _with_adapters(
+    headers: dict[str, TensorHeader],
+    key_map: Callable[[str], str | None] | None,
+    adapters: Sequence[Adapter],
+    files: dict[str, OpenFile] | None,
+) -> tuple[dict[str, TensorHeader], Callable[[str], str | None] | None]:
+    """The base checkpoint's headers with each adapter's added under the model keys PEFT's names
+    stand for; key_map is then applied to the base checkpoint's keys only."""
+    if not adapters:
+        return headers, key_map
+    merged, own = dict(headers), set()
+    for adapter in adapters:
+        for name, t in _headers(adapter.source, files).items():
+            key = adapter.model_keys.get(name, name)
+            if key in merged:
+                raise CheckpointFormatError(
+                    f"{key!r} is stored both in {os.path.basename(merged[key].file)} and in adapter "
+                    f"{adapter.source.description} ({name!r}); keep one copy."
+                )
+            merged[key] = t
+            own.add(key)
+    if key_map is None:
+        return merged, None
+    user_map = key_map
+    return merged, lambda k: k if k in own else user_map(k)
+
+
+def _nothing_matched(
+    description: str, headers: dict[str, TensorHeader], layout: ModelLayout, match: KeyMatch
+) -> str:
+    """The error for a load that would load nothing: a few names from each side, and a guess."""
+    ckpt = sorted(headers)
+    model = sorted(k for k in layout.tensors if layout.tensors[k].is_param) or sorted(layout.tensors)
+    hint = _prefix_hint(ckpt, model)
+    if not ckpt:
+        found = "The checkpoint holds no tensors."
+    elif len(match.ignored) == len(ckpt):
+        found = f"key_map dropped all {len(ckpt)} checkpoint keys (or they are the model's non-persistent buffers)."
+    else:
+        found = f"The checkpoint holds {len(ckpt)} keys, e.g. {format_keys(ckpt[:3])}."
+    return (
+        f"{description}: no checkpoint key matched any model key, so nothing would be loaded (whatever "
+        f"strict is). {found} The model has {len(layout.tensors)}, e.g. {format_keys(model[:3])}. "
+        + (hint or "Check that model_fn builds the model this checkpoint was saved from, or pass key_map.")
+    )
+
+
+def _prefix_hint(ckpt: list[str], model: list[str]) -> str:
+    """A key_map that would make the names meet, when one side has a prefix the other lacks."""
+    model_set, ckpt_set = set(model), set(ckpt)
+    for key in ckpt[:50]:
+        for m in model:
+            if m.endswith("." + key) and sum(m[: -len(key)] + k in model_set for k in ckpt[:50]) > 25:
+                prefix = m[: -len(key)]
+                return f"The model's names have a prefix the checkpoint's lack: pass key_map=lambda k: {prefix!r} + k."
+            if key.endswith("." + m) and sum(key[: -len(m)] + k in ckpt_set for k in model[:50]) > 25:
+                prefix = key[: -len(m)]
+                return (
+                    f"The checkpoint's names have a prefix the model's lack: pass "
+                    f"key_map=lambda k: k.removeprefix({prefix!r})."
+                )
+    return ""
+
+
+@dataclass
+class Checkpoint:
+    """(rank 0) The checkpoint resolved, its files open and its headers read and checked: what
+    :func:`read_manifest` matches against the model. Read before the ranks agree on their models,
+    while the slower ranks still build (the headers need no model)."""
+
+    source: Source
+    adapters: Sequence[Adapter]
+    files: dict[str, OpenFile]
+    headers: dict[str, TensorHeader]
+    by_runs: bool = False  # headers left unread: read and matched run by run (see _runs)
+
+
+def headers_of(checkpoint: Checkpoint) -> dict[str, TensorHeader]:
+    """(rank 0) Every header of the checkpoint, read through its open files, checked."""
+    return _headers(checkpoint.source, checkpoint.files)
+
+
+def open_checkpoint(
+    ckpt_path: str | os.PathLike[str],
+    revision: str | None,
+    stack: contextlib.ExitStack,
+    adapters: Callable[[], Sequence[Adapter]] = lambda: (),
+    by_runs: bool = False,
+) -> Checkpoint | LoadError:
+    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
+    (closed by ``stack``) and read the checkpoint's headers. Returns them with the open files the
+    stream reads, or the LoadError to share with every rank (anything unforeseen is wrapped in one).
+    ``by_runs``: without adapters, leave the headers unread (``_runs.read_manifest`` reads them
+    run by run)."""
+    try:
+        source = resolve(ckpt_path, revision)
+        found = adapters()
+        files = open_files((*source.files, *(f for a in found for f in a.source.files)))
+        for opened in files.values():
+            stack.callback(opened.close)
+        if by_runs and not found:
+            return Checkpoint(source, found, files, {}, by_runs=True)
+        return Checkpoint(source, found, files, _headers(source, files))
+    except LoadError as exc:
+        return exc
+    except Exception as exc:  # anything unforeseen must still reach every rank
+        return unforeseen(ckpt_path, exc)
+
+
+def read_manifest(
+    checkpoint: Checkpoint | LoadError,
+    ckpt_path: str | os.PathLike[str],
+    layout: ModelLayout,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion] = (),
+) -> Manifest | LoadError:
+    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model, or the
+    LoadError to share with every rank: its own, or any problem found matching its headers."""
+    if isinstance(checkpoint, LoadError):
+        return checkpoint
+    headers, checkpoint.headers = checkpoint.headers, {}  # held here only: freed when this returns
+    try:
+        return build_manifest(
+            checkpoint.source,
+            layout,
+            strict=strict,
+            key_map=key_map,
+            files=checkpoint.files,
+            conversions=conversions,
+            adapters=checkpoint.adapters,
+            headers=headers,
+        )
+    except LoadError as exc:
+        return exc
+    except Exception as exc:  # anything unforeseen must still reach every rank
+        return unforeseen(ckpt_path, exc)
+
+
+def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception) -> LoadError:
+    """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading."""
+    return LoadError(
+        f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
+    )

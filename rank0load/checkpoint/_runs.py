@@ -1,0 +1,226 @@
+"""The manifest made run by run: rank 0 reads and matches a few files' headers at a time (rank 0;
+no collectives).
+
+Made at once, a MoE checkpoint's ~96,000 header entries, their matches and their entries are
+~50 MB of small Python objects on rank 0 at the peak (``tracemalloc``). Freed, they leave the
+allocator's arenas holding the few objects that outlive them, and those pages stay resident for
+the rest of the load. Measured with ``sys._debugmallocstats`` after a MiniMax-M2-count load, rank 0
+held 1,444 unused 16 KiB pools against rank 1's 269; made run by run, 1,068; with the index kept
+as a ``_source.Listing`` as well (its ~96,000 names were the rest), 376. Here each run of
+consecutive files (at least :data:`RUN_TENSORS` tensors) is read, matched and made into entries,
+then its header objects are freed before the next run reuses their memory; an entry's checkpoint
+names are kept as one string per entry.
+
+:func:`read_manifest` makes it so when the load has no ``key_map`` and no adapters (see
+``_manifest.open_checkpoint(by_runs=)``). A run settles what lies within it (:func:`_share`);
+:func:`_merge` settles what spans runs: the index's key count, a model tensor found in two runs,
+expert groups and float8 scale grids whose pieces lie in several runs. Anything else that is not a
+clean load (any error, a tied parameter stored twice, strict keys that do not match) makes rank 0
+read every header again and make the manifest at once (``_manifest.read_manifest``), which raises
+the same first error, worded the same, as without runs: runs change where memory goes, never what
+a load loads or says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ..errors import LoadError, ModelMismatchError
+from ..integrations._convert import Conversion, ConversionMatch, KeyResolver
+from ..model._meta import ModelLayout
+from ._entries import Entry, KeyMatch, build_entries, quantised_keys, unconsumed
+from ._format import TensorHeader, read_header
+from ._fp8 import block_size as fp8_block_size
+from ._manifest import Checkpoint, Manifest, headers_of, manifest_of, match_keys, unforeseen
+from ._manifest import read_manifest as read_at_once
+
+__all__ = ["RUN_TENSORS", "read_manifest"]
+
+logger = logging.getLogger(__name__)
+
+RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
+
+_SCALE = "_scale_inv"
+
+
+class _AtOnce(Exception):
+    """Why the manifest must be made at once (:func:`read_manifest` then makes it so)."""
+
+
+@dataclass
+class _Share:
+    """One run's part of the manifest."""
+
+    entries: list[Entry]
+    # model key -> checkpoint tensors, for what the run cannot settle alone: stacked experts not
+    # all in it, float8 weights whose scale grid is not in it
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = field(default_factory=dict)
+    single: dict[str, tuple[TensorHeader, ...]] = field(default_factory=dict)
+    scales: list[TensorHeader] = field(default_factory=list)  # grids those may need
+    unexpected: tuple[str, ...] = ()  # grids consumed within the run left out
+    ignored: tuple[str, ...] = ()
+    unsupported: tuple[str, ...] = ()  # model keys only a conversion rank0load cannot do would fill
+
+
+def read_manifest(
+    checkpoint: Checkpoint | LoadError,
+    ckpt_path: str | os.PathLike[str],
+    layout: ModelLayout,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion] = (),
+) -> Manifest | LoadError:
+    """(rank 0) ``_manifest.read_manifest``, run by run where ``checkpoint.by_runs``."""
+    if isinstance(checkpoint, Checkpoint) and checkpoint.by_runs:
+        assert key_map is None  # _api asks for runs only without it
+        try:
+            return _by_runs(checkpoint, layout, strict, conversions)
+        except (_AtOnce, LoadError) as exc:
+            logger.debug("rank0load: the manifest is made at once (%s)", exc)
+        except Exception as exc:  # ours; the load goes on without runs
+            logger.warning(
+                "rank0load: making the manifest run by run failed (%s: %s)", type(exc).__name__, exc
+            )
+        try:
+            checkpoint.by_runs = False
+            checkpoint.headers = headers_of(checkpoint)
+        except LoadError as exc:
+            return exc
+        except Exception as exc:  # anything unforeseen must still reach every rank
+            return unforeseen(ckpt_path, exc)
+    return read_at_once(checkpoint, ckpt_path, layout, strict, key_map, conversions)
+
+
+def _by_runs(
+    checkpoint: Checkpoint, layout: ModelLayout, strict: bool, conversions: Sequence[Conversion]
+) -> Manifest:
+    source = checkpoint.source
+    resolver = KeyResolver(layout.canonical, conversions, layout.canonical_all)  # one for all runs
+    block = fp8_block_size(source.root)
+    listing = source.listing
+    shares: list[_Share] = []
+    every: list[str] | None = [] if listing is None and len(source.files) > 1 else None
+    count, headers = 0, dict[str, TensorHeader]()
+    for i, path in enumerate(source.files):
+        tensors, _ = read_header(checkpoint.files[path])
+        count += len(tensors)
+        if listing is not None and not listing.agrees(path, tensors):
+            raise _AtOnce("the index and a header disagree")
+        if every is not None:  # no index: a key stored in two files is found at the end
+            every.append("\n".join(tensors))
+        if headers.keys() & tensors.keys():
+            raise _AtOnce("a key is stored twice")
+        headers.update(tensors)
+        del tensors
+        if len(headers) >= RUN_TENSORS or i == len(source.files) - 1:
+            shares.append(_share(headers, layout, resolver, block))
+            headers = {}  # the run's header objects freed before the next run's are made
+    if listing is not None and count != listing.total:
+        raise _AtOnce("the index lists keys no header holds")
+    if every is not None:
+        keys = list(itertools.chain.from_iterable(k.split("\n") for k in every if k))
+        if len(set(keys)) != len(keys) or len(keys) != count:
+            raise _AtOnce("a key is stored in two files, or holds a newline")
+    return _merge(shares, checkpoint, layout, strict, block)
+
+
+def _share(
+    headers: dict[str, TensorHeader],
+    layout: ModelLayout,
+    resolver: KeyResolver,
+    block: tuple[int, int] | None,
+) -> _Share:
+    """One run's entries, and what it leaves to :func:`_merge`."""
+    match = match_keys(headers, layout, None, resolver=resolver)
+    if any(len(found) > 1 for found in match.by_model_key.values()):
+        raise _AtOnce("a tied parameter is stored under two names")  # compared at once
+    quantised = quantised_keys(match, layout)
+
+    def lacks_scale(t: TensorHeader) -> bool:
+        return t.key in quantised and t.key + _SCALE not in headers
+
+    stacked = {
+        k: list(members)
+        for k, members in match.stacked.items()
+        if len(members) < (layout.tensors[k].shape or (0,))[0] * members[0][0].sources
+        or any(lacks_scale(t) for _, t in members)
+    }
+    single = {k: found for k, found in match.by_model_key.items() if lacks_scale(found[0])}
+    whole = replace(
+        match,
+        by_model_key={k: v for k, v in match.by_model_key.items() if k not in single},
+        stacked={k: v for k, v in match.stacked.items() if k not in stacked},
+    )
+    entries = [_compact(e) for e in build_entries(whole, layout, headers, block, quantised=quantised)]
+    unexpected = unconsumed(match, layout, quantised)
+    pending = itertools.chain((t for m in stacked.values() for _, t in m), (f[0] for f in single.values()))
+    scales = [headers[k] for k in (t.key + _SCALE for t in pending if t.key in quantised) if k in headers]
+    scales += [headers[k] for k in unexpected if k.endswith(_SCALE)]  # perhaps another run's weight's
+    return _Share(entries, stacked, single, scales, unexpected, match.ignored, tuple(match.unsupported))
+
+
+def _compact(entry: Entry) -> Entry:
+    """``entry`` with its checkpoint names in one string each (as they travel to the other ranks):
+    the run's name objects are then freed with its headers."""
+    if not entry.parts and not entry.scales:
+        return entry
+    return replace(entry, parts=entry.parts.compacted(), scales=entry.scales.compacted())
+
+
+def _merge(
+    shares: Sequence[_Share],
+    checkpoint: Checkpoint,
+    layout: ModelLayout,
+    strict: bool,
+    block: tuple[int, int] | None,
+) -> Manifest:
+    """(rank 0) The runs' shares as one manifest, with ``_manifest.build_manifest``'s checks; any
+    that would raise raises _AtOnce instead (the manifest made at once words it)."""
+    entries = [e for s in shares for e in s.entries]
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
+    single: dict[str, tuple[TensorHeader, ...]] = {}
+    for s in shares:
+        for k, members in s.stacked.items():
+            stacked.setdefault(k, []).extend(members)
+        if single.keys() & s.single.keys():
+            raise _AtOnce("a model tensor is stored in two runs")
+        single.update(s.single)
+    found = {e.key for e in entries}
+    if (
+        len(found) != len(entries)
+        or found & (stacked.keys() | single.keys())
+        or stacked.keys() & single.keys()
+    ):
+        raise _AtOnce("a model tensor is stored in two runs")
+    pending = KeyMatch(single, (), (), (), stacked={k: tuple(v) for k, v in stacked.items()})
+    pool = {t.key: t for tensors in single.values() for t in tensors}
+    pool.update((t.key, t) for members in stacked.values() for _, t in members)
+    pool.update((t.key, t) for s in shares for t in s.scales)
+    quantised = quantised_keys(pending, layout)
+    try:
+        entries += [_compact(e) for e in build_entries(pending, layout, pool, block, quantised=quantised)]
+    except ModelMismatchError as exc:
+        raise _AtOnce(str(exc)) from None
+    consumed = {k + _SCALE for k in quantised}
+    unexpected = tuple(sorted(k for s in shares for k in s.unexpected if k not in consumed))
+    found |= stacked.keys() | single.keys()
+    absent = [k for k in layout.tensors if k not in found]
+    missing = tuple(sorted(k for k in absent if k not in layout.built))
+    if layout.tensors and not found:
+        raise _AtOnce("nothing matched")
+    unsupported = {k for s in shares for k in s.unsupported}
+    if unsupported.intersection(missing) or (strict and (missing or unexpected)):
+        raise _AtOnce("keys do not match the model")
+    if any(layout.tensors[k].is_param and k not in layout.initialisable for k in missing):
+        raise _AtOnce("missing parameters have no initialiser")
+    order = {path: i for i, path in enumerate(checkpoint.source.files)}
+    entries.sort(key=lambda e: (order[e.file], e.offset))
+    ignored = tuple(sorted(k for s in shares for k in s.ignored))
+    kept = tuple(sorted(k for k in absent if k in layout.built))
+    return manifest_of(
+        entries, layout, missing, unexpected, ignored, kept, tuple(checkpoint.source.files), len(shares)
+    )

@@ -1,0 +1,7 @@
+"""What the load and the save share (all ranks; imports only ``integrations`` and ``errors``).
+
+``_distribute``: every collective the ranks agree through (settling failures so every rank raises
+the same error, sharing objects, the agreement on the model); ``_memory``: host memory (staging
+reservations, shards faulted in); ``_progress``: the progress bar and peak RSS; ``_report``: the
+phase clock and :class:`~rank0load.LoadReport`.
+"""

@@ -1,0 +1,446 @@
+"""Every collective rank0load issues lives here: the rank protocol.
+
+Order of calls, identical on every rank (see ``_api.load_sharded``):
+
+1. (all ranks) :func:`agree` — settle the build (any rank's failure raises the same error
+   everywhere), compare a fixed-size digest of each rank's model and options, AND the per-tensor
+   layout flags. O(model) bytes per rank, independent of the world size: details cross the wire
+   only when ranks disagree, and then only to explain how.
+2. (all ranks) :func:`share` — rank 0 broadcasts the manifest (with its offer of node-local reads,
+   see ``_local``) or the LoadError it hit; every rank returns the manifest or raises that error.
+   With an offer, :func:`gather_to_rank0` then tells rank 0 each rank's pid, uid and host (24 bytes
+   per rank, received by rank 0 alone) before the ranks on its host fetch its descriptors.
+3. (all ranks) :func:`settle` — after allocating and initialising: any rank's failure, raised on
+   every rank. Nothing moves tensor data before this returns. With an offer, :func:`ranks_where`
+   then says which ranks read their own bytes (one bit per rank).
+4. (all ranks) :func:`~._transfer.stream` — rank 0 sends, the others receive (or read their own),
+   round by round; a failure on any rank (rank 0's read error, a file changed, a receiver's cast)
+   is settled at the end of its round, so every rank stops in step and raises the failing rank's
+   error, and the process group stays usable.
+
+A collective that itself fails (a peer died, the network broke, the process-group timeout) is a
+:func:`peer_failure`: the only case where a rank cannot learn the real cause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import pickle
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InternalError, LoadError, RankMismatchError
+from ..integrations._compat import host_bytes
+
+__all__ = [
+    "Failure",
+    "UserCodeFailure",
+    "user_code",
+    "broadcast",
+    "Faults",
+    "attempt",
+    "round_ends",
+    "Proposal",
+    "Traffic",
+    "agree",
+    "first_failure",
+    "gather_to_rank0",
+    "mesh_device",
+    "peer_failure",
+    "raise_failure",
+    "ranks_where",
+    "settle",
+    "share",
+    "traffic",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def peer_failure(
+    what: str,
+    exc: BaseException,
+    cls: type[LoadError] = LoadError,
+    todo: str = "No model was returned; fix the cause and load again.",
+) -> LoadError:
+    """The error for a collective that failed: a peer died (connection reset) or stalled (timeout)."""
+    return cls(
+        f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
+        "died or stalled (see its log); the wait is bounded by the process-group timeout "
+        f"(dist.init_process_group(timeout=...)). {todo}"
+    )
+
+
+R = TypeVar("R")
+
+
+class UserCodeFailure(Exception):
+    """An exception from the caller's code (``model_fn``, ``shard_fn``, the model's own initialisers),
+    carried through a step so that :func:`settle` blames that code. Any other exception that is not a
+    LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_code(what: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)``, the caller's code: an exception it raises becomes a
+    :class:`UserCodeFailure` naming ``what``, unless it is a LoadError, already one, or was raised in
+    rank0load's own code that ``fn`` called (then it stays ours)."""
+    try:
+        return fn(*args, **kwargs)
+    except (LoadError, UserCodeFailure):
+        raise
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is this function
+        if any(f.filename.startswith(_PACKAGE) for f in frames):
+            raise
+        raise UserCodeFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _internal(error: BaseException) -> str:
+    """What an exception inside rank0load's own code was, where it was raised, and the versions."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
+        if ours and ours[-1] is not last:
+            where += f", called from rank0load's {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})"
+    return f"rank0load's own code raised {type(error).__name__}: {error}{where}"
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("rank0load", "torch", "transformers", "peft", "diffusers"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def _internal_todo() -> str:
+    return (
+        "This is not caused by your model, checkpoint or arguments: it is a bug in rank0load or a "
+        f"dependency version it cannot handle ({_versions()}). Check the README's tested versions, and "
+        "report it with this message."
+    )
+
+
+def rank0_rng_state(device: torch.device) -> torch.Tensor | None:
+    """(all ranks; one broadcast) Rank 0's CPU random state, on the other ranks; None on rank 0."""
+    state = torch.get_rng_state()
+    wire = state.to(device)
+    dist.broadcast(wire, 0)
+    return None if dist.get_rank() == 0 else wire.cpu()
+
+
+def attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
+    """Run a step whose failure every rank must learn of before raising (then :func:`settle` or
+    :func:`agree`): ``(result, None)`` or ``(None, error)``."""
+    try:
+        return step(), None
+    except Exception as exc:
+        return None, exc
+
+
+def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
+    """Where the rounds of a transfer end: the index just past each run of items carrying at least
+    ``round_bytes``, the last one at ``len(sizes)``. At each end every rank says whether it failed."""
+    ends, carried = [], 0
+    for index, size in enumerate(sizes):
+        carried += size
+        if carried >= round_bytes:
+            ends.append(index + 1)
+            carried = 0
+    if not ends or ends[-1] != len(sizes):
+        ends.append(len(sizes))
+    return tuple(ends)
+
+
+class Faults:
+    """This rank's first local failure. Once it is set, the transfer skips local work and only keeps
+    the messages flowing to the end of the round (see ``_transfer``). Thread-safe: a reader or writer
+    thread may note one too."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[..., object], *args: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.note(exc)
+
+    def note(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                logger.debug("rank %d: local failure", dist.get_rank(), exc_info=exc)
+                self.error = exc
+
+
+def mesh_device(device_type: str) -> torch.device:
+    """The one device resolver: the host for ``cpu``, else this rank's current accelerator."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
+def _object_device() -> torch.device:
+    """Where the default group's collectives take tensors: the host for gloo (also when gloo serves
+    CPU tensors beside NCCL), else this rank's current accelerator."""
+    if "gloo" in str(dist.get_backend()):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return mesh_device(accelerator.type if accelerator is not None else "cpu")
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank received through rank0load's collectives (payloads, as the API sees them)."""
+
+    received: int = 0
+
+
+traffic = Traffic()
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
+    dist.all_reduce(t, op=op)
+    traffic.received += t.numel() * t.element_size()
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int) -> None:
+    """(all ranks) ``t`` from ``src`` into ``t`` everywhere (counted in :data:`traffic`): the data
+    stream's broadcast pieces."""
+    dist.broadcast(t, src=src)
+    if dist.get_rank() != src:
+        traffic.received += t.numel() * t.element_size()
+
+
+# Python objects travel pickled in uint8 tensors. torch's broadcast_object_list decodes with
+# tensor.numpy(), and neither torch nor rank0load requires numpy.
+
+
+def _broadcast_object(obj: object, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank: ``src`` keeps its own (no copy of a MoE manifest, its
+    ~100,000 objects, beside the original), the others unpickle theirs. The pickle is written
+    into one writable buffer the tensor shares, not copied out of a ``bytes``."""
+    device = _object_device()
+    payload, written = None, None
+    if dist.get_rank() == src:
+        written = io.BytesIO()
+        pickle.Pickler(written, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        payload = torch.frombuffer(written.getbuffer(), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    broadcast(size, src)
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    broadcast(payload, src)
+    if written is not None:
+        return obj
+    return pickle.loads(host_bytes(payload.cpu().contiguous()))
+
+
+def _scalar(value: int, op: Any) -> int:
+    return int(_all_reduce(torch.tensor([value], dtype=torch.int64, device=_object_device()), op).item())
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the first failing rank tells the others, so that every rank raises the same error."""
+
+    rank: int
+    cls: type[LoadError]  # the error's own class; the caller's wrap for its code; else InternalError
+    message: str  # a LoadError's message, else "Type: message" of the exception
+    is_load_error: bool
+    todo: str | None = None  # what to do, where the stage's own advice does not fit (InternalError)
+
+
+def first_failure(error: BaseException | None) -> int:
+    """(all ranks) The lowest rank whose ``error`` is set, or the world size if none (one 8-byte
+    all-reduce)."""
+    return _scalar(dist.get_rank() if error is not None else dist.get_world_size(), dist.ReduceOp.MIN)
+
+
+def raise_failure(
+    first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
+) -> None:
+    """(all ranks, after :func:`first_failure` returned ``first`` < world) Raise on every rank the
+    error of rank ``first``, worded once: its LoadError subclass and message; for the caller's code
+    (:class:`UserCodeFailure`) or the machine's (``OSError``, ``MemoryError``), a ``wrap`` naming the
+    stage, the rank, what failed and ``todo``; for any other exception, rank0load's own failure: an :class:`~.errors.InternalError` (``wrap``'s
+    class where that is not RankMismatchError) naming where it was raised and the versions."""
+    world = dist.get_world_size()
+    count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
+    mine = None
+    if dist.get_rank() == first and error is not None:
+        if isinstance(error, LoadError):
+            mine = Failure(first, type(error), str(error), is_load_error=True)
+        elif isinstance(error, UserCodeFailure):
+            mine = Failure(first, wrap, str(error), is_load_error=False)
+        elif isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
+            mine = Failure(first, wrap, f"{type(error).__name__}: {error}", is_load_error=False)
+        elif wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
+            mine = Failure(first, InternalError, _internal(error), False, _internal_todo())
+        else:  # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
+            mine = Failure(first, wrap, _internal(error), False, f"{_internal_todo()} {todo}")
+    failure: Failure = _broadcast_object(mine, src=first)
+    if failure.is_load_error and count == world:  # the same check failed everywhere: its own words
+        raise failure.cls(failure.message)
+    where = f"{count} of {world} ranks" if count < world else "every rank"
+    if failure.is_load_error:
+        raise failure.cls(f"{failure.message} ({stage} failed on {where}; the first was rank {first})")
+    raise failure.cls(f"{stage} failed on {where}: rank {first}: {failure.message}. {failure.todo or todo}")
+
+
+def settle(
+    error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
+) -> None:
+    """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's (see
+    :func:`raise_failure`); a collective that fails is a :func:`peer_failure` of class ``wrap``'s
+    family (LoadError, or ``wrap`` itself when it is not a RankMismatchError)."""
+    try:
+        first = first_failure(error)
+        if first < dist.get_world_size():
+            raise_failure(first, error, stage, todo, wrap=wrap)
+    except LoadError:
+        raise
+    except RuntimeError as exc:
+        cls = LoadError if wrap is RankMismatchError else wrap
+        raise peer_failure(f"agreeing with the other ranks after {stage}", exc, cls, todo) from exc
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What each rank brings to the agreement. Only :meth:`digest` (32 bytes) and the flags cross
+    the wire; the rest only when the digests differ, to say how."""
+
+    model: tuple[Any, ...]  # ModelLayout.fingerprint(): names, shapes, dtypes, ties, buffers
+    options: tuple[tuple[str, str], ...]  # arguments that shape the messages or the result
+    flags: tuple[int, ...]  # _layout.layout_flags per canonical key, in the model's key order
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(repr((self.model, self.options)).encode()).digest()
+
+    def explain(self, reference: Proposal) -> str:
+        """How this rank's proposal differs from rank 0's ``reference``."""
+        mine, theirs = dict(self.options), dict(reference.options)
+        for name in theirs:
+            if mine.get(name) != theirs[name]:
+                return f"{name}={mine.get(name)} here but {theirs[name]} on rank 0; pass every rank the same value"
+        mine_t, theirs_t = self.model[0], reference.model[0]
+        ref = {t[0]: t for t in theirs_t}
+        for t in mine_t:
+            other = ref.get(t[0])
+            if other is None:
+                return f"tensor {t[0]!r} exists here but not on rank 0"
+            if other != t:
+                return f"tensor {t[0]!r} is (shape, dtype, param, dtensor) {t[1:]} here but {other[1:]} on rank 0"
+        extra = [k for k in ref if k not in {t[0] for t in mine_t}]
+        if extra:
+            return f"rank 0 has tensors this rank lacks: {sorted(extra)[:5]}"
+        return "ties or non-persistent buffers differ"
+
+
+def agree(proposal: Proposal | None, error: BaseException | None) -> tuple[int, ...]:
+    """(all ranks) Settle the build, then check that every rank built the same model with the same
+    options; returns the layout flags AND-ed over the ranks. Raises the same error on every rank.
+
+    Cost per rank: two 8-byte all-reduces, two 32-byte all-reduces (min and max of the digest) and
+    one all-reduce of two bytes per tensor; none grows with the world size.
+    """
+    settle(error, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry.")
+    assert proposal is not None  # settle raised otherwise
+    try:
+        device = _object_device()
+        digest = torch.frombuffer(bytearray(proposal.digest()), dtype=torch.int64).to(device)
+        low = _all_reduce(digest.clone(), dist.ReduceOp.MIN)
+        high = _all_reduce(digest.clone(), dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            reference: Proposal = _broadcast_object(proposal if dist.get_rank() == 0 else None)
+            differs = proposal.digest() != reference.digest()
+            first = first_failure(RankMismatchError() if differs else None)
+            count = _scalar(int(differs), dist.ReduceOp.SUM)
+            explained = _broadcast_object(
+                proposal.explain(reference) if differs and dist.get_rank() == first else None, src=first
+            )
+            ranks = f"[{first}]" if count == 1 else f"[{first}, ...] ({count} ranks)"
+            raise RankMismatchError(
+                f"ranks {ranks} built a different model from rank 0, or were passed other arguments; rank "
+                f"{first}: {explained}. model_fn, shard_fn, dtype, strict, max_staging_bytes and "
+                "local_reads must be the same on every rank: build the same model on every rank."
+            )
+        n = len(proposal.flags)
+        planes = torch.tensor(
+            [f & 1 for f in proposal.flags] + [(f >> 1) & 1 for f in proposal.flags], dtype=torch.uint8
+        ).to(device)
+        both = _all_reduce(planes, dist.ReduceOp.MIN).cpu().tolist()  # MIN of 0/1: AND, on any backend
+    except LoadError:
+        raise
+    except RuntimeError as exc:
+        raise peer_failure("agreeing with the other ranks", exc) from exc
+    return tuple(both[i] | (both[n + i] << 1) for i in range(n))
+
+
+def share(result: object | LoadError | None) -> Any:
+    """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it."""
+    try:
+        value = _broadcast_object(result if dist.get_rank() == 0 else None)
+    except RuntimeError as exc:
+        raise peer_failure("receiving rank 0's manifest or result", exc) from exc
+    if isinstance(value, LoadError):
+        raise type(value)(*value.args)
+    return value
+
+
+def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:
+    """(all ranks) Every rank's ``values`` (the same number of int64s everywhere), on rank 0 by rank;
+    None elsewhere. One gather: rank 0 receives O(world) bytes, every other rank none."""
+    try:
+        device = _object_device()
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        dist.gather(mine, out, dst=0)
+    except RuntimeError as exc:
+        raise peer_failure(what, exc) from exc
+    if out is None:
+        return None
+    traffic.received += (len(out) - 1) * mine.numel() * mine.element_size()
+    return [tuple(int(v) for v in t.cpu().tolist()) for t in out]
+
+
+def ranks_where(flag: bool, what: str) -> frozenset[int]:
+    """(all ranks) The ranks whose ``flag`` is set, on every rank: one all-reduce of one bit per rank
+    (each rank sets only its own bit, so the sum of the bytes is their OR)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        bits = torch.zeros((world + 7) // 8, dtype=torch.uint8)
+        if flag:
+            bits[rank // 8] = 1 << (rank % 8)
+        got = _all_reduce(bits.to(_object_device()), dist.ReduceOp.SUM).cpu().tolist()
+    except RuntimeError as exc:
+        raise peer_failure(what, exc) from exc
+    return frozenset(r for r in range(world) if got[r // 8] >> (r % 8) & 1)
+
+
+def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:
+    """The options a Proposal compares, as (name, repr) pairs."""
+    return tuple((k, repr(v)) for k, v in kwargs.items())

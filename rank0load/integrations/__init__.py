@@ -1,0 +1,7 @@
+"""What knows other libraries' internals (the bottom layer: imports only ``errors``).
+
+``_compat``: torch's private FSDP2 / DTensor APIs and transformers' (its fp32-kept modules, init
+weights, no-split modules, per version), each behind one function; ``_peft``: PEFT's tuner layers and
+adapter files; ``_convert``: checkpoint-to-model key conversions (transformers' conversion mapping,
+``StackExperts``). Used on every rank by everything above.
+"""

@@ -1,0 +1,248 @@
+"""What rank0load knows about PEFT: adapters built for real, their names in PEFT's files, their config.
+
+(all ranks, inside ``_meta.build_on_meta``) :func:`adapters_built_real` lets every PEFT tuner's
+``inject_adapter`` create its adapter parameters for real, in the caller's default dtype and from the
+caller's random stream, exactly as ``get_peft_model`` on a loaded model does, while the base model
+stays on meta: adapters are small, and their initialisation (``lora_B`` zeros, ``lora_A`` as PEFT
+draws it) is what the base checkpoint lacks. PEFT moves each new adapter to its base layer's device;
+the move to meta is turned into a dtype cast only, so the values survive.
+(rank 0) :func:`adapter_names` gives each adapter parameter's name in PEFT's files (PEFT's own
+``get_peft_model_state_dict``), :func:`read_adapter_config` / :func:`check_adapter_config` compare an
+adapter folder's ``adapter_config.json`` with the model's. Nothing here imports peft for a model that
+does not use it, and nothing here is a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, ModelMismatchError
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "adapter_names",
+    "adapters_built_real",
+    "building_adapters",
+    "check_adapter_config",
+    "is_peft_model",
+    "peft_config",
+    "read_adapter_config",
+    "tuner_layers_without_values",
+]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+_state = threading.local()  # .depth: how many inject_adapter calls of this thread are running
+
+
+def building_adapters() -> bool:
+    """Whether a PEFT tuner is injecting adapters on this thread (``_compat.parameters_on_meta``
+    then registers parameters for real)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+class _KeepOffMeta(TorchFunctionMode):
+    """``tensor.to(<meta>, dtype)`` of a real tensor becomes ``tensor.to(dtype)``: PEFT moves a new
+    adapter to its base layer's device (meta here); the cast is kept, the values too."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if device is not None and torch.device(device).type == "meta":
+                return args[0].to(dtype=dtype) if dtype is not None else args[0]
+        return func(*args, **kwargs)
+
+
+# BaseTuner's methods that create or replace adapter parameters: injecting them, and PEFT's upcast
+# of bf16/fp16 adapters to float32 (a new Parameter), which get_peft_model runs after injecting.
+_BUILDERS = ("inject_adapter", "_cast_adapter_dtype")
+
+
+def _injecting(original: Callable[..., Any], outer_dtype: torch.dtype) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def builder(self: Any, *args: Any, **kwargs: Any) -> Any:
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(outer_dtype)  # get_peft_model runs outside from_pretrained's dtype
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            with _KeepOffMeta():
+                return original(self, *args, **kwargs)
+        finally:
+            _state.depth -= 1
+            torch.set_default_dtype(dtype)
+
+    builder.__rank0load_wrapped__ = original  # type: ignore[attr-defined]
+    return builder
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    yield cls
+    subs: list[type] = cls.__subclasses__()
+    for sub in subs:
+        yield from _subclasses(sub)
+
+
+@contextlib.contextmanager
+def adapters_built_real(outer_dtype: torch.dtype) -> Iterator[None]:
+    """(all ranks, around ``model_fn``; the caller holds ``_compat._patch_lock``) Every PEFT tuner's
+    ``inject_adapter`` builds its adapters for real, with ``outer_dtype`` as torch's default dtype,
+    and its ``_cast_adapter_dtype`` upcasts them for real.
+    A no-op when peft is not imported (a ``model_fn`` that imports peft itself is caught afterwards
+    by :func:`tuner_layers_without_values`)."""
+    if "peft" not in sys.modules:
+        yield
+        return
+    from peft.tuners.tuners_utils import BaseTuner
+
+    patched: list[tuple[type, str, Callable[..., Any]]] = []
+    for cls in set(_subclasses(BaseTuner)):
+        for method in _BUILDERS:
+            own = cls.__dict__.get(method)
+            if own is not None and not hasattr(own, "__rank0load_wrapped__"):
+                patched.append((cls, method, own))
+                setattr(cls, method, _injecting(own, outer_dtype))
+    try:
+        yield
+    finally:
+        for cls, method, own in patched:
+            setattr(cls, method, own)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def tuner_layers_without_values(model: nn.Module, built: set[str]) -> list[str]:
+    """(all ranks) Adapter parameters of PEFT tuner layers that were not built for real (peft was
+    imported by ``model_fn`` itself, after the build began, or an initialisation that needs the base
+    weights, which are on meta: PiSSA, OLoRA, LoftQ, EVA, DoRA's magnitude)."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in (*module.adapter_layer_names, *getattr(module, "other_param_names", ())):
+            holder = getattr(module, attr, None)
+            if not isinstance(holder, nn.Module):
+                continue
+            for leaf, _ in holder.named_parameters():
+                key = f"{name}.{attr}.{leaf}" if name else f"{attr}.{leaf}"
+                if key not in built:
+                    found.append(key)
+    return found
+
+
+def peft_config(model: nn.Module, adapter_name: str) -> Any:
+    """The model's config of ``adapter_name`` (a PeftModel's ``peft_config``)."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or adapter_name not in configs:
+        have = sorted(configs) if isinstance(configs, dict) else []
+        raise ModelMismatchError(
+            f"the model has no PEFT adapter named {adapter_name!r} (it has {have or 'none'}): build the "
+            "PeftModel in model_fn (get_peft_model(base, config, adapter_name=...)) with that adapter."
+        )
+    return configs[adapter_name]
+
+
+def adapter_names(model: nn.Module, adapter_name: str) -> dict[str, str]:
+    """(rank 0) Model key -> its name in PEFT's adapter file for ``adapter_name`` (PEFT's own
+    ``get_peft_model_state_dict`` on placeholders: no tensor is read or copied)."""
+    from peft.utils import get_peft_model_state_dict
+
+    peft_config(model, adapter_name)
+    placeholders = {k: torch.empty(0, device="meta") for k in model.state_dict(keep_vars=True)}
+    by_id = {id(v): k for k, v in placeholders.items()}
+    saved = get_peft_model_state_dict(
+        model, state_dict=placeholders, adapter_name=adapter_name, save_embedding_layers=False
+    )
+    names: dict[str, str] = {}
+    for name, value in saved.items():
+        key = by_id.get(id(value))
+        if key is None:
+            raise ModelMismatchError(
+                f"PEFT names the adapter tensor {name!r}, which is not one of the model's tensors as it "
+                "is: this PEFT method transforms its state dict, which rank0load cannot read or write "
+                "in PEFT's layout. Save the full model with save_sharded instead."
+            )
+        names[key] = name
+    return names
+
+
+def read_adapter_config(folder: str) -> dict[str, Any]:
+    """(rank 0) ``adapter_config.json`` of a PEFT adapter folder, as a dict."""
+    path = os.path.join(folder, ADAPTER_CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"adapter {folder!r} has no {ADAPTER_CONFIG}: pass the folder PEFT's save_pretrained (or "
+            "rank0load.save_sharded(model, out_dir, adapter=...)) wrote."
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: cannot be read as JSON ({exc}); re-save the adapter.") from None
+    if not isinstance(config, dict):
+        raise CheckpointFormatError(f"{path}: holds {type(config).__name__}, not a JSON object")
+    return config
+
+
+# What decides the adapter's tensors and its output: differences here are not a loadable adapter.
+_COMPARED = (
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "use_rslora",
+    "use_dora",
+    "bias",
+    "modules_to_save",
+)
+
+
+def check_adapter_config(model: nn.Module, adapter_name: str, found: dict[str, Any], folder: str) -> None:
+    """(rank 0) The folder's adapter config must describe the model's adapter ``adapter_name``."""
+    want = peft_config(model, adapter_name).to_dict()
+    differ = []
+    for field in _COMPARED:
+        if field not in want or field not in found:
+            continue
+        a, b = _comparable(want[field]), _comparable(found[field])
+        if a != b:
+            differ.append(f"{field}: the model has {want[field]!r}, the adapter {found[field]!r}")
+    if differ:
+        raise ModelMismatchError(
+            f"adapter {folder!r} does not fit the model's adapter {adapter_name!r}: "
+            + "; ".join(differ)
+            + ". "
+            "Build the PeftModel in model_fn from the adapter's own config "
+            f"(PeftConfig.from_pretrained({folder!r}))."
+        )
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, (list, tuple, set)):
+        return sorted(str(v) for v in value)
+    if hasattr(value, "value"):  # an enum (PeftType)
+        return value.value
+    return value

@@ -1,0 +1,236 @@
+"""A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives).
+
+(a local reader: a rank other than 0 that ``_local.hand_over`` gave rank 0's descriptors)
+:class:`LocalReader` takes the place of the receives in ``_transfer._receive``. For every piece rank 0
+would have sent it — its rows of a SHARDED entry, the chunks of a BLOCK entry, from which it cuts its
+own blocks exactly as rank 0 would (``_sink.fan_out``, with no one to send to) — it reads the
+bytes with ``preadv`` at their file offsets (``Entry.extents``, so assembled experts and float8
+weights too): straight into its local shard when that is on the CPU and of the wire dtype, else into
+a staging slot, followed by the sink's local work (cast, dequantise). It reads only the rows of a
+chunk that hold its blocks. Broadcast pieces (PLAIN and GENERIC entries, float8 scale grids) still
+arrive by broadcast, in order, while some rank takes the stream; when every rank but 0 reads
+locally (:attr:`LocalReads.everyone`), each reads those too (:attr:`LocalReader.everything`), and with
+CPU shards rank 0 reads its own share through a LocalReader as well (its own files,
+:class:`_Rank0Files`): no message moves at all (``_transfer._read_own``).
+
+The first failure (a read error, a file that changed) is the sink's local failure, settled like any
+other (``_distribute.first_failure``; at each round's end while rank 0 streams to someone, once at
+the end when no one streams): the same LoadError on every rank. At each round's end the files read
+in it are checked: ``fstat`` on the descriptor against the identity rank 0 recorded when it opened
+the file (rank 0 checks its own files by path too).
+
+With shards on an accelerator, reads land in a pinned host buffer and are copied into the rank's
+device staging slot, then the same local work runs on the device (not tested: no GPU here).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint._files import FileIdentity, OpenFile
+from ..checkpoint._format import DTYPES
+from ..errors import CheckpointChangedError, LoadError
+from ._plan import Piece, Plan, Route, block_half, deliveries
+from ._sink import Sink, Staging, fan_out
+from ._stream import read_vectored, runs
+
+__all__ = ["LocalFiles", "LocalReader", "LocalReads"]
+
+
+class LocalFiles:
+    """(a local reader) Rank 0's descriptors, by checkpoint path, with the identity of each file."""
+
+    def __init__(
+        self,
+        fds: dict[str, int],
+        identities: dict[str, FileIdentity],
+        comm: torch.device,
+        host_bytes: int,
+    ) -> None:
+        self.fds, self.identities = fds, identities
+        on_cpu = comm.type == "cpu"
+        self.host = None if on_cpu else torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def fd(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            raise LoadError(f"internal error: rank 0 did not hand over {path}")
+        return fd
+
+    def check(self, path: str) -> None:
+        """Raise CheckpointChangedError if the file behind ``path``'s descriptor changed."""
+        changes = self.identities[path].rewritten(self.fd(path))
+        if changes:
+            raise CheckpointChangedError(
+                f"{path} changed ({'; '.join(changes)}) while rank {dist.get_rank()} read it: the "
+                "checkpoint changed during the load; wait until whatever writes it has finished, then load again."
+            )
+
+    def paths(self) -> list[str]:
+        return list(self.fds)
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class LocalReads:
+    """(all ranks) The outcome of the hand-over (``_local.Handover.decide``)."""
+
+    readers: frozenset[int]  # the ranks that read their own bytes (the same on every rank)
+    files: LocalFiles | None  # this rank's descriptors, when it is one of them
+    status: str  # which path this rank took, and why (LoadReport.local_status)
+
+    def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None] | None) -> Iterator[Piece]:
+        """(rank 0) Its pieces less those the readers read themselves; their bytes are counted on
+        ``on_bytes`` (the progress bar) as they are passed over, from the thread iterating."""
+        for piece in plan.pieces(0):
+            if piece.dst in self.readers:  # its rows, and the scale grid rows they need
+                if on_bytes is not None and piece.route is Route.TO_RANK:
+                    on_bytes(piece.nbytes)
+                continue
+            yield piece
+
+    @property
+    def everyone(self) -> bool:
+        """Every rank but 0 reads its own bytes: nothing is left to send (``_transfer.stream`` then
+        has rank 0 read its own pieces the same way, and no message moves at all)."""
+        return len(self.readers) == dist.get_world_size() - 1
+
+    def reader(
+        self, plan: Plan, staging: Staging, sink: Sink, rank0_files: Mapping[str, OpenFile] | None = None
+    ) -> LocalReader | None:
+        """(all ranks) This rank's reader, if it is a local reader (rank 0: with ``rank0_files``, its
+        own open files, when :attr:`everyone` reads locally); None otherwise."""
+        files: LocalFiles | _Rank0Files | None = self.files
+        if dist.get_rank() == 0 and rank0_files is not None and self.everyone and sink.device.type == "cpu":
+            files = _Rank0Files(rank0_files)
+        if files is None:
+            return None
+        return LocalReader(plan, staging, sink, files, self.everyone)
+
+
+class _Rank0Files:
+    """(rank 0, when every rank reads locally and its shards are on the CPU) Its own open files, as
+    a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path. (With shards
+    on an accelerator rank 0 keeps its reader thread: its staging slots are device memory.)"""
+
+    host = None
+
+    def __init__(self, files: Mapping[str, OpenFile]) -> None:
+        self._files = files
+
+    def fd(self, path: str) -> int:
+        opened = self._files.get(path)
+        if opened is None:
+            raise LoadError(f"internal error: {path} was not opened when its header was read")
+        return opened.fd
+
+    def check(self, path: str) -> None:
+        self._files[path].check()
+
+    def paths(self) -> list[str]:
+        return list(self._files)
+
+
+class LocalReader:
+    """(a local reader) Reads the pieces ``_transfer._receive`` hands it (TO_RANK pieces addressed
+    to this rank, FAN_OUT chunks) and ends each round with the identity checks."""
+
+    def __init__(
+        self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | _Rank0Files, everything: bool
+    ) -> None:
+        self.plan, self.sink, self.files = plan, sink, files
+        self.everything = everything  # every rank but 0 reads locally: broadcast pieces too
+        self.me = dist.get_rank()
+        self.slot = staging.slots[0]  # reads are synchronous: one slot, free again on return
+        self.host = files.host if files.host is not None else self.slot
+        self.touched: set[str] = set()
+        self._layouts: dict[int, dict[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
+
+    def read(self, piece: Piece) -> None:
+        """Read ``piece`` (this rank's rows, a BLOCK chunk, or with :attr:`everything` a broadcast
+        piece) into this rank's tensors. After a local failure it does nothing: no message depends on it."""
+        if self.sink.faults.error is not None or piece.dst not in (-1, self.me):  # (rank 0 sees all)
+            return
+        try:
+            if piece.route is Route.FAN_OUT:
+                self._chunk(piece)
+            elif piece.route in (Route.BROADCAST, Route.SCALES):  # a broadcast's work, or own scale rows
+                into = self.sink.landing(piece)
+                if into is not None and into.device.type == "cpu":
+                    self._read(piece, into)
+                    self.sink.broadcast(piece, into, landed=True)
+                else:
+                    self.sink.broadcast(piece, self._staged(piece), landed=False)
+            elif piece.route is Route.TO_RANK:
+                target = self.sink.targets[piece.index].tensor
+                view = self.sink.landing(piece) if target.device.type == "cpu" else None
+                if view is not None:
+                    self._read(piece, view)
+                else:
+                    self.sink.write(piece, self._staged(piece))
+        except Exception as exc:
+            self.sink.faults.note(exc)
+
+    def round_end(self) -> None:
+        """Check every file read since the last round's end (its descriptor's fstat)."""
+        touched, self.touched = self.touched, set()
+        for path in sorted(touched):
+            self.sink.faults.run(self.files.check, path)
+
+    def finish(self) -> None:
+        """Check every file once more after the last read, as rank 0's reader thread does (for rank 0
+        by path too: a file replaced after its round still fails the load)."""
+        self.touched = set(self.files.paths())
+        self.round_end()
+
+    def _chunk(self, piece: Piece) -> None:
+        """Read the rows of a BLOCK chunk that hold this rank's blocks; cut and write them."""
+        entry = self.plan.entries[piece.index]
+        runs = self._layouts.get(piece.index)
+        if runs is None:
+            self._layouts = {piece.index: self.plan.block_layouts(piece.index, [self.me])}
+            runs = self._layouts[piece.index]
+        mine = list(deliveries(piece, entry, runs))
+        if not mine:
+            return
+        shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
+        row = math.prod(shape) * DTYPES[entry.dtype].itemsize
+        lo, hi = min(d.row_lo for d in mine), max(d.row_hi for d in mine)
+        rows = replace(
+            piece, start=piece.start + lo * row, nbytes=(hi - lo) * row, local_offset=piece.local_offset + lo
+        )
+        data = self._staged(rows)
+        fan_out(rows, data, self.slot[block_half(self.plan.piece_bytes) :], runs, self.sink).wait()
+
+    def _staged(self, piece: Piece) -> torch.Tensor:
+        """``piece``'s bytes in this rank's staging slot (through the pinned host buffer, on an accelerator)."""
+        host = self.host[: piece.nbytes]
+        self._read(piece, host)
+        return host if self.host is self.slot else self.slot[: piece.nbytes].copy_(host)
+
+    def _read(self, piece: Piece, data: torch.Tensor) -> None:
+        entry = self.plan.entries[piece.index]
+        extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
+        for path, offset, views in runs(extents, data):
+            self.touched.add(path)
+            try:
+                read_vectored(self.files.fd(path), views, offset, path)
+            except OSError as exc:
+                via, how = "", ""
+                if self.me != 0:
+                    via = " through rank 0's descriptor"
+                    how = " (local_reads=False makes rank 0 send this rank its bytes instead)"
+                raise LoadError(
+                    f"rank {self.me} could not read {path} at byte {offset}{via}: {exc.strerror or exc}. "
+                    f"Check the disk and the file (was it moved or changed during the load?) and retry{how}."
+                ) from None

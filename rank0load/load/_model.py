@@ -1,0 +1,373 @@
+"""The model around the stream: build and shard it, allocate its shards, initialise what the
+checkpoint lacks, and put it back together afterwards (all ranks; no collectives).
+
+(all ranks) :func:`build_sharded` runs ``model_fn`` on meta and the sharding policy, and describes
+the result (:class:`~._meta.ModelLayout`) and each tensor's layout flags for the agreement.
+(all ranks) :func:`materialise` allocates every local shard (a thread faults them in) and puts back
+the real buffers;
+:func:`init_missing` gives parameters absent from the checkpoint the model's own initialisation
+(``strict=False``); :func:`finish` re-ties shared parameters and checks that nothing is left on meta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..common._distribute import user_code
+from ..common._memory import FaultIn, fault_in
+from ..errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
+from ..integrations._compat import (
+    clear_hf_initialized,
+    diffusers_keep_in_fp32,
+    hf_init_weights,
+    hf_keep_in_fp32,
+    is_diffusers_model,
+    is_transformers_model,
+    local_tensor,
+    peft_base_model,
+)
+from ..integrations._convert import conversions_for
+from ..integrations._peft import tuner_layers_without_values
+from ..model._layout import layout_flags_of, rank_coordinates
+from ..model._meta import ModelLayout, build_on_meta, describe, resolve_module
+from ..model._shard import check_dtype_groups, default_shard_fn
+from ._plan import ALIGN
+from ._sink import SLOTS
+
+__all__ = [
+    "Built",
+    "apply_built",
+    "build_sharded",
+    "cast",
+    "set_config_dtype",
+    "finish",
+    "guard_added_parameters",
+    "init_missing",
+    "materialise",
+    "targets",
+]
+
+
+@dataclass
+class Built:
+    """One rank's model after building and sharding, before any data moves."""
+
+    model: nn.Module
+    layout: ModelLayout
+    flags: dict[str, int]  # canonical key -> _layout.layout_flags on this rank
+    proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
+    conversions: list[Any] = field(default_factory=list)  # _convert: for rank 0's manifest
+    # canonical key -> the value model_fn built it with (PEFT adapters), full size, on the CPU
+    built: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+DEFAULT_STAGING_BYTES = 16 << 20
+# On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: larger slots
+# let its reader threads keep up with the copy (benchmarks/README.md, CUDA: 4 GB streamed in 0.63 s
+# with 16 MiB, 0.34 with 64 MiB, 0.30 with 128-512 MiB).
+ACCELERATOR_STAGING_BYTES = 64 << 20
+
+
+def default_staging_bytes(device_type: str) -> int:
+    """``max_staging_bytes`` when the caller gives none: 16 MiB on a CPU mesh, 64 MiB on an
+    accelerator mesh (rank 0's pinned host slots, the other ranks' device slots)."""
+    return DEFAULT_STAGING_BYTES if device_type == "cpu" else ACCELERATOR_STAGING_BYTES
+
+
+MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
+
+
+def check_options(dtype: object, max_staging_bytes: object, local_reads: object = True) -> None:
+    """(all ranks) Arguments that would fail later, checked before anything is built."""
+    if not isinstance(local_reads, bool):
+        raise LoadError(
+            f"local_reads={local_reads!r} is not a bool (True: ranks on rank 0's host read their own bytes)"
+        )
+    if isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int):
+        raise LoadError(f"max_staging_bytes={max_staging_bytes!r} is not an int (bytes)")
+    if max_staging_bytes < MIN_STAGING_BYTES:
+        raise LoadError(
+            f"max_staging_bytes={max_staging_bytes} is too small: use at least {MIN_STAGING_BYTES} bytes "
+            f"(the default, {DEFAULT_STAGING_BYTES >> 20} MiB, keeps the stream fast)"
+        )
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise LoadError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
+
+
+def check_mesh(mesh: DeviceMesh, world_size: int) -> None:
+    """(all ranks) The mesh must span every rank, with global rank 0 at its origin."""
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if ranks != list(range(world_size)):
+        raise LoadError(
+            f"the mesh spans ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} but the world has "
+            f"{world_size} ranks: load_sharded needs a mesh over every rank"
+        )
+    coord = dict(rank_coordinates(mesh))[0]
+    if any(coord):
+        raise LoadError(f"global rank 0 sits at mesh coordinate {coord}; rank0load needs it at the origin")
+
+
+def build_sharded(
+    model_fn: Callable[[], nn.Module],
+    mesh: DeviceMesh,
+    shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
+    dtype: torch.dtype | None,
+    conversions: Sequence[Any] = (),
+    rng_state: torch.Tensor | None = None,
+) -> Built:
+    """(all ranks) ``model_fn()`` on meta (PEFT adapters built for real from ``rng_state``), cast to ``dtype``, sharded by ``shard_fn`` (or the default
+    policy), described. The checkpoint conversions (the caller's, then transformers' for a
+    transformers model) are looked up before sharding renames the classes. Raises whatever the
+    caller's code raises; the caller agrees on it."""
+    model, values = build_on_meta(model_fn, dtype, rng_state)
+    unbuilt = tuner_layers_without_values(model, set(values))
+    if unbuilt:
+        raise ModelMismatchError(
+            f"PEFT adapter parameters {format_keys(unbuilt)} were not built with values: import peft "
+            "before calling load_sharded (not inside model_fn), and use an adapter initialisation that "
+            "does not read the base weights (init_lora_weights=True or 'gaussian'; not PiSSA, OLoRA, "
+            "LoftQ, EVA, CorDA or DoRA, whose base weights are not loaded yet), or pass adapter= to load "
+            "a trained adapter."
+        )
+    if dtype is not None:
+        params = dict(model.named_parameters())
+        cast(model, dtype, built=frozenset(id(params[k]) for k in values))
+    keys = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    found_conversions = conversions_for(model, keys, conversions)
+    if shard_fn is None:
+        default_shard_fn(model, mesh)
+    else:
+        user_code("shard_fn", shard_fn, model, mesh)
+    check_dtype_groups(model)
+    layout = describe(model, values)
+    found = targets(model, layout)
+    flags = layout_flags_of(found, mesh)
+    built = {layout.canonical(k) or k: v for k, v in values.items()}
+    return Built(model, layout, flags, conversions=found_conversions, built=built)
+
+
+def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:
+    """(all ranks, after ``model_fn`` ran with ``dtype`` as torch's default dtype) The model as its
+    library's ``from_pretrained(dtype=...)`` makes it.
+
+    A transformers model: floating parameters and persistent buffers in ``dtype`` (float8 ones as
+    they are), those of the modules transformers keeps in float32 under ``dtype``
+    (``_keep_in_fp32_modules(_strict)``) in float32, non-persistent buffers as the model built them
+    (rotary ``inv_freq`` stays float32). The caller's config object is left alone. A diffusers
+    model: the same, float8 included, float32 for every key with a segment in the class's
+    ``_keep_in_fp32_modules`` (Wan's ``scale_shift_table``, ``time_embedder``, ``norm2``), as
+    ``from_pretrained(torch_dtype=...)`` loads it. Any other model: what ``model.to(dtype)`` does.
+    Under a PEFT model the base model is cast so; ``built`` (ids of the parameters ``model_fn``
+    built with real values: PEFT's adapters) keep the dtype PEFT gave them, as ``get_peft_model``
+    on a ``from_pretrained(dtype=...)`` model leaves them."""
+    base = peft_base_model(model)
+    if is_transformers_model(base):
+        keep = hf_keep_in_fp32(base, dtype)
+        _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=True)
+    elif is_diffusers_model(base):
+        keep = diffusers_keep_in_fp32(base, dtype)
+        _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=False)
+    else:
+        _cast_tensors(model, dtype, None, built, persistent_only=False, skip_float8=False)
+
+
+def _cast_tensors(
+    model: nn.Module,
+    dtype: torch.dtype,
+    keep: Callable[[str], bool] | None,
+    built: frozenset[int],
+    *,
+    persistent_only: bool,
+    skip_float8: bool,
+) -> None:
+    """Floating parameters and buffers to ``dtype`` (float32 where ``keep(name)``); ``built``
+    parameters, non-persistent buffers (``persistent_only``) and float8 (``skip_float8``) as they are."""
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for leaf, p in module._parameters.items():
+            if p is None or id(p) in built or not p.is_floating_point():
+                continue
+            if skip_float8 and p.element_size() == 1:
+                continue
+            want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
+            if p.dtype != want:
+                p.data = p.data.to(want)
+        for leaf, b in module._buffers.items():
+            if b is None or not b.is_floating_point() or skip_float8 and b.element_size() == 1:
+                continue
+            if persistent_only and leaf in module._non_persistent_buffers_set:
+                continue
+            want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
+            if b.dtype != want:
+                module._buffers[leaf] = b.to(want)
+
+
+def set_config_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """``config.dtype`` (and its sub-configs'), as ``from_pretrained(dtype=...)`` records it."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    config.dtype = dtype
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "dtype"):
+            sub.dtype = dtype
+
+
+def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """Canonical key -> the model's tensor (DTensor parameter, plain parameter or buffer)."""
+    out: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not one per key
+    for key, info in layout.tensors.items():
+        prefix, _, leaf = key.rpartition(".")
+        module = modules[prefix]
+        out[key] = module._parameters[leaf] if info.is_param else module._buffers[leaf]  # type: ignore[assignment]
+    return out
+
+
+def materialise(model: nn.Module, device: torch.device) -> FaultIn:
+    """(all ranks) Allocate every local shard on ``device``; keep the real buffers built by model_fn.
+
+    ``to_empty`` is FSDP2's supported way to allocate sharded parameters (it re-pads the local
+    shards and keeps tied parameters one object), but it also empties buffers: save and restore them.
+    The local shards are faulted in (their storages' bytes outside the shard zeroed) by a background
+    thread (see _memory): wait on what this returns before anything is written to a parameter.
+    Plain buffers are made contiguous so pieces can land in them directly.
+    """
+    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                saved.append((module, name, buf))
+    model.to_empty(device=device)
+    faulting = fault_in(local_tensor(p) for p in model.parameters())
+    moved: dict[int, torch.Tensor] = {}
+    for module, name, buf in saved:
+        new = moved.get(id(buf))
+        if new is None:
+            new = moved[id(buf)] = buf.to(device).contiguous()
+        module._buffers[name] = new
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor) and not p.is_contiguous():
+            faulting.wait()
+            raise LoadError(f"parameter {name!r} is not contiguous after allocation")
+    return faulting
+
+
+def apply_built(model: nn.Module, values: dict[str, torch.Tensor], keys: Sequence[str]) -> None:
+    """(all ranks, after :func:`materialise`) Put the values model_fn built (PEFT adapters; the same
+    on every rank) into the allocated shards of ``keys``, each rank its own part, no communication."""
+    with torch.no_grad():
+        for key in keys:
+            module, leaf = resolve_module(model, key)
+            param = module._parameters[leaf]
+            assert param is not None
+            value = values[key].to(param.dtype)
+            if isinstance(param, DTensor):
+                part = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+                local_tensor(param).copy_(local_tensor(part))
+            else:
+                param.copy_(value)
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and bool(torch.isnan(local_tensor(t)).any())
+
+
+def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]) -> None:
+    """(all ranks, strict=False) Give parameters absent from the checkpoint the model's own init.
+
+    The nearest ancestor's ``_init_weights(module)`` (transformers: the same init
+    ``from_pretrained`` gives new heads), else the owning module's ``reset_parameters()``. Floating
+    parameters are first filled with NaN, so a parameter that neither initialiser wrote is caught
+    (on every rank) instead of leaving uninitialised memory. Runs before streaming: loaded values win.
+    """
+    owners: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
+    for key in missing:
+        if layout.tensors[key].is_param:
+            module, leaf = resolve_module(model, key)
+            param = module._parameters[leaf]
+            if param is not None:
+                owners.setdefault(key.rpartition(".")[0], (module, []))[1].append(param)
+    left: list[str] = []
+    with torch.no_grad():
+        for module_name, (module, params) in owners.items():
+            clear_hf_initialized(module, params)
+            for t in params:
+                if t.is_floating_point():
+                    local_tensor(t).fill_(float("nan"))
+            init = hf_init_weights(model, module_name)
+            if init is not None:
+                user_code(f"the model's _init_weights({module_name})", init, module)
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset) and (init is None or any(_has_nan(t) for t in params)):
+                user_code(f"{module_name}.reset_parameters()", reset)
+            left += [
+                f"{module_name}.{n}" for n, t in module._parameters.items() if t is not None and _has_nan(t)
+            ]
+    if left:  # load_sharded's agreement step raises this on every rank
+        raise ModelMismatchError(
+            "strict=False: parameters absent from the checkpoint were not initialised by the model's "
+            f"_init_weights() or reset_parameters(): {left[:10]}. Give their "
+            "module a reset_parameters() or add them to the checkpoint."
+        )
+
+
+def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
+    """(all ranks) At the model's first forward, raise if trainable parameters were added after the
+    load as plain tensors: ``get_peft_model`` on the loaded model builds adapters that are not
+    sharded, not synchronised and drawn differently on each rank, so the ranks drift apart. Every
+    rank runs the same forward and finds the same names, so every rank raises; the hook then goes."""
+    known = set(layout.tensors) | set(layout.aliases)
+    handles: list[Any] = []
+
+    def check(module: nn.Module, args: object) -> None:
+        added = [
+            name
+            for name, p in model.named_parameters()
+            if name not in known and p.requires_grad and not isinstance(p, DTensor)
+        ]
+        if added:
+            raise LoadError(
+                f"trainable parameters {format_keys(added)} were added after load_sharded returned, as "
+                "plain tensors: they are not sharded, their gradients are not synchronised and each rank "
+                "drew its own values, so the ranks would drift apart (get_peft_model on a loaded model "
+                "does this). Build the PeftModel in model_fn: load_sharded(lambda: "
+                "get_peft_model(base(), config), ckpt_path, mesh); the base checkpoint loads into it as it is."
+            )
+        for handle in handles:
+            handle.remove()
+
+    # On every FSDP unit, not only the root: a PEFT wrapper calls the root's forward() directly,
+    # which runs no hook of the root's, while each block's still runs.
+    for module in model.modules():
+        if module is model or isinstance(module, FSDPModule):
+            handles.append(module.register_forward_pre_hook(check))
+
+
+def finish(model: nn.Module, layout: ModelLayout) -> None:
+    """(all ranks) Re-tie every name of a tied parameter to one object; nothing may be left on meta.
+
+    ``to_empty`` and FSDP2's re-registration can leave a second name pointing at another object.
+    """
+    for group in layout.tie_groups:
+        first_module, first_leaf = resolve_module(model, group[0])
+        is_param = first_leaf in first_module._parameters
+        primary = (first_module._parameters if is_param else first_module._buffers)[first_leaf]
+        for name in group[1:]:
+            module, leaf = resolve_module(model, name)
+            store = module._parameters if is_param else module._buffers
+            if store[leaf] is not primary:
+                store[leaf] = primary  # type: ignore[assignment]
+    left = [n for n, p in model.named_parameters() if p.is_meta or local_tensor(p).is_meta]
+    left += [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RankMismatchError(f"tensors left on meta after loading: {format_keys(left)}")

@@ -1,0 +1,289 @@
+"""Where the tensor data lands on this rank (all ranks; no collectives).
+
+:class:`Target` says where an entry lands on this rank; (all ranks) :func:`allocate_staging` reserves
+every staging buffer before the last agreement; :class:`Sink` casts or dequantises arriving bytes
+into the targets, assembles GENERIC entries (then cuts this rank's shard with DTensor's own split,
+no communication) and float8 scale grids; :func:`fan_out` cuts a BLOCK chunk into each rank's
+block, writes this rank's own and posts the others' sends (point to point). ``_transfer`` moves the
+bytes; ``_localread`` reads them for a node-local reader; both hand them to a Sink (and a BLOCK
+chunk to ``fan_out``), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..checkpoint._format import DTYPES
+from ..checkpoint._fp8 import dequantize, dequantize_at
+from ..common import _distribute
+from ..common._memory import reserve
+from ..errors import LoadError
+from ..integrations._compat import local_tensor
+from ..model._layout import global_indices, held_indices
+from ._messages import Message
+from ._plan import Kind, Piece, Plan, Route, cut, deliveries
+
+__all__ = ["SLOTS", "Sink", "Staging", "Target", "allocate_staging", "fan_out", "landing", "target_of"]
+
+SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
+_DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
+_BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
+# On an accelerator the temporaries are device memory and each step costs a dozen kernel launches:
+# steps 64 times as large (16 Mi elements, 64 MiB of float32). Measured on the H100
+# (benchmarks/README.md): 1.1 G elements/s in 1 MiB steps, against 114 for a whole matrix at once.
+_DEVICE_STEP_SHIFT = 6
+
+
+@dataclass
+class Target:
+    """Where one entry lands on this rank."""
+
+    tensor: torch.Tensor  # the local tensor (DTensor's local shard, or the plain tensor)
+    dtensor: DTensor | None  # the parameter, for GENERIC entries
+
+
+def target_of(t: torch.Tensor) -> Target:
+    return Target(local_tensor(t), t) if isinstance(t, DTensor) else Target(t.data, None)
+
+
+@dataclass
+class Staging:
+    """Every staging buffer of one rank, allocated before the stream: ``slots`` host (rank 0) or
+    mesh-device (others) buffers, and on rank 0 of an accelerator mesh one device buffer."""
+
+    slots: list[torch.Tensor]
+    device: torch.Tensor | None
+    # rank 0 of an accelerator mesh: the one pinned buffer that ``slots`` are views of (a ring)
+    host: torch.Tensor | None = None
+
+
+def allocate_staging(rank: int, piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
+    """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
+    on_cpu = comm.type == "cpu"
+    where = torch.device("cpu") if rank == 0 else comm
+    pin = rank == 0 and not on_cpu
+    if not pin:
+        slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes)
+        return Staging(slots, None)
+    # rank 0 of an accelerator mesh: one pinned buffer, which its reader uses as a ring (see
+    # _stream.RING_ON_ACCELERATORS), and the device buffer
+    host = reserve(1, SLOTS * piece_bytes, where, max_staging_bytes, pin)[0]
+    device = reserve(1, piece_bytes, comm, max_staging_bytes)[0]
+    return Staging(list(host.split(piece_bytes)), device, host)
+
+
+def landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
+    """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
+    t = target.tensor
+    if t.dtype != wire or not t.is_contiguous():
+        return None
+    return t.reshape(-1).view(torch.uint8)[piece.local_offset : piece.local_offset + piece.nbytes]
+
+
+class _Assembly:
+    """A full-size buffer filled piece by piece, for one entry at a time: a GENERIC entry's bytes, or
+    a float8 entry's scale grids."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.index = -1
+        self.buffer: torch.Tensor | None = None
+
+    def land(self, piece: Piece, nbytes: int) -> torch.Tensor:
+        if piece.index != self.index:
+            self.index, self.buffer = piece.index, None
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        assert self.buffer is not None
+        return self.buffer[piece.start : piece.start + piece.nbytes]
+
+
+class Sink:
+    """(all ranks) This rank's local work on arriving bytes: cast or dequantise them into the target,
+    assemble GENERIC entries (then cut this rank's shard with DTensor's own split,
+    ``src_data_rank=None``: no communication) and float8 scale grids. After the first local failure
+    it does nothing more (see ``_distribute.Faults``)."""
+
+    def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
+        self.plan, self.entries, self.targets = plan, plan.entries, targets
+        self.wires = [DTYPES[e.dtype] for e in plan.entries]
+        self.device = device
+        self.me = dist.get_rank()
+        self._held: tuple[int, list[torch.Tensor]] = (-1, [])  # (entry, its held_indices on this rank)
+        self.faults = _distribute.Faults()
+        self.whole = _Assembly(device)
+        self.scales = _Assembly(device)
+
+    def converts(self, message: Message) -> bool:
+        """Whether some piece of ``message`` is cast or dequantised on its way into its target."""
+        return any(
+            self.entries[p.index].scales or self.targets[p.index].tensor.dtype != self.wires[p.index]
+            for p in message.pieces
+            if p.route is not Route.SCALES
+        )
+
+    def landing(self, piece: Piece) -> torch.Tensor | None:
+        """(receivers) Where a broadcast piece can land without staging; None: stage it."""
+        if self.faults.error is not None:
+            return None
+        entry, target = self.entries[piece.index], self.targets[piece.index]
+        try:
+            if piece.route is Route.SCALES:
+                return self.scales.land(piece, entry.scale_nbytes)
+            if piece.kind is Kind.GENERIC:
+                return self.whole.land(piece, entry.nbytes)  # the full-size buffer may not fit
+        except Exception as exc:
+            self.faults.note(exc)
+            return None
+        return (
+            landing(target, piece, self.wires[piece.index]) if target.tensor.device == self.device else None
+        )
+
+    def broadcast(self, piece: Piece, data: torch.Tensor, landed: bool, non_blocking: bool = False) -> None:
+        """(all ranks) The local work of a broadcast piece (``landed``: it arrived where it belongs;
+        ``non_blocking``: see :meth:`write`)."""
+        entry = self.entries[piece.index]
+        if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
+            into = self.scales if piece.route is Route.SCALES else self.whole
+            size = entry.scale_nbytes if piece.route is Route.SCALES else entry.nbytes
+            if not landed:
+                self.faults.run(lambda: into.land(piece, size).copy_(data, non_blocking=non_blocking))
+            if piece.route is not Route.SCALES and piece.start + piece.nbytes == entry.nbytes:
+                self.faults.run(self._cut_whole, piece.index)
+            return
+        self.write(piece, data, non_blocking=non_blocking)
+
+    def write(
+        self, piece: Piece, data: torch.Tensor, local_offset: int | None = None, non_blocking: bool = False
+    ) -> None:
+        """Wire bytes ``data`` (entry bytes from ``piece.start``) into the target at ``local_offset``.
+        ``non_blocking`` (rank 0's pinned slots into device shards): a plain copy is only queued on the
+        device's current stream; the caller keeps ``data`` unchanged until an event recorded after it
+        has completed."""
+        self.faults.run(
+            self._write,
+            piece,
+            data,
+            piece.local_offset if local_offset is None else local_offset,
+            non_blocking,
+        )
+
+    def _write(self, piece: Piece, data: torch.Tensor, local_offset: int, non_blocking: bool = False) -> None:
+        wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
+        if not dst.is_contiguous():
+            raise LoadError("internal error: a write into a non-contiguous tensor")  # ensured by _model
+        start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
+        block = piece.kind is Kind.BLOCK  # this rank's block: not one run of the entry's elements
+        step = max(1, values.numel())
+        if self.entries[piece.index].scales:
+            step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
+            if dst.device.type != "cpu":
+                step <<= _DEVICE_STEP_SHIFT
+        flat, scaled = dst.view(-1), bool(self.entries[piece.index].scales)
+        in_place = dst.device == values.device  # the products written straight into the shard
+        for at in range(0, values.numel(), step):  # float8: float32 temporaries of one step at a time
+            some = values[at : at + step]
+            into = flat[start + at : start + at + some.numel()]
+            if block and scaled:
+                into.copy_(self._decode_block(piece.index, some, start + at))
+            elif scaled and in_place:  # no float32 copy to cast after
+                self._decode(piece.index, some, first + at, into)
+            elif scaled:
+                into.copy_(self._decode(piece.index, some, first + at))
+            else:
+                into.copy_(some, non_blocking=non_blocking)
+
+    def _decode(
+        self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Wire values of elements ``first ..`` of entry ``index``; float8 ones dequantised (into
+        ``into``, if given: see ``_fp8.dequantize``)."""
+        entry = self.entries[index]
+        if not entry.scales:
+            return values
+        if self.scales.index != index or self.scales.buffer is None:
+            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+        grids = self.scales.buffer.view(torch.float32)
+        return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids, into)
+
+    def _decode_block(self, index: int, values: torch.Tensor, local_first: int) -> torch.Tensor:
+        """Float8 values of elements ``local_first ..`` of this rank's BLOCK shard, dequantised with
+        the scales of the global positions they hold (``_layout.global_indices``)."""
+        entry = self.entries[index]
+        if self.scales.index != index or self.scales.buffer is None:
+            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+        if self._held[0] != index:  # once per entry, not per step
+            self._held = (index, held_indices(self.plan.block_layouts(index, [self.me])[self.me]))
+        flat = global_indices(self._held[1], entry.shape, local_first, values.numel()).to(values.device)
+        grids = self.scales.buffer.view(torch.float32)
+        return dequantize_at(values, flat, list(entry.part_rows), entry.shape[-1], entry.block, grids)
+
+    def _cut_whole(self, index: int) -> None:
+        target = self.targets[index]
+        dt = target.dtensor
+        if dt is None or self.whole.buffer is None:
+            raise LoadError("internal error: GENERIC entry without a DTensor target")
+        value = self._decode(index, self.whole.buffer.view(self.wires[index]), 0)
+        value = value.reshape(dt.shape).to(dtype=dt.dtype)
+        local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
+        target.tensor.copy_(local)
+        self.whole.buffer = None
+
+
+class _All:
+    """Several sends, waited for together (and the tensors they send, kept alive until then)."""
+
+    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
+        self._works, self._keep = works, keep
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._keep.clear()
+
+
+def fan_out(
+    piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: Sink
+) -> _All:
+    """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
+    into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
+    others are sent. A block that is not a contiguous part of the chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
+    share one copy, so the packed blocks never exceed the chunk. After a local failure the blocks
+    still go out, as scratch bytes of the right size."""
+    entry, wire = sink.entries[piece.index], sink.wires[piece.index]
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
+    works: list[Any] = []
+    keep: list[torch.Tensor] = []
+    used, me = 0, dist.get_rank()
+    for d in deliveries(piece, entry, per_rank):
+        payload: torch.Tensor | None = None
+        if sink.faults.error is None:
+            try:
+                key = (d.row_lo, d.row_hi, d.inner)
+                block = made.get(key)
+                if block is None:
+                    shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
+                    chunk = data.view(wire).view(-1, *shape)
+                    block = cut(chunk, d)
+                    if not block.is_contiguous():
+                        packed = spare[used : used + d.nbytes].view(wire).view(block.shape)
+                        packed.copy_(block)
+                        used += d.nbytes
+                        block = packed
+                    made[key] = block
+                payload = block.reshape(-1).view(torch.uint8)
+            except Exception as exc:
+                sink.faults.note(exc)
+        if d.dst == me:
+            if payload is not None:
+                sink.write(piece, payload, local_offset=d.local_offset)
+            continue
+        if payload is None:
+            payload = data[: d.nbytes]  # scratch: the receiver discards it
+        works.append(dist.isend(payload, dst=d.dst))
+        keep.append(payload)
+    return _All(works, keep)

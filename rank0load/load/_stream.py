@@ -1,0 +1,419 @@
+"""Rank 0's reader: file bytes into a few reusable staging slots, one thread ahead of the sender.
+
+(rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._messages.Message` it
+either reads straight into the final destination (rank 0's own rows, when no cast is needed and
+the shard is on the CPU) or into one of the staging buffers allocated before the stream: all its
+pieces at once, one ``preadv`` per run of adjacent file bytes. On an accelerator mesh the staging
+is one pinned ring (:class:`_Ring`), and the reads of every message that fits in its free part go
+to a few threads at once, in parts of at most 4 MiB (:func:`read_threads`): one thread reads the
+page cache at a few GB/s, the pinned host-to-device copy runs at tens. The sender hands buffers
+back once their bytes are sent (on an accelerator, with an event recorded after the non-blocking
+copies that read them: the reader waits for it before filling those bytes again), so host RAM
+spent on staging never exceeds the staging budget whatever the checkpoint's size. Reads use
+``os.preadv`` at file offsets: no file is mapped, so page-cache pages never count in RSS.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import operator
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checkpoint._entries import Entry
+from ..errors import CheckpointFormatError, LoadError
+from ..integrations._compat import host_bytes
+from ._messages import Message
+from ._plan import Route
+
+__all__ = ["Reader", "Staged", "read_threads", "read_vectored", "runs", "split_runs"]
+
+
+_IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
+
+# Threads that read rank 0's staged messages on an accelerator mesh: every free slot's message is
+# read at once, in parts of at most _PART_BYTES, while the sender copies the oldest one to the
+# device. On the H100 machine (benchmarks/README.md) one thread reads the page cache into pinned
+# memory at 7-8 GB/s, 8 threads at 52 and 16 at 64 (4 MiB reads), and the pinned host-to-device
+# copy runs at 53. On the CPU the shards are written in place and the other ranks read beside
+# rank 0: one thread, reading each message before the next.
+ACCELERATOR_READ_THREADS = 8
+_PART_BYTES = 4 << 20  # the read size at which those threads were fastest
+# On an accelerator mesh rank 0's pinned staging is one ring rather than SLOTS fixed slots: each
+# message takes the next bytes it needs (from _RING_ALIGN boundaries), so many small messages are
+# read at once where a slot each would leave most of the staging idle. At world size 1 every piece
+# is a message (a Llama layer: 2 norms of 4 KiB, k and v of 2 MiB, ... in slots of 16 MiB). False:
+# the fixed slots (for benchmarks/cuda_bench.py's same-run comparison).
+RING_ON_ACCELERATORS = True
+_RING_ALIGN = 4096
+_RING_MESSAGES = 64  # messages read ahead at most, in the ring
+
+
+def read_threads(device: torch.device) -> int:
+    """How many threads rank 0's reader uses for the stream to ``device``'s meshes."""
+    if device.type == "cpu":
+        return 1
+    return max(1, min(ACCELERATOR_READ_THREADS, os.cpu_count() or 1))
+
+
+def read_vectored(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` one after the other from the file bytes at ``offset`` on: one ``preadv`` for
+    them all unless the kernel returns less (short reads retried)."""
+    at, i = offset, 0
+    views = list(views)
+    while i < len(views):
+        n = os.preadv(fd, views[i : i + _IOV_MAX], at)
+        if n <= 0:
+            raise CheckpointFormatError(
+                f"{path}: unexpected end of file at byte {at} while reading "
+                "(was the file changed during the load?). Load again; if it repeats, re-download the file."
+            )
+        at += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+
+
+def runs(
+    extents: list[tuple[str, int, int, int]], data: torch.Tensor
+) -> list[tuple[str, int, list[memoryview]]]:
+    """A piece's extents (``Entry.extents``: file, file offset, bytes, offset in ``data``) as runs of
+    nearby file bytes, each read with one ``preadv`` scattering into ``data``: ``(file, offset,
+    buffers)``, the files in the order the extents first name them, each file's runs by offset.
+    Stacked experts' parts are many small tensors, next to each other in the file or a few other
+    tensors apart (the bytes between go to a scratch buffer: see ``_GAP``)."""
+    view = host_bytes(data)
+    if len(extents) == 1:
+        path, offset, nbytes, at = extents[0]
+        return [(path, offset, [view[at : at + nbytes]])]
+    order = dict.fromkeys(map(_PATH, extents))  # the files, as the extents first name them
+    if len(order) == 1:  # the usual case: sorted by offset with a C-level key
+        ordered = sorted(extents, key=_OFFSET)
+    else:
+        rank = {path: i for i, path in enumerate(order)}
+        ordered = sorted(extents, key=lambda e: (rank[e[0]], e[1]))
+    out: list[tuple[str, int, list[memoryview]]] = []
+    end = -1
+    for path, offset, nbytes, at in ordered:
+        if out and out[-1][0] == path and end <= offset <= end + _GAP:
+            if offset > end:  # bytes no one asked for: read into the scratch buffer, not another call
+                out[-1][2].append(_SCRATCH[: offset - end])
+            out[-1][2].append(view[at : at + nbytes])
+        else:
+            out.append((path, offset, [view[at : at + nbytes]]))
+        end = offset + nbytes
+    return out
+
+
+_PATH, _OFFSET = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def split_runs(
+    reads: list[tuple[str, int, list[memoryview]]], size: int
+) -> list[tuple[str, int, list[memoryview]]]:
+    """``reads`` (:func:`runs`) cut into reads of at most ``size`` bytes, each still one run of file
+    bytes (a buffer is cut where a read ends), so that threads can read them side by side."""
+    out: list[tuple[str, int, list[memoryview]]] = []
+    for path, offset, views in reads:
+        if sum(map(len, views)) <= size:
+            out.append((path, offset, views))
+            continue
+        cur: list[memoryview] = []
+        start, filled = offset, 0
+        for view in views:
+            while len(view):
+                take = min(len(view), size - filled)
+                cur.append(view[:take])
+                view, filled = view[take:], filled + take
+                if filled == size:
+                    out.append((path, start, cur))
+                    start, cur, filled = start + size, [], 0
+        if cur:
+            out.append((path, start, cur))
+    return out
+
+
+# A gap of at most _GAP bytes between two extents of one file is read too (into _SCRATCH, whose
+# contents nobody reads: sharing it between threads is harmless): one preadv for a rank's rows of
+# stacked experts, whose parts sit between other tensors' (w1 and w3 around w2 and the scales),
+# instead of one call per part. MiniMax-M2 count, 2 ranks: ~34,000 preadv calls per rank -> 2,855 on
+# rank 0 (its header reads included) and 1,987 on rank 1.
+_GAP = 64 << 10
+_SCRATCH = memoryview(bytearray(_GAP))
+
+
+@dataclass
+class Staged:
+    """A message whose bytes are ready: in ``slot`` (a staging buffer) or already at ``direct``."""
+
+    message: Message
+    data: torch.Tensor  # uint8, exactly message.nbytes
+    slot: int | None  # staging slot index (or ring token) to release, or None when read in place
+    reads: list[concurrent.futures.Future[None]] | None = None  # its parts' reads still in flight
+
+
+class _Ring:
+    """(rank 0's reader thread, on an accelerator mesh) The pinned staging as one ring: each message
+    takes the next bytes it needs, from a ``_RING_ALIGN`` boundary, and they are filled again only
+    once the sender released them (``take``'s ``released`` gives the next release) and the event
+    released with them has completed. Releases may come in any order; the bytes come back in the
+    order they were taken."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.live: collections.deque[tuple[int, int, int]] = collections.deque()  # (token, start, end)
+        self._released: dict[int, torch.Event | None] = {}  # tokens released, their bytes not yet taken again
+        self._token = 0
+
+    def take(
+        self, nbytes: int, released: Callable[[], tuple[int, torch.Event | None] | None]
+    ) -> tuple[int, torch.Tensor] | None:
+        """The next ``nbytes`` (at most the ring's size) and a token to release them with; None
+        when ``released`` returned None (the reader was stopped)."""
+        size = self.buffer.numel()
+        need = min(size, max(1, -(-nbytes // _RING_ALIGN)) * _RING_ALIGN)  # never 0: see _place
+        while (at := self._place(need, size)) is None:
+            token = self.live[0][0]  # wait for the oldest bytes
+            while token not in self._released:
+                got = released()
+                if got is None:
+                    return None
+                self._released[got[0]] = got[1]
+            copied = self._released.pop(token)
+            if copied is not None:
+                copied.synchronize()  # the device has read these bytes: they may be filled again
+            self.live.popleft()
+        self._token += 1
+        self.live.append((self._token, at, at + need))
+        return self._token, self.buffer[at : at + nbytes]
+
+    def _place(self, need: int, size: int) -> int | None:
+        """Where ``need`` (> 0) bytes fit after the newest live region, or None."""
+        if not self.live:
+            return 0
+        first, last = self.live[0][1], self.live[-1][2]
+        if self.live[-1][1] >= first:  # not wrapped: the live bytes are first .. last
+            if last + need <= size:
+                return last
+            return 0 if need <= first else None
+        return last if last + need <= first else None
+
+
+class Reader:
+    """Background reader. Iterate it to get :class:`Staged` messages in order; call :meth:`release`.
+
+    Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
+    ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
+    reader leaves it and once more for every file at the end: a file replaced, rewritten or
+    truncated during the load is a failure. The first failure of any message (an I/O error, a
+    changed file, an allocation) is kept in :attr:`failed`; the remaining messages still flow,
+    unread, so that every rank completes the same messages, and the sender reports it at the end of
+    the round.
+
+    ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
+    at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
+    the oldest message's parts only; a file is checked when its last reads are done. With ``ring``
+    (the pinned buffer that ``buffers`` are views of) a message takes the next bytes of the ring it
+    needs instead of a slot, and ``Staged.slot`` is a token to release (see :class:`_Ring`). The
+    consumer must then release each message before it asks for the next one (the sender on an
+    accelerator does, with an event): the ring hands out its bytes in order, so a message kept back
+    would stall the reader.
+    """
+
+    _DONE = object()
+
+    def __init__(
+        self,
+        messages: Iterable[Message],
+        entries: Sequence[Entry],
+        files: Mapping[str, Any],
+        direct: Callable[[Message], torch.Tensor | None],
+        buffers: list[torch.Tensor],
+        threads: int = 1,
+        ring: torch.Tensor | None = None,
+    ) -> None:
+        self._messages = messages
+        self._entries = entries
+        self._current: str | None = None  # the file read last
+        self._files = files
+        self._direct = direct
+        self._buffers = buffers
+        # free slots, each with the event after which its last copy to the device is done (or None)
+        self._free: queue.Queue[tuple[int, torch.Event | None]] = queue.Queue()
+        self._ring = _Ring(ring) if ring is not None and RING_ON_ACCELERATORS and threads > 1 else None
+        if self._ring is None:
+            for i in range(len(buffers)):
+                self._free.put((i, None))
+        ahead = _RING_MESSAGES if self._ring is not None else len(buffers)
+        self._ready: queue.Queue[object] = queue.Queue(maxsize=ahead + 1)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.failed: BaseException | None = None  # the first failure (I/O error, file changed, ...)
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="rank0load-read")
+            if threads > 1
+            else None
+        )
+        self._inflight: list[concurrent.futures.Future[None]] = []  # the current file's reads
+        self._thread = threading.Thread(target=self._run, name="rank0load-reader", daemon=True)
+        self._thread.start()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = exc
+
+    def _runs(self, message: Message, data: torch.Tensor) -> list[tuple[str, int, list[memoryview]]]:
+        """The runs of file bytes that fill ``data`` with ``message``'s pieces (see :func:`runs`)."""
+        extents = []  # every piece's, shifted to its place in the message: adjacent ones merge
+        for piece, at in message.parts():
+            entry, scales = self._entries[piece.index], piece.route is Route.SCALES
+            for path, offset, nbytes, into in entry.extents(piece.start, piece.nbytes, scales):
+                extents.append((path, offset, nbytes, at + into))
+        return runs(extents, data)
+
+    def _read(self, message: Message, data: torch.Tensor) -> None:
+        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans."""
+        for path, offset, views in self._runs(message, data):
+            if path != self._current:  # the manifest is in file order: leaving a file, check it
+                self._check(self._current)
+                self._current = path
+            self._read_run(path, offset, views)
+
+    def _submit(self, message: Message, data: torch.Tensor) -> list[concurrent.futures.Future[None]]:
+        """(``threads`` > 1) Hand ``message``'s reads to the threads, in parts; returns them."""
+        assert self._pool is not None
+        parts: list[concurrent.futures.Future[None]] = []
+        for path, offset, views in self._runs(message, data):
+            if path != self._current:  # leaving a file: check it once its last reads are done
+                concurrent.futures.wait(self._inflight)
+                self._inflight = []
+                self._check(self._current)
+                self._current = path
+            for part in split_runs([(path, offset, views)], _PART_BYTES):
+                parts.append(self._pool.submit(self._read_part, *part))
+        self._inflight = [f for f in self._inflight if not f.done()] + parts
+        return parts
+
+    def _read_part(self, path: str, offset: int, views: list[memoryview]) -> None:
+        try:
+            self._read_run(path, offset, views)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _read_run(self, path: str, offset: int, views: list[memoryview]) -> None:
+        opened = self._files.get(path)
+        if opened is None:
+            raise LoadError(f"internal error: {path} was not opened when its header was read")
+        try:
+            read_vectored(opened.fd, views, offset, path)
+        except OSError as exc:
+            raise LoadError(
+                f"rank 0 could not read {path} at byte {offset}: {exc.strerror or exc}. "
+                "Check the disk and the file (was it moved or changed during the load?) and retry."
+            ) from None
+
+    def _check(self, path: str | None) -> None:
+        opened = self._files.get(path) if path is not None else None
+        if opened is not None and self.failed is None:
+            try:
+                opened.check()
+            except Exception as exc:
+                self._fail(exc)
+
+    def _run(self) -> None:
+        try:
+            for message in self._messages:
+                if self._stop.is_set():
+                    return
+                data: torch.Tensor | None = None
+                slot: int | None = None
+                try:
+                    data = self._direct(message)
+                except Exception as exc:
+                    self._fail(exc)
+                if data is None and self._ring is not None:
+                    taken = self._ring.take(message.nbytes, self._released)
+                    if taken is None:
+                        return
+                    slot, data = taken
+                elif data is None:
+                    slot = self._get_slot()
+                    if slot is None:
+                        return
+                    data = self._buffers[slot][: message.nbytes]
+                reads = None
+                if self.failed is None:
+                    try:
+                        if self._pool is None:
+                            self._read(message, data)
+                        else:
+                            reads = self._submit(message, data)
+                    except Exception as exc:
+                        self._fail(exc)
+                self._put(Staged(message, data, slot, reads))
+            concurrent.futures.wait(self._inflight)  # the last reads done before the last checks
+            for path in self._files:  # every file, once more, after the last read
+                self._check(path)
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            self._error = exc
+        finally:
+            self._put(self._DONE)
+
+    def _get_slot(self) -> int | None:
+        released = self._released()
+        if released is None:
+            return None
+        slot, copied = released
+        if copied is not None:
+            copied.synchronize()  # the device has read the slot: it may be filled again
+        return slot
+
+    def _released(self) -> tuple[int, torch.Event | None] | None:
+        """The next slot or ring token the sender handed back, with its event; None: stopped."""
+        while not self._stop.is_set():
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def _put(self, item: object) -> None:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
+        """Hand ``slot`` back to be filled again; with ``copied`` (an accelerator mesh: the event
+        recorded after the non-blocking copies that read it), only once that event has completed.
+        The reader thread waits for it, not the sender, so the copies are queued back to back."""
+        if slot is not None:
+            self._free.put((slot, copied))
+
+    def __iter__(self) -> Iterator[Staged]:
+        while True:
+            item = self._ready.get()
+            if item is self._DONE:
+                if self._error is not None:
+                    raise self._error
+                return
+            for read in item.reads or ():  # type: ignore[attr-defined]
+                read.result()  # never raises: a part's failure is kept in `failed`
+            yield item  # type: ignore[misc]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)  # no read into a slot after this

@@ -1,0 +1,345 @@
+"""Build the model with parameters on meta and buffers real; record ties and non-persistent buffers.
+
+(all ranks) :func:`build_on_meta` runs the caller's ``model_fn``. Parameters are moved to ``meta``
+the moment a module registers them, so their initialisers (``reset_parameters``, ``_init_weights``)
+run on meta and cost nothing, while buffers are created for real: rotary ``inv_freq``, BERT
+``position_ids`` and BatchNorm running stats keep the values eager construction gives them.
+No collectives happen here.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..common._distribute import UserCodeFailure, user_code
+from ..integrations._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
+from ..integrations._peft import adapters_built_real, tuner_layers_without_values
+
+__all__ = ["ModelLayout", "base_name", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
+
+
+# The dtypes torch.set_default_dtype accepts (from_pretrained builds in them the same way).
+_DEFAULTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def build_on_meta(
+    model_fn: Callable[[], nn.Module],
+    dtype: torch.dtype | None = None,
+    rng_state: torch.Tensor | None = None,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real; with ``dtype``, also
+    with torch's default dtype set to it, as transformers' ``from_pretrained(dtype=...)`` builds.
+
+    PEFT adapters are the exception (``_peft.adapters_built_real``): built for real, from torch's
+    random stream, as ``get_peft_model`` builds them. ``rng_state``: rank 0's CPU random state; a
+    rank given it builds from it, so every rank draws rank 0's adapters, and then gets its own state
+    back (rank 0 passes None: its stream advances as an eager build's would).
+
+    Returns the model, its parameters all on meta, and the values of those ``model_fn`` built for
+    real (by their first name), to be put into the shards once allocated (``_model.apply_built``).
+    """
+    peft_before = "peft" in sys.modules
+    start = torch.get_rng_state()
+    model = _build_once(model_fn, dtype, rng_state)
+    if not peft_before and "peft" in sys.modules and tuner_layers_without_values(model, set()):
+        # model_fn imported peft itself, after the build began: build again, peft now patched,
+        # from the same random state.
+        torch.set_rng_state(start)
+        model = _build_once(model_fn, dtype, rng_state)
+    return model, _take_built(model)
+
+
+def _build_once(
+    model_fn: Callable[[], nn.Module], dtype: torch.dtype | None, rng_state: torch.Tensor | None
+) -> nn.Module:
+    default = torch.get_default_dtype()
+    own_state = torch.get_rng_state() if rng_state is not None else None
+    with parameters_on_meta(), adapters_built_real(default), _MetaValuesSkipped():
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
+        if dtype in _DEFAULTABLE:
+            torch.set_default_dtype(dtype)
+        try:
+            model = user_code("model_fn", model_fn)
+        finally:
+            torch.set_default_dtype(default)
+            if own_state is not None:
+                torch.set_rng_state(own_state)
+    if not isinstance(model, nn.Module):
+        raise UserCodeFailure(f"model_fn must return an nn.Module, got {type(model).__name__}")
+    return model
+
+
+# In-place operations that only set a tensor's values: on meta (no values) they change nothing.
+_VALUE_ONLY = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "normal_", "uniform_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_",
+        "bernoulli_", "erfinv_", "clamp_", "clamp_min_", "clamp_max_", "zero_", "fill_",
+    )
+) | frozenset(
+    (nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.constant_, nn.init.ones_, nn.init.zeros_)
+)  # fmt: skip
+# torch.nn.init functions that raise on tensors of fewer than 2 dimensions (fans undefined)
+_VALUE_ONLY_2D = frozenset(
+    (nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_)
+)
+
+
+_VALUE_ONLY_NAMES = frozenset(
+    f.__name__ for f in _VALUE_ONLY if getattr(f, "__module__", None) == "torch.nn.init"
+)
+_VALUE_ONLY_2D_NAMES = frozenset(f.__name__ for f in _VALUE_ONLY_2D)
+# transformers 5 swaps torch.nn.init's functions for its own guarded ones of the same names while
+# it initialises weights (initialization.guard_torch_init_functions), so torch.nn.init.normal_
+# dispatches with transformers' normal_ as the function: recognised by module and name.
+_HF_INIT = "transformers.initialization"
+
+
+def _kind(func: object) -> int:
+    """2: a value-only initialiser that needs 2 dimensions; 1: one that does not; 0: anything else."""
+    if func in _VALUE_ONLY_2D:
+        return 2
+    if func in _VALUE_ONLY:
+        return 1
+    if getattr(func, "__module__", None) == _HF_INIT:
+        name = getattr(func, "__name__", "")
+        return 2 if name in _VALUE_ONLY_2D_NAMES else 1 if name in _VALUE_ONLY_NAMES else 0
+    return 0
+
+
+class _MetaValuesSkipped(TorchFunctionMode):
+    """Initialisers on meta parameters return at once. torch runs some of them on meta through
+    Python reference implementations: ``normal_`` takes ~0.5 ms, ``clamp_`` 1.5 ms, so
+    transformers 4.57's ``_init_weights`` (``normal_`` on every ``nn.Linear``) spent ~80 s of a
+    48k-parameter per-expert MoE's build setting values meta tensors do not hold. Skipped only
+    for a floating meta tensor with no other tensor argument (nothing that could fail on a
+    shape), ``torch.nn.init``'s fan-based initialisers only from 2 dimensions up (below, they
+    raise); the CPU random stream is untouched either way (meta draws nothing). Whatever else runs
+    as it would, including what ``torch.nn.init`` calls inside a function this mode passes on.
+    transformers 5's guarded stand-ins for these functions (same names) are skipped alike: missed,
+    they sent MiniMax-M2's 436 ``normal_`` calls through the reference path, ~0.25 s of each build."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        kind = _kind(func)
+        if kind:
+            target = args[0] if args else kwargs.get("tensor")
+            others = [*args[1:], *(v for k, v in kwargs.items() if k != "tensor" or args)]
+            if (
+                isinstance(target, torch.Tensor)
+                and target.is_meta
+                and target.is_floating_point()
+                and (kind == 1 or target.dim() >= 2)
+                and not any(isinstance(a, torch.Tensor) for a in others)
+            ):
+                return target
+        return func(*args, **kwargs)
+
+
+def _take_built(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters ``model_fn`` left real: their values (by first name), each replaced by a meta
+    parameter of the same kind (one replacement for every module that holds it: ties survive)."""
+    values: dict[str, torch.Tensor] = {}
+    replaced: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, p in module._parameters.items():
+            if p is None or p.is_meta:
+                continue
+            meta = replaced.get(id(p))
+            if meta is None:
+                values[f"{module_name}.{leaf}" if module_name else leaf] = p.detach().clone()
+                meta = replaced[id(p)] = to_meta(p)
+            module._parameters[leaf] = meta
+    return values
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One state-dict tensor of the model, as every rank sees it after sharding."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_param: bool
+    is_dtensor: bool
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What the manifest is validated against (derived identically on every rank).
+
+    ``tensors`` maps each *canonical* state-dict key to its description; ``aliases`` maps every
+    further name of a tied parameter (or shared buffer) to its canonical key; ``non_persistent``
+    holds the names of buffers that the model keeps out of its state dict.
+    ``initialisable`` is the set of canonical parameter keys the model can initialise itself.
+    """
+
+    tensors: dict[str, TensorInfo]
+    aliases: dict[str, str]
+    tie_groups: tuple[tuple[str, ...], ...]
+    non_persistent: frozenset[str]
+    initialisable: frozenset[str]
+    # Canonical keys of the parameters model_fn built with real values (PEFT adapters): a checkpoint
+    # that lacks them leaves them as built, also with strict=True.
+    built: frozenset[str] = frozenset()
+
+    def canonical(self, key: str) -> str | None:
+        """The canonical model key for a checkpoint key (after ``key_map``), or None.
+
+        Wrapper segments (``_orig_mod.`` from ``torch.compile``, ``_checkpoint_wrapped_module.``
+        from activation checkpointing) are ignored on both sides: a checkpoint saved from a
+        compiled model loads into a plain one and the other way round, with no ``key_map``.
+        """
+        if key in self.tensors:  # called for every checkpoint key: the common answers first
+            return key
+        hit = self.aliases.get(key)
+        if hit is not None:
+            return hit
+        stripped = strip_wrappers(key)
+        if stripped is key:
+            return None
+        return stripped if stripped in self.tensors else self.aliases.get(stripped)
+
+    def canonical_all(self, keys: Sequence[str]) -> list[str | None]:
+        """``[self.canonical(k) for k in keys]``, in bulk: a MoE checkpoint has ~96,000 keys. The
+        names a model answers to directly are one dictionary lookup each, in C; the keys left are
+        taken one by one only when one of them holds a wrapper segment (one search over them all)."""
+        found = list(map(self._names.get, keys))
+        left = [i for i, hit in enumerate(found) if hit is None]
+        if left and _WRAPPED.search("\n".join([keys[i] for i in left])) is not None:
+            for i in left:
+                found[i] = self.canonical(keys[i])
+        return found
+
+    @functools.cached_property
+    def _names(self) -> dict[str, str]:
+        """Every name the model answers to directly -> its canonical key (a key its own name)."""
+        return {**self.aliases, **{k: k for k in self.tensors}}
+
+    def fingerprint(self) -> tuple:
+        """A picklable summary that differs whenever two ranks built different models."""
+        return (
+            tuple((k, t.shape, str(t.dtype), t.is_param, t.is_dtensor) for k, t in self.tensors.items()),
+            tuple(sorted(self.aliases.items())),
+            tuple(sorted(self.non_persistent)),
+            tuple(sorted(self.built)),
+        )
+
+
+# Module-name segments that wrappers insert without changing the state a checkpoint holds.
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+_WRAPPED = re.compile("|".join(WRAPPER_SEGMENTS))
+
+
+# What a PEFT model adds to its base model's names: ``base_model.model.`` in front, ``.base_layer``
+# (the wrapped layer of a tuner layer) and ``.original_module`` (modules_to_save) inside.
+_PEFT_PREFIX = "base_model.model."
+_PEFT_SEGMENTS = ("base_layer", "original_module")
+
+
+def base_name(key: str) -> str:
+    """A PEFT model's name as its base model and its checkpoints spell it (wrappers removed too):
+    ``"base_model.model.layers.0.q_proj.base_layer.weight"`` -> ``"layers.0.q_proj.weight"``."""
+    key = strip_wrappers(key)
+    if not key.startswith(_PEFT_PREFIX):
+        return key
+    return ".".join(p for p in key.removeprefix(_PEFT_PREFIX).split(".") if p not in _PEFT_SEGMENTS)
+
+
+def strip_wrappers(key: str) -> str:
+    """``"_orig_mod.layers.0._checkpoint_wrapped_module.fc.weight"`` -> ``"layers.0.fc.weight"``."""
+    if _WRAPPED.search(key) is None:  # called for every checkpoint key: one C-level search
+        return key
+    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
+    """``"a.b.weight"`` -> (``model.a.b``, ``"weight"``)."""
+    prefix, _, leaf = key.rpartition(".")
+    return (model.get_submodule(prefix) if prefix else model), leaf
+
+
+def _initialiser(model: nn.Module, module_name: str) -> bool:
+    """Whether the module that owns a parameter can be re-initialised (see ``_model.init_missing``)."""
+    module = model.get_submodule(module_name) if module_name else model
+    return (
+        callable(getattr(module, "reset_parameters", None)) or hf_init_weights(model, module_name) is not None
+    )
+
+
+def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
+    """(all ranks) Describe the state-dict tensors of a (possibly sharded) meta model; ``built``: the
+    names of the parameters model_fn built with real values (``build_on_meta``)."""
+    tensors: dict[str, TensorInfo] = {}
+    aliases: dict[str, str] = {}
+    groups: dict[int, list[str]] = {}
+    first_name: dict[int, str] = {}
+    initialisable: set[str] = set()
+
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+        if id(param) in first_name:
+            aliases[name] = first_name[id(param)]
+            continue
+        first_name[id(param)] = name
+        tensors[name] = TensorInfo(
+            key=name,
+            shape=tuple(param.shape),
+            dtype=param.dtype,
+            is_param=True,
+            is_dtensor=_is_dtensor(param),
+        )
+        if _initialiser(model, name.rpartition(".")[0]):
+            initialisable.add(name)
+
+    non_persistent: set[str] = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, buf in module._buffers.items():
+            if buf is None:
+                continue
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if leaf in non_persistent_buffers(module):
+                non_persistent.add(name)
+                continue
+            if id(buf) in first_name:
+                aliases[name] = first_name[id(buf)]
+                groups.setdefault(id(buf), []).append(name)
+                continue
+            first_name[id(buf)] = name
+            groups.setdefault(id(buf), []).append(name)
+            tensors[name] = TensorInfo(
+                key=name, shape=tuple(buf.shape), dtype=buf.dtype, is_param=False, is_dtensor=False
+            )
+
+    tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
+    # Wrapper-free names of every tensor, so checkpoint keys without the wrappers match; a PEFT
+    # model's base names too, so its base model's checkpoint loads into it as it is.
+    for name in [*tensors, *aliases]:
+        for plain in (strip_wrappers(name), base_name(name)):
+            if plain != name and plain not in tensors and plain not in aliases:
+                aliases[plain] = aliases.get(name, name)
+    non_persistent |= {strip_wrappers(name) for name in non_persistent}
+    non_persistent |= {base_name(name) for name in non_persistent}
+    return ModelLayout(
+        tensors=tensors,
+        aliases=aliases,
+        tie_groups=tie_groups,
+        non_persistent=frozenset(non_persistent),
+        initialisable=frozenset(initialisable),
+        built=frozenset(aliases.get(name, name) for name in built),
+    )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

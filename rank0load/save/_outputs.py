@@ -1,0 +1,218 @@
+"""Rank 0's files of a save: create them, write into them, commit them, or remove them.
+
+(rank 0 only; no collectives) :func:`open_outputs` creates the temporary files (names that never
+end in ``.safetensors``) and writes their headers; :class:`Writer` is the thread that ``pwrite``s the
+stream's bytes at their offsets; :func:`commit` fsyncs and renames the files, writes the index last
+and only then removes a previous save's files; :meth:`Outputs.discard` removes the temporary files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..common import _distribute
+from ._saveplan import SaveItem, SavePlan
+
+__all__ = ["Outputs", "Writer", "commit", "index_name", "open_outputs"]
+
+
+def index_name(stem: str) -> str:
+    """The index of a checkpoint whose files are named from ``stem`` (``SavePlan.stem``)."""
+    return f"{stem}.safetensors.index.json"
+
+
+def _saved(stem: str) -> re.Pattern[str]:
+    """What a save of files named from ``stem`` writes, and the names it keeps an earlier save's
+    files under meanwhile (:func:`_keep_earlier`): the files a later save of that stem replaces.
+    Another stem's files (a transformers model's beside a diffusers model's) are never touched."""
+    return re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
+
+
+@dataclass
+class Outputs:
+    """(rank 0) The temporary files being written, one per planned file."""
+
+    directory: str
+    token: str
+    temps: list[str] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+
+    def discard(self) -> None:
+        """Close and remove every temporary file (errors ignored: this runs while failing)."""
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+        for path in self.temps:
+            try:
+                if os.path.isdir(path):  # the folder of config files
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def open_outputs(out_dir: str, plan: SavePlan) -> Outputs:
+    """(rank 0) Create ``out_dir`` if needed, then each file under a temporary name, its header written."""
+    os.makedirs(out_dir, exist_ok=True)
+    outputs = Outputs(out_dir, secrets.token_hex(4))
+    try:
+        for name, header in zip(plan.files, plan.headers):
+            path = os.path.join(out_dir, f".{name}.tmp-{outputs.token}")
+            outputs.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            outputs.temps.append(path)
+            _pwrite_all(outputs.fds[-1], memoryview(header), 0)
+    except BaseException:
+        outputs.discard()
+        raise
+    return outputs
+
+
+def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> None:
+    """(rank 0) Make the checkpoint visible: fsync and rename the files (``extras``: further
+    (temporary path, final name) pairs, config files), write the index last, then remove what an
+    earlier save left that the new checkpoint does not have."""
+    for fd in outputs.fds:
+        os.fsync(fd)
+    for fd in list(outputs.fds):
+        os.close(fd)
+        outputs.fds.remove(fd)
+    directory, index_file = outputs.directory, index_name(plan.stem)
+    for temp, name in extras:
+        os.replace(temp, os.path.join(directory, name))
+    old_index = os.path.join(directory, index_file)
+    replaced = [n for n in plan.files if os.path.exists(os.path.join(directory, n))]
+    if (
+        replaced
+        and os.path.exists(old_index)
+        and not _keep_earlier(directory, index_file, replaced, outputs.token)
+    ):
+        # Where the earlier save cannot be kept aside: retire its index, so that a crash during the
+        # renames leaves a directory that looks incomplete, never new shards behind an old index.
+        os.unlink(old_index)
+        _fsync_dir(directory)
+    for temp, name in zip(list(outputs.temps), plan.files):
+        os.replace(temp, os.path.join(directory, name))
+        outputs.temps.remove(temp)
+    keep = set(plan.files)
+    if len(plan.files) > 1:
+        index = {
+            "metadata": {"total_size": plan.total_size},
+            "weight_map": dict(sorted((s.name, plan.files[s.file]) for i in plan.items for s in i.saved)),
+        }
+        temp = os.path.join(directory, f".{index_file}.tmp-{outputs.token}")
+        outputs.temps.append(temp)
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, os.path.join(directory, index_file))
+        outputs.temps.remove(temp)
+        keep.add(index_file)
+    saved = _saved(plan.stem)
+    for name in sorted(os.listdir(directory)):
+        if saved.fullmatch(name) and name not in keep:
+            os.unlink(os.path.join(directory, name))
+    _fsync_dir(directory)
+
+
+def _keep_earlier(directory: str, index_file: str, replaced: list[str], token: str) -> bool:
+    """(rank 0) The new files will be renamed over files an earlier save's index names (the same
+    number of files: the same names). Hard-link those files to other names and point the earlier
+    index at them, atomically: the earlier checkpoint stays whole and loadable until the new index
+    replaces it, whenever a crash comes; ``commit`` removes the extra names after that. False
+    (nothing changed) where the index cannot be read or the filesystem has no hard links."""
+    path = os.path.join(directory, index_file)
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+        weight_map = index["weight_map"]
+        files = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    aside: dict[str, str] = {}
+    try:
+        for name in sorted(files & set(replaced)):
+            aside[name] = name.removesuffix(".safetensors") + f".old-{token}.safetensors"
+            os.link(os.path.join(directory, name), os.path.join(directory, aside[name]))
+    except OSError:
+        for name in aside.values():
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+        return False
+    index["weight_map"] = {k: aside.get(v, v) for k, v in weight_map.items()}
+    temp = os.path.join(directory, f".{index_file}.old-{token}")
+    with open(temp, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    _fsync_dir(directory)
+    return True
+
+
+def _fsync_dir(directory: str) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class Writer:
+    """(rank 0) A thread that ``pwrite``s queued pieces at their offsets and hands their slots back.
+    After the first failure it writes nothing more but still hands slots back."""
+
+    def __init__(self, fds: list[int], slots: int, faults: _distribute.Faults) -> None:
+        self.fds, self.faults = fds, faults
+        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None, Any] | None] = (
+            queue.Queue()
+        )
+        self.free: queue.Queue[int] = queue.Queue()
+        for slot in range(slots):
+            self.free.put(slot)
+        self.thread = threading.Thread(target=self._run, name="rank0load-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None, keep: Any = None) -> None:
+        """Write bytes [start, start + len(data)) of ``item`` into its saved tensors (one or more)."""
+        writes = [(self.fds[f], data[lo:hi], at) for f, at, lo, hi in item.writes(start, len(data))]
+        self.jobs.put((writes, slot, keep))
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                writes, slot, _keep = job
+                for fd, data, offset in writes:
+                    self.faults.run(_pwrite_all, fd, data, offset)
+                if slot is not None:
+                    self.free.put(slot)
+            finally:
+                self.jobs.task_done()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()

@@ -1,0 +1,394 @@
+"""``save_sharded``: write an FSDP2 model as a safetensors checkpoint, rank 0 alone writing.
+
+all ranks  describe the model, layout flags, agree (same model, same options)  -> _meta, _layout, _distribute
+rank 0     plan: saved names, dtypes, files split like huggingface_hub, headers -> _saveplan.plan_save
+all ranks  share the plan, or rank 0's error                                  -> _distribute.share
+rank 0     create out_dir, open the temporary files, write the headers         -> _outputs.open_outputs
+all ranks  allocate staging; settle                                           -> _write.settle
+all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
+rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _outputs.commit
+
+The file names and the config files come from one :class:`_Layout` chosen by the model's kind
+(:func:`_layout_of`: transformers, diffusers, any other); :func:`_save` is the save for any layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..checkpoint._format import DTYPES
+from ..common import _distribute
+from ..common._progress import peak_rss_bytes, progress_bar
+from ..common._report import Clock
+from ..errors import SaveError
+from ..integrations import _peft
+from ..integrations._compat import (
+    diffusers_config_json,
+    is_diffusers_model,
+    is_transformers_model,
+    local_tensor,
+    peft_base_model,
+)
+from ..integrations._convert import transformers_reversal
+from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
+from ..model._meta import ModelLayout, describe, strip_wrappers
+from . import _outputs, _write
+from ._saveplan import ALIGN, SLOTS, Revert, SavePlan, parse_size, plan_or_error, plan_save
+
+__all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 16 << 20
+
+
+@dataclass
+class SaveReport:
+    """What a save did (on every rank; byte counts are the saved files')."""
+
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    stream_seconds: float = 0.0
+    files: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()  # model keys key_map mapped to None
+    # DTensors no chunk of rows can describe (a Partial placement, a non-contiguous local shard, 0-d):
+    # gathered whole on every rank with full_tensor(), outside max_staging_bytes, for that one tensor.
+    # Shard(0), Shard(d), _StridedShard and Replicate in any mix (FSDP2, HSDP, TP + FSDP2) never are.
+    gathered_whole: tuple[str, ...] = ()
+    phases: dict[str, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the save finished
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.stream_seconds if self.stream_seconds > 0 else 0.0
+
+
+def save_sharded(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    key_map: Callable[[str], str | None] | None = None,
+    original_format: bool = True,
+    max_staging_bytes: int = DEFAULT_STAGING_BYTES,
+    adapter: str | None = None,
+) -> SaveReport:
+    """Write ``model`` (FSDP2 or HSDP, sharded or not) to ``out_dir`` as a safetensors checkpoint
+    that ``from_pretrained`` and :func:`load_sharded` read as it is.
+
+    (all ranks) Every rank calls this with the same arguments. Rank 0 alone writes: each rank sends
+    its own rows of every ``Shard(0)`` parameter to rank 0, point to point, in pieces of at most
+    ``max_staging_bytes / 4``; replicas (HSDP's ``Replicate`` dimensions) send once. Tensor-parallel
+    DTensors (``Shard(d)``, ``_StridedShard``, with FSDP2 on top) go in chunks of whole rows of at
+    most ``max_staging_bytes / 8``, each rank sending its block of each chunk, which rank 0 places
+    into the chunk's rows. Host RAM for staging is bounded by ``max_staging_bytes`` on every rank.
+    Only a DTensor no chunk can describe (``Partial``, a non-contiguous local shard, 0-d) is gathered
+    whole with ``full_tensor()`` on every rank, outside that bound (``SaveReport.gathered_whole``,
+    warned).
+
+    The files are named as the model's library names them: ``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` (a transformers model,
+    with its ``config.json`` and ``generation_config.json``; any other model, without configs);
+    ``diffusion_pytorch_model.safetensors`` and the like for a diffusers model, with its ``config.json``.
+    They are written under temporary names, fsynced and renamed; the index is written last and an
+    earlier save's files of the same names are removed only then (others are left alone). On any
+    failure the temporary files are removed and the previous checkpoint in ``out_dir`` is left as it was.
+
+    Args:
+        model: the model, the same on every rank.
+        out_dir: the directory, needed on rank 0 only (created if missing).
+        max_shard_size: the largest file (bytes, or ``"5GB"``-style as huggingface_hub parses it);
+            a tensor larger than that gets a file of its own.
+        dtype: a floating dtype for the saved floating tensors; integer, bool and float8 tensors are
+            never cast. ``None``: as the model holds them.
+        key_map: maps a model key (wrapper prefixes removed) to its saved name, or to None to skip it
+            (called on rank 0). Tied parameters are saved once, under their first name.
+        original_format: for a transformers model, revert transformers' conversions as
+            ``save_pretrained`` does (its default): a fused MoE parameter (``mlp.experts.gate_up_proj``
+            [E, 2I, H]) is saved as the per-expert tensors it was loaded from, renamed modules get their
+            checkpoint names back. Applied to the names key_map returns. False: the model's own names.
+        max_staging_bytes: host RAM for staging on each rank.
+        adapter: the name of a PEFT adapter of a ``PeftModel`` (``"default"``): save that adapter
+            alone in PEFT's layout (``adapter_model.safetensors`` under PEFT's names, which
+            ``get_peft_model_state_dict`` gives, and ``adapter_config.json``), as
+            ``PeftModel.save_pretrained`` writes it and ``PeftModel.from_pretrained`` or
+            ``load_sharded(..., adapter=out_dir)`` read it; same staging bound. Not with key_map.
+            Embedding layers PEFT's "auto" would add are not saved.
+
+    Returns:
+        A :class:`SaveReport`, on every rank.
+
+    Raises:
+        SaveError: on every rank, with the same message, for a failure on any rank (out_dir not
+            writable, disk full, a cast error, a rank that died); other LoadErrors for models that
+            differ between ranks (``RankMismatchError``).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise SaveError("torch.distributed is not initialised: call dist.init_process_group() first")
+    if adapter is not None:
+        return _save_adapter(model, out_dir, adapter, dtype, max_staging_bytes, key_map)
+    return _save(
+        model,
+        out_dir,
+        _layout_of(model),
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        key_map=key_map,
+        original_format=original_format,
+        max_staging_bytes=max_staging_bytes,
+    )
+
+
+def _save_adapter(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    adapter: str,
+    dtype: torch.dtype | None,
+    max_staging_bytes: int,
+    key_map: Callable[[str], str | None] | None,
+) -> SaveReport:
+    """(all ranks) One PEFT adapter in PEFT's layout: its tensors under PEFT's names, one file."""
+    if key_map is not None:
+        raise SaveError("save_sharded(adapter=...) saves under PEFT's names: drop key_map")
+    _peft.peft_config(model, adapter)  # the same answer on every rank: raises everywhere or nowhere
+
+    @functools.cache
+    def names() -> dict[str, str]:  # (rank 0, while planning) model key -> PEFT's name
+        return {strip_wrappers(k): v for k, v in _peft.adapter_names(model, adapter).items()}
+
+    return _save(
+        model,
+        out_dir,
+        _Layout("adapter_model", True, functools.partial(_adapter_config, adapter)),
+        max_shard_size="5GB",
+        dtype=dtype,
+        key_map=lambda key: names().get(key),
+        original_format=False,
+        max_staging_bytes=max_staging_bytes,
+    )
+
+
+def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it."""
+    config: Any = copy.deepcopy(_peft.peft_config(model, adapter))
+    if getattr(config, "base_model_name_or_path", None) is None:
+        config.base_model_name_or_path = getattr(peft_base_model(model), "name_or_path", None) or None
+    config.inference_mode = True
+    config.save_pretrained(folder)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a saved checkpoint looks like beside its tensors: its files' names and its config files."""
+
+    stem: str  # file names: <stem>.safetensors, <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
+    single_file: bool  # one file whatever max_shard_size says (a PEFT adapter's)
+    # (rank 0) writes the config files into an empty temporary folder (model, folder, plan); every file
+    # it leaves there is committed into out_dir with the weights. None: no config files.
+    write_configs: Callable[[nn.Module, str, SavePlan], None] | None
+
+
+def _layout_of(model: nn.Module) -> _Layout:
+    """(all ranks) The layout ``from_pretrained`` of the model's library reads."""
+    if is_transformers_model(model):
+        return _Layout("model", False, _hf_configs)
+    if is_diffusers_model(model):
+        return _Layout("diffusion_pytorch_model", False, _diffusers_config)
+    return _Layout("model", False, None)
+
+
+def _save(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    layout: _Layout,
+    *,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    key_map: Callable[[str], str | None] | None,
+    original_format: bool,
+    max_staging_bytes: int,
+) -> SaveReport:
+    """(all ranks) ``save_sharded`` with the files and config files ``layout`` names; the arguments
+    as ``save_sharded``'s (``original_format`` applies to a transformers model only)."""
+    clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
+    options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
+    described, error = _distribute.attempt(lambda: _describe(model, options))
+    flags = _distribute.agree(described[2] if described else None, error)
+    assert described is not None  # agree() raised otherwise
+    model_layout, tensors, _ = described
+    clock("agree")
+    revert = functools.partial(_reversal, model, original_format)  # built by rank 0 in plan_or_error
+    planned = None
+    if rank == 0:
+        planned = plan_or_error(
+            model_layout,
+            tensors,
+            flags,
+            key_map,
+            options,
+            revert,
+            stem=layout.stem,
+            single_file=layout.single_file,
+        )
+    plan: SavePlan = _distribute.share(planned)
+    clock("plan")
+    outputs: _outputs.Outputs | None = None
+    try:
+        comm = _comm_device(tensors)
+        staging, error = _distribute.attempt(
+            lambda: _write.allocate_staging(plan.piece_bytes, comm, max_staging_bytes)
+        )
+        if rank == 0 and error is None:
+            outputs, error = _distribute.attempt(lambda: _outputs.open_outputs(out, plan))
+        _write.settle(error, "creating the output files")
+        assert staging is not None
+        with progress_bar(plan.total_size) if rank == 0 else contextlib.nullcontext() as on_bytes:
+            gathered = _write.stream(plan, tensors, outputs, staging, on_bytes)
+        clock("stream")
+        if rank == 0:
+            assert outputs is not None
+            _, error = _distribute.attempt(lambda: _finish(model, outputs, plan, layout.write_configs))
+        _write.settle(error, "committing the checkpoint")
+        clock("commit")
+    finally:
+        if outputs is not None:
+            outputs.discard()  # nothing left once committed
+    report = _report(plan, clock, gathered)
+    if rank == 0:
+        _log_summary(report)
+    return report
+
+
+def _describe(
+    model: nn.Module, options: dict[str, Any]
+) -> tuple[ModelLayout, dict[str, torch.Tensor], _distribute.Proposal]:
+    """(all ranks) Check the options, describe the model, and make this rank's proposal."""
+    dtype, staging = options["dtype"], options["max_staging_bytes"]
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise SaveError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
+    if isinstance(staging, bool) or not isinstance(staging, int) or staging < ALIGN * SLOTS:
+        raise SaveError(f"max_staging_bytes={staging!r} must be an int of at least {ALIGN * SLOTS}")
+    parse_size(options["max_shard_size"])
+    layout = describe(model)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    tensors = {k: params[k] if t.is_param else buffers[k] for k, t in layout.tensors.items()}
+    flags = tuple(_flags(tensors[k]) for k in layout.tensors)
+    proposal = _distribute.Proposal(layout.fingerprint(), _distribute.options_of(**options), flags)
+    return layout, tensors, proposal
+
+
+def _flags(t: torch.Tensor) -> int:
+    """ROWS_OK when this rank's shard of ``t`` is its contiguous row range, RUNS_OK when it is the
+    block ``_layout.runs_at`` computes (contiguous, so each part of a chunk is a range of it)."""
+    if not isinstance(t, DTensor) or not local_tensor(t).is_contiguous():
+        return 0
+    return layout_flags(t, t.device_mesh) & (ROWS_OK | RUNS_OK)
+
+
+def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
+    for t in tensors.values():
+        if isinstance(t, DTensor):
+            return _distribute.mesh_device(t.device_mesh.device_type)
+    return torch.device("cpu")
+
+
+def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
+    """(rank 0) transformers' conversions reverted, for a transformers model with original_format."""
+    return transformers_reversal(model) if original_format and is_transformers_model(model) else None
+
+
+def _finish(
+    model: nn.Module,
+    outputs: _outputs.Outputs,
+    plan: SavePlan,
+    write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
+) -> None:
+    """(rank 0) Write the config files into a temporary folder of out_dir, then commit them with the
+    weights (:func:`_outputs.commit` renames each into out_dir)."""
+    extras: list[tuple[str, str]] = []
+    if write_configs is not None:
+        folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
+        os.makedirs(folder)
+        outputs.temps.append(folder)
+        write_configs(model, folder, plan)
+        extras = [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
+    _outputs.commit(outputs, plan, extras)
+
+
+def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) A transformers model's ``config.json`` (its dtype the saved floating tensors') and
+    ``generation_config.json``."""
+    floats: dict[str, int] = {}
+    for item in plan.items:
+        if DTYPES[item.dtype].is_floating_point and DTYPES[item.dtype].itemsize > 1:
+            floats[item.dtype] = floats.get(item.dtype, 0) + item.nbytes
+    config: Any = copy.deepcopy(model.config)
+    if floats:
+        config.dtype = str(DTYPES[max(floats, key=lambda d: floats[d])]).removeprefix("torch.")
+    config.save_pretrained(folder)
+    generation: Any = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
+
+
+def _diffusers_config(model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) A diffusers model's ``config.json``, as its ``save_config`` writes it (diffusers keeps
+    no dtype there)."""
+    name, text = diffusers_config_json(model)
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _report(plan: SavePlan, clock: Clock, gathered: tuple[str, ...]) -> SaveReport:
+    return SaveReport(
+        tensors=sum(len(i.saved) for i in plan.items),
+        bytes=plan.total_size,
+        seconds=time.perf_counter() - clock.started,
+        stream_seconds=clock.phases.get("stream", 0.0),
+        files=plan.files,
+        skipped=plan.skipped,
+        gathered_whole=gathered,
+        phases=clock.phases,
+        peak_rss_bytes=peak_rss_bytes(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+    )
+
+
+def _log_summary(report: SaveReport) -> None:
+    """(rank 0) A warning for what was gathered whole, then one INFO line."""
+    if report.gathered_whole:
+        logger.warning(
+            "%d tensors were gathered whole on every rank (full_tensor), outside max_staging_bytes: "
+            "a Partial placement, a non-contiguous local shard or a 0-d DTensor: %s",
+            len(report.gathered_whole),
+            ", ".join(report.gathered_whole[:10]),
+        )
+    logger.info(
+        "rank0load: saved %d tensors, %.2f GB in %d files in %.2f s (stream %.2f GB/s) over %d ranks, "
+        "rank 0 peak RSS %.0f MB",
+        report.tensors,
+        report.bytes / 1e9,
+        len(report.files),
+        report.seconds,
+        report.gb_per_s,
+        report.world_size,
+        report.peak_rss_bytes / 1e6,
+    )

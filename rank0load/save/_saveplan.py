@@ -1,0 +1,355 @@
+"""The file plan of a save: what rank 0 decides and broadcasts before any byte moves.
+
+(rank 0) :func:`plan_save` maps every model tensor to its saved name and dtype, splits the tensors
+into files the way huggingface_hub splits them, lays out each file's header and offsets, and names
+the senders of every sharded DTensor's elements (rows, or tensor-parallel blocks); :func:`plan_or_error`
+turns a failure into the error every rank raises. (all ranks) :class:`SavePlan` is shared as it is;
+:func:`pieces` cuts an item into the messages every rank derives identically from the plan, so
+nothing else is exchanged. No collectives here.
+
+A ``BLOCK`` item (tensor parallel) travels in chunks of whole rows, each rank sending its block of
+each chunk: :func:`chunks`, ``_saveblock``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..checkpoint._format import DTYPES
+from ..common._distribute import round_ends
+from ..errors import LoadError, SaveError
+from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of
+from ..model._meta import ModelLayout, strip_wrappers
+from ._saveblock import Blocks, Chunk, Part, block_chunks, block_half, blocks_of
+
+__all__ = [
+    "ALIGN",
+    "SLOTS",
+    "Piece",
+    "SaveItem",
+    "Revert",
+    "SaveKind",
+    "SavePlan",
+    "Saved",
+    "chunks",
+    "file_names",
+    "parse_size",
+    "pieces",
+    "plan_or_error",
+    "plan_save",
+]
+
+SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
+ALIGN = 64  # piece sizes stay multiples of every element size
+ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# a saved name and shape -> the names and shapes it is saved as (equal byte ranges, in order)
+Revert = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
+_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's parse_size_to_int
+
+
+class SaveKind(enum.Enum):
+    """How one saved tensor reaches rank 0's file."""
+
+    ROWS = "rows"  # a DTensor of Shard(0)/Replicate: each row range sent once by the rank holding it
+    BLOCK = "block"  # Shard(d)/_StridedShard/Replicate: chunks of rows, each rank sending its block
+    PLAIN = "plain"  # a plain tensor (buffer, unsharded parameter): rank 0 writes its own copy
+    GATHER = "gather"  # any other DTensor (Partial, a non-contiguous shard, 0-d): full_tensor() everywhere
+
+
+_Senders = tuple[tuple[int, int, int], ...]  # ROWS: (rank, first row, end row), by row
+# (model key, its saved names and shapes, wire dtype, kind, senders, blocks)
+_Row = tuple[str, list[tuple[str, tuple[int, ...]]], torch.dtype, SaveKind, _Senders, Blocks]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor of the saved files: bytes [start, start + nbytes) of its item, row-major."""
+
+    name: str  # the saved name
+    shape: tuple[int, ...]
+    file: int  # index into SavePlan.files
+    offset: int  # absolute offset of its first byte in that file
+    start: int  # byte offset within the item
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SaveItem:
+    """One model tensor and the saved tensors its bytes become: one, or with ``original_format``
+    a fused MoE parameter's per-expert tensors, each a contiguous byte range of it."""
+
+    key: str  # the canonical model key every rank reads it from
+    dtype: str  # the safetensors dtype it is saved in
+    shape: tuple[int, ...]  # the model tensor's
+    nbytes: int
+    kind: SaveKind
+    senders: _Senders = ()  # ROWS: (rank, first row, end row), by row
+    saved: tuple[Saved, ...] = ()  # by start; their byte ranges tile [0, nbytes)
+    # BLOCK: (rank, the global indices it holds per dimension, as runs), one replica per Replicate
+    # mesh dimension, ranks holding nothing left out
+    blocks: Blocks = ()
+
+    def sends(self, rank: int) -> bool:
+        """Whether ``rank`` sends any of this item's bytes (GATHER and PLAIN: rank 0 alone writes)."""
+        return any(r == rank for r, _, _ in self.senders) or any(r == rank for r, _ in self.blocks)
+
+    def writes(self, start: int, nbytes: int) -> Iterator[tuple[int, int, int, int]]:
+        """(rank 0) Where bytes [start, start + nbytes) of the item go: (file, offset, first byte
+        of the piece, end byte of the piece), one per saved tensor they touch."""
+        end = start + nbytes
+        for s in self.saved:
+            lo, hi = max(start, s.start), min(end, s.start + s.nbytes)
+            if lo < hi:
+                yield s.file, s.offset + lo - s.start, lo - start, hi - start
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """Rank 0's decision, broadcast to every rank: files, headers and items in write order."""
+
+    files: tuple[str, ...]  # final file names in out_dir
+    headers: tuple[bytes, ...]  # each file's first bytes: 8-byte length + JSON padded to 8
+    items: tuple[SaveItem, ...]  # by their first saved tensor's file and offset
+    rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
+    piece_bytes: int  # the largest message
+    skipped: tuple[str, ...] = ()  # model keys key_map dropped
+    # what every file name starts with (file_names): "model" (transformers and plain models),
+    # "diffusion_pytorch_model" (diffusers); the index is <stem>.safetensors.index.json
+    stem: str = "model"
+    total_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_size", sum(i.nbytes for i in self.items))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``; for a
+    BLOCK item, the sender's block of the chunk that starts at ``start`` (see :func:`chunks`)."""
+
+    index: int
+    src: int  # 0: rank 0 writes it from its own tensor
+    start: int  # byte offset within the item
+    nbytes: int
+    local: int  # element offset in the sender's local tensor (the piece is contiguous there)
+
+
+def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece]:
+    """(all ranks) The messages of item ``index``, in the order every rank uses; ``src``: only those
+    that rank sends, in the same order."""
+    item = plan.items[index]
+    if item.kind is SaveKind.BLOCK:
+        for chunk, parts in chunks(plan, index, src):
+            yield from (Piece(index, p.src, chunk.start, p.nbytes, p.local) for p in parts)
+        return
+    if item.kind is SaveKind.ROWS:
+        row = item.nbytes // item.shape[0] if item.shape[0] else 0
+        ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
+    else:
+        ranges = [(0, 0, item.nbytes)]
+    size = DTYPES[item.dtype].itemsize
+    for rank, begin, end in ranges:
+        if src is None or rank == src:
+            for at in range(begin, end, plan.piece_bytes):
+                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), (at - begin) // size)
+
+
+def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
+    """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each (``src``: only that
+    rank's), see ``_saveblock.block_chunks``."""
+    item = plan.items[index]
+    size, half = DTYPES[item.dtype].itemsize, block_half(plan.piece_bytes)
+    return block_chunks(item.shape, size, item.blocks, half, src)
+
+
+def file_names(stem: str, count: int) -> list[str]:
+    """The names of a checkpoint of ``count`` files, as huggingface_hub and diffusers name them:
+    ``<stem>.safetensors``, or ``<stem>-00001-of-0000N.safetensors`` and on."""
+    if count == 1:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def parse_size(size: int | str) -> int:
+    """``max_shard_size`` in bytes, parsed as huggingface_hub's ``parse_size_to_int`` does."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str) and size.strip()[-2:].upper() in _UNITS:
+        text = size.strip()
+        try:
+            value = int(float(text[:-2].strip()) * _UNITS[text[-2:].upper()])
+        except ValueError:
+            value = 0
+        if value > 0:
+            return value
+    raise SaveError(f"max_shard_size={size!r} is not a positive number of bytes nor a size like '5GB'")
+
+
+def plan_or_error(
+    layout: ModelLayout,
+    tensors: dict[str, torch.Tensor],
+    flags: tuple[int, ...],
+    key_map: Callable[[str], str | None] | None,
+    options: dict[str, Any],
+    revert: Callable[[], Revert | None] = lambda: None,
+    *,
+    stem: str = "model",
+    single_file: bool = False,
+) -> SavePlan | LoadError:
+    """(rank 0) The plan, or the error every rank will raise (``revert`` builds plan_save's)."""
+    try:
+        return plan_save(
+            layout, tensors, flags, key_map, options, revert(), stem=stem, single_file=single_file
+        )
+    except LoadError as exc:
+        return exc
+    except Exception as exc:
+        return SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}")
+
+
+def plan_save(
+    layout: ModelLayout,
+    tensors: dict[str, torch.Tensor],
+    flags: tuple[int, ...],
+    key_map: Callable[[str], str | None] | None,
+    options: dict[str, Any],
+    revert: Revert | None = None,
+    *,
+    stem: str = "model",
+    single_file: bool = False,
+) -> SavePlan:
+    """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
+    ``revert``: a saved name and shape -> the names and shapes it is saved as, in byte order (the
+    model's conversions reverted, ``_convert.TransformersReversal``). ``stem``: the files' names
+    (:func:`file_names`); ``single_file``: one file whatever its size (a PEFT adapter's)."""
+    dtype: torch.dtype | None = options["dtype"]
+    rows: list[_Row] = []
+    skipped, seen = [], dict[str, str]()
+    for key, flag in zip(layout.tensors, flags):
+        t, plain = tensors[key], strip_wrappers(key)
+        name = key_map(plain) if key_map is not None else plain
+        if name is None:
+            skipped.append(plain)
+            continue
+        if not isinstance(name, str) or not name:
+            raise SaveError(f"key_map({plain!r}) returned {name!r}; return a saved name or None")
+        parts = revert(name, tuple(t.shape)) if revert is not None else [(name, tuple(t.shape))]
+        for part, _ in parts:
+            if part in seen:
+                raise SaveError(f"{seen[part]!r} and {plain!r} would both be saved as {part!r}; fix key_map")
+            seen[part] = plain
+        wire = dtype if dtype is not None and t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
+        if wire not in _NAMES or wire == DTYPES.get("F4"):
+            raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
+        kind = _kind(t, flag)
+        senders = _senders(t) if isinstance(t, DTensor) and kind is SaveKind.ROWS else ()
+        blocks = blocks_of(t) if isinstance(t, DTensor) and kind is SaveKind.BLOCK else ()
+        rows.append((key, parts, wire, kind, senders, blocks))
+    if not rows:
+        raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
+    piece_bytes = max(ALIGN, options["max_staging_bytes"] // SLOTS // ALIGN * ALIGN)
+    limit = sys.maxsize if single_file else parse_size(options["max_shard_size"])
+    return _lay_out(rows, tensors, limit, piece_bytes, tuple(skipped), stem)
+
+
+def _kind(t: torch.Tensor, flags: int) -> SaveKind:
+    """How ``t`` travels, given its layout flags AND-ed over the ranks."""
+    if not isinstance(t, DTensor):
+        return SaveKind.PLAIN
+    return SaveKind.ROWS if flags & ROWS_OK else SaveKind.BLOCK if flags & RUNS_OK else SaveKind.GATHER
+
+
+def _senders(t: DTensor) -> _Senders:
+    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor: the replica at coordinate 0 of
+    every Replicate mesh dimension, each its own row range."""
+    mesh, placements = t.device_mesh, t.placements
+    replicated = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    out = []
+    for rank, coord in rank_coordinates(mesh):
+        if all(coord[d] == 0 for d in replicated):
+            lo, hi = rows_of(tuple(mesh.shape), placements, t.shape[0], coord)
+            if hi > lo:
+                out.append((rank, lo, hi))
+    return tuple(sorted(out, key=lambda s: s[1]))
+
+
+def _split(sizes: list[int], limit: int) -> list[list[int]]:
+    """huggingface_hub's split: in order, a new file when the next tensor would tip over the limit;
+    a tensor larger than the limit alone in its own file."""
+    files: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if size > limit:
+            files.append([i])
+            continue
+        if used + size > limit and current:
+            files.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        files.append(current)
+    return files
+
+
+def _lay_out(
+    rows: list[_Row],
+    tensors: dict[str, torch.Tensor],
+    limit: int,
+    piece_bytes: int,
+    skipped: tuple[str, ...],
+    stem: str,
+) -> SavePlan:
+    """(rank 0) Files, headers and offsets of the saved tensors (in model order, split like
+    huggingface_hub): in each file tensors by element size, largest first, then name (as safetensors
+    orders them), so each is aligned; the JSON header padded with spaces to 8."""
+    units: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (row, name, shape, start, nbytes)
+    for r, (key, parts, wire, *_) in enumerate(rows):
+        each = tensors[key].numel() * wire.itemsize // len(parts)
+        units += [(r, name, shape, j * each, each) for j, (name, shape) in enumerate(parts)]
+    groups = _split([u[4] for u in units], limit)
+    names = file_names(stem, len(groups))
+    saved: list[list[Saved]] = [[] for _ in rows]
+    headers: list[bytes] = []
+    for file, group in enumerate(groups):
+        order = sorted(group, key=lambda u: (-rows[units[u][0]][2].itemsize, units[u][1]))
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        at = 0
+        for u in order:
+            r, name, shape, _, nbytes = units[u]
+            header[name] = {
+                "dtype": _NAMES[rows[r][2]],
+                "shape": list(shape),
+                "data_offsets": [at, at + nbytes],
+            }
+            at += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        headers.append(len(text).to_bytes(8, "little") + text)
+        for u in order:
+            r, name, shape, start, nbytes = units[u]
+            offset = len(headers[-1]) + header[name]["data_offsets"][0]
+            saved[r].append(Saved(name, shape, file, offset, start, nbytes))
+    items = []
+    for (key, _, wire, kind, senders, blocks), spans in zip(rows, saved):
+        shape, nbytes = tuple(tensors[key].shape), tensors[key].numel() * wire.itemsize
+        spans.sort(key=lambda s: s.start)
+        items.append(SaveItem(key, _NAMES[wire], shape, nbytes, kind, senders, tuple(spans), blocks))
+    items.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
+    return SavePlan(
+        tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped, stem
+    )
+
+
+def _rounds(items: list[SaveItem], piece_bytes: int) -> tuple[int, ...]:
+    return round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)

@@ -1,0 +1,275 @@
+"""Moving a model's bytes into rank 0's files (save side); the files themselves: ``_outputs``.
+
+(all ranks) The plan (``_saveplan.SavePlan``, rank 0's, shared) fixes every saved tensor's file and
+offset and every message (``_saveplan.pieces``, ``_saveplan.chunks``).
+(all ranks) :func:`allocate_staging` reserves the slots; :func:`stream` moves the bytes: each rank
+sends its own rows to rank 0 point to point, in pieces of at most ``piece_bytes``, and its block of
+each chunk of a tensor-parallel DTensor (``_saveblock``); rank 0 receives ahead into its staging
+slots (a chunk's blocks into the second half of a slot, placed into its rows in the first) while a
+writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file offset. The messages are
+fixed by the plan: after a local failure (rank 0's disk full, a cast error) a rank keeps the
+messages flowing, and at the end of each round every rank learns the first failure
+(``_distribute.first_failure``) and raises it as the same :class:`SaveError`. A collective that
+fails (a peer died) raises at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..checkpoint._format import DTYPES
+from ..common import _distribute
+from ..common._memory import reserve
+from ..errors import LoadError, SaveError
+from ..integrations._compat import host_bytes, local_tensor
+from ._outputs import Outputs, Writer
+from ._saveblock import Chunk, Part, block_half, place
+from ._saveplan import SLOTS, Piece, SaveItem, SaveKind, SavePlan, chunks, pieces
+
+__all__ = ["Staging", "allocate_staging", "settle", "stream"]
+
+logger = logging.getLogger(__name__)
+
+_TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
+
+
+def settle(error: BaseException | None, stage: str) -> None:
+    """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's, as a
+    :class:`SaveError` (or that rank's own LoadError class)."""
+    _distribute.settle(error, stage, _TODO, wrap=SaveError)
+
+
+def _peer_failure(stage: str, exc: BaseException) -> LoadError:
+    return _distribute.peer_failure(stage, exc, SaveError, _TODO)
+
+
+@dataclass
+class Staging:
+    """A rank's staging slots (host on rank 0, the comm device elsewhere); on rank 0 of an
+    accelerator mesh, device slots that receive before the copy to the host."""
+
+    slots: list[torch.Tensor]
+    device: list[torch.Tensor]
+
+
+def allocate_staging(piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
+    """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
+    rank0, on_cpu = dist.get_rank() == 0, comm.type == "cpu"
+    where = torch.device("cpu") if rank0 else comm
+    slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes, error=SaveError)
+    device = (
+        [] if on_cpu or not rank0 else reserve(SLOTS, piece_bytes, comm, max_staging_bytes, error=SaveError)
+    )
+    return Staging(slots, device)
+
+
+def stream(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    outputs: Outputs | None,
+    staging: Staging,
+    on_bytes: Callable[[int], None] | None = None,
+) -> tuple[str, ...]:
+    """(all ranks) Move every item's bytes into rank 0's files (``outputs``, rank 0 only). Returns the
+    keys gathered whole. Raises the same SaveError on every rank if any rank failed."""
+    faults = _distribute.Faults()
+    gathered: list[str] = []
+    try:
+        if dist.get_rank() == 0:
+            assert outputs is not None
+            first = _rank0(plan, tensors, outputs, staging, faults, gathered, on_bytes)
+        else:
+            first = _sender(plan, tensors, staging, faults, gathered)
+        if first < dist.get_world_size():
+            _distribute.raise_failure(first, faults.error, "writing the checkpoint", _TODO, wrap=SaveError)
+    except LoadError:
+        raise
+    except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
+        raise _peer_failure("writing the checkpoint", exc) from exc
+    return tuple(gathered)
+
+
+def _source(item: SaveItem, tensor: torch.Tensor, gathered: list[str]) -> torch.Tensor:
+    """(all ranks) The tensor a rank's pieces of ``item`` come from, flat; GATHER: a collective."""
+    if item.kind is SaveKind.GATHER:
+        assert isinstance(tensor, DTensor)
+        gathered.append(item.key)
+        with torch.no_grad():
+            return tensor.full_tensor().reshape(-1)
+    return local_tensor(tensor).detach().reshape(-1)
+
+
+def _elements(piece: Piece, wire: torch.dtype) -> slice:
+    return slice(piece.local, piece.local + piece.nbytes // wire.itemsize)
+
+
+def _rank0(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    outputs: Outputs,
+    staging: Staging,
+    faults: _distribute.Faults,
+    gathered: list[str],
+    on_bytes: Callable[[int], None] | None,
+) -> int:
+    """(rank 0) Receive ahead into the slots, write its own pieces from its tensors, round by round;
+    returns the first failing rank (world: none)."""
+    writer = Writer(outputs.fds, len(staging.slots), faults)
+    # Posted receives, oldest first, and what to do once they are in (hand the slot to the writer).
+    pending: collections.deque[tuple[list[Any], Callable[[], None]]] = collections.deque()
+    half = block_half(plan.piece_bytes)
+
+    def complete_oldest() -> None:
+        works, then = pending.popleft()
+        for work in works:
+            work.wait()
+        then()
+
+    def take() -> int:
+        while writer.free.empty() and pending:
+            complete_oldest()
+        return writer.free.get()
+
+    def write_received(item: SaveItem, piece: Piece, slot: int) -> None:
+        host = staging.slots[slot][: piece.nbytes]
+        if staging.device:
+            faults.run(host.copy_, staging.device[slot][: piece.nbytes])
+        writer.put(item, piece.start, host_bytes(host), slot)
+
+    def own(piece: Piece, source: torch.Tensor, item: SaveItem) -> None:
+        wire = DTYPES[item.dtype]
+        values = source[_elements(piece, wire)]
+        if values.dtype == wire and values.device.type == "cpu" and values.is_contiguous():
+            data = host_bytes(values.view(torch.uint8))
+            writer.put(item, piece.start, data, None, keep=values)
+            return
+        slot = take()
+        buffer = staging.slots[slot][: piece.nbytes]
+        faults.run(buffer.view(wire).copy_, values)
+        writer.put(item, piece.start, host_bytes(buffer), slot)
+
+    def chunk(item: SaveItem, source: torch.Tensor, at: Chunk, parts: tuple[Part, ...]) -> None:
+        """A BLOCK chunk: rank 0's own parts placed at once, the others' received into the slot's
+        second half and placed once in; then the chunk's rows are written as one byte range."""
+        wire, slot = DTYPES[item.dtype], take()
+        host = staging.slots[slot]
+        rows = host[: at.nbytes].view(wire).view(at.shape)
+        received, works = [], []
+        for part in parts:
+            if part.src == 0:
+                mine = source[part.local : part.local + math.prod(part.shape)].view(part.shape)
+                faults.run(place, rows, mine, part)
+            else:
+                into = (staging.device or staging.slots)[slot][half + part.at : half + part.at + part.nbytes]
+                works.append(dist.irecv(into, src=part.src))
+                received.append(part)
+
+        def then() -> None:
+            if staging.device and received:
+                end = half + received[-1].at + received[-1].nbytes
+                faults.run(host[half:end].copy_, staging.device[slot][half:end])
+            for part in received:
+                block = host[half + part.at : half + part.at + part.nbytes].view(wire).view(part.shape)
+                faults.run(place, rows, block, part)
+            writer.put(item, at.start, host_bytes(host[: at.nbytes]), slot)
+
+        pending.append((works, then))
+
+    try:
+        begin = 0
+        for stop in plan.rounds:
+            for index in range(begin, stop):
+                item = plan.items[index]
+                if item.kind is SaveKind.GATHER:
+                    while pending:
+                        complete_oldest()
+                source = _source(item, tensors[item.key], gathered)
+                if item.kind is SaveKind.BLOCK:
+                    for at, parts in chunks(plan, index):
+                        chunk(item, source, at, parts)
+                        if on_bytes is not None:
+                            on_bytes(at.nbytes)
+                    continue
+                for piece in pieces(plan, index):
+                    if piece.src == 0:
+                        own(piece, source, item)
+                    else:
+                        slot = take()
+                        into = (staging.device or staging.slots)[slot][: piece.nbytes]
+                        work = dist.irecv(into, src=piece.src)
+                        pending.append(([work], functools.partial(write_received, item, piece, slot)))
+                    if on_bytes is not None:
+                        on_bytes(piece.nbytes)
+            begin = stop
+            while pending:
+                complete_oldest()
+            writer.jobs.join()
+            first = _distribute.first_failure(faults.error)
+            if first < dist.get_world_size():
+                return first
+        return dist.get_world_size()
+    finally:
+        writer.close()
+
+
+def _sender(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    staging: Staging,
+    faults: _distribute.Faults,
+    gathered: list[str],
+) -> int:
+    """(ranks other than 0) Send this rank's pieces, cast into a staging slot when the saved dtype
+    differs, with up to ``SLOTS`` sends in flight; returns the first failing rank (world: none)."""
+    me = dist.get_rank()
+    free = collections.deque(range(len(staging.slots)))
+    pending: collections.deque[tuple[Any, int | None]] = collections.deque()
+
+    def complete_oldest() -> None:
+        work, slot = pending.popleft()
+        work.wait()
+        if slot is not None:
+            free.append(slot)
+
+    begin = 0
+    for stop in plan.rounds:
+        for index in range(begin, stop):
+            item = plan.items[index]
+            if item.kind is SaveKind.GATHER:
+                while pending:
+                    complete_oldest()
+            elif not item.sends(me):
+                continue
+            source = _source(item, tensors[item.key], gathered)
+            wire = DTYPES[item.dtype]
+            for piece in pieces(plan, index, me):
+                values = source[_elements(piece, wire)]
+                slot: int | None = None
+                if faults.error is None and values.dtype == wire and values.device == staging.slots[0].device:
+                    data = values.view(torch.uint8)
+                else:
+                    while not free:
+                        complete_oldest()
+                    slot = free.popleft()
+                    data = staging.slots[slot][: piece.nbytes]
+                    faults.run(data.view(wire).copy_, values)
+                pending.append((dist.isend(data, dst=0), slot))
+                while len(pending) > len(staging.slots):
+                    complete_oldest()
+        begin = stop
+        while pending:
+            complete_oldest()
+        first = _distribute.first_failure(faults.error)
+        if first < dist.get_world_size():
+            return first
+    return dist.get_world_size()
