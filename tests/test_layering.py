@@ -5,6 +5,7 @@ count too). README, How it works, "Where the code is", shows the same order."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rank0load"
@@ -141,3 +142,28 @@ def test_the_checker_sees_imports():
     assert {"load._transfer", "checkpoint._manifest", "common._distribute"} <= graph["_api"]
     assert "load._localread" in graph["load._transfer"]  # a TYPE_CHECKING import
     assert "common._distribute" in graph["load._sink"]  # from ..common import _distribute
+
+
+def test_rank0loads_own_frames_are_recognised_in_every_folder():
+    """``user_code`` blames the caller's code, except for an exception raised inside rank0load's own
+    code that it called: the package root, not the folder ``_distribute`` sits in, decides."""
+    import pytest
+    import torch
+
+    from rank0load.common import _distribute
+    from rank0load.model import _shard
+
+    assert _distribute._PACKAGE == str(PACKAGE) + os.sep
+
+    def shard_fn_into_rank0load():  # the caller's shard_fn calling rank0load's policy, which fails
+        _shard.default_shard_fn(torch.nn.Linear(2, 2), None)  # type: ignore[arg-type]
+
+    with pytest.raises(Exception) as raised:
+        _distribute.user_code("shard_fn", shard_fn_into_rank0load)
+    assert not isinstance(raised.value, _distribute.UserCodeFailure), raised.value
+
+    def own_failure():
+        raise ValueError("the caller's bug")
+
+    with pytest.raises(_distribute.UserCodeFailure, match="shard_fn raised ValueError: the caller's bug"):
+        _distribute.user_code("shard_fn", own_failure)

@@ -89,7 +89,8 @@ class UserCodeFailure(Exception):
     LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the package root (this module sits in rank0load/common/): a frame in any of its files is ours
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def user_code(what: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
