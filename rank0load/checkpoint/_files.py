@@ -15,14 +15,15 @@ from __future__ import annotations
 import os
 import stat
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError
+from ..errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, InternalError
 
 __all__ = [
     "FileIdentity",
     "OpenFile",
+    "opened",
     "open_files",
 ]
 
@@ -187,6 +188,14 @@ def open_files(paths: Iterable[str]) -> dict[str, OpenFile]:
             f.close()
         raise
     return files
+
+
+def opened(files: Mapping[str, OpenFile], path: str) -> OpenFile:
+    """(rank 0) ``files[path]``, opened when its header was read; a missing one is our bug."""
+    found = files.get(path)
+    if found is None:
+        raise InternalError(f"internal error: {path} was not opened when its header was read")
+    return found
 
 
 def _cannot_open(path: str, exc: OSError) -> CheckpointNotFoundError:

@@ -33,9 +33,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..checkpoint._files import FileIdentity, OpenFile
+from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..checkpoint._format import DTYPES
-from ..errors import CheckpointChangedError, LoadError
+from ..errors import CheckpointChangedError, InternalError, LoadError
 from ._plan import Piece, Plan, Route, block_half, deliveries
 from ._sink import Sink, Staging, fan_out
 from ._stream import read_vectored, runs
@@ -60,7 +60,7 @@ class LocalFiles:
     def fd(self, path: str) -> int:
         fd = self.fds.get(path)
         if fd is None:
-            raise LoadError(f"internal error: rank 0 did not hand over {path}")
+            raise InternalError(f"internal error: rank 0 did not hand over {path}")
         return fd
 
     def check(self, path: str) -> None:
@@ -129,10 +129,7 @@ class _Rank0Files:
         self._files = files
 
     def fd(self, path: str) -> int:
-        opened = self._files.get(path)
-        if opened is None:
-            raise LoadError(f"internal error: {path} was not opened when its header was read")
-        return opened.fd
+        return opened(self._files, path).fd
 
     def check(self, path: str) -> None:
         self._files[path].check()

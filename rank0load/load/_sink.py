@@ -22,7 +22,8 @@ from ..checkpoint._format import DTYPES
 from ..checkpoint._fp8 import dequantize, dequantize_at
 from ..common import _distribute
 from ..common._memory import reserve
-from ..errors import LoadError
+from ..common._rounds import AllOf
+from ..errors import InternalError
 from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
 from ._messages import Message
@@ -175,7 +176,7 @@ class Sink:
     def _write(self, piece: Piece, data: torch.Tensor, local_offset: int, non_blocking: bool = False) -> None:
         wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
         if not dst.is_contiguous():
-            raise LoadError("internal error: a write into a non-contiguous tensor")  # ensured by _model
+            raise InternalError("internal error: a write into a non-contiguous tensor")  # ensured by _model
         start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
         block = piece.kind is Kind.BLOCK  # this rank's block: not one run of the entry's elements
         step = max(1, values.numel())
@@ -206,7 +207,7 @@ class Sink:
         if not entry.scales:
             return values
         if self.scales.index != index or self.scales.buffer is None:
-            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+            raise InternalError(f"internal error: the scales of {entry.key!r} did not arrive first")
         grids = self.scales.buffer.view(torch.float32)
         return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids, into)
 
@@ -215,7 +216,7 @@ class Sink:
         the scales of the global positions they hold (``_layout.global_indices``)."""
         entry = self.entries[index]
         if self.scales.index != index or self.scales.buffer is None:
-            raise LoadError(f"internal error: the scales of {entry.key!r} did not arrive first")
+            raise InternalError(f"internal error: the scales of {entry.key!r} did not arrive first")
         if self._held[0] != index:  # once per entry, not per step
             self._held = (index, held_indices(self.plan.block_layouts(index, [self.me])[self.me]))
         flat = global_indices(self._held[1], entry.shape, local_first, values.numel()).to(values.device)
@@ -226,7 +227,7 @@ class Sink:
         target = self.targets[index]
         dt = target.dtensor
         if dt is None or self.whole.buffer is None:
-            raise LoadError("internal error: GENERIC entry without a DTensor target")
+            raise InternalError("internal error: GENERIC entry without a DTensor target")
         value = self._decode(index, self.whole.buffer.view(self.wires[index]), 0)
         value = value.reshape(dt.shape).to(dtype=dt.dtype)
         local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
@@ -234,21 +235,9 @@ class Sink:
         self.whole.buffer = None
 
 
-class _All:
-    """Several sends, waited for together (and the tensors they send, kept alive until then)."""
-
-    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
-        self._works, self._keep = works, keep
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._keep.clear()
-
-
 def fan_out(
     piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: Sink
-) -> _All:
+) -> AllOf:
     """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
     into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
     others are sent. A block that is not a contiguous part of the chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
@@ -286,4 +275,4 @@ def fan_out(
             payload = data[: d.nbytes]  # scratch: the receiver discards it
         works.append(dist.isend(payload, dst=d.dst))
         keep.append(payload)
-    return _All(works, keep)
+    return AllOf(works, keep)

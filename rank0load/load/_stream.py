@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..checkpoint._entries import Entry
+from ..checkpoint._files import opened
 from ..errors import CheckpointFormatError, LoadError
 from ..integrations._compat import host_bytes
 from ._messages import Message
@@ -310,11 +311,9 @@ class Reader:
             self._fail(exc)
 
     def _read_run(self, path: str, offset: int, views: list[memoryview]) -> None:
-        opened = self._files.get(path)
-        if opened is None:
-            raise LoadError(f"internal error: {path} was not opened when its header was read")
+        fd = opened(self._files, path).fd
         try:
-            read_vectored(opened.fd, views, offset, path)
+            read_vectored(fd, views, offset, path)
         except OSError as exc:
             raise LoadError(
                 f"rank 0 could not read {path} at byte {offset}: {exc.strerror or exc}. "
@@ -322,10 +321,10 @@ class Reader:
             ) from None
 
     def _check(self, path: str | None) -> None:
-        opened = self._files.get(path) if path is not None else None
-        if opened is not None and self.failed is None:
+        file = self._files.get(path) if path is not None else None
+        if file is not None and self.failed is None:
             try:
-                opened.check()
+                file.check()
             except Exception as exc:
                 self._fail(exc)
 

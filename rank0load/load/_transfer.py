@@ -6,10 +6,11 @@ is ``_sink.Sink``'s. (all ranks) :func:`stream` moves every :class:`~._plan.Piec
 grouped into messages (``_messages``: consecutive pieces bound for the same place, one buffer each). The messages are fixed by
 the plan: after a *local* failure (a read error or a changed file on rank 0, a cast or copy error
 anywhere) a rank keeps sending and receiving the round's remaining messages, from and into scratch,
-and does no more local work. At the end of every round the ranks compare notes
-(``_distribute.first_failure``, one 8-byte all-reduce); if any rank failed, all stop there and raise
-that rank's error (``_distribute.raise_failure``). The process group stays usable. Only a
-collective that itself fails (a peer is gone) raises at once, as a ``peer_failure``.
+and does no more local work. At the end of every round the ranks compare notes (one 8-byte
+all-reduce); if any rank failed, all stop there and raise that rank's error. The process group
+stays usable. Only a collective that itself fails (a peer is gone) raises at once, as a peer
+failure. The rounds, the sends and receives in flight and that settling are ``common._rounds``',
+shared with the save (``save._write``).
 
 When every rank reads its own bytes (``_localread``, one host, CPU shards) there are no messages:
 :func:`_read_own` has each rank read its share in its own thread, and the notes are compared once.
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..common import _distribute
+from ..common._rounds import InFlight, rounds, settled
 from ..errors import LoadError
 from ._messages import Message, messages
 from ._plan import Plan, Route, block_half
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class _Rounds(Generic[T]):
+class _ByRound(Generic[T]):
     """Splits an ordered stream of items by entry index into the plan's rounds."""
 
     def __init__(self, items: Iterator[T], index_of: Callable[[T], int]) -> None:
@@ -76,26 +78,23 @@ def stream(
     descriptors (``_local``); rank 0 sends them nothing but the broadcasts, and not even those when
     every rank reads its own. Raises the same error on every rank if any rank failed."""
     sink = Sink(plan, targets, comm)
-    try:
+
+    def move() -> int:
         own = local.reader(plan, staging, sink, files) if local is not None else None
         if own is not None and own.everything and comm.type == "cpu":  # the same on every rank
-            first = _read_own(plan, sink, own, on_bytes)
-        elif dist.get_rank() == 0:
-            first = _send(plan, staging, files or {}, sink, on_bytes, local)
-        else:
-            first = _receive(plan, staging, sink, own)
-        if first < dist.get_world_size():
-            _distribute.raise_failure(
-                first,
-                sink.faults.error,
-                "moving tensor data",
-                "No model was returned; the process group is still usable: fix the cause and load again.",
-                wrap=LoadError,
-            )
-    except LoadError:
-        raise
-    except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
-        raise _distribute.peer_failure("moving tensor data", exc) from exc
+            return _read_own(plan, sink, own, on_bytes)
+        if dist.get_rank() == 0:
+            return _send(plan, staging, files or {}, sink, on_bytes, local)
+        return _receive(plan, staging, sink, own)
+
+    settled(
+        move,
+        sink.faults,
+        "moving tensor data",
+        "No model was returned; the process group is still usable: fix the cause and load again.",
+        LoadError,
+        "No model was returned; fix the cause and load again.",
+    )
 
 
 def _read_own(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None) -> int:
@@ -104,9 +103,9 @@ def _read_own(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[i
     the files it read at each round's end and every file after its last read, and the ranks
     compare notes once, at the end. A failing rank stops reading; the others finish their own share
     (no one waits on it) before they learn of it. Returns the first failing rank (world: none)."""
-    rounds = _Rounds(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
+    by_round = _ByRound(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
     for stop in plan.rounds:
-        for piece in rounds.until(stop):
+        for piece in by_round.until(stop):
             reader.read(piece)
             if on_bytes is not None and piece.route is not Route.SCALES:
                 on_bytes(piece.nbytes)
@@ -149,15 +148,12 @@ def _send(
         read_threads(sink.device),
         staging.host,
     )
-    pending: collections.deque[tuple[Any, int | None]] = collections.deque()
+    pending = InFlight()  # sends, each handing its slot back to the reader once done
     fan_to = [r for r, _ in plan.coords if r not in readers]
     layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, fan_to))
 
-    def drain(keep: int = 0) -> None:
-        while len(pending) > keep:
-            work, slot = pending.popleft()
-            work.wait()
-            reader.release(slot)
+    def sent(work: Any, slot: int | None) -> None:
+        pending.add(work, functools.partial(reader.release, slot))
 
     def done_with(slot: int | None) -> None:
         """``slot``'s bytes are used: on the CPU, hand it back; on an accelerator its copies to the
@@ -172,57 +168,56 @@ def _send(
         copies.record()
         reader.release(slot, copies)
 
+    by_round = _ByRound(iter(reader), lambda s: s.message.index)
+
+    def one_round(begin: int, stop: int) -> None:
+        for staged in by_round.until(stop):
+            message, data, slot = staged.message, staged.data, staged.slot
+            piece, own = message.first, message.dst == 0
+            held = slot  # the slot this message's bytes still need, handed back once they are sent
+            if not on_cpu and (not own or sink.converts(message)):
+                # through the one device buffer, once earlier sends are done (rank 0's own
+                # pieces too when they are cast or dequantised: on the device, not the host).
+                # Everything after reads the device buffer on the same stream: the slot is
+                # free once this copy is.
+                pending.drain()
+                assert staging.device is not None
+                data = staging.device[: message.nbytes]
+                data.copy_(staged.data, non_blocking=True)
+                done_with(held)
+                held = None
+            if piece.route is Route.FAN_OUT:
+                spare = staging.slots[slot] if on_cpu and slot is not None else staging.device
+                assert spare is not None
+                blocks = fan_out(
+                    piece, data, spare[block_half(plan.piece_bytes) :], layouts(piece.index), sink
+                )
+                sent(blocks, held)
+            elif own:
+                if slot is not None:  # read into a slot, not in place: pinned, on an accelerator
+                    _scatter(sink, message, data, non_blocking=not on_cpu)
+                done_with(held)
+            elif message.dst > 0:
+                sent(dist.isend(data, dst=message.dst), held)
+            else:  # BROADCAST, SCALES
+                if not alone:
+                    _distribute.broadcast(data, 0)
+                _scatter(sink, message, data)
+                done_with(held)
+            pending.drain(keep=max(1, len(staging.slots) - 1))
+            if on_bytes is not None:
+                on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
+        pending.drain()
+        if stop == len(plan.entries):
+            for _ in by_round.until(stop + 1):  # the reader's last checks come with its end
+                pass
+            if not on_cpu:  # the queued copies done before the load is reported (or fails)
+                sink.faults.run(torch.accelerator.current_stream(sink.device).synchronize)
+        if sink.faults.error is None and reader.failed is not None:
+            sink.faults.note(reader.failed)
+
     try:
-        rounds = _Rounds(iter(reader), lambda s: s.message.index)
-        for stop in plan.rounds:
-            for staged in rounds.until(stop):
-                message, data, slot = staged.message, staged.data, staged.slot
-                piece, own = message.first, message.dst == 0
-                held = slot  # the slot this message's bytes still need, handed back once they are sent
-                if not on_cpu and (not own or sink.converts(message)):
-                    # through the one device buffer, once earlier sends are done (rank 0's own
-                    # pieces too when they are cast or dequantised: on the device, not the host).
-                    # Everything after reads the device buffer on the same stream: the slot is
-                    # free once this copy is.
-                    drain()
-                    assert staging.device is not None
-                    data = staging.device[: message.nbytes]
-                    data.copy_(staged.data, non_blocking=True)
-                    done_with(held)
-                    held = None
-                if piece.route is Route.FAN_OUT:
-                    spare = staging.slots[slot] if on_cpu and slot is not None else staging.device
-                    assert spare is not None
-                    blocks = fan_out(
-                        piece, data, spare[block_half(plan.piece_bytes) :], layouts(piece.index), sink
-                    )
-                    pending.append((blocks, held))
-                elif own:
-                    if slot is not None:  # read into a slot, not in place: pinned, on an accelerator
-                        _scatter(sink, message, data, non_blocking=not on_cpu)
-                    done_with(held)
-                elif message.dst > 0:
-                    pending.append((dist.isend(data, dst=message.dst), held))
-                else:  # BROADCAST, SCALES
-                    if not alone:
-                        _distribute.broadcast(data, 0)
-                    _scatter(sink, message, data)
-                    done_with(held)
-                drain(keep=max(1, len(staging.slots) - 1))
-                if on_bytes is not None:
-                    on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
-            drain()
-            if stop == len(plan.entries):
-                for _ in rounds.until(stop + 1):  # the reader's last checks come with its end
-                    pass
-                if not on_cpu:  # the queued copies done before the load is reported (or fails)
-                    sink.faults.run(torch.accelerator.current_stream(sink.device).synchronize)
-            if sink.faults.error is None and reader.failed is not None:
-                sink.faults.note(reader.failed)
-            first = _distribute.first_failure(sink.faults.error)
-            if first < dist.get_world_size():
-                return first
-        return dist.get_world_size()
+        return rounds(plan.rounds, sink.faults, one_round)
     finally:
         reader.close()
 
@@ -250,32 +245,30 @@ def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None
     (synchronously: it needs no slot of its own). Returns the first failing rank (world: none)."""
     me = dist.get_rank()
     free = collections.deque(range(len(staging.slots)))
-    pending: collections.deque[tuple[Any, Message, int | None]] = collections.deque()
+    pending = InFlight()  # receives, each with its message and slot (None: straight into place)
 
-    def complete_oldest() -> None:
-        work, message, slot = pending.popleft()
-        work.wait()
+    def landed(message: Message, slot: int | None) -> None:
         if slot is not None:
             _scatter(sink, message, staging.slots[slot])
             free.append(slot)
 
     def stage(message: Message) -> tuple[torch.Tensor, int]:
         while not free:
-            complete_oldest()
+            pending.complete_oldest()
         slot = free.popleft()
         return staging.slots[slot][: message.nbytes], slot
 
-    rounds = _Rounds(messages(plan, plan.pieces(me, chunks=local is not None)), lambda m: m.index)
-    for stop in plan.rounds:
-        for message in rounds.until(stop):
+    by_round = _ByRound(messages(plan, plan.pieces(me, chunks=local is not None)), lambda m: m.index)
+
+    def one_round(begin: int, stop: int) -> None:
+        for message in by_round.until(stop):
             piece, single = message.first, len(message.pieces) == 1
             if local is not None and (local.everything or message.dst == me or piece.route is Route.FAN_OUT):
                 for p in message.pieces:
                     local.read(p)
                 continue
             if message.dst < 0:  # BROADCAST, SCALES
-                while pending:
-                    complete_oldest()
+                pending.drain()
                 into, slot = sink.landing(piece) if single else None, None
                 if into is None:
                     into, slot = stage(message)
@@ -288,17 +281,13 @@ def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None
                 continue
             view = _in_place(sink, message)
             if view is not None:
-                pending.append((dist.irecv(view, src=0), message, None))
+                pending.add(dist.irecv(view, src=0), functools.partial(landed, message, None))
             else:
                 into, slot = stage(message)
-                pending.append((dist.irecv(into, src=0), message, slot))
-            while len(pending) > len(staging.slots):
-                complete_oldest()
-        while pending:
-            complete_oldest()
+                pending.add(dist.irecv(into, src=0), functools.partial(landed, message, slot))
+            pending.drain(keep=len(staging.slots))
+        pending.drain()
         if local is not None:
             local.round_end()
-        first = _distribute.first_failure(sink.faults.error)
-        if first < dist.get_world_size():
-            return first
-    return dist.get_world_size()
+
+    return rounds(plan.rounds, sink.faults, one_round)

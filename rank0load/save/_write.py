@@ -8,9 +8,9 @@ each chunk of a tensor-parallel DTensor (``_saveblock``); rank 0 receives ahead 
 slots (a chunk's blocks into the second half of a slot, placed into its rows in the first) while a
 writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file offset. The messages are
 fixed by the plan: after a local failure (rank 0's disk full, a cast error) a rank keeps the
-messages flowing, and at the end of each round every rank learns the first failure
-(``_distribute.first_failure``) and raises it as the same :class:`SaveError`. A collective that
-fails (a peer died) raises at once.
+messages flowing, and at the end of each round every rank learns the first failure and raises it
+as the same :class:`SaveError`; a collective that fails (a peer died) raises at once. The rounds,
+the sends and receives in flight and that settling are ``common._rounds``', as the load's are.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint._format import DTYPES
 from ..common import _distribute
 from ..common._memory import reserve
+from ..common._rounds import AllOf, InFlight, rounds, settled
 from ..errors import LoadError, SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
@@ -84,18 +84,14 @@ def stream(
     keys gathered whole. Raises the same SaveError on every rank if any rank failed."""
     faults = _distribute.Faults()
     gathered: list[str] = []
-    try:
+
+    def move() -> int:
         if dist.get_rank() == 0:
             assert outputs is not None
-            first = _rank0(plan, tensors, outputs, staging, faults, gathered, on_bytes)
-        else:
-            first = _sender(plan, tensors, staging, faults, gathered)
-        if first < dist.get_world_size():
-            _distribute.raise_failure(first, faults.error, "writing the checkpoint", _TODO, wrap=SaveError)
-    except LoadError:
-        raise
-    except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
-        raise _peer_failure("writing the checkpoint", exc) from exc
+            return _rank0(plan, tensors, outputs, staging, faults, gathered, on_bytes)
+        return _sender(plan, tensors, staging, faults, gathered)
+
+    settled(move, faults, "writing the checkpoint", _TODO, SaveError, _TODO)
     return tuple(gathered)
 
 
@@ -125,19 +121,12 @@ def _rank0(
     """(rank 0) Receive ahead into the slots, write its own pieces from its tensors, round by round;
     returns the first failing rank (world: none)."""
     writer = Writer(outputs.fds, len(staging.slots), faults)
-    # Posted receives, oldest first, and what to do once they are in (hand the slot to the writer).
-    pending: collections.deque[tuple[list[Any], Callable[[], None]]] = collections.deque()
+    pending = InFlight()  # posted receives, and what to do once they are in (hand the slot to the writer)
     half = block_half(plan.piece_bytes)
 
-    def complete_oldest() -> None:
-        works, then = pending.popleft()
-        for work in works:
-            work.wait()
-        then()
-
     def take() -> int:
-        while writer.free.empty() and pending:
-            complete_oldest()
+        while writer.free.empty() and len(pending):
+            pending.complete_oldest()
         return writer.free.get()
 
     def write_received(item: SaveItem, piece: Piece, slot: int) -> None:
@@ -183,41 +172,35 @@ def _rank0(
                 faults.run(place, rows, block, part)
             writer.put(item, at.start, host_bytes(host[: at.nbytes]), slot)
 
-        pending.append((works, then))
+        pending.add(AllOf(works), then)
+
+    def one_round(begin: int, stop: int) -> None:
+        for index in range(begin, stop):
+            item = plan.items[index]
+            if item.kind is SaveKind.GATHER:
+                pending.drain()
+            source = _source(item, tensors[item.key], gathered)
+            if item.kind is SaveKind.BLOCK:
+                for at, parts in chunks(plan, index):
+                    chunk(item, source, at, parts)
+                    if on_bytes is not None:
+                        on_bytes(at.nbytes)
+                continue
+            for piece in pieces(plan, index):
+                if piece.src == 0:
+                    own(piece, source, item)
+                else:
+                    slot = take()
+                    into = (staging.device or staging.slots)[slot][: piece.nbytes]
+                    work = dist.irecv(into, src=piece.src)
+                    pending.add(work, functools.partial(write_received, item, piece, slot))
+                if on_bytes is not None:
+                    on_bytes(piece.nbytes)
+        pending.drain()
+        writer.jobs.join()
 
     try:
-        begin = 0
-        for stop in plan.rounds:
-            for index in range(begin, stop):
-                item = plan.items[index]
-                if item.kind is SaveKind.GATHER:
-                    while pending:
-                        complete_oldest()
-                source = _source(item, tensors[item.key], gathered)
-                if item.kind is SaveKind.BLOCK:
-                    for at, parts in chunks(plan, index):
-                        chunk(item, source, at, parts)
-                        if on_bytes is not None:
-                            on_bytes(at.nbytes)
-                    continue
-                for piece in pieces(plan, index):
-                    if piece.src == 0:
-                        own(piece, source, item)
-                    else:
-                        slot = take()
-                        into = (staging.device or staging.slots)[slot][: piece.nbytes]
-                        work = dist.irecv(into, src=piece.src)
-                        pending.append(([work], functools.partial(write_received, item, piece, slot)))
-                    if on_bytes is not None:
-                        on_bytes(piece.nbytes)
-            begin = stop
-            while pending:
-                complete_oldest()
-            writer.jobs.join()
-            first = _distribute.first_failure(faults.error)
-            if first < dist.get_world_size():
-                return first
-        return dist.get_world_size()
+        return rounds(plan.rounds, faults, one_round)
     finally:
         writer.close()
 
@@ -233,21 +216,13 @@ def _sender(
     differs, with up to ``SLOTS`` sends in flight; returns the first failing rank (world: none)."""
     me = dist.get_rank()
     free = collections.deque(range(len(staging.slots)))
-    pending: collections.deque[tuple[Any, int | None]] = collections.deque()
+    pending = InFlight()  # sends, each freeing its slot (if it used one) once done
 
-    def complete_oldest() -> None:
-        work, slot = pending.popleft()
-        work.wait()
-        if slot is not None:
-            free.append(slot)
-
-    begin = 0
-    for stop in plan.rounds:
+    def one_round(begin: int, stop: int) -> None:
         for index in range(begin, stop):
             item = plan.items[index]
             if item.kind is SaveKind.GATHER:
-                while pending:
-                    complete_oldest()
+                pending.drain()
             elif not item.sends(me):
                 continue
             source = _source(item, tensors[item.key], gathered)
@@ -259,17 +234,14 @@ def _sender(
                     data = values.view(torch.uint8)
                 else:
                     while not free:
-                        complete_oldest()
+                        pending.complete_oldest()
                     slot = free.popleft()
                     data = staging.slots[slot][: piece.nbytes]
                     faults.run(data.view(wire).copy_, values)
-                pending.append((dist.isend(data, dst=0), slot))
-                while len(pending) > len(staging.slots):
-                    complete_oldest()
-        begin = stop
-        while pending:
-            complete_oldest()
-        first = _distribute.first_failure(faults.error)
-        if first < dist.get_world_size():
-            return first
-    return dist.get_world_size()
+                pending.add(
+                    dist.isend(data, dst=0), None if slot is None else functools.partial(free.append, slot)
+                )
+                pending.drain(keep=len(staging.slots))
+        pending.drain()
+
+    return rounds(plan.rounds, faults, one_round)
