@@ -168,8 +168,6 @@ def _send(
         copies.record()
         reader.release(slot, copies)
 
-    by_round = _ByRound(iter(reader), lambda s: s.message.index)
-
     def one_round(begin: int, stop: int) -> None:
         for staged in by_round.until(stop):
             message, data, slot = staged.message, staged.data, staged.slot
@@ -217,6 +215,7 @@ def _send(
             sink.faults.note(reader.failed)
 
     try:
+        by_round = _ByRound(iter(reader), lambda s: s.message.index)
         return rounds(plan.rounds, sink.faults, one_round)
     finally:
         reader.close()
