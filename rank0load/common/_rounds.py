@@ -5,7 +5,7 @@ moves its items round by round. Within a round each rank keeps its non-blocking 
 in an :class:`InFlight` queue, each completed in the order it was issued, with what to do once its
 bytes are there. After a *local* failure (``_distribute.Faults``) a rank does no more local work but
 keeps the round's messages flowing. At the end of every round the ranks compare notes
-(:func:`rounds`: one 8-byte all-reduce), and all stop there if any rank failed; :func:`settled`
+(:class:`Rounds`: one 8-byte all-reduce), and all stop there if any rank failed; :func:`settled`
 then raises that rank's error on every rank, worded once, or a peer failure when a collective
 itself failed (a rank died or stalled). The process group stays usable after a local failure.
 """
@@ -13,7 +13,9 @@ itself failed (a rank died or stalled). The process group stays usable after a l
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from ..errors import LoadError
 from . import _distribute
 
-__all__ = ["AllOf", "InFlight", "rounds", "settled"]
+__all__ = ["AllOf", "InFlight", "Outcome", "Rounds", "settled"]
 
 
 class AllOf:
@@ -48,50 +50,58 @@ class InFlight:
         """``work``: anything with ``wait()`` (a torch.distributed Work, :class:`AllOf`)."""
         self._queue.append((work, then))
 
-    def complete_oldest(self) -> None:
-        work, then = self._queue.popleft()
-        work.wait()
-        if then is not None:
-            then()
-
     def drain(self, keep: int = 0) -> None:
-        """Complete the oldest until at most ``keep`` are left."""
+        """Complete the oldest, each followed by its ``then``, until at most ``keep`` are left."""
         while len(self._queue) > keep:
-            self.complete_oldest()
+            work, then = self._queue.popleft()
+            work.wait()
+            if then is not None:
+                then()
+
+    def complete_oldest(self) -> None:
+        self.drain(keep=len(self._queue) - 1)
 
     def __len__(self) -> int:
         return len(self._queue)
 
 
-def rounds(ends: Sequence[int], faults: _distribute.Faults, one_round: Callable[[int, int], None]) -> int:
-    """(all ranks) ``one_round(begin, stop)`` for each round (items ``begin`` to ``stop``, the ends
-    in ``ends``), each followed by the ranks comparing notes. Returns the first failing rank, at the
-    end of the round in which it failed, or the world size when none did."""
-    begin = 0
-    for stop in ends:
-        one_round(begin, stop)
-        first = _distribute.first_failure(faults.error)
-        if first < dist.get_world_size():
-            return first
-        begin = stop
-    return dist.get_world_size()
+class Rounds:
+    """(all ranks) ``for begin, stop in Rounds(ends, faults):`` the items of each round (``begin`` to
+    ``stop``, the ends in ``ends``); after each round's body the ranks compare notes, and the loop
+    ends after the round in which any rank failed. :attr:`first`: the first failing rank, or the
+    world size when none did."""
+
+    def __init__(self, ends: Sequence[int], faults: _distribute.Faults) -> None:
+        self._ends, self._faults = ends, faults
+        self.first = dist.get_world_size()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        begin = 0
+        for stop in self._ends:
+            yield begin, stop
+            self.first = _distribute.first_failure(self._faults.error)
+            if self.first < dist.get_world_size():
+                return
+            begin = stop
 
 
+@dataclass
+class Outcome:
+    first: int  # the first failing rank of a transfer, or the world size
+
+
+@contextlib.contextmanager
 def settled(
-    move: Callable[[], int],
-    faults: _distribute.Faults,
-    stage: str,
-    todo: str,
-    wrap: type[LoadError],
-    peer_todo: str,
-) -> None:
-    """(all ranks) Run the transfer ``move`` (it returns the first failing rank, or the world size);
+    faults: _distribute.Faults, stage: str, todo: str, wrap: type[LoadError], peer_todo: str
+) -> Iterator[Outcome]:
+    """(all ranks) ``with settled(...) as outcome:`` run a transfer that sets ``outcome.first``; then
     raise that rank's error on every rank (``_distribute.raise_failure``, ``todo`` its advice), or,
     when a collective itself fails, this rank's peer failure (``peer_todo``)."""
+    outcome = Outcome(dist.get_world_size())
     try:
-        first = move()
-        if first < dist.get_world_size():
-            _distribute.raise_failure(first, faults.error, stage, todo, wrap=wrap)
+        yield outcome
+        if outcome.first < dist.get_world_size():
+            _distribute.raise_failure(outcome.first, faults.error, stage, todo, wrap=wrap)
     except LoadError:
         raise
     except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke

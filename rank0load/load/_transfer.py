@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..common import _distribute
-from ..common._rounds import InFlight, rounds, settled
+from ..common._rounds import InFlight, Rounds, settled
 from ..errors import LoadError
 from ._messages import Message, messages
 from ._plan import Plan, Route, block_half
@@ -78,23 +78,20 @@ def stream(
     descriptors (``_local``); rank 0 sends them nothing but the broadcasts, and not even those when
     every rank reads its own. Raises the same error on every rank if any rank failed."""
     sink = Sink(plan, targets, comm)
-
-    def move() -> int:
-        own = local.reader(plan, staging, sink, files) if local is not None else None
-        if own is not None and own.everything and comm.type == "cpu":  # the same on every rank
-            return _read_own(plan, sink, own, on_bytes)
-        if dist.get_rank() == 0:
-            return _send(plan, staging, files or {}, sink, on_bytes, local)
-        return _receive(plan, staging, sink, own)
-
-    settled(
-        move,
+    with settled(
         sink.faults,
         "moving tensor data",
         "No model was returned; the process group is still usable: fix the cause and load again.",
         LoadError,
         "No model was returned; fix the cause and load again.",
-    )
+    ) as outcome:
+        own = local.reader(plan, staging, sink, files) if local is not None else None
+        if own is not None and own.everything and comm.type == "cpu":  # the same on every rank
+            outcome.first = _read_own(plan, sink, own, on_bytes)
+        elif dist.get_rank() == 0:
+            outcome.first = _send(plan, staging, files or {}, sink, on_bytes, local)
+        else:
+            outcome.first = _receive(plan, staging, sink, own)
 
 
 def _read_own(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None) -> int:
@@ -168,55 +165,55 @@ def _send(
         copies.record()
         reader.release(slot, copies)
 
-    def one_round(begin: int, stop: int) -> None:
-        for staged in by_round.until(stop):
-            message, data, slot = staged.message, staged.data, staged.slot
-            piece, own = message.first, message.dst == 0
-            held = slot  # the slot this message's bytes still need, handed back once they are sent
-            if not on_cpu and (not own or sink.converts(message)):
-                # through the one device buffer, once earlier sends are done (rank 0's own
-                # pieces too when they are cast or dequantised: on the device, not the host).
-                # Everything after reads the device buffer on the same stream: the slot is
-                # free once this copy is.
-                pending.drain()
-                assert staging.device is not None
-                data = staging.device[: message.nbytes]
-                data.copy_(staged.data, non_blocking=True)
-                done_with(held)
-                held = None
-            if piece.route is Route.FAN_OUT:
-                spare = staging.slots[slot] if on_cpu and slot is not None else staging.device
-                assert spare is not None
-                blocks = fan_out(
-                    piece, data, spare[block_half(plan.piece_bytes) :], layouts(piece.index), sink
-                )
-                sent(blocks, held)
-            elif own:
-                if slot is not None:  # read into a slot, not in place: pinned, on an accelerator
-                    _scatter(sink, message, data, non_blocking=not on_cpu)
-                done_with(held)
-            elif message.dst > 0:
-                sent(dist.isend(data, dst=message.dst), held)
-            else:  # BROADCAST, SCALES
-                if not alone:
-                    _distribute.broadcast(data, 0)
-                _scatter(sink, message, data)
-                done_with(held)
-            pending.drain(keep=max(1, len(staging.slots) - 1))
-            if on_bytes is not None:
-                on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
-        pending.drain()
-        if stop == len(plan.entries):
-            for _ in by_round.until(stop + 1):  # the reader's last checks come with its end
-                pass
-            if not on_cpu:  # the queued copies done before the load is reported (or fails)
-                sink.faults.run(torch.accelerator.current_stream(sink.device).synchronize)
-        if sink.faults.error is None and reader.failed is not None:
-            sink.faults.note(reader.failed)
-
     try:
         by_round = _ByRound(iter(reader), lambda s: s.message.index)
-        return rounds(plan.rounds, sink.faults, one_round)
+        rounds = Rounds(plan.rounds, sink.faults)
+        for _, stop in rounds:
+            for staged in by_round.until(stop):
+                message, data, slot = staged.message, staged.data, staged.slot
+                piece, own = message.first, message.dst == 0
+                held = slot  # the slot this message's bytes still need, handed back once they are sent
+                if not on_cpu and (not own or sink.converts(message)):
+                    # through the one device buffer, once earlier sends are done (rank 0's own
+                    # pieces too when they are cast or dequantised: on the device, not the host).
+                    # Everything after reads the device buffer on the same stream: the slot is
+                    # free once this copy is.
+                    pending.drain()
+                    assert staging.device is not None
+                    data = staging.device[: message.nbytes]
+                    data.copy_(staged.data, non_blocking=True)
+                    done_with(held)
+                    held = None
+                if piece.route is Route.FAN_OUT:
+                    spare = staging.slots[slot] if on_cpu and slot is not None else staging.device
+                    assert spare is not None
+                    blocks = fan_out(
+                        piece, data, spare[block_half(plan.piece_bytes) :], layouts(piece.index), sink
+                    )
+                    sent(blocks, held)
+                elif own:
+                    if slot is not None:  # read into a slot, not in place: pinned, on an accelerator
+                        _scatter(sink, message, data, non_blocking=not on_cpu)
+                    done_with(held)
+                elif message.dst > 0:
+                    sent(dist.isend(data, dst=message.dst), held)
+                else:  # BROADCAST, SCALES
+                    if not alone:
+                        _distribute.broadcast(data, 0)
+                    _scatter(sink, message, data)
+                    done_with(held)
+                pending.drain(keep=max(1, len(staging.slots) - 1))
+                if on_bytes is not None:
+                    on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
+            pending.drain()
+            if stop == len(plan.entries):
+                for _ in by_round.until(stop + 1):  # the reader's last checks come with its end
+                    pass
+                if not on_cpu:  # the queued copies done before the load is reported (or fails)
+                    sink.faults.run(torch.accelerator.current_stream(sink.device).synchronize)
+            if sink.faults.error is None and reader.failed is not None:
+                sink.faults.note(reader.failed)
+        return rounds.first
     finally:
         reader.close()
 
@@ -259,7 +256,8 @@ def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None
 
     by_round = _ByRound(messages(plan, plan.pieces(me, chunks=local is not None)), lambda m: m.index)
 
-    def one_round(begin: int, stop: int) -> None:
+    rounds = Rounds(plan.rounds, sink.faults)
+    for _, stop in rounds:
         for message in by_round.until(stop):
             piece, single = message.first, len(message.pieces) == 1
             if local is not None and (local.everything or message.dst == me or piece.route is Route.FAN_OUT):
@@ -288,5 +286,4 @@ def _receive(plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None
         pending.drain()
         if local is not None:
             local.round_end()
-
-    return rounds(plan.rounds, sink.faults, one_round)
+    return rounds.first

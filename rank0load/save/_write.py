@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint._format import DTYPES
 from ..common import _distribute
 from ..common._memory import reserve
-from ..common._rounds import AllOf, InFlight, rounds, settled
+from ..common._rounds import AllOf, InFlight, Rounds, settled
 from ..errors import LoadError, SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
@@ -85,13 +85,12 @@ def stream(
     faults = _distribute.Faults()
     gathered: list[str] = []
 
-    def move() -> int:
+    with settled(faults, "writing the checkpoint", _TODO, SaveError, _TODO) as outcome:
         if dist.get_rank() == 0:
             assert outputs is not None
-            return _rank0(plan, tensors, outputs, staging, faults, gathered, on_bytes)
-        return _sender(plan, tensors, staging, faults, gathered)
-
-    settled(move, faults, "writing the checkpoint", _TODO, SaveError, _TODO)
+            outcome.first = _rank0(plan, tensors, outputs, staging, faults, gathered, on_bytes)
+        else:
+            outcome.first = _sender(plan, tensors, staging, faults, gathered)
     return tuple(gathered)
 
 
@@ -174,33 +173,33 @@ def _rank0(
 
         pending.add(AllOf(works), then)
 
-    def one_round(begin: int, stop: int) -> None:
-        for index in range(begin, stop):
-            item = plan.items[index]
-            if item.kind is SaveKind.GATHER:
-                pending.drain()
-            source = _source(item, tensors[item.key], gathered)
-            if item.kind is SaveKind.BLOCK:
-                for at, parts in chunks(plan, index):
-                    chunk(item, source, at, parts)
-                    if on_bytes is not None:
-                        on_bytes(at.nbytes)
-                continue
-            for piece in pieces(plan, index):
-                if piece.src == 0:
-                    own(piece, source, item)
-                else:
-                    slot = take()
-                    into = (staging.device or staging.slots)[slot][: piece.nbytes]
-                    work = dist.irecv(into, src=piece.src)
-                    pending.add(work, functools.partial(write_received, item, piece, slot))
-                if on_bytes is not None:
-                    on_bytes(piece.nbytes)
-        pending.drain()
-        writer.jobs.join()
-
     try:
-        return rounds(plan.rounds, faults, one_round)
+        rounds = Rounds(plan.rounds, faults)
+        for begin, stop in rounds:
+            for index in range(begin, stop):
+                item = plan.items[index]
+                if item.kind is SaveKind.GATHER:
+                    pending.drain()
+                source = _source(item, tensors[item.key], gathered)
+                if item.kind is SaveKind.BLOCK:
+                    for at, parts in chunks(plan, index):
+                        chunk(item, source, at, parts)
+                        if on_bytes is not None:
+                            on_bytes(at.nbytes)
+                    continue
+                for piece in pieces(plan, index):
+                    if piece.src == 0:
+                        own(piece, source, item)
+                    else:
+                        slot = take()
+                        into = (staging.device or staging.slots)[slot][: piece.nbytes]
+                        work = dist.irecv(into, src=piece.src)
+                        pending.add(work, functools.partial(write_received, item, piece, slot))
+                    if on_bytes is not None:
+                        on_bytes(piece.nbytes)
+            pending.drain()
+            writer.jobs.join()
+        return rounds.first
     finally:
         writer.close()
 
@@ -218,7 +217,8 @@ def _sender(
     free = collections.deque(range(len(staging.slots)))
     pending = InFlight()  # sends, each freeing its slot (if it used one) once done
 
-    def one_round(begin: int, stop: int) -> None:
+    rounds = Rounds(plan.rounds, faults)
+    for begin, stop in rounds:
         for index in range(begin, stop):
             item = plan.items[index]
             if item.kind is SaveKind.GATHER:
@@ -243,5 +243,4 @@ def _sender(
                 )
                 pending.drain(keep=len(staging.slots))
         pending.drain()
-
-    return rounds(plan.rounds, faults, one_round)
+    return rounds.first
