@@ -1,4 +1,4 @@
-"""What rank0load assumes of private torch and transformers behaviour (rank0load/_compat.py): each
+"""What rank0load assumes of private torch and transformers behaviour (rank0load/integrations/_compat.py): each
 test fails loudly when a release changes what the wrapper relies on.
 
 All multi-rank checks share one spawn of 3 gloo ranks (3: sizes 7 and 11 split unevenly, and a
