@@ -18,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from rank0load.checkpoint._entries import Parts
+from rank0load.checkpoint._entries import Entry, Parts
 from rank0load.checkpoint._format import TensorHeader
-from rank0load.checkpoint._manifest import Entry
 from rank0load.common._distribute import round_ends
 from rank0load.load import _plan
 from rank0load.load._messages import Message, messages

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from rank0load.checkpoint._manifest import Entry
+from rank0load.checkpoint._entries import Entry
 from rank0load.integrations._compat import StridedShard
 from rank0load.load import _plan
 from rank0load.model import _layout

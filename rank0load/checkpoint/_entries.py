@@ -1,10 +1,11 @@
 """What moves: one :class:`Entry` per model tensor, built from the matched headers (rank 0 builds
 them; every rank reads them; no collectives).
 
-(rank 0, or ``inspect``) :func:`build_entries` turns a :class:`KeyMatch` (made by ``_manifest.match_keys``) into entries: shapes
-and dtypes checked against the model (:func:`_check_fits`), tied names stored twice compared,
-per-expert tensors assembled into one entry of :class:`Part` (:func:`_assemble`), float8 tensors
-given their scale grids (:func:`_with_scales`, see ``_fp8``). ``_manifest`` re-exports the types.
+(rank 0, or ``inspect``) :func:`build_entries` turns a :class:`KeyMatch` (made by
+``_match.match_keys``) into entries: shapes and dtypes checked against the model
+(:func:`_check_fits`), tied names stored twice compared, per-expert tensors assembled into one
+entry of :class:`Part` (:func:`_assemble`), float8 tensors given their scale grids
+(:func:`_with_scales`, see ``_fp8``).
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: 
 
 @dataclass(frozen=True)
 class KeyMatch:
-    """How the checkpoint's keys map onto the model's (made by ``_manifest.match_keys``)."""
+    """How the checkpoint's keys map onto the model's (made by ``_match.match_keys``)."""
 
     # canonical model key -> the checkpoint tensors stored under its names, in header order
     # (more than one: a tied parameter stored under several of its names)

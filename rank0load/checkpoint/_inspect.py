@@ -4,7 +4,7 @@
 like ``load_sharded`` does on rank 0 (directory, file, index or Hub repo id), validates every
 header and the index, and summarises files, tensors, dtypes and sizes. Given a ``model_fn``, it
 builds the model on meta (nothing is allocated), matches keys exactly as a load does
-(``_manifest.match_keys``: ``key_map``, non-persistent buffers, tied and wrapper aliases) and lists
+(``_match.match_keys``: ``key_map``, non-persistent buffers, tied and wrapper aliases) and lists
 missing, unexpected and mismatched keys, all of them rather than the first. No tensor data is read, so
 tied names stored more than once are listed (``tied_twice``) for the load to compare.
 ``python -m rank0load inspect`` is the command-line front end (``__main__``).
@@ -26,7 +26,8 @@ from ..model._meta import build_on_meta, describe
 from ._entries import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
-from ._manifest import _headers, match_keys
+from ._manifest import _headers
+from ._match import match_keys
 from ._source import resolve
 
 __all__ = ["FileSummary", "Inspection", "inspect_checkpoint", "load_factory"]

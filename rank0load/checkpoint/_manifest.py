@@ -3,7 +3,7 @@
 (rank 0) :func:`open_checkpoint` resolves the checkpoint, opens its files and reads their headers
 (before the ranks agree: headers need no model); :func:`read_manifest` then runs
 :func:`build_manifest` on them, which maps checkpoint keys to model keys
-(:func:`match_keys`, which ``inspect`` shares so its dry run matches keys exactly as a load does),
+(``_match.match_keys``, which ``inspect`` shares so its dry run matches keys exactly as a load does),
 checks keys (the entries themselves come from ``_entries``), and returns a :class:`Manifest`: the
 ordered list of :class:`Entry` that every rank will iterate during streaming. Any problem raises a
 :class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
@@ -15,36 +15,29 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 from ..integrations import _peft
-from ..integrations._convert import Conversion, ConversionMatch, KeyResolver
+from ..integrations._convert import Conversion
 from ..model._meta import ModelLayout
-from ._entries import FLOAT_WIRE, Entry, KeyMatch, Part, build_entries, quantised_keys, unconsumed
+from ._entries import Entry, build_entries, quantised_keys, unconsumed
 from ._files import OpenFile, open_files
 from ._format import TensorHeader, read_header
 from ._fp8 import block_size as fp8_block_size
+from ._match import match_keys, nothing_matched
 from ._source import Source, resolve
 
 __all__ = [
-    "build_entries",
-    "unconsumed",
-    "Entry",
-    "FLOAT_WIRE",
-    "Part",
     "Adapter",
     "Checkpoint",
-    "adapters_of",
-    "KeyMatch",
     "Manifest",
+    "adapters_of",
     "build_manifest",
     "headers_of",
     "manifest_of",
-    "match_keys",
     "open_checkpoint",
     "read_manifest",
     "unforeseen",
@@ -125,109 +118,6 @@ def _disagreement(
     # else the index lists more keys in this file than it holds: raised once all files are read
 
 
-def match_keys(
-    headers: dict[str, TensorHeader],
-    layout: ModelLayout,
-    key_map: Callable[[str], str | None] | None,
-    conversions: Sequence[Conversion] = (),
-    resolver: KeyResolver | None = None,
-) -> KeyMatch:
-    """(rank 0, or one process for ``inspect``) Map every checkpoint key to a canonical model key:
-    ``key_map`` first, then the model's non-persistent buffers (ignored) and its own aliases
-    (:meth:`ModelLayout.canonical`); a key the model does not have is offered to ``conversions``
-    (renamed, or one of the parts of a stacked parameter). Keys the model has win: a checkpoint
-    already in the model's layout loads as it is. Shapes and dtypes are not checked here.
-
-    ``resolver``: a KeyResolver for ``layout`` and ``conversions`` that earlier calls used (see
-    ``_runs``: the headers matched file by file); None: a new one.
-
-    Raises:
-        ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
-            checkpoint keys to one model key.
-    """
-    ignored: list[str] = []
-    if key_map is None:  # the header's keys are unique: none can map twice
-        ckpt_keys = model_keys = [k for k in headers if k not in layout.non_persistent]
-        ignored = [k for k in headers if k in layout.non_persistent]
-    else:
-        ckpt_keys, model_keys = _mapped(headers, key_map, layout.non_persistent, ignored)
-    by_model_key: dict[str, list[TensorHeader]] = {}
-    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
-    unsupported: dict[str, tuple[str, str, str]] = {}
-    unexpected: list[str] = []
-    if resolver is None:  # one per load: its rules, learnt from the first keys, hold for the rest
-        resolver = KeyResolver(layout.canonical, conversions, layout.canonical_all)
-    answers = resolver.resolve_columns(model_keys)
-    for ckpt_key, canonical, converted in zip(ckpt_keys, *answers):
-        if canonical is None or converted is not None and converted.unsupported is not None:
-            if converted is not None and canonical is not None:
-                unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
-            unexpected.append(ckpt_key)
-        elif converted is not None and converted.expert is not None:
-            stacked.setdefault(canonical, []).append((converted, headers[ckpt_key]))
-        else:
-            by_model_key.setdefault(canonical, []).append(headers[ckpt_key])
-    both = sorted(set(stacked) & set(by_model_key))
-    if both:
-        raise ModelMismatchError(
-            f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
-            "layout (re-save it, or drop one set of keys with key_map)."
-        )
-    absent = [k for k in layout.tensors if k not in by_model_key and k not in stacked]
-    return KeyMatch(
-        by_model_key={k: tuple(found) for k, found in by_model_key.items()},
-        unexpected=tuple(sorted(unexpected)),
-        ignored=tuple(sorted(ignored)),
-        missing=tuple(sorted(k for k in absent if k not in layout.built)),
-        stacked={k: tuple(found) for k, found in stacked.items()},
-        unsupported=unsupported,
-        kept=tuple(sorted(k for k in absent if k in layout.built)),
-    )
-
-
-def _mapped(
-    headers: dict[str, TensorHeader],
-    key_map: Callable[[str], str | None],
-    non_persistent: AbstractSet[str],
-    ignored: list[str],
-) -> tuple[list[str], list[str]]:
-    """The checkpoint keys ``key_map`` keeps that are no non-persistent buffer of the model (those
-    and the dropped keys go to ``ignored``), and their model keys. Raises ModelMismatchError when
-    ``key_map`` raises, returns neither a str nor None, or maps two keys to one model key."""
-    ckpt_keys: list[str] = []
-    model_keys: list[str] = []
-    mapped_from: dict[str, str] = {}
-    for ckpt_key, t in headers.items():
-        try:
-            model_key = key_map(ckpt_key)
-        except Exception as exc:
-            raise ModelMismatchError(
-                f"key_map({ckpt_key!r}) raised {type(exc).__name__}: {exc} (checkpoint file "
-                f"{os.path.basename(t.file)}). key_map must return a model key (str) or None for "
-                "every checkpoint key: fix it, or return None for keys to drop."
-            ) from None
-        if model_key is None:
-            ignored.append(ckpt_key)
-            continue
-        if not isinstance(model_key, str):
-            raise ModelMismatchError(
-                f"key_map({ckpt_key!r}) returned {model_key!r}: expected a model key (str) or None "
-                "to drop the key. Fix key_map."
-            )
-        if model_key in mapped_from:
-            raise ModelMismatchError(
-                f"key_map maps both {mapped_from[model_key]!r} and {ckpt_key!r} to model key "
-                f"{model_key!r}. Each model key may come from one checkpoint key only."
-            )
-        mapped_from[model_key] = ckpt_key
-        if model_key in non_persistent:
-            ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
-        else:
-            ckpt_keys.append(ckpt_key)
-            model_keys.append(model_key)
-    return ckpt_keys, model_keys
-
-
 @dataclass(frozen=True)
 class Adapter:
     """(rank 0) A PEFT adapter folder to load with the base checkpoint: its resolved source, and the
@@ -287,7 +177,7 @@ def build_manifest(
     missing, unexpected = match.missing, unconsumed(match, layout, quantised)
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
     if layout.tensors and not match.by_model_key and not match.stacked:
-        raise ModelMismatchError(_nothing_matched(description, headers, layout, match))
+        raise ModelMismatchError(nothing_matched(description, headers, layout, match))
     cannot = {k: v for k, v in match.unsupported.items() if k in missing}
     if cannot:
         target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
@@ -380,43 +270,6 @@ def _with_adapters(
         return merged, None
     user_map = key_map
     return merged, lambda k: k if k in own else user_map(k)
-
-
-def _nothing_matched(
-    description: str, headers: dict[str, TensorHeader], layout: ModelLayout, match: KeyMatch
-) -> str:
-    """The error for a load that would load nothing: a few names from each side, and a guess."""
-    ckpt = sorted(headers)
-    model = sorted(k for k in layout.tensors if layout.tensors[k].is_param) or sorted(layout.tensors)
-    hint = _prefix_hint(ckpt, model)
-    if not ckpt:
-        found = "The checkpoint holds no tensors."
-    elif len(match.ignored) == len(ckpt):
-        found = f"key_map dropped all {len(ckpt)} checkpoint keys (or they are the model's non-persistent buffers)."
-    else:
-        found = f"The checkpoint holds {len(ckpt)} keys, e.g. {format_keys(ckpt[:3])}."
-    return (
-        f"{description}: no checkpoint key matched any model key, so nothing would be loaded (whatever "
-        f"strict is). {found} The model has {len(layout.tensors)}, e.g. {format_keys(model[:3])}. "
-        + (hint or "Check that model_fn builds the model this checkpoint was saved from, or pass key_map.")
-    )
-
-
-def _prefix_hint(ckpt: list[str], model: list[str]) -> str:
-    """A key_map that would make the names meet, when one side has a prefix the other lacks."""
-    model_set, ckpt_set = set(model), set(ckpt)
-    for key in ckpt[:50]:
-        for m in model:
-            if m.endswith("." + key) and sum(m[: -len(key)] + k in model_set for k in ckpt[:50]) > 25:
-                prefix = m[: -len(key)]
-                return f"The model's names have a prefix the checkpoint's lack: pass key_map=lambda k: {prefix!r} + k."
-            if key.endswith("." + m) and sum(key[: -len(m)] + k in ckpt_set for k in model[:50]) > 25:
-                prefix = key[: -len(m)]
-                return (
-                    f"The checkpoint's names have a prefix the model's lack: pass "
-                    f"key_map=lambda k: k.removeprefix({prefix!r})."
-                )
-    return ""
 
 
 @dataclass

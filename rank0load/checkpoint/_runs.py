@@ -35,8 +35,9 @@ from ..model._meta import ModelLayout
 from ._entries import Entry, KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader, read_header
 from ._fp8 import block_size as fp8_block_size
-from ._manifest import Checkpoint, Manifest, headers_of, manifest_of, match_keys, unforeseen
+from ._manifest import Checkpoint, Manifest, headers_of, manifest_of, unforeseen
 from ._manifest import read_manifest as read_at_once
+from ._match import match_keys
 
 __all__ = ["RUN_TENSORS", "read_manifest"]
 
