@@ -112,10 +112,9 @@ def _inject(fault: str | None, rank: int):
         yield
         return
     if fault == "eio_on_rank0":
-        import rank0load.load._localread as localread_mod
-        import rank0load.load._stream as stream_mod
+        import rank0load.load._reads as reads_mod
 
-        original = stream_mod.read_vectored
+        original = reads_mod.read_vectored
         calls = [0]
 
         def failing_read_vectored(fd, buf, offset, path):
@@ -125,11 +124,11 @@ def _inject(fault: str | None, rank: int):
             return original(fd, buf, offset, path)
 
         if rank == 0:  # its reader thread, or its own reads when every rank reads locally
-            stream_mod.read_vectored = localread_mod.read_vectored = failing_read_vectored
+            reads_mod.read_vectored = failing_read_vectored
         try:
             yield
         finally:
-            stream_mod.read_vectored = localread_mod.read_vectored = original
+            reads_mod.read_vectored = original
         return
     if fault == "fault_in_fails_on_rank1":  # the shards' pages, faulted in behind the manifest
         import rank0load.common._memory as memory_mod

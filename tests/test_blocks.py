@@ -171,11 +171,10 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
     from torch.distributed.device_mesh import init_device_mesh
 
     import rank0load
-    import rank0load.load._localread as localread_mod
-    import rank0load.load._stream as stream_mod
+    import rank0load.load._reads as reads_mod
 
     mesh = init_device_mesh("cpu", (world,))
-    original = stream_mod.read_vectored
+    original = reads_mod.read_vectored
 
     def failing(fd, buf, offset, path):
         if bad[0] <= offset < bad[1]:  # a chunk of the BLOCK entry
@@ -185,7 +184,7 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
     out: dict = {}
     for local_reads in (False, True):
         if rank == 0:
-            stream_mod.read_vectored = localread_mod.read_vectored = failing
+            reads_mod.read_vectored = failing
         error = None
         try:
             rank0load.load_sharded(
@@ -194,7 +193,7 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
         except rank0load.LoadError as exc:
             error = (type(exc).__name__, str(exc))
         finally:
-            stream_mod.read_vectored = localread_mod.read_vectored = original
+            reads_mod.read_vectored = original
         model = rank0load.load_sharded(tp_net, f32, mesh, shard_fn=shard_tp)
         out[local_reads] = {"error": error, "tensors": gather(model)}
     return out

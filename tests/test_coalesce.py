@@ -124,27 +124,34 @@ def _loads(rank: int, world: int, root: str) -> dict:
     loads("default", "small")
     # Rank 0's reader with 4 threads, the messages' runs cut into parts of at most 64 bytes, every
     # free slot's read at once (as on an accelerator mesh); with the default staging, and with 2 KiB
-    from rank0load.load import _stream, _transfer
+    from rank0load.load import _sources, _stream
 
-    threads, size = _transfer.read_threads, _stream._PART_BYTES
-    _transfer.read_threads, _stream._PART_BYTES = (lambda device: 4), 64
+    threads, size = _sources.read_threads, _stream._PART_BYTES
+    _sources.read_threads, _stream._PART_BYTES = (lambda device: 4), 64
     try:
         loads("parallel", "parallel-small")
-        rewritten("rewritten-parallel", "b.safetensors")
+        # ... and rank 0's own consecutive pieces grouped into messages, read into its staging and
+        # copied into its shards (as on an accelerator mesh, where they go through pinned memory)
+        own_together, _sources.own_together = _sources.own_together, (lambda device: True)
+        try:
+            loads("own-together", "own-together-small")
+        finally:
+            _sources.own_together = own_together
+        rewritten("rewritten-parallel", "b.safetensors")  # the file's bytes change: loads come before
     finally:
-        _transfer.read_threads, _stream._PART_BYTES = threads, size
+        _sources.read_threads, _stream._PART_BYTES = threads, size
     rewritten("rewritten", "a.safetensors")
     return out
 
 
-@pytest.mark.slow  # one spawn of 6 loads per world size: about 30 s each
+@pytest.mark.slow  # one spawn of 8 loads per world size: about 30 s each
 @pytest.mark.parametrize("world", [2, 3])
 def test_many_small_tensors_few_messages_bit_exact(tmp_path, world):
     save_many(str(tmp_path))
     want = reference(trained_many())
     results = _dist.ok(_dist.run(_loads, world, str(tmp_path), timeout=300))
     for rank, res in enumerate(results):
-        for name in ("default", "small", "parallel", "parallel-small"):
+        for name in ("default", "small", "parallel", "parallel-small", "own-together", "own-together-small"):
             assert_same(res[name]["tensors"], want)
         # Before coalescing: one isend per parameter per rank holding rows of it (~240 x (world - 1)).
         calls = res["default"]["isend" if rank == 0 else "irecv"]
@@ -161,17 +168,17 @@ def test_many_small_tensors_few_messages_bit_exact(tmp_path, world):
 
 
 def test_nearby_extents_are_one_read(tmp_path):
-    """``_stream.runs``: extents of one file at most ``_GAP`` bytes apart are one run (the bytes
+    """``_reads.runs``: extents of one file at most ``_GAP`` bytes apart are one run (the bytes
     between read into scratch), farther ones and other files start their own; reading the runs
     fills ``data`` exactly as reading each extent by itself does."""
-    from rank0load.load import _stream
+    from rank0load.load import _reads
 
-    blob = os.urandom(3 * _stream._GAP)
+    blob = os.urandom(3 * _reads._GAP)
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
     for path in (a, b):
         with open(path, "wb") as f:
             f.write(blob)
-    gap = _stream._GAP
+    gap = _reads._GAP
     # (file, file offset, bytes, offset in data): out of order, a gap of 10, one of exactly _GAP,
     # one of _GAP + 1, adjacent extents, and another file in between
     extents = [
@@ -183,13 +190,13 @@ def test_nearby_extents_are_one_read(tmp_path):
         (a, 215 + 2 * gap + 1, 40, 114),
     ]
     data = torch.zeros(154, dtype=torch.uint8)
-    found = _stream.runs(extents, data)
+    found = _reads.runs(extents, data)
     assert [(p, o) for p, o, _ in found] == [(a, 100), (a, 215 + 2 * gap + 1), (b, 7)]
     assert sum(map(len, found[0][2])) == 185 + gap + 30 - 100  # the gaps read, not skipped
     fds = {p: os.open(p, os.O_RDONLY) for p in (a, b)}
     try:
         for path, offset, views in found:
-            _stream.read_vectored(fds[path], views, offset, path)
+            _reads.read_vectored(fds[path], views, offset, path)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -203,9 +210,9 @@ def test_nearby_extents_are_one_read(tmp_path):
 
 @pytest.mark.parametrize("size", [16, 100, 333, 5000])
 def test_runs_split_between_threads_read_the_same_bytes(tmp_path, size):
-    """``_stream.split_runs``: the runs cut into reads of at most ``size`` bytes, each one run of
+    """``_reads.split_runs``: the runs cut into reads of at most ``size`` bytes, each one run of
     file bytes, fill ``data`` exactly as the uncut runs do."""
-    from rank0load.load import _stream
+    from rank0load.load import _reads
 
     blob = os.urandom(4096)
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
@@ -218,15 +225,15 @@ def test_runs_split_between_threads_read_the_same_bytes(tmp_path, size):
         got = []
         for cut in (False, True):
             data = torch.zeros(1443, dtype=torch.uint8)
-            found = _stream.runs(extents, data)
+            found = _reads.runs(extents, data)
             if cut:
                 whole = found
-                found = _stream.split_runs(found, size)
+                found = _reads.split_runs(found, size)
                 assert all(sum(map(len, views)) <= size for _, _, views in found), found
                 # as many parts as each run needs, and no fewer: each part but a run's last is full
                 assert len(found) == sum(-(-sum(map(len, v)) // size) for _, _, v in whole)
             for path, offset, views in found:
-                _stream.read_vectored(fds[path], views, offset, path)
+                _reads.read_vectored(fds[path], views, offset, path)
             got.append(data)
     finally:
         for fd in fds.values():

@@ -219,7 +219,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
     import rank0load.checkpoint._files as fileio
     import rank0load.common._distribute as distribute
     import rank0load.load._local as local
-    import rank0load.load._localread as localread
+    import rank0load.load._reads as reads
 
     server_serve = local.Server.serve
     if case == "no-listen" and rank == 0:
@@ -251,7 +251,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
     if case == "changed" and rank == 0:  # only the local reader may see it: its own check
         return _Patch((fileio.OpenFile, "check", lambda self: None))
     if case in ("read-error", "changed") and rank == (1 if case == "read-error" else 2):
-        read, calls = localread.read_vectored, [0]
+        read, calls = reads.read_vectored, [0]
 
         def failing(fd, buf, offset, path):
             calls[0] += 1
@@ -262,7 +262,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
                 os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
             return read(fd, buf, offset, path)
 
-        return _Patch((localread, "read_vectored", failing))
+        return _Patch((reads, "read_vectored", failing))
     return _Patch()
 
 
@@ -409,12 +409,12 @@ def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
 
 def _dies_reading(rank: int, world: int, root: str, victim: int, marker: str) -> float:
     import rank0load
-    import rank0load.load._localread as localread
+    import rank0load.load._reads as reads
 
     if rank != 0:
         hide(root)
     if rank == victim:  # every rank reads locally here, rank 0 too, through _localread
-        module = localread
+        module = reads
         read, calls = module.read_vectored, [0]
 
         def dying(*args):

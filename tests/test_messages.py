@@ -100,10 +100,11 @@ def _key(message: Message) -> tuple:
     return how, tuple((p.index, p.local_offset, p.nbytes, p.route is Route.SCALES) for p in message.pieces)
 
 
+@pytest.mark.parametrize("own_together", [False, True])
 @settings(max_examples=300, deadline=None)
-@given(plans())
-def test_every_receiver_groups_as_rank0_sends(plan):
-    sent = list(messages(plan, plan.pieces(0)))
+@given(plan=plans())
+def test_every_receiver_groups_as_rank0_sends(plan, own_together):
+    sent = list(messages(plan, plan.pieces(0), own_together))
     for dst in range(-1, len(plan.coords)):  # nothing lost, nothing reordered for any destination
         got = [p for m in sent for p in m.pieces if p.dst == dst]
         assert got == [p for p in plan.pieces(0) if p.dst == dst]
@@ -140,6 +141,34 @@ def test_many_small_tensors_travel_in_few_messages(scaled):
         assert len([m for m in messages(plan, plan.pieces(rank))]) == len(
             [m for m in sent if m.dst in (rank, -1)]
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan=plans())
+def test_rank0s_own_pieces_grouped_only_among_themselves(plan):
+    """``own_together`` (rank 0 of an accelerator mesh): its consecutive own pieces share messages,
+    every other message stays exactly as it was, and an own message holds only pieces with no other
+    piece between them in the plan (so nothing that another rank sees, or a scale grid its rows
+    need, moves in another order)."""
+    apart = list(messages(plan, plan.pieces(0)))
+    together = list(messages(plan, plan.pieces(0), own_together=True))
+    assert [_key(m) for m in together if m.dst != 0] == [_key(m) for m in apart if m.dst != 0]
+    pieces = list(plan.pieces(0))
+    position = {(p.index, p.route, p.dst, p.start, p.nbytes, p.local_offset): i for i, p in enumerate(pieces)}
+    for m in together:
+        if m.dst == 0:
+            at = [position[(p.index, p.route, p.dst, p.start, p.nbytes, p.local_offset)] for p in m.pieces]
+            assert at == list(range(at[0], at[0] + len(at))), "an own message skips a piece in between"
+    own = sum(m.dst == 0 for m in apart)
+    assert sum(m.dst == 0 for m in together) <= own
+
+
+def test_world_one_reads_in_few_messages():
+    """World size 1 on an accelerator: every piece is rank 0's own; 64 small tensors of 256 bytes
+    travel in 16 messages of 1 KiB, not 64."""
+    plan = make_plan([(Kind.SHARDED, (4, 16), False)] * 64, 1, 1024)
+    assert len(list(messages(plan, plan.pieces(0)))) == 64
+    assert [len(m.pieces) for m in messages(plan, plan.pieces(0), own_together=True)] == [4] * 16
 
 
 def test_rounds_and_slots_bound_messages():

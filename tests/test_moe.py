@@ -52,6 +52,7 @@ class Job:
     dtype: torch.dtype  # load_sharded's dtype= argument
     reference: str | None = None  # the directory from_pretrained reads for the expected state; None: path
     local_reads: bool = True  # False: rank 0 streams every rank its bytes (the ranks share one host here)
+    own_together: bool = False  # rank 0 groups its own pieces into messages, as on an accelerator mesh
 
 
 # --- the checkpoints, written once for the module ------------------------------------------------------
@@ -171,6 +172,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
             for d, dtype in DTYPES.items():
                 jobs[f"{family}-fp8-{b}-{d}"] = Job(family, path, dtype, ref)
             jobs[f"{family}-fp8-{b}-fp32-stream"] = Job(family, path, torch.float32, ref, local_reads=False)
+            jobs[f"{family}-fp8-{b}-bf16-own"] = Job(
+                family, path, torch.bfloat16, ref, False, own_together=True
+            )
     broken = _broken(root)
     jobs.update({name: job for name, (job, _) in broken.items()})
     return {"root": str(root), "jobs": jobs, "errors": {name: m for name, (_, m) in broken.items()}}
@@ -189,11 +193,21 @@ def _load_one(job: Job) -> dict:
     from transformers import AutoModelForCausalLM
 
     import rank0load
+    from rank0load.load import _sources
 
     cfg = mm.config(job.family)
-    model = rank0load.load_sharded(
-        lambda: AutoModelForCausalLM.from_config(cfg), job.path, dtype=job.dtype, local_reads=job.local_reads
-    )
+    own_together = _sources.own_together
+    if job.own_together:
+        _sources.own_together = lambda device: True
+    try:
+        model = rank0load.load_sharded(
+            lambda: AutoModelForCausalLM.from_config(cfg),
+            job.path,
+            dtype=job.dtype,
+            local_reads=job.local_reads,
+        )
+    finally:
+        _sources.own_together = own_together
     return _summarise(model.eval())
 
 
@@ -327,6 +341,16 @@ def test_fp8_checkpoint_streamed(loaded, ckpts, family, block):
     """The same, streamed (``local_reads=False``): rank 0 sends each rank its rows of each fused
     expert tensor and only the scale grid rows they need, point to point, coalesced with the rows."""
     name = f"{family}-fp8-{block}-fp32-stream"
+    _check(ckpts["jobs"][name], loaded[name])
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_streamed_with_rank0s_own_pieces_grouped(loaded, ckpts, family, block):
+    """Streamed into bf16 with rank 0's own consecutive pieces grouped into messages, as on an
+    accelerator mesh (``_sources.own_together``): its own rows and the scale grid rows they need
+    share messages, dequantised and cast from its staging."""
+    name = f"{family}-fp8-{block}-bf16-own"
     _check(ckpts["jobs"][name], loaded[name])
 
 

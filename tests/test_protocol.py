@@ -26,10 +26,9 @@ def _changer(path: str, how: str):
     """A read_vectored for rank 0 that changes ``path`` (as another writer would) before its 3rd read,
     for its reader thread (``_stream``) and for its own reads when every rank reads locally
     (``_localread``)."""
-    import rank0load.load._localread as localread_mod
-    import rank0load.load._stream as stream_mod
+    import rank0load.load._reads as reads_mod
 
-    original = stream_mod.read_vectored
+    original = reads_mod.read_vectored
     calls = [0]
 
     def read_vectored(fd, buf, offset, where):
@@ -48,7 +47,7 @@ def _changer(path: str, how: str):
                 os.truncate(path, os.path.getsize(path) // 2)
         return original(fd, buf, offset, where)
 
-    return (stream_mod, localread_mod), original, read_vectored
+    return (reads_mod,), original, read_vectored
 
 
 def _attempt(fn) -> tuple:

@@ -1,17 +1,17 @@
 """A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives).
 
 (a local reader: a rank other than 0 that ``_local.hand_over`` gave rank 0's descriptors)
-:class:`LocalReader` takes the place of the receives in ``_transfer._receive``. For every piece rank 0
-would have sent it — its rows of a SHARDED entry, the chunks of a BLOCK entry, from which it cuts its
+:class:`LocalReader` is one of the sources of bytes (``_sources``): it takes the place of the
+receives for this rank's own pieces. For every piece rank 0 would have sent it — its rows of a SHARDED entry, the chunks of a BLOCK entry, from which it cuts its
 own blocks exactly as rank 0 would (``_sink.fan_out``, with no one to send to) — it reads the
 bytes with ``preadv`` at their file offsets (``Entry.extents``, so assembled experts and float8
 weights too): straight into its local shard when that is on the CPU and of the wire dtype, else into
-a staging slot, followed by the sink's local work (cast, dequantise). It reads only the rows of a
+a staging slot, and hands it on as an arrival for the sink's local work (cast, dequantise). It reads only the rows of a
 chunk that hold its blocks. Broadcast pieces (PLAIN and GENERIC entries, float8 scale grids) still
 arrive by broadcast, in order, while some rank takes the stream; when every rank but 0 reads
 locally (:attr:`LocalReads.everyone`), each reads those too (:attr:`LocalReader.everything`), and with
 CPU shards rank 0 reads its own share through a LocalReader as well (its own files,
-:class:`_Rank0Files`): no message moves at all (``_transfer._read_own``).
+:class:`_Rank0Files`): no message moves at all (``_transfer``'s quiet path).
 
 The first failure (a read error, a file that changed) is the sink's local failure, settled like any
 other (``_distribute.first_failure``; at each round's end while rank 0 streams to someone, once at
@@ -36,9 +36,10 @@ import torch.distributed as dist
 from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..checkpoint._format import DTYPES
 from ..errors import CheckpointChangedError, InternalError, LoadError
+from . import _reads
+from ._messages import Message
 from ._plan import Piece, Plan, Route, block_half, deliveries
-from ._sink import Sink, Staging, fan_out
-from ._stream import read_vectored, runs
+from ._sink import Arrival, Sink, Staging
 
 __all__ = ["LocalFiles", "LocalReader", "LocalReads"]
 
@@ -139,8 +140,10 @@ class _Rank0Files:
 
 
 class LocalReader:
-    """(a local reader) Reads the pieces ``_transfer._receive`` hands it (TO_RANK pieces addressed
-    to this rank, FAN_OUT chunks) and ends each round with the identity checks."""
+    """(a local reader) A source of bytes (``_sources``): reads the pieces it is handed (TO_RANK
+    pieces addressed to this rank, FAN_OUT chunks, with :attr:`everything` broadcast pieces too),
+    one at a time, synchronously, each as an :class:`~._sink.Arrival`; ends each round with the
+    identity checks."""
 
     def __init__(
         self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | _Rank0Files, everything: bool
@@ -148,35 +151,48 @@ class LocalReader:
         self.plan, self.sink, self.files = plan, sink, files
         self.everything = everything  # every rank but 0 reads locally: broadcast pieces too
         self.me = dist.get_rank()
-        self.slot = staging.slots[0]  # reads are synchronous: one slot, free again on return
+        self.slot = staging.slots[0]  # reads are synchronous: one slot, free again once delivered
         self.host = files.host if files.host is not None else self.slot
         self.touched: set[str] = set()
         self._layouts: dict[int, dict[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
 
-    def read(self, piece: Piece) -> None:
-        """Read ``piece`` (this rank's rows, a BLOCK chunk, or with :attr:`everything` a broadcast
-        piece) into this rank's tensors. After a local failure it does nothing: no message depends on it."""
-        if self.sink.faults.error is not None or piece.dst not in (-1, self.me):  # (rank 0 sees all)
+    def arrivals(self, piece: Piece) -> Iterator[Arrival]:
+        """``piece`` read: straight into this rank's tensor where it can land there (on the CPU, of
+        the wire dtype), else into its staging slot (free again once the arrival is delivered).
+        After a local failure, or for another rank's piece (rank 0 sees all), nothing: no message
+        depends on it."""
+        if self.sink.faults.error is not None or piece.dst not in (-1, self.me):
             return
         try:
-            if piece.route is Route.FAN_OUT:
-                self._chunk(piece)
-            elif piece.route in (Route.BROADCAST, Route.SCALES):  # a broadcast's work, or own scale rows
-                into = self.sink.landing(piece)
-                if into is not None and into.device.type == "cpu":
-                    self._read(piece, into)
-                    self.sink.broadcast(piece, into, landed=True)
-                else:
-                    self.sink.broadcast(piece, self._staged(piece), landed=False)
-            elif piece.route is Route.TO_RANK:
-                target = self.sink.targets[piece.index].tensor
-                view = self.sink.landing(piece) if target.device.type == "cpu" else None
-                if view is not None:
-                    self._read(piece, view)
-                else:
-                    self.sink.write(piece, self._staged(piece))
+            arrival = self._arrival(piece)
         except Exception as exc:
             self.sink.faults.note(exc)
+            return
+        if arrival is not None:
+            yield arrival
+
+    def _arrival(self, piece: Piece) -> Arrival | None:
+        message = Message.of(piece)
+        if piece.route is Route.FAN_OUT:
+            return self._chunk(piece, message)
+        if piece.route in (Route.BROADCAST, Route.SCALES):  # a broadcast's work, or own scale rows
+            into = self.sink.landing(piece)
+            on_cpu = into is not None and into.device.type == "cpu"
+        else:  # TO_RANK
+            on_cpu = self.sink.targets[piece.index].tensor.device.type == "cpu"
+            into = self.sink.landing(piece) if on_cpu else None
+        if into is not None and on_cpu:
+            self._read(piece, into)
+            return Arrival(message, into, landed=True)
+        return Arrival(message, self._staged(piece))
+
+    def layouts(self, index: int) -> dict[int, tuple[tuple[tuple[int, int], ...], ...]]:
+        """This rank's blocks of BLOCK entry ``index`` (the one entry read last, kept)."""
+        runs = self._layouts.get(index)
+        if runs is None:
+            self._layouts = {index: self.plan.block_layouts(index, [self.me])}
+            runs = self._layouts[index]
+        return runs
 
     def round_end(self) -> None:
         """Check every file read since the last round's end (its descriptor's fstat)."""
@@ -190,24 +206,20 @@ class LocalReader:
         self.touched = set(self.files.paths())
         self.round_end()
 
-    def _chunk(self, piece: Piece) -> None:
-        """Read the rows of a BLOCK chunk that hold this rank's blocks; cut and write them."""
+    def _chunk(self, piece: Piece, message: Message) -> Arrival | None:
+        """The rows of a BLOCK chunk that hold this rank's blocks, read (None: it holds none)."""
         entry = self.plan.entries[piece.index]
-        runs = self._layouts.get(piece.index)
-        if runs is None:
-            self._layouts = {piece.index: self.plan.block_layouts(piece.index, [self.me])}
-            runs = self._layouts[piece.index]
-        mine = list(deliveries(piece, entry, runs))
+        mine = list(deliveries(piece, entry, self.layouts(piece.index)))
         if not mine:
-            return
+            return None
         shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
         row = math.prod(shape) * DTYPES[entry.dtype].itemsize
         lo, hi = min(d.row_lo for d in mine), max(d.row_hi for d in mine)
         rows = replace(
             piece, start=piece.start + lo * row, nbytes=(hi - lo) * row, local_offset=piece.local_offset + lo
         )
-        data = self._staged(rows)
-        fan_out(rows, data, self.slot[block_half(self.plan.piece_bytes) :], runs, self.sink).wait()
+        spare = self.slot[block_half(self.plan.piece_bytes) :]
+        return Arrival(message, self._staged(rows), spare=spare, rows=rows)
 
     def _staged(self, piece: Piece) -> torch.Tensor:
         """``piece``'s bytes in this rank's staging slot (through the pinned host buffer, on an accelerator)."""
@@ -218,10 +230,10 @@ class LocalReader:
     def _read(self, piece: Piece, data: torch.Tensor) -> None:
         entry = self.plan.entries[piece.index]
         extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
-        for path, offset, views in runs(extents, data):
+        for path, offset, views in _reads.runs(extents, data):
             self.touched.add(path)
             try:
-                read_vectored(self.files.fd(path), views, offset, path)
+                _reads.read_vectored(self.files.fd(path), views, offset, path)
             except OSError as exc:
                 via, how = "", ""
                 if self.me != 0:

@@ -65,9 +65,10 @@ class Message:
         """Each piece with its offset in the message."""
         return zip(self.pieces, self.offsets)
 
-
-def _single(piece: Piece) -> Message:
-    return Message((piece,), (0,), piece.nbytes)
+    @classmethod
+    def of(cls, piece: Piece) -> Message:
+        """A message of one piece."""
+        return cls((piece,), (0,), piece.nbytes)
 
 
 def _lane(piece: Piece) -> int:
@@ -111,11 +112,14 @@ class _Gaps:
         return piece_lane == lane and self.shares[b + 1] > self.shares[a + 1]
 
 
-def messages(plan: Plan, pieces: Iterable[Piece]) -> Iterator[Message]:
+def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) -> Iterator[Message]:
     """(all ranks) ``pieces`` (one rank's view of ``plan``, in plan order) grouped into messages, in
     the order they move: consecutive pieces of one lane (to one rank, or broadcast) until a round's
-    end, a separating entry (see the module docstring) or ``plan.piece_bytes``. Rank 0's own pieces
-    and BLOCK pieces are messages of one piece each."""
+    end, a separating entry (see the module docstring) or ``plan.piece_bytes``. BLOCK pieces are
+    messages of one piece each; so are rank 0's own pieces, unless ``own_together`` (rank 0 of an
+    accelerator mesh, whose own pieces go through its staging: fewer, larger copies): then its
+    consecutive own pieces are grouped too, and any other piece closes their group first, so that
+    nothing another rank sees moves in another order."""
     gaps = _Gaps.of(plan)
     open_: dict[int, tuple[list[Piece], list[int]]] = {}  # lane -> its open group: pieces, offsets
 
@@ -126,6 +130,8 @@ def messages(plan: Plan, pieces: Iterable[Piece]) -> Iterator[Message]:
     round_ = -1
     for piece in pieces:
         lane = _lane(piece)
+        if lane != _ALONE and _ALONE in open_:  # rank 0's own pieces never wait behind another's
+            yield close(_ALONE)
         # The lanes this piece may separate (see _Gaps.apart): every one at a round's first piece, a
         # broadcast or a BLOCK piece; else only its own and the broadcast one (rank 0 with many
         # ranks: a few checks per piece, not one per rank).
@@ -136,8 +142,8 @@ def messages(plan: Plan, pieces: Iterable[Piece]) -> Iterator[Message]:
         for other in suspects:
             if gaps.apart(open_[other][0][-1], other, piece, lane):
                 yield close(other)
-        if lane in (_ALONE, _BLOCK):
-            yield _single(piece)
+        if lane == _BLOCK or lane == _ALONE and not own_together:
+            yield Message.of(piece)
             continue
         at = 0
         if lane in open_:

@@ -11,6 +11,7 @@ chunk to ``fan_out``), so neither imports the other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,18 @@ from ..model._layout import global_indices, held_indices
 from ._messages import Message
 from ._plan import Kind, Piece, Plan, Route, cut, deliveries
 
-__all__ = ["SLOTS", "Sink", "Staging", "Target", "allocate_staging", "fan_out", "landing", "target_of"]
+__all__ = [
+    "SLOTS",
+    "Arrival",
+    "Sink",
+    "Staging",
+    "Target",
+    "allocate_staging",
+    "deliver",
+    "fan_out",
+    "landing",
+    "target_of",
+]
 
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
@@ -50,6 +62,18 @@ class Target:
 
 def target_of(t: torch.Tensor) -> Target:
     return Target(local_tensor(t), t) if isinstance(t, DTensor) else Target(t.data, None)
+
+
+@dataclass
+class Arrival:
+    """A message whose bytes are in memory on this rank, from whichever source (``_sources``)."""
+
+    message: Message
+    data: torch.Tensor  # its bytes: uint8, message.nbytes (a BLOCK chunk's: those of ``rows``)
+    slot: int | None = None  # the staging slot (or ring token) to give back; None: nothing to give back
+    landed: bool = False  # the bytes were read or received straight into their target
+    spare: torch.Tensor | None = None  # a FAN_OUT chunk's: where its non-contiguous blocks are packed
+    rows: Piece | None = None  # a FAN_OUT chunk of which only these rows were read (a local reader)
 
 
 @dataclass
@@ -126,6 +150,16 @@ class Sink:
             for p in message.pieces
             if p.route is not Route.SCALES
         )
+
+    def take(
+        self, message: Message, data: torch.Tensor, landed: bool = False, non_blocking: bool = False
+    ) -> None:
+        """(all ranks) The local work of every piece of ``message``, whose bytes are in ``data``
+        (``landed``: straight in the target already; a point-to-point piece then needs nothing;
+        ``non_blocking``: see :meth:`write`)."""
+        for piece, at in message.parts():
+            if not (landed and piece.route is Route.TO_RANK):
+                self.broadcast(piece, data[at : at + piece.nbytes], landed, non_blocking)
 
     def landing(self, piece: Piece) -> torch.Tensor | None:
         """(receivers) Where a broadcast piece can land without staging; None: stage it."""
@@ -233,6 +267,18 @@ class Sink:
         local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
         target.tensor.copy_(local)
         self.whole.buffer = None
+
+
+def deliver(arrival: Arrival, sink: Sink, layouts: Callable[[int], dict[int, Any]]) -> AllOf | None:
+    """(a rank that receives or reads its own bytes) ``arrival`` into ``sink``: a BLOCK chunk cut
+    into blocks (``layouts``: each entry's blocks of the ranks this rank cuts for; the returned sends
+    to wait for, if any), anything else through :meth:`Sink.take`."""
+    piece = arrival.message.first
+    if piece.route is Route.FAN_OUT:
+        assert arrival.spare is not None
+        return fan_out(arrival.rows or piece, arrival.data, arrival.spare, layouts(piece.index), sink)
+    sink.take(arrival.message, arrival.data, arrival.landed)
+    return None
 
 
 def fan_out(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import operator
 import os
 import queue
 import threading
@@ -29,15 +28,13 @@ import torch
 
 from ..checkpoint._entries import Entry
 from ..checkpoint._files import opened
-from ..errors import CheckpointFormatError, LoadError
-from ..integrations._compat import host_bytes
+from ..errors import LoadError
+from . import _reads
 from ._messages import Message
 from ._plan import Route
 
-__all__ = ["Reader", "Staged", "read_threads", "read_vectored", "runs", "split_runs"]
+__all__ = ["Reader", "Staged", "read_threads"]
 
-
-_IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
 
 # Threads that read rank 0's staged messages on an accelerator mesh: every free slot's message is
 # read at once, in parts of at most _PART_BYTES, while the sender copies the oldest one to the
@@ -62,94 +59,6 @@ def read_threads(device: torch.device) -> int:
     if device.type == "cpu":
         return 1
     return max(1, min(ACCELERATOR_READ_THREADS, os.cpu_count() or 1))
-
-
-def read_vectored(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``views`` one after the other from the file bytes at ``offset`` on: one ``preadv`` for
-    them all unless the kernel returns less (short reads retried)."""
-    at, i = offset, 0
-    views = list(views)
-    while i < len(views):
-        n = os.preadv(fd, views[i : i + _IOV_MAX], at)
-        if n <= 0:
-            raise CheckpointFormatError(
-                f"{path}: unexpected end of file at byte {at} while reading "
-                "(was the file changed during the load?). Load again; if it repeats, re-download the file."
-            )
-        at += n
-        while i < len(views) and n >= len(views[i]):
-            n -= len(views[i])
-            i += 1
-        if n:
-            views[i] = views[i][n:]
-
-
-def runs(
-    extents: list[tuple[str, int, int, int]], data: torch.Tensor
-) -> list[tuple[str, int, list[memoryview]]]:
-    """A piece's extents (``Entry.extents``: file, file offset, bytes, offset in ``data``) as runs of
-    nearby file bytes, each read with one ``preadv`` scattering into ``data``: ``(file, offset,
-    buffers)``, the files in the order the extents first name them, each file's runs by offset.
-    Stacked experts' parts are many small tensors, next to each other in the file or a few other
-    tensors apart (the bytes between go to a scratch buffer: see ``_GAP``)."""
-    view = host_bytes(data)
-    if len(extents) == 1:
-        path, offset, nbytes, at = extents[0]
-        return [(path, offset, [view[at : at + nbytes]])]
-    order = dict.fromkeys(map(_PATH, extents))  # the files, as the extents first name them
-    if len(order) == 1:  # the usual case: sorted by offset with a C-level key
-        ordered = sorted(extents, key=_OFFSET)
-    else:
-        rank = {path: i for i, path in enumerate(order)}
-        ordered = sorted(extents, key=lambda e: (rank[e[0]], e[1]))
-    out: list[tuple[str, int, list[memoryview]]] = []
-    end = -1
-    for path, offset, nbytes, at in ordered:
-        if out and out[-1][0] == path and end <= offset <= end + _GAP:
-            if offset > end:  # bytes no one asked for: read into the scratch buffer, not another call
-                out[-1][2].append(_SCRATCH[: offset - end])
-            out[-1][2].append(view[at : at + nbytes])
-        else:
-            out.append((path, offset, [view[at : at + nbytes]]))
-        end = offset + nbytes
-    return out
-
-
-_PATH, _OFFSET = operator.itemgetter(0), operator.itemgetter(1)
-
-
-def split_runs(
-    reads: list[tuple[str, int, list[memoryview]]], size: int
-) -> list[tuple[str, int, list[memoryview]]]:
-    """``reads`` (:func:`runs`) cut into reads of at most ``size`` bytes, each still one run of file
-    bytes (a buffer is cut where a read ends), so that threads can read them side by side."""
-    out: list[tuple[str, int, list[memoryview]]] = []
-    for path, offset, views in reads:
-        if sum(map(len, views)) <= size:
-            out.append((path, offset, views))
-            continue
-        cur: list[memoryview] = []
-        start, filled = offset, 0
-        for view in views:
-            while len(view):
-                take = min(len(view), size - filled)
-                cur.append(view[:take])
-                view, filled = view[take:], filled + take
-                if filled == size:
-                    out.append((path, start, cur))
-                    start, cur, filled = start + size, [], 0
-        if cur:
-            out.append((path, start, cur))
-    return out
-
-
-# A gap of at most _GAP bytes between two extents of one file is read too (into _SCRATCH, whose
-# contents nobody reads: sharing it between threads is harmless): one preadv for a rank's rows of
-# stacked experts, whose parts sit between other tensors' (w1 and w3 around w2 and the scales),
-# instead of one call per part. MiniMax-M2 count, 2 ranks: ~34,000 preadv calls per rank -> 2,855 on
-# rank 0 (its header reads included) and 1,987 on rank 1.
-_GAP = 64 << 10
-_SCRATCH = memoryview(bytearray(_GAP))
 
 
 @dataclass
@@ -279,7 +188,7 @@ class Reader:
             entry, scales = self._entries[piece.index], piece.route is Route.SCALES
             for path, offset, nbytes, into in entry.extents(piece.start, piece.nbytes, scales):
                 extents.append((path, offset, nbytes, at + into))
-        return runs(extents, data)
+        return _reads.runs(extents, data)
 
     def _read(self, message: Message, data: torch.Tensor) -> None:
         """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans."""
@@ -299,7 +208,7 @@ class Reader:
                 self._inflight = []
                 self._check(self._current)
                 self._current = path
-            for part in split_runs([(path, offset, views)], _PART_BYTES):
+            for part in _reads.split_runs([(path, offset, views)], _PART_BYTES):
                 parts.append(self._pool.submit(self._read_part, *part))
         self._inflight = [f for f in self._inflight if not f.done()] + parts
         return parts
@@ -313,7 +222,7 @@ class Reader:
     def _read_run(self, path: str, offset: int, views: list[memoryview]) -> None:
         fd = opened(self._files, path).fd
         try:
-            read_vectored(fd, views, offset, path)
+            _reads.read_vectored(fd, views, offset, path)
         except OSError as exc:
             raise LoadError(
                 f"rank 0 could not read {path} at byte {offset}: {exc.strerror or exc}. "

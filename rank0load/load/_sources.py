@@ -1,0 +1,213 @@
+"""Where a message's bytes come from on this rank: one interface for the ways they arrive (all ranks).
+
+Every rank walks its view of the plan's messages (``_messages``) round by round, and a *source* puts
+each one's bytes in memory: an :class:`~._sink.Arrival` (a staging buffer, or the target itself).
+A rank's source is fixed before the stream:
+
+* :class:`FileSource` (rank 0): its reader thread (``_stream.Reader``) reads the checkpoint through
+  the descriptors rank 0 validated, its own rows straight into its shards on the CPU, everything
+  else into its staging.
+* :class:`ReceiveSource` (a rank that rank 0 streams to): receives posted up to its staging slots
+  ahead, each straight into the local shard where the bytes can land there, and the broadcasts in
+  order; a rank on rank 0's host reads its own pieces through rank 0's descriptors instead
+  (``_localread.LocalReader``, itself a source of arrivals, one piece at a time).
+
+``_transfer`` hands every arrival on (rank 0: first to the ranks it serves), into this rank's sink,
+then gives its buffer back with ``release``. A source's failures (a read error, a changed file) are
+the sink's local failures (``_distribute.Faults``): the round's messages still flow, unread.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Generator, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..common import _distribute
+from ..common._rounds import InFlight
+from ._messages import Message, messages
+from ._plan import Piece, Plan, Route
+from ._sink import Arrival, Sink, Staging, landing
+from ._stream import Reader, read_threads
+
+if TYPE_CHECKING:
+    from ._localread import LocalReader
+
+__all__ = ["ByRound", "FileSource", "ReceiveSource"]
+
+T = TypeVar("T")
+
+
+class ByRound(Generic[T]):
+    """Splits an ordered stream of items by entry index into the plan's rounds."""
+
+    def __init__(self, items: Iterator[T], index_of: Callable[[T], int]) -> None:
+        self._items, self._index_of = items, index_of
+        self._next: T | None = None
+        self._done = False
+
+    def until(self, stop: int) -> Iterator[T]:
+        while True:
+            if self._next is None and not self._done:
+                self._next = next(self._items, None)
+                self._done = self._next is None
+            if self._next is None or self._index_of(self._next) >= stop:
+                return
+            item, self._next = self._next, None
+            yield item
+
+
+def own_together(device: torch.device) -> bool:
+    """Whether rank 0 groups its own consecutive pieces into messages (``_messages.messages``): on
+    an accelerator mesh, where they go through its pinned staging anyway (one copy per message,
+    one event, one ring region; at world size 1 every piece is rank 0's own). On the CPU they are
+    read straight into its shards, one piece each."""
+    return device.type != "cpu"
+
+
+class FileSource:
+    """(rank 0) Its messages (``pieces``: those it reads; local readers read theirs) read by its
+    reader thread, one arrival each, in order. On an accelerator mesh the staging is a ring whose
+    bytes must be released in the order taken, each before the next arrival is asked for."""
+
+    def __init__(
+        self, plan: Plan, staging: Staging, files: Mapping[str, Any], sink: Sink, pieces: Iterator[Piece]
+    ) -> None:
+        self.sink, self._last = sink, len(plan.entries)
+        self.reader = Reader(
+            messages(plan, pieces, own_together=own_together(sink.device)),
+            plan.entries,
+            files,
+            self._direct,
+            staging.slots,
+            read_threads(sink.device),
+            staging.host,
+        )
+        self._by_round = ByRound(iter(self.reader), lambda s: s.message.index)
+
+    def _direct(self, message: Message) -> torch.Tensor | None:
+        """Where rank 0's own rows are read in place: its shard, on the CPU, of the wire dtype."""
+        piece, target = message.first, self.sink.targets[message.index]
+        if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or piece.dst != 0:
+            return None
+        return (
+            landing(target, piece, self.sink.wires[piece.index])
+            if target.tensor.device.type == "cpu"
+            else None
+        )
+
+    def until(self, stop: int) -> Iterator[Arrival]:
+        """The arrivals of the round that ends before entry ``stop``."""
+        for staged in self._by_round.until(stop):
+            yield Arrival(staged.message, staged.data, staged.slot, landed=staged.slot is None)
+
+    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
+        """Hand ``slot`` back to the reader (``copied``: see ``_stream.Reader.release``)."""
+        self.reader.release(slot, copied)
+
+    def round_end(self, stop: int) -> None:
+        """After the round's arrivals are handled: the reader's last file checks after the last
+        round, and its first failure, if any, noted as this rank's."""
+        if stop == self._last:
+            for _ in self._by_round.until(stop + 1):  # the reader's last checks come with its end
+                pass
+        if self.sink.faults.error is None and self.reader.failed is not None:
+            self.sink.faults.note(self.reader.failed)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class ReceiveSource:
+    """(ranks other than 0) Receives posted up to ``slots`` ahead: a one-piece message straight into
+    the local shard when the wire dtype is the target's, else into a staging slot; broadcasts in
+    order (once the receives before them are done); with ``local``, this rank's own pieces read
+    through rank 0's descriptors instead (synchronously: no slot of its own)."""
+
+    def __init__(self, plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None) -> None:
+        self.sink, self.local, self.slots = sink, local, staging.slots
+        self.me = dist.get_rank()
+        self._free = collections.deque(range(len(staging.slots)))
+        self._pending = InFlight()  # receives, each adding its arrival to _done once complete
+        self._done: collections.deque[Arrival] = collections.deque()
+        chunks = local is not None
+        self._by_round = ByRound(messages(plan, plan.pieces(self.me, chunks=chunks)), lambda m: m.index)
+
+    def until(self, stop: int) -> Iterator[Arrival]:
+        """The arrivals of the round that ends before entry ``stop``, in the order of its messages;
+        each one's slot must be released before the next is asked for."""
+        local = self.local
+        for message in self._by_round.until(stop):
+            piece = message.first
+            if local is not None and (
+                local.everything or message.dst == self.me or piece.route is Route.FAN_OUT
+            ):
+                for p in message.pieces:
+                    yield from local.arrivals(p)
+            elif message.dst < 0:  # BROADCAST, SCALES: once the receives before are done
+                yield from self._completed(keep=0)
+                yield (yield from self._broadcast(message))
+            else:
+                yield from self._receive(message)
+                yield from self._completed(keep=len(self.slots))
+        yield from self._completed(keep=0)
+
+    def _broadcast(self, message: Message) -> Generator[Arrival, None, Arrival]:
+        """Receive a broadcast message (yielding earlier arrivals while no slot is free); returns its arrival."""
+        into = self.sink.landing(message.first) if len(message.pieces) == 1 else None
+        slot = None
+        if into is None:
+            into, slot = yield from self._stage(message)
+        _distribute.broadcast(into, 0)
+        return Arrival(message, into, slot, landed=slot is None)
+
+    def _receive(self, message: Message) -> Generator[Arrival, None, None]:
+        """Post a point-to-point receive (yielding earlier arrivals while no slot is free)."""
+        view = self._in_place(message)
+        slot = None
+        if view is None:
+            view, slot = yield from self._stage(message)
+        arrival = Arrival(message, view, slot, landed=slot is None)
+        self._pending.add(dist.irecv(view, src=0), functools.partial(self._done.append, arrival))
+
+    def _in_place(self, message: Message) -> torch.Tensor | None:
+        """Where a message can land with no staging: one piece of rows, into its target's own bytes
+        (same dtype, contiguous, on the mesh device), unless this rank has failed."""
+        piece, target = message.first, self.sink.targets[message.index]
+        if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or self.sink.faults.error is not None:
+            return None
+        if target.tensor.device != self.sink.device:
+            return None
+        return landing(target, piece, self.sink.wires[piece.index])
+
+    def _stage(self, message: Message) -> Generator[Arrival, None, tuple[torch.Tensor, int]]:
+        """A free staging slot for ``message``: the oldest receives completed and handed on until
+        one is free. Returns (its bytes, the slot)."""
+        while not self._free:
+            if not self._done:
+                self._pending.complete_oldest()
+            yield self._done.popleft()
+        slot = self._free.popleft()
+        return self.slots[slot][: message.nbytes], slot
+
+    def _completed(self, keep: int) -> Iterator[Arrival]:
+        """Complete the oldest receives until at most ``keep`` are in flight; their arrivals."""
+        self._pending.drain(keep)
+        while self._done:
+            yield self._done.popleft()
+
+    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
+        if slot is not None:
+            self._free.append(slot)
+
+    def round_end(self, stop: int) -> None:
+        """The identity checks of the files this rank read itself in the round."""
+        if self.local is not None:
+            self.local.round_end()
+
+    def close(self) -> None:
+        pass
