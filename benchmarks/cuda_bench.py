@@ -446,7 +446,8 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
 
 
 # (staging MiB, reader threads, read part MiB; "si": the interpreter's switch interval at 0.1 ms;
-# "slots": rank 0's staging as 4 slots, not a ring); CUDA_BENCH_SWEEP="64:8:4,64:8:1:si" picks others
+# "slots": rank 0's staging as 4 slots, not a ring; "apart": rank 0's own pieces one message each,
+# not grouped); CUDA_BENCH_SWEEP="64:8:4,64:8:1:si" picks others
 SWEEP = "64:1:4,16:8:4,64:8:4,64:16:4,128:8:4,128:16:4,256:16:4"
 
 
@@ -460,17 +461,19 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     divided by the stream's time, the reads' mean concurrency). ``process_cpu_s``: all threads."""
     import threading
 
-    from rank0load.load import _stream, _transfer
+    from rank0load.load import _sink, _stream, _transfer
 
+    try:  # the byte sources (8cdf6ff on): rank 0's loop is _in_rounds, its local work Sink.take
+        from rank0load.load import _sources
+    except ImportError:  # an older tree (CUDA_BENCH_LIB): _send, and _scatter for its own pieces
+        _sources = None
     spent: dict = {}
     busy: list[float] = []
-    iterate, scatter = _stream.Reader.__iter__, _transfer._scatter
-    get_slot, submit, read_part, send = (
-        _stream.Reader._get_slot,
-        _stream.Reader._submit,
-        _stream.Reader._read_part,
-        _transfer._send,
-    )
+    iterate = _stream.Reader.__iter__
+    scatter = _sink.Sink.take if _sources is not None else _transfer._scatter
+    get_slot, submit, read_part = _stream.Reader._get_slot, _stream.Reader._submit, _stream.Reader._read_part
+    send = _transfer._in_rounds if _sources is not None else _transfer._send
+    own_together = getattr(_sources, "own_together", None)
 
     def add(key: str, started: float) -> None:
         spent[key] = spent.get(key, 0.0) + time.perf_counter() - started
@@ -516,8 +519,12 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
         _stream._Ring.take = timed("slot_wait_s", _stream._Ring.take)  # type: ignore[method-assign]
     _stream.Reader._submit = timed("submit_s", submit)  # type: ignore[method-assign]
     _stream.Reader._read_part = timed_read_part  # type: ignore[method-assign]
-    _transfer._scatter = timed("scatter_s", scatter)
-    _transfer._send = timed_send
+    if _sources is not None:
+        _sink.Sink.take = timed("scatter_s", scatter)  # type: ignore[method-assign]
+        _transfer._in_rounds = timed_send
+    else:
+        _transfer._scatter = timed("scatter_s", scatter)
+        _transfer._send = timed_send
     m_rank0load(ckpt, cfg, {})  # warm-up
     out: dict = {}
     interval = sys.getswitchinterval()
@@ -527,6 +534,8 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
         _stream._PART_BYTES = int(float(part_mib) * (1 << 20))
         sys.setswitchinterval(1e-4 if "si" in flags else interval)
         _stream.RING_ON_ACCELERATORS = "slots" not in flags  # type: ignore[attr-defined]
+        if own_together is not None:  # "apart": rank 0's own pieces one message each, as before 8cdf6ff
+            _sources.own_together = (lambda device: False) if "apart" in flags else own_together
         spent.clear()
         busy.clear()
         try:
