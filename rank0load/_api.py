@@ -11,7 +11,7 @@ all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
 all ranks  shards resident; init what's missing, put adapters in, staging, plan -> _model, _plan
 all ranks  settle: any rank's failure raised everywhere   -> _distribute.settle
 all ranks  agree on which ranks read locally              -> _local.Handover.decide
-all ranks  stream: rank 0 reads and sends, or each reads   -> _transfer (_stream, _localread)
+all ranks  stream: each rank's bytes from its source, into its sink -> _transfer (_sources, _sink)
 all ranks  re-tie, verify nothing is left on meta         -> _model.finish
 """
 
@@ -37,12 +37,12 @@ from .common._progress import peak_rss_bytes, progress_bar
 from .common._report import Clock, LoadReport, log_summary
 from .errors import LoadError
 from .integrations._convert import StackExperts
-from .load import _local, _model, _sink, _transfer
+from .load import _local, _model, _options, _sink, _transfer
 from .load._plan import Plan, build_plan
 
 __all__ = ["load_sharded", "LoadReport", "DEFAULT_STAGING_BYTES"]
 
-DEFAULT_STAGING_BYTES = _model.DEFAULT_STAGING_BYTES
+DEFAULT_STAGING_BYTES = _options.DEFAULT_STAGING_BYTES
 
 
 def load_sharded(
@@ -111,15 +111,11 @@ def load_sharded(
             the transfer. Subclasses: ``CheckpointNotFoundError``, ``CheckpointFormatError``,
             ``CheckpointChangedError``, ``ModelMismatchError``, ``RankMismatchError``.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise LoadError(
-            "torch.distributed is not initialised: call dist.init_process_group() first "
-            "(torchrun sets the environment for it)"
-        )
+    _require_process_group()
     clock, rank = Clock(), dist.get_rank()
     mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
     if max_staging_bytes is None:
-        max_staging_bytes = _model.default_staging_bytes(mesh.device_type)
+        max_staging_bytes = _options.default_staging_bytes(mesh.device_type)
     options = {
         "strict": strict,
         "dtype": dtype,
@@ -134,26 +130,13 @@ def load_sharded(
         # from the headers on (with them alive, each collection would walk them all)
         paused = opened.enter_context(_gc_paused())
         comm = _distribute.mesh_device(mesh.device_type)
-        # the shards are allocated now, and a thread faults their pages in while the ranks agree and
-        # rank 0 makes the manifest; an allocation failure is raised inside _prepare, where every
-        # rank learns of it (a build failure anywhere is raised by agree(), and the shards freed)
-        faulting, allocation_error = None, None
-        if built is not None:
-            faulting, allocation_error = _distribute.attempt(lambda: _model.materialise(built.model, comm))
-            if faulting is not None:
-                opened.callback(faulting.close)
+        faulting, allocation_error = _allocate(built, comm, opened)
         clock("allocate")
         # rank 0 opens the checkpoint (and, with key_map or adapters, reads the headers: they need no
         # model) while slower ranks still build
-        checkpoint: Checkpoint | LoadError | None = None
+        checkpoint = None
         if rank == 0 and built is not None:
-            checkpoint = open_checkpoint(
-                ckpt_path,
-                revision,
-                opened,
-                lambda: adapters_of(built.model, adapter) if adapter is not None else (),
-                by_runs=key_map is None,  # key_map is the caller's code: its keys all at once
-            )
+            checkpoint = _open(built, ckpt_path, revision, opened, adapter, by_runs=key_map is None)
         clock("headers")
         flags = _distribute.agree(built.proposal if built else None, error)
         assert built is not None  # agree() raised otherwise
@@ -165,11 +148,7 @@ def load_sharded(
         )
         files = checkpoint.files if isinstance(checkpoint, Checkpoint) else {}  # what the stream reads
         del checkpoint  # its headers are freed with the manifest's making
-        server = _local.listen(result, files) if local_reads else None  # rank 0, for its host's ranks
-        if server is not None:
-            opened.callback(server.close)
-        shared = _distribute.share(_local.with_offer(result, server))  # (manifest, offer)
-        manifest: Manifest = shared[0]
+        manifest, offer, server = _share(result, files, local_reads, opened)
         paused.close()
         if _many_tensors(manifest):
             trim_heap()  # what making and sharing a MoE manifest used, back to the OS
@@ -177,28 +156,102 @@ def load_sharded(
         # a local reader on an accelerator reads one piece at a time through a pinned host buffer:
         # one staging slot's size (pieces are at most max_staging_bytes / SLOTS)
         slot = max_staging_bytes // _sink.SLOTS
-        handover = _local.hand_over(shared[1], server, manifest.files, comm, slot, local_reads)
+        handover = _local.hand_over(offer, server, manifest.files, comm, slot, local_reads)
         opened.callback(handover.close)
-        ready, error = _distribute.attempt(
-            lambda: _prepare(
-                built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error
-            )
-        )
-        _distribute.settle(
-            error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
-        )
-        assert ready is not None  # settle() raised otherwise
+        ready = _prepared(built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error)
         local = handover.decide()
         clock("plan")
         with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
             _transfer.stream(ready.plan, ready.targets, ready.staging, comm, files, on_bytes, local)
         clock("stream")
+    return _finished(built, manifest, ready.plan, clock, local)
+
+
+def _require_process_group() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise LoadError(
+            "torch.distributed is not initialised: call dist.init_process_group() first "
+            "(torchrun sets the environment for it)"
+        )
+
+
+def _allocate(
+    built: _model.Built | None, comm: torch.device, opened: contextlib.ExitStack
+) -> tuple[FaultIn | None, Exception | None]:
+    """(all ranks) The shards allocated now, and a thread faulting their pages in while the ranks
+    agree and rank 0 makes the manifest (stopped when ``opened`` closes). An allocation failure is
+    returned, to be raised inside ``_prepare`` where every rank learns of it; a build failure
+    anywhere is raised by ``agree()``, and the shards freed."""
+    if built is None:
+        return None, None
+    faulting, allocation_error = _distribute.attempt(lambda: _model.materialise(built.model, comm))
+    if faulting is not None:
+        opened.callback(faulting.close)
+    return faulting, allocation_error
+
+
+def _open(
+    built: _model.Built,
+    ckpt_path: str | os.PathLike[str],
+    revision: str | None,
+    opened: contextlib.ExitStack,
+    adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None,
+    by_runs: bool,
+) -> Checkpoint | LoadError:
+    """(rank 0) The checkpoint resolved and its files opened (kept open by ``opened``), with the
+    adapters of ``adapter``; ``by_runs``: no ``key_map`` (the caller's code sees its keys all at once)."""
+    return open_checkpoint(
+        ckpt_path,
+        revision,
+        opened,
+        lambda: adapters_of(built.model, adapter) if adapter is not None else (),
+        by_runs=by_runs,
+    )
+
+
+def _share(
+    result: object, files: dict[str, Any], local_reads: bool, opened: contextlib.ExitStack
+) -> tuple[Manifest, Any, _local.Server | None]:
+    """(all ranks) Rank 0's manifest (or its error, raised on every rank) shared, with the offer of
+    its descriptors to the ranks on its host (rank 0 listens for them from now on)."""
+    server = _local.listen(result, files) if local_reads else None  # rank 0, for its host's ranks
+    if server is not None:
+        opened.callback(server.close)
+    shared = _distribute.share(_local.with_offer(result, server))  # (manifest, offer)
+    return shared[0], shared[1], server
+
+
+def _prepared(
+    built: _model.Built,
+    manifest: Manifest,
+    flags: tuple[int, ...],
+    mesh: DeviceMesh,
+    comm: torch.device,
+    max_staging_bytes: int,
+    faulting: FaultIn | None,
+    allocation_error: Exception | None,
+) -> _Ready:
+    """(all ranks) :func:`_prepare` on every rank, any rank's failure raised on all of them."""
+    ready, error = _distribute.attempt(
+        lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error)
+    )
+    _distribute.settle(
+        error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
+    )
+    assert ready is not None  # settle() raised otherwise
+    return ready
+
+
+def _finished(
+    built: _model.Built, manifest: Manifest, plan: Plan, clock: Clock, local: _local.LocalReads
+) -> nn.Module:
+    """(all ranks) Ties restored and nothing left on meta; the report attached and summarised."""
     _model.finish(built.model, built.layout)
     _model.guard_added_parameters(built.model, built.layout)
     clock("finish")
-    report = LoadReport.of(manifest, ready.plan, clock, peak_rss_bytes(), local)
+    report = LoadReport.of(manifest, plan, clock, peak_rss_bytes(), local)
     built.model.rank0load_report = report  # type: ignore[assignment]
-    if rank == 0:
+    if dist.get_rank() == 0:
         log_summary(report, {e.key: e.nbytes for e in manifest.entries})
     return built.model
 
@@ -212,8 +265,8 @@ def _build(
     rng_state: torch.Tensor | None = None,
 ) -> _model.Built:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
-    _model.check_options(options["dtype"], options["max_staging_bytes"], options["local_reads"])
-    _model.check_mesh(mesh, dist.get_world_size())
+    _options.check_options(options["dtype"], options["max_staging_bytes"], options["local_reads"])
+    _options.check_mesh(mesh, dist.get_world_size())
     built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions, rng_state)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
     built.proposal = _distribute.Proposal(

@@ -21,9 +21,9 @@ from torch.distributed.tensor import Replicate, Shard
 from rank0load.checkpoint._entries import Entry, Parts
 from rank0load.checkpoint._format import TensorHeader
 from rank0load.common._distribute import round_ends
-from rank0load.load import _plan
+from rank0load.load import _blocks, _plan
 from rank0load.load._messages import Message, messages
-from rank0load.load._plan import ALIGN, Kind, Route
+from rank0load.load._pieces import ALIGN, Kind, Route
 
 _PLACEMENTS = {
     Kind.SHARDED: (Shard(0),),
@@ -58,7 +58,7 @@ def make_plan(specs: list[tuple[Kind, tuple[int, ...], bool]], world: int, piece
     entries = tuple(_entry(i, shape, scaled) for i, (_, shape, scaled) in enumerate(specs))
     kinds = [k for k, _, _ in specs]
     kinds = [  # as build_plan: blocks whose rows do not fit half a slot go whole
-        Kind.GENERIC if k is Kind.BLOCK and not _plan._fits_block(e, piece_bytes) else k
+        Kind.GENERIC if k is Kind.BLOCK and not _blocks.fits_block(e, piece_bytes) else k
         for k, e in zip(kinds, entries)
     ]
     return _plan.Plan(
@@ -88,7 +88,7 @@ def _seen_by(plan: _plan.Plan, message: Message, rank: int) -> tuple | None:
     """What ``rank`` takes part in for one of rank 0's messages, as the receiver's own messages say it."""
     if message.first.route is Route.FAN_OUT:  # one delivery per block, one message each
         layouts = plan.block_layouts(message.index, [rank])
-        blocks = _plan.deliveries(message.first, plan.entries[message.index], layouts)
+        blocks = _blocks.deliveries(message.first, plan.entries[message.index], layouts)
         return tuple(("p", ((message.index, d.local_offset, d.nbytes, False),)) for d in blocks) or None
     if message.dst >= 0 and message.dst != rank:
         return None

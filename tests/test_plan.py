@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from rank0load.checkpoint._entries import Entry
 from rank0load.integrations._compat import StridedShard
-from rank0load.load import _plan
+from rank0load.load import _blocks, _pieces, _plan
 from rank0load.model import _layout
 
 
@@ -30,7 +30,7 @@ def _fixed_plan(entry: Entry, per_rank: dict, piece_bytes: int) -> _plan.Plan:
 
     world = len(per_rank)
     coords = tuple((r, (r,)) for r in range(world))
-    return Fixed((entry,), (_plan.Kind.BLOCK,), (None,), (world,), coords, piece_bytes, (1,))
+    return Fixed((entry,), (_pieces.Kind.BLOCK,), (None,), (world,), coords, piece_bytes, (1,))
 
 
 @st.composite
@@ -48,7 +48,7 @@ def layouts(draw):
             )
             for n in shape
         )
-    piece_bytes = draw(st.integers(2, 40)) * _plan.ALIGN
+    piece_bytes = draw(st.integers(2, 40)) * _pieces.ALIGN
     return shape, per_rank, piece_bytes
 
 
@@ -72,8 +72,8 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     numel = math.prod(shape)
     entry = Entry("w", "f", "w", "F32", shape, 4096, numel * 4)
     full = torch.arange(numel, dtype=torch.float32).reshape(shape)
-    if not _plan._fits_block(entry, piece_bytes):  # even one dimension-1 row is too wide: GENERIC
-        assert math.prod(shape[1:]) * 4 > _plan.block_half(piece_bytes)
+    if not _blocks.fits_block(entry, piece_bytes):  # even one dimension-1 row is too wide: GENERIC
+        assert math.prod(shape[1:]) * 4 > _blocks.block_half(piece_bytes)
         return
 
     def indices(runs):
@@ -87,7 +87,7 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     row_bytes = entry.nbytes // shape[0]
     assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
     for c in chunks:
-        assert c.route is _plan.Route.FAN_OUT and c.nbytes <= _plan.block_half(piece_bytes)
+        assert c.route is _pieces.Route.FAN_OUT and c.nbytes <= _blocks.block_half(piece_bytes)
         if c.outer < 0:  # whole dimension-0 rows
             first = c.start // row_bytes
             chunk = full[first : first + c.nbytes // row_bytes]
@@ -95,8 +95,8 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
             sub_bytes = row_bytes // shape[1]
             assert c.start == c.outer * row_bytes + c.local_offset * sub_bytes
             chunk = full[c.outer, c.local_offset : c.local_offset + c.nbytes // sub_bytes]
-        for d in _plan.deliveries(c, entry, per_rank):
-            block = _plan.cut(chunk, d).reshape(-1)
+        for d in _blocks.deliveries(c, entry, per_rank):
+            block = _blocks.cut(chunk, d).reshape(-1)
             assert block.numel() * 4 == d.nbytes
             lo = d.local_offset // 4
             target = got[d.dst][lo : lo + block.numel()]
@@ -109,7 +109,9 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
             continue
         own = list(plan.pieces(r))
         assert [(p.local_offset, p.nbytes) for p in own] == sent[r]
-        assert all(p.dst == r and p.route is _plan.Route.TO_RANK and p.kind is _plan.Kind.BLOCK for p in own)
+        assert all(
+            p.dst == r and p.route is _pieces.Route.TO_RANK and p.kind is _pieces.Kind.BLOCK for p in own
+        )
 
 
 @st.composite

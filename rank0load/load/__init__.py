@@ -1,8 +1,12 @@
 """The load after the manifest: the model's steps, the plan and the data movement (all ranks).
 
-Imports ``checkpoint``, ``model``, ``common``, ``integrations``. ``_model``: build, allocate,
-initialise and finish the model; ``_plan``: the pieces each rank receives; ``_messages``: pieces
-grouped into messages; ``_stream``: rank 0's reads; ``_transfer``: the rounds of sends and
-receives; ``_local`` / ``_localread``: ranks on rank 0's host reading through its descriptors;
-``_sink``: where arriving bytes land on this rank.
+Imports ``checkpoint``, ``model``, ``common``, ``integrations``. ``_options``: ``load_sharded``'s
+arguments checked, the staging default; ``_model``: build, allocate, initialise and finish the
+model; ``_pieces``: the plan's vocabulary (kinds, routes, pieces); ``_blocks``: BLOCK entries'
+chunks and each rank's block of them; ``_plan``: the pieces each rank receives; ``_messages``:
+pieces grouped into messages; ``_sources``: where a message's bytes come from on this rank (rank
+0's reader thread, ``_stream``; receives; a local reader, ``_localread``), one interface;
+``_reads``: ``preadv`` at file offsets; ``_transfer``: the rounds, each arrival handed on and into
+the sink; ``_local``: rank 0 lending its descriptors to the ranks on its host; ``_sink``: where
+arriving bytes land on this rank.
 """

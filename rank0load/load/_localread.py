@@ -37,8 +37,10 @@ from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..checkpoint._format import DTYPES
 from ..errors import CheckpointChangedError, InternalError, LoadError
 from . import _reads
+from ._blocks import block_half, deliveries
 from ._messages import Message
-from ._plan import Piece, Plan, Route, block_half, deliveries
+from ._pieces import Piece, Route
+from ._plan import Plan
 from ._sink import Arrival, Sink, Staging
 
 __all__ = ["LocalFiles", "LocalReader", "LocalReads"]

@@ -29,7 +29,8 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ._plan import ALIGN, Kind, Piece, Plan, Route
+from ._pieces import ALIGN, Kind, Piece, Route
+from ._plan import Plan
 
 __all__ = ["BROADCAST", "Message", "messages"]
 

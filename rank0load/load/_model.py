@@ -36,11 +36,9 @@ from ..integrations._compat import (
 )
 from ..integrations._convert import conversions_for
 from ..integrations._peft import tuner_layers_without_values
-from ..model._layout import layout_flags_of, rank_coordinates
+from ..model._layout import layout_flags_of
 from ..model._meta import ModelLayout, build_on_meta, describe, resolve_module
 from ..model._shard import check_dtype_groups, default_shard_fn
-from ._plan import ALIGN
-from ._sink import SLOTS
 
 __all__ = [
     "Built",
@@ -67,52 +65,6 @@ class Built:
     conversions: list[Any] = field(default_factory=list)  # _convert: for rank 0's manifest
     # canonical key -> the value model_fn built it with (PEFT adapters), full size, on the CPU
     built: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-DEFAULT_STAGING_BYTES = 16 << 20
-# On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: larger slots
-# let its reader threads keep up with the copy (benchmarks/README.md, CUDA: 4 GB streamed in 0.63 s
-# with 16 MiB, 0.34 with 64 MiB, 0.30 with 128-512 MiB).
-ACCELERATOR_STAGING_BYTES = 64 << 20
-
-
-def default_staging_bytes(device_type: str) -> int:
-    """``max_staging_bytes`` when the caller gives none: 16 MiB on a CPU mesh, 64 MiB on an
-    accelerator mesh (rank 0's pinned host slots, the other ranks' device slots)."""
-    return DEFAULT_STAGING_BYTES if device_type == "cpu" else ACCELERATOR_STAGING_BYTES
-
-
-MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
-
-
-def check_options(dtype: object, max_staging_bytes: object, local_reads: object = True) -> None:
-    """(all ranks) Arguments that would fail later, checked before anything is built."""
-    if not isinstance(local_reads, bool):
-        raise LoadError(
-            f"local_reads={local_reads!r} is not a bool (True: ranks on rank 0's host read their own bytes)"
-        )
-    if isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int):
-        raise LoadError(f"max_staging_bytes={max_staging_bytes!r} is not an int (bytes)")
-    if max_staging_bytes < MIN_STAGING_BYTES:
-        raise LoadError(
-            f"max_staging_bytes={max_staging_bytes} is too small: use at least {MIN_STAGING_BYTES} bytes "
-            f"(the default, {DEFAULT_STAGING_BYTES >> 20} MiB, keeps the stream fast)"
-        )
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise LoadError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
-
-
-def check_mesh(mesh: DeviceMesh, world_size: int) -> None:
-    """(all ranks) The mesh must span every rank, with global rank 0 at its origin."""
-    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
-    if ranks != list(range(world_size)):
-        raise LoadError(
-            f"the mesh spans ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} but the world has "
-            f"{world_size} ranks: load_sharded needs a mesh over every rank"
-        )
-    coord = dict(rank_coordinates(mesh))[0]
-    if any(coord):
-        raise LoadError(f"global rank 0 sits at mesh coordinate {coord}; rank0load needs it at the origin")
 
 
 def build_sharded(

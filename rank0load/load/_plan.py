@@ -30,12 +30,11 @@ rank within one round and the ranks stop in step (``_transfer.stream``).
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,171 +43,13 @@ from torch.distributed.tensor import DTensor, Placement
 from ..checkpoint._entries import Entry
 from ..checkpoint._fp8 import scale_span
 from ..common._distribute import round_ends
-from ..model._layout import ROWS_OK, RUNS_OK, Runs, placements_on, rank_coordinates, rows_of, runs_at
+from ..model._layout import Runs, placements_on, rank_coordinates, rows_of, runs_at
+from ._blocks import block_chunks, deliveries, fits_block, row_bytes
+from ._pieces import ALIGN, Kind, Piece, Route, kind_of
 
-__all__ = [
-    "ALIGN",
-    "Delivery",
-    "Kind",
-    "Piece",
-    "Plan",
-    "Route",
-    "block_chunk_rows",
-    "block_half",
-    "build_plan",
-    "cut",
-    "deliveries",
-    "kind_of",
-    "row_bytes",
-]
+__all__ = ["ROUND_PIECES", "Plan", "build_plan"]
 
-ALIGN = 64  # piece boundaries stay multiples of every element size
 ROUND_PIECES = 64  # a round carries at least this many pieces' worth of bytes (256 MiB by default)
-
-
-class Kind(enum.Enum):
-    """How an entry travels (see the module docstring)."""
-
-    SHARDED = "sharded"
-    PLAIN = "plain"
-    BLOCK = "block"
-    GENERIC = "generic"
-
-
-class Route(enum.Enum):
-    """Where a piece goes."""
-
-    TO_RANK = "to_rank"  # point to point to ``Piece.dst`` (rank 0 itself: read in place)
-    BROADCAST = "broadcast"  # to every rank
-    FAN_OUT = "fan_out"  # (rank 0 only) a BLOCK chunk, read once and cut into Deliveries
-    SCALES = "scales"  # to every rank: a float8 entry's scale grids, before its data (see _fp8)
-
-
-@dataclass(frozen=True)
-class Piece:
-    index: int  # manifest entry index
-    route: Route
-    dst: int  # global rank for Route.TO_RANK; -1 otherwise
-    start: int  # offset in the entry's bytes (``Entry.extents`` says where they are in the files)
-    nbytes: int
-    local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor
-    kind: Kind
-    # A BLOCK chunk of rows of dimension 1 inside one index of dimension 0 (a 3-D tensor whose
-    # dimension-0 slices are wider than half a staging slot, e.g. one expert): that index. -1:
-    # a chunk of whole dimension-0 rows.
-    outer: int = -1
-
-
-def kind_of(target: torch.Tensor, flags: int) -> Kind:
-    """The kind every rank takes for ``target`` given the flags AND-ed over all ranks."""
-    if not isinstance(target, DTensor):
-        return Kind.PLAIN
-    if flags & ROWS_OK:
-        return Kind.SHARDED
-    if flags & RUNS_OK:
-        return Kind.BLOCK
-    return Kind.GENERIC
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One rank's block of a BLOCK chunk: rows ``[row_lo, row_hi)`` of the chunk (chunk-relative),
-    cut to the rank's indices on the other dimensions, landing at ``local_offset`` (bytes, wire dtype)."""
-
-    dst: int
-    row_lo: int
-    row_hi: int
-    local_offset: int
-    nbytes: int
-    inner: tuple[tuple[tuple[int, int], ...], ...]  # runs on dimensions 1..n-1
-
-
-def block_half(piece_bytes: int) -> int:
-    """Bytes of a staging slot a BLOCK chunk may fill; the blocks cut from it go after them."""
-    return (piece_bytes // ALIGN * ALIGN) // 2 // ALIGN * ALIGN
-
-
-def row_bytes(entry: Entry) -> int:
-    """Bytes of one row (everything but dimension 0) of ``entry``; 0 when it has no rows."""
-    return entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
-
-
-def block_chunk_rows(entry: Entry, piece_bytes: int) -> int:
-    """Rows per BLOCK chunk: whole rows filling at most half a staging slot (the other half holds
-    the cut blocks); 0 when a single row is wider than that (see :func:`inner_entry`)."""
-    size = row_bytes(entry)
-    return block_half(piece_bytes) // size if size else 0
-
-
-def inner_entry(entry: Entry) -> Entry | None:
-    """``entry`` seen from inside one index of dimension 0 (one expert of [E, 2I, H]), for chunks
-    of dimension-1 rows when a whole dimension-0 slice is too wide; None below 3 dimensions."""
-    if len(entry.shape) < 3 or not entry.shape[0]:
-        return None
-    return Entry(
-        entry.key, entry.file, entry.ckpt_key, entry.dtype, entry.shape[1:], 0, entry.nbytes // entry.shape[0]
-    )
-
-
-def _position(runs: tuple[tuple[int, int], ...], index: int) -> int | None:
-    """Where global ``index`` sits among the indices ``runs`` hold, or None."""
-    position = 0
-    for start, stop in runs:
-        if start <= index < stop:
-            return position + index - start
-        position += stop - start
-    return None
-
-
-def cut(chunk: torch.Tensor, d: Delivery) -> torch.Tensor:
-    """``d``'s block of ``chunk`` (the chunk's rows, full shape otherwise): a view where the rank's
-    indices on each dimension are one run, a copy (``torch.cat``) where they are several."""
-    block = chunk[d.row_lo : d.row_hi]
-    for dim, dim_runs in enumerate(d.inner, start=1):
-        if dim_runs == ((0, chunk.shape[dim]),):
-            continue
-        parts = [block.narrow(dim, a, b - a) for a, b in dim_runs]
-        block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-    return block
-
-
-def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Iterator[Delivery]:
-    """(all ranks) The blocks of the BLOCK chunk ``piece`` for the ranks in ``runs_by_rank``, in
-    rank order, then row order: rank 0 sends them in this order and each rank receives its own
-    in this order."""
-    if piece.outer >= 0:  # dimension-1 rows of one dimension-0 index: the same, one level down
-        sub = inner_entry(entry)
-        assert sub is not None  # such chunks are only made for 3-D and wider entries
-        size = entry.nbytes // max(1, math.prod(entry.shape))
-        for rank in sorted(runs_by_rank):
-            rank_runs = runs_by_rank[rank]
-            at = _position(rank_runs[0], piece.outer)
-            if at is None:
-                continue
-            base = at * math.prod(sum(b - a for a, b in r) for r in rank_runs[1:]) * size
-            for d in deliveries(replace(piece, outer=-1), sub, {rank: rank_runs[1:]}):
-                yield replace(d, local_offset=d.local_offset + base)
-        return
-    itemsize = entry.nbytes // math.prod(entry.shape)
-    first = piece.local_offset  # a chunk's first row
-    last = first + piece.nbytes // row_bytes(entry)
-    for rank in sorted(runs_by_rank):
-        runs = runs_by_rank[rank]
-        inner = runs[1:]
-        row_elems = math.prod(sum(b - a for a, b in r) for r in inner)
-        position = 0  # the local row where the current run starts
-        for start, stop in runs[0]:
-            lo, hi = max(start, first), min(stop, last)
-            if lo < hi and row_elems:
-                yield Delivery(
-                    rank,
-                    lo - first,
-                    hi - first,
-                    (position + lo - start) * row_elems * itemsize,
-                    (hi - lo) * row_elems * itemsize,
-                    inner,
-                )
-            position += stop - start
 
 
 @dataclass(frozen=True)
@@ -266,7 +107,7 @@ class Plan:
             yield Piece(index, Route.SCALES, -1, start, min(step, entry.scale_nbytes - start), start, kind)
         if kind is Kind.BLOCK:
             mine = None if me == 0 or chunks else self.block_layouts(index, [me])
-            for chunk in _block_chunks(index, entry, step):
+            for chunk in block_chunks(index, entry, step):
                 if mine is None:
                     yield chunk
                     continue
@@ -312,34 +153,6 @@ def _scale_rows(entry: Entry, lo: int, hi: int) -> tuple[int, int]:
     return scale_span(entry.part_rows, entry.shape[-1], entry.block, lo * per_row, hi * per_row)
 
 
-def _block_chunks(index: int, entry: Entry, step: int) -> Iterator[Piece]:
-    """A BLOCK entry's chunks, in file order: whole dimension-0 rows, or, when one is wider than half
-    a slot, dimension-1 rows of each dimension-0 index in turn."""
-    rows, size = block_chunk_rows(entry, step), row_bytes(entry)
-    if rows:
-        for first in range(0, entry.shape[0], rows):
-            n = min(rows, entry.shape[0] - first)
-            yield Piece(index, Route.FAN_OUT, -1, first * size, n * size, first, Kind.BLOCK)
-        return
-    inner = inner_entry(entry)
-    assert inner is not None  # build_plan made it GENERIC otherwise
-    sub_rows, sub = block_chunk_rows(inner, step), row_bytes(inner)
-    for outer in range(entry.shape[0]):
-        for first in range(0, inner.shape[0], sub_rows):
-            n = min(sub_rows, inner.shape[0] - first)
-            yield Piece(
-                index, Route.FAN_OUT, -1, outer * size + first * sub, n * sub, first, Kind.BLOCK, outer
-            )
-
-
-def _fits_block(entry: Entry, piece_bytes: int) -> bool:
-    """Whole rows, or dimension-1 rows of one dimension-0 index, fit half a staging slot."""
-    if block_chunk_rows(entry, piece_bytes):
-        return True
-    inner = inner_entry(entry)
-    return inner is not None and block_chunk_rows(inner, piece_bytes) > 0
-
-
 def build_plan(
     entries: Sequence[Entry],
     targets: Sequence[torch.Tensor],
@@ -355,7 +168,7 @@ def build_plan(
     placements: list[tuple[Placement, ...] | None] = []
     for entry, target, f in zip(entries, targets, flags, strict=True):
         kind = kind_of(target, f)
-        if kind is Kind.BLOCK and not _fits_block(entry, piece_bytes):
+        if kind is Kind.BLOCK and not fits_block(entry, piece_bytes):
             kind = Kind.GENERIC
         kinds.append(kind)
         placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)

@@ -27,8 +27,10 @@ from ..common._rounds import AllOf
 from ..errors import InternalError
 from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
+from ._blocks import cut, deliveries
 from ._messages import Message
-from ._plan import Kind, Piece, Plan, Route, cut, deliveries
+from ._pieces import Kind, Piece, Route
+from ._plan import Plan
 
 __all__ = [
     "SLOTS",

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from ..common import _distribute
 from ..common._rounds import InFlight
 from ._messages import Message, messages
-from ._plan import Piece, Plan, Route
+from ._pieces import Piece, Route
+from ._plan import Plan
 from ._sink import Arrival, Sink, Staging, landing
 from ._stream import Reader, read_threads
 

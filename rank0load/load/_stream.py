@@ -31,7 +31,7 @@ from ..checkpoint._files import opened
 from ..errors import LoadError
 from . import _reads
 from ._messages import Message
-from ._plan import Route
+from ._pieces import Route
 
 __all__ = ["Reader", "Staged", "read_threads"]
 

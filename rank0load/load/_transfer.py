@@ -2,7 +2,7 @@
 
 The staging (``_sink.allocate_staging``) is reserved before the last agreement, so that no
 allocation inside the stream can leave a rank unable to take part. (all ranks) :func:`stream` moves
-every :class:`~._plan.Piece` of the plan, grouped into messages (``_messages``: consecutive pieces
+every :class:`~._pieces.Piece` of the plan, grouped into messages (``_messages``: consecutive pieces
 bound for the same place, one buffer each). Each rank gets every message's bytes from one source
 (``_sources``: rank 0's reader thread, receives from rank 0, or its own reads through rank 0's
 descriptors) and hands each arrival on: rank 0 first to the ranks it serves (:class:`_Sender`: sends,
@@ -33,7 +33,9 @@ import torch.distributed as dist
 from ..common import _distribute
 from ..common._rounds import InFlight, Rounds, settled
 from ..errors import LoadError
-from ._plan import Plan, Route, block_half
+from ._blocks import block_half
+from ._pieces import Route
+from ._plan import Plan
 from ._sink import Arrival, Sink, Staging, Target, deliver, fan_out
 from ._sources import ByRound, FileSource, ReceiveSource
 

@@ -1,0 +1,65 @@
+"""The plan's vocabulary: how an entry travels, where a piece goes, and the piece itself (all ranks).
+
+:class:`Kind` (how an entry travels: ``_plan``'s docstring says each), :class:`Route` (where a piece
+goes), :class:`Piece` (a contiguous byte range of a checkpoint entry and its place in the
+destination's local tensor) and :func:`kind_of` (the kind all ranks take for a target, from the
+layout flags they agreed on). Pure data, no collectives; every module of ``load/`` speaks it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..model._layout import ROWS_OK, RUNS_OK
+
+__all__ = ["ALIGN", "Kind", "Piece", "Route", "kind_of"]
+
+ALIGN = 64  # piece boundaries stay multiples of every element size
+
+
+class Kind(enum.Enum):
+    """How an entry travels (see the module docstring)."""
+
+    SHARDED = "sharded"
+    PLAIN = "plain"
+    BLOCK = "block"
+    GENERIC = "generic"
+
+
+class Route(enum.Enum):
+    """Where a piece goes."""
+
+    TO_RANK = "to_rank"  # point to point to ``Piece.dst`` (rank 0 itself: read in place)
+    BROADCAST = "broadcast"  # to every rank
+    FAN_OUT = "fan_out"  # (rank 0 only) a BLOCK chunk, read once and cut into Deliveries
+    SCALES = "scales"  # to every rank: a float8 entry's scale grids, before its data (see _fp8)
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int  # manifest entry index
+    route: Route
+    dst: int  # global rank for Route.TO_RANK; -1 otherwise
+    start: int  # offset in the entry's bytes (``Entry.extents`` says where they are in the files)
+    nbytes: int
+    local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor
+    kind: Kind
+    # A BLOCK chunk of rows of dimension 1 inside one index of dimension 0 (a 3-D tensor whose
+    # dimension-0 slices are wider than half a staging slot, e.g. one expert): that index. -1:
+    # a chunk of whole dimension-0 rows.
+    outer: int = -1
+
+
+def kind_of(target: torch.Tensor, flags: int) -> Kind:
+    """The kind every rank takes for ``target`` given the flags AND-ed over all ranks."""
+    if not isinstance(target, DTensor):
+        return Kind.PLAIN
+    if flags & ROWS_OK:
+        return Kind.SHARDED
+    if flags & RUNS_OK:
+        return Kind.BLOCK
+    return Kind.GENERIC
