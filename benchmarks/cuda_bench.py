@@ -425,7 +425,8 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     non-blocking copy as soon as its reads are done and filled again once an event after that copy
     has completed (``pipeline_gbps_*``). And the two sharing the host's memory: a loop of
     non-blocking 16 MiB pinned copies while 8 threads read the page cache into other pinned buffers
-    (``copy_while_reading_gbps``, ``read_while_copying_gbps``)."""
+    (``copy_while_reading_gbps``, ``read_while_copying_gbps``). ``CUDA_BENCH_READ_COPY_THREADS``: other
+    than 8 read threads."""
     import concurrent.futures
     import threading
 
@@ -435,7 +436,8 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     part = 4 << 20
     pin = DEV == "cuda"
     out: dict = {}
-    pool = concurrent.futures.ThreadPoolExecutor(8)
+    n_threads = int(os.environ.get("CUDA_BENCH_READ_COPY_THREADS", "8"))  # 8: rank0load's default
+    pool = concurrent.futures.ThreadPoolExecutor(n_threads)
 
     def read(path: str, at: int, view: memoryview) -> None:
         while len(view):
@@ -483,8 +485,8 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
         del dst, slots
 
     stop = threading.Event()
-    read_bytes = [0] * 8
-    bufs = [torch.empty(part, dtype=torch.uint8, pin_memory=pin) for _ in range(8)]
+    read_bytes = [0] * n_threads
+    bufs = [torch.empty(part, dtype=torch.uint8, pin_memory=pin) for _ in range(n_threads)]
     jobs = [
         (p, at, min(part, os.path.getsize(p) - at))
         for p in files
@@ -497,13 +499,13 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
             path, at, n = jobs[i % len(jobs)]
             read(path, at, view[:n])
             read_bytes[t] += n
-            i += 8
+            i += n_threads
 
     src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=pin)
     src.fill_(1)
     dst = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     chunk = 16 << 20
-    threads = [threading.Thread(target=reader, args=(t,)) for t in range(8)]
+    threads = [threading.Thread(target=reader, args=(t,)) for t in range(n_threads)]
     started = time.perf_counter()
     for th in threads:
         th.start()
