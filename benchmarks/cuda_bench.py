@@ -529,8 +529,7 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
 
 # (staging MiB, reader threads, read part MiB; "si": the interpreter's switch interval at 0.1 ms;
 # "slots": rank 0's staging as 4 slots, not a ring; "apart": rank 0's own pieces one message each,
-# not grouped; "each": a message's plain copies one write per piece, not one _foreach_copy_);
-# CUDA_BENCH_SWEEP="64:8:4,64:8:1:si" picks others
+# not grouped); CUDA_BENCH_SWEEP="64:8:4,64:8:1:si" picks others
 SWEEP = "64:1:4,16:8:4,64:8:4,64:16:4,128:8:4,128:16:4,256:16:4"
 
 
@@ -619,8 +618,6 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
         _stream.RING_ON_ACCELERATORS = "slots" not in flags  # type: ignore[attr-defined]
         if own_together is not None:  # "apart": rank 0's own pieces one message each, as before 8cdf6ff
             _sources.own_together = (lambda device: False) if "apart" in flags else own_together
-        if hasattr(_sink, "FOREACH_COPIES"):  # "each": one write per piece, not one _foreach_copy_
-            _sink.FOREACH_COPIES = "each" not in flags
         spent.clear()
         busy.clear()
         try:

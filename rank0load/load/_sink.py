@@ -46,12 +46,6 @@ __all__ = [
 ]
 
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
-# A message of several pieces that are plain copies (no cast, no float8) goes into its targets with
-# one call, torch._foreach_copy_ (a loop in C++), not one round of Python per piece: on an
-# accelerator, rank 0's own pieces from its pinned staging (benchmarks/README.md, CUDA: the sender
-# spent most of the stream queuing per-piece copies). False: one write per piece, as before (for
-# benchmarks/cuda_bench.py's same-run comparison).
-FOREACH_COPIES = True
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
 _BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
 # On an accelerator the temporaries are device memory and each step costs a dozen kernel launches:
@@ -110,10 +104,6 @@ def allocate_staging(rank: int, piece_bytes: int, comm: torch.device, max_stagin
     return Staging(list(host.split(piece_bytes)), device, host)
 
 
-def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
-    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
-
-
 def landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
     """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
     t = target.tensor
@@ -169,33 +159,9 @@ class Sink:
         """(all ranks) The local work of every piece of ``message``, whose bytes are in ``data``
         (``landed``: straight in the target already; a point-to-point piece then needs nothing;
         ``non_blocking``: see :meth:`write`)."""
-        if not landed and FOREACH_COPIES and len(message.pieces) > 1:
-            copies = self._plain_copies(message, data)
-            if copies is not None:
-                self.faults.run(_copy_all, copies[0], copies[1], non_blocking)
-                return
         for piece, at in message.parts():
             if not (landed and piece.route is Route.TO_RANK):
                 self.broadcast(piece, data[at : at + piece.nbytes], landed, non_blocking)
-
-    def _plain_copies(
-        self, message: Message, data: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Each piece's destination bytes and its bytes in ``data``, when every piece of ``message``
-        is a plain copy (no cast, no float8, no assembly, a contiguous target); None otherwise, or
-        after a local failure."""
-        if self.faults.error is not None:
-            return None
-        dsts, srcs = [], []
-        for piece, at in message.parts():
-            if piece.route is Route.SCALES or piece.kind is Kind.GENERIC or self.entries[piece.index].scales:
-                return None
-            into = landing(self.targets[piece.index], piece, self.wires[piece.index])
-            if into is None:
-                return None
-            dsts.append(into)
-            srcs.append(data[at : at + piece.nbytes])
-        return dsts, srcs
 
     def landing(self, piece: Piece) -> torch.Tensor | None:
         """(receivers) Where a broadcast piece can land without staging; None: stage it."""
