@@ -83,7 +83,7 @@ def load_sharded(
         revision: the Hub revision, when ``ckpt_path`` is a repo id (used on rank 0).
         max_staging_bytes: host RAM the loader may use for staging on each rank (on an accelerator
             mesh: rank 0's pinned host slots, the other ranks' device slots). ``None``:
-            ``DEFAULT_STAGING_BYTES`` (16 MiB) on a CPU mesh, 64 MiB on an accelerator mesh.
+            ``DEFAULT_STAGING_BYTES`` (16 MiB) on a CPU mesh, 256 MiB on an accelerator mesh.
         conversions: checkpoint tensors assembled into model tensors (:class:`StackExperts`), tried
             for keys the model does not have, before transformers' own conversions (applied
             automatically to a transformers model: per-expert Hub checkpoints into fused experts).

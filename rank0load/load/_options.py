@@ -26,14 +26,15 @@ __all__ = [
 ]
 
 DEFAULT_STAGING_BYTES = 16 << 20
-# On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: larger slots
-# let its reader threads keep up with the copy (benchmarks/README.md, CUDA: 4 GB streamed in 0.63 s
-# with 16 MiB, 0.34 with 64 MiB, 0.30 with 128-512 MiB).
-ACCELERATOR_STAGING_BYTES = 64 << 20
+# On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: more staging
+# lets its reader threads keep up with the copy. On the H100 (benchmarks/README.md, CUDA, fifth run:
+# 4 GB, warm) the stream took 0.157-0.206 s with 64 MiB and 8 threads, 0.133-0.149 s with 256 MiB
+# and 16 threads reading 8 MiB parts (_stream.ACCELERATOR_READ_THREADS, _PART_BYTES).
+ACCELERATOR_STAGING_BYTES = 256 << 20
 
 
 def default_staging_bytes(device_type: str) -> int:
-    """``max_staging_bytes`` when the caller gives none: 16 MiB on a CPU mesh, 64 MiB on an
+    """``max_staging_bytes`` when the caller gives none: 16 MiB on a CPU mesh, 256 MiB on an
     accelerator mesh (rank 0's pinned host slots, the other ranks' device slots)."""
     return DEFAULT_STAGING_BYTES if device_type == "cpu" else ACCELERATOR_STAGING_BYTES
 

@@ -40,10 +40,11 @@ __all__ = ["Reader", "Staged", "read_threads"]
 # read at once, in parts of at most _PART_BYTES, while the sender copies the oldest one to the
 # device. On the H100 machine (benchmarks/README.md) one thread reads the page cache into pinned
 # memory at 7-8 GB/s, 8 threads at 52 and 16 at 64 (4 MiB reads), and the pinned host-to-device
-# copy runs at 53. On the CPU the shards are written in place and the other ranks read beside
-# rank 0: one thread, reading each message before the next.
-ACCELERATOR_READ_THREADS = 8
-_PART_BYTES = 4 << 20  # the read size at which those threads were fastest
+# copy runs at 55; with 256 MiB of staging, 16 threads reading 8 MiB parts streamed fastest (fifth
+# run). On the CPU the shards are written in place and the other ranks read beside rank 0: one
+# thread, reading each message before the next.
+ACCELERATOR_READ_THREADS = 16
+_PART_BYTES = 8 << 20  # the read size at which those threads were fastest
 # On an accelerator mesh rank 0's pinned staging is one ring rather than SLOTS fixed slots: each
 # message takes the next bytes it needs (from _RING_ALIGN boundaries), so many small messages are
 # read at once where a slot each would leave most of the staging idle. At world size 1 every piece
