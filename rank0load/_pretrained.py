@@ -1,13 +1,14 @@
 """``load_pretrained``: a transformers or diffusers model built from its checkpoint's own config, then
-``load_sharded``. A diffusers model class takes the steps of ``_diffusers`` after the config is shared.
+``load_sharded``. After the config is shared, a transformers model class takes the steps of
+``_transformers``, a diffusers model class those of ``_diffusers``.
 
 (rank 0)    :func:`_read` resolves the checkpoint as ``load_sharded`` does (``_source.resolve``: a
             directory, a file, an index or a Hub repo id) and reads ``config.json``, then
             ``generation_config.json`` if there is one, and, when ``dtype="auto"`` finds no dtype in
             the config, the dtype of the checkpoint's first floating tensor (one header).
 (all ranks) ``_distribute.share``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
-(all ranks) :func:`_configure` under ``_distribute.attempt`` / ``settle``: the config class (from
-            ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
+(all ranks) ``_transformers.configure`` under ``_distribute.attempt`` / ``settle``: the config class
+            (from ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
             generation config. Every rank computes it from the same data; a failure is raised everywhere.
 (all ranks) ``load_sharded`` with ``model_fn`` building ``model_cls`` from that config; rank 0 passes
             what it resolved (``_source.Resolved``), so a Hub repo is looked up once and an index
@@ -20,7 +21,6 @@ build the model from the config rank 0 sent.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
 from dataclasses import dataclass
@@ -31,23 +31,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _diffusers
-from ._api import load_sharded
+from . import _diffusers, _transformers
 from .checkpoint._entries import FLOAT_WIRE
 from .checkpoint._files import OpenFile, read_exact
-from .checkpoint._format import DTYPES, read_header
+from .checkpoint._format import read_header
 from .checkpoint._source import Resolved, resolve
 from .common import _distribute
-from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError
 from .integrations import _compat
-from .load._model import cast, set_config_dtype
 
 __all__ = ["load_pretrained"]
 
-logger = logging.getLogger(__name__)
-
 _MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; anything far bigger is not one
-_NO_DATA = "No data was moved; fix the cause and load again."
 
 
 @dataclass(frozen=True)
@@ -60,14 +55,6 @@ class _Checkpoint:
     generation: dict[str, Any] | None  # generation_config.json, None when the checkpoint has none
     overrides: dict[str, Any]  # rank 0's config_overrides
     stored_dtype: str | None  # safetensors dtype of the first floating tensor, read only for dtype="auto"
-
-
-@dataclass(frozen=True)
-class _Configured:
-    config: Any  # a transformers PreTrainedConfig
-    dtype: torch.dtype
-    generation: Any  # a transformers GenerationConfig, or None
-    record: bool = True  # set config.dtype (4.57's from_pretrained(dtype="auto") leaves a weights' dtype out)
 
 
 def load_pretrained(
@@ -149,31 +136,7 @@ def load_pretrained(
     checkpoint: _Checkpoint = _distribute.share(read)
     if diffusers:
         return _diffusers.load(model_cls, checkpoint, path, mesh, dtype, load_sharded_kwargs)
-    configured, error = _distribute.attempt(lambda: _configure(model_cls, checkpoint, dtype))
-    _distribute.settle(error, "building the model's config", _NO_DATA, wrap=LoadError)
-    assert configured is not None  # settle() raised otherwise
-    model = load_sharded(
-        lambda: _peft_wrapped(
-            _build(model_cls, configured.config, configured.dtype, configured.record), peft_config
-        ),
-        path,
-        mesh,
-        **load_sharded_kwargs,
-    )
-    base: Any = _compat.peft_base_model(model)
-    if configured.generation is not None and base.can_generate():
-        base.generation_config = configured.generation
-    return model.eval()
-
-
-def _peft_wrapped(model: nn.Module, peft_config: Any) -> nn.Module:
-    """(all ranks, inside the meta build) ``get_peft_model(model, peft_config)``, or the model."""
-    if peft_config is None:
-        return model
-    from peft import get_peft_model
-
-    wrapped: nn.Module = _distribute.user_code("get_peft_model", get_peft_model, model, peft_config)
-    return wrapped
+    return _transformers.load(model_cls, checkpoint, path, mesh, dtype, peft_config, load_sharded_kwargs)
 
 
 def _read(
@@ -254,138 +217,3 @@ def _json(path: str, required: bool) -> dict[str, Any] | None:
             f"{path} holds a JSON {type(value).__name__}, not an object. Re-download or re-save the checkpoint."
         )
     return value
-
-
-def _configure(model_cls: Any, checkpoint: _Checkpoint, dtype: object) -> _Configured:
-    """(all ranks, from the same ``checkpoint``) The config, the dtype and the generation config."""
-    from transformers import GenerationConfig
-
-    raw = dict(checkpoint.config)
-    _check_quantization(raw.pop("quantization_config", None), checkpoint.where)
-    config_class = _config_class(model_cls, raw, checkpoint.where)
-    config, unused = _distribute.user_code(
-        f"{config_class.__name__}.from_dict({checkpoint.where})",
-        config_class.from_dict,
-        raw,
-        name_or_path=checkpoint.name,
-        return_unused_kwargs=True,
-        **checkpoint.overrides,
-    )
-    if unused:
-        raise LoadError(
-            f"config_overrides {sorted(unused)} name no attribute of {type(config).__name__} "
-            f"(from {checkpoint.where}); check their spelling."
-        )
-    mapping = getattr(model_cls, "_model_mapping", None)  # an Auto class: what its from_config checks
-    if mapping is not None and type(config) not in mapping:
-        raise ModelMismatchError(
-            f"{model_cls.__name__} has no model for {type(config).__name__} (model_type "
-            f"{raw.get('model_type')!r} in {checkpoint.where}; its architectures: "
-            f"{raw.get('architectures')}). Pass the Auto class or model class for this architecture."
-        )
-    generation = (
-        GenerationConfig.from_dict(checkpoint.generation) if checkpoint.generation is not None else None
-    )
-    chosen = _dtype(
-        dtype, config.dtype if _compat.hf_none_means_config_dtype() else None, checkpoint.stored_dtype
-    )
-    if dist.get_rank() == 0:
-        name = getattr(model_cls, "__name__", repr(model_cls))
-        if config.model_type != raw.get("model_type"):  # as transformers' from_pretrained warns
-            logger.warning(
-                "%s has model_type %r, but %s reads it as %r: not every configuration loads this way",
-                checkpoint.where,
-                raw.get("model_type"),
-                name,
-                config.model_type,
-            )
-        dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
-        logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
-    record = _compat.hf_none_means_config_dtype() or checkpoint.stored_dtype is None
-    return _Configured(config, chosen, generation, record)
-
-
-def _check_quantization(quant: object, where: str) -> None:
-    """FP8 block checkpoints load dequantised (``load_sharded`` reads the block size from
-    ``config.json`` itself); the model is built without ``quantization_config``. Others are refused."""
-    if quant is None:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != "fp8":
-        raise ModelMismatchError(
-            f"{where}: quantization_config has quant_method {method!r}; rank0load loads FP8 block "
-            "checkpoints (quant_method 'fp8', weight_block_size), dequantised into dtype, and no other "
-            "quantisation. Load a dequantised copy of the checkpoint."
-        )
-
-
-def _config_class(model_cls: Any, raw: dict[str, Any], where: str) -> Any:
-    """The config class: ``model_cls.config_class`` for a model class, else the one ``model_type``
-    names (as transformers' ``AutoConfig`` picks it). Remote code is never fetched or run."""
-    from transformers import PreTrainedModel
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
-        if model_cls.config_class is None:
-            raise LoadError(f"{model_cls.__name__} has no config_class to read {where} with; set one")
-        return model_cls.config_class
-    if not (hasattr(model_cls, "from_config") and hasattr(model_cls, "_model_mapping")):
-        raise LoadError(
-            f"model_cls={model_cls!r}: expected a transformers Auto class (AutoModelForCausalLM, ...), "
-            "a PreTrainedModel subclass or a diffusers ModelMixin subclass. For any other model, use "
-            "load_sharded(model_fn, ckpt_path)."
-        )
-    model_type = raw.get("model_type")
-    if (
-        model_type == "mistral" and "layer_types" in raw
-    ):  # AutoConfig.from_pretrained's rule (transformers 5.23)
-        model_type = raw["model_type"] = "ministral"
-    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-        return CONFIG_MAPPING[model_type]
-    how = (
-        " Import the model's classes yourself on every rank and pass the model class as model_cls "
-        "(load_pretrained(MyModelForCausalLM, ckpt_path) reads config.json with its config_class), or build "
-        "it with load_sharded(lambda: MyModelForCausalLM(MyConfig(**config)), ckpt_path)."
-    )
-    if "auto_map" in raw:
-        raise ModelMismatchError(
-            f"{where}: model_type {model_type!r} needs the checkpoint's own code (auto_map: "
-            f"{raw['auto_map']}), which from_pretrained runs only with trust_remote_code=True. "
-            "load_pretrained never fetches or runs remote code (the other ranks have no copy of it)." + how
-        )
-    import transformers
-
-    raise ModelMismatchError(
-        f"{where}: model_type {model_type!r} is not an architecture transformers {transformers.__version__} "
-        "knows. Upgrade transformers if the model is new." + how
-    )
-
-
-def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype:
-    """The dtype to build in: see ``load_pretrained``'s ``dtype``."""
-    chosen = configured if dtype in (None, "auto") else dtype
-    if dtype == "auto" and chosen is None and stored is not None:
-        chosen = DTYPES[stored]
-    if isinstance(chosen, str):
-        chosen = getattr(torch, chosen, chosen)
-    if chosen is None:
-        chosen = torch.get_default_dtype()
-    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
-        raise LoadError(
-            f"dtype={dtype!r} resolves to {chosen!r}: expected None, 'auto' or a floating torch.dtype "
-            "(e.g. torch.bfloat16)"
-        )
-    return chosen
-
-
-def _build(model_cls: Any, config: Any, dtype: torch.dtype, record: bool = True) -> nn.Module:
-    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, then the
-    dtypes ``from_pretrained(dtype=...)`` gives (``_model.cast``: what transformers keeps in float32
-    in float32), and ``config.dtype`` (this config is load_pretrained's own)."""
-    make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
-    name = getattr(model_cls, "__name__", repr(model_cls))
-    model: nn.Module = _distribute.user_code(f"{name}.from_config", make, config, dtype=dtype)
-    cast(model, dtype)
-    if record:  # transformers 4.57's _from_config leaves it unset; its from_pretrained records it
-        set_config_dtype(model, dtype)
-    return model

@@ -6,16 +6,15 @@ all ranks  share the plan, or rank 0's error                                  ->
 rank 0     create out_dir, open the temporary files, write the headers         -> _outputs.open_outputs
 all ranks  allocate staging; settle                                           -> _write.settle
 all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
-rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _outputs.commit
+rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _configs.finish
 
-The file names and the config files come from one :class:`_Layout` chosen by the model's kind
-(:func:`_layout_of`: transformers, diffusers, any other); :func:`_save` is the save for any layout.
+The file names and the config files come from one ``_configs.Layout`` chosen by the model's kind
+(``_configs.layout_of``: transformers, diffusers, any other); :func:`_save` is the save for any layout.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 import os
@@ -29,23 +28,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint._format import DTYPES
 from ..common import _distribute
 from ..common._progress import peak_rss_bytes, progress_bar
 from ..common._report import Clock
 from ..errors import SaveError
 from ..integrations import _peft
-from ..integrations._compat import (
-    diffusers_config_json,
-    is_diffusers_model,
-    is_transformers_model,
-    local_tensor,
-    peft_base_model,
-)
+from ..integrations._compat import is_transformers_model, local_tensor
 from ..integrations._convert import transformers_reversal
 from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
+from ._configs import Layout, adapter_layout, finish, layout_of
 from ._saveplan import ALIGN, SLOTS, Revert, SavePlan, parse_size, plan_or_error, plan_save
 
 __all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
@@ -147,7 +140,7 @@ def save_sharded(
     return _save(
         model,
         out_dir,
-        _layout_of(model),
+        layout_of(model),
         max_shard_size=max_shard_size,
         dtype=dtype,
         key_map=key_map,
@@ -176,7 +169,7 @@ def _save_adapter(
     return _save(
         model,
         out_dir,
-        _Layout("adapter_model", True, functools.partial(_adapter_config, adapter)),
+        adapter_layout(adapter),
         max_shard_size="5GB",
         dtype=dtype,
         key_map=lambda key: names().get(key),
@@ -185,39 +178,10 @@ def _save_adapter(
     )
 
 
-def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:
-    """(rank 0) ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it."""
-    config: Any = copy.deepcopy(_peft.peft_config(model, adapter))
-    if getattr(config, "base_model_name_or_path", None) is None:
-        config.base_model_name_or_path = getattr(peft_base_model(model), "name_or_path", None) or None
-    config.inference_mode = True
-    config.save_pretrained(folder)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What a saved checkpoint looks like beside its tensors: its files' names and its config files."""
-
-    stem: str  # file names: <stem>.safetensors, <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
-    single_file: bool  # one file whatever max_shard_size says (a PEFT adapter's)
-    # (rank 0) writes the config files into an empty temporary folder (model, folder, plan); every file
-    # it leaves there is committed into out_dir with the weights. None: no config files.
-    write_configs: Callable[[nn.Module, str, SavePlan], None] | None
-
-
-def _layout_of(model: nn.Module) -> _Layout:
-    """(all ranks) The layout ``from_pretrained`` of the model's library reads."""
-    if is_transformers_model(model):
-        return _Layout("model", False, _hf_configs)
-    if is_diffusers_model(model):
-        return _Layout("diffusion_pytorch_model", False, _diffusers_config)
-    return _Layout("model", False, None)
-
-
 def _save(
     model: nn.Module,
     out_dir: str | os.PathLike[str],
-    layout: _Layout,
+    layout: Layout,
     *,
     max_shard_size: int | str,
     dtype: torch.dtype | None,
@@ -264,7 +228,7 @@ def _save(
         clock("stream")
         if rank == 0:
             assert outputs is not None
-            _, error = _distribute.attempt(lambda: _finish(model, outputs, plan, layout.write_configs))
+            _, error = _distribute.attempt(lambda: finish(model, outputs, plan, layout.write_configs))
         _write.settle(error, "committing the checkpoint")
         clock("commit")
     finally:
@@ -312,48 +276,6 @@ def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
     """(rank 0) transformers' conversions reverted, for a transformers model with original_format."""
     return transformers_reversal(model) if original_format and is_transformers_model(model) else None
-
-
-def _finish(
-    model: nn.Module,
-    outputs: _outputs.Outputs,
-    plan: SavePlan,
-    write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
-) -> None:
-    """(rank 0) Write the config files into a temporary folder of out_dir, then commit them with the
-    weights (:func:`_outputs.commit` renames each into out_dir)."""
-    extras: list[tuple[str, str]] = []
-    if write_configs is not None:
-        folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
-        os.makedirs(folder)
-        outputs.temps.append(folder)
-        write_configs(model, folder, plan)
-        extras = [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
-    _outputs.commit(outputs, plan, extras)
-
-
-def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
-    """(rank 0) A transformers model's ``config.json`` (its dtype the saved floating tensors') and
-    ``generation_config.json``."""
-    floats: dict[str, int] = {}
-    for item in plan.items:
-        if DTYPES[item.dtype].is_floating_point and DTYPES[item.dtype].itemsize > 1:
-            floats[item.dtype] = floats.get(item.dtype, 0) + item.nbytes
-    config: Any = copy.deepcopy(model.config)
-    if floats:
-        config.dtype = str(DTYPES[max(floats, key=lambda d: floats[d])]).removeprefix("torch.")
-    config.save_pretrained(folder)
-    generation: Any = getattr(model, "generation_config", None)
-    if generation is not None:
-        generation.save_pretrained(folder)
-
-
-def _diffusers_config(model: nn.Module, folder: str, plan: SavePlan) -> None:
-    """(rank 0) A diffusers model's ``config.json``, as its ``save_config`` writes it (diffusers keeps
-    no dtype there)."""
-    name, text = diffusers_config_json(model)
-    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def _report(plan: SavePlan, clock: Clock, gathered: tuple[str, ...]) -> SaveReport:

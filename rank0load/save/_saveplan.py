@@ -4,11 +4,11 @@
 into files the way huggingface_hub splits them, lays out each file's header and offsets, and names
 the senders of every sharded DTensor's elements (rows, or tensor-parallel blocks); :func:`plan_or_error`
 turns a failure into the error every rank raises. (all ranks) :class:`SavePlan` is shared as it is;
-:func:`pieces` cuts an item into the messages every rank derives identically from the plan, so
+``_pieces`` cuts an item into the messages every rank derives identically from the plan, so
 nothing else is exchanged. No collectives here.
 
 A ``BLOCK`` item (tensor parallel) travels in chunks of whole rows, each rank sending its block of
-each chunk: :func:`chunks`, ``_saveblock``.
+each chunk: ``_pieces.chunks``, ``_saveblock``.
 """
 
 from __future__ import annotations
@@ -28,21 +28,18 @@ from ..common._distribute import round_ends
 from ..errors import LoadError, SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of
 from ..model._meta import ModelLayout, strip_wrappers
-from ._saveblock import Blocks, Chunk, Part, block_chunks, block_half, blocks_of
+from ._saveblock import Blocks, blocks_of
 
 __all__ = [
     "ALIGN",
     "SLOTS",
-    "Piece",
     "SaveItem",
     "Revert",
     "SaveKind",
     "SavePlan",
     "Saved",
-    "chunks",
     "file_names",
     "parse_size",
-    "pieces",
     "plan_or_error",
     "plan_save",
 ]
@@ -129,46 +126,6 @@ class SavePlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total_size", sum(i.nbytes for i in self.items))
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``; for a
-    BLOCK item, the sender's block of the chunk that starts at ``start`` (see :func:`chunks`)."""
-
-    index: int
-    src: int  # 0: rank 0 writes it from its own tensor
-    start: int  # byte offset within the item
-    nbytes: int
-    local: int  # element offset in the sender's local tensor (the piece is contiguous there)
-
-
-def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece]:
-    """(all ranks) The messages of item ``index``, in the order every rank uses; ``src``: only those
-    that rank sends, in the same order."""
-    item = plan.items[index]
-    if item.kind is SaveKind.BLOCK:
-        for chunk, parts in chunks(plan, index, src):
-            yield from (Piece(index, p.src, chunk.start, p.nbytes, p.local) for p in parts)
-        return
-    if item.kind is SaveKind.ROWS:
-        row = item.nbytes // item.shape[0] if item.shape[0] else 0
-        ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
-    else:
-        ranges = [(0, 0, item.nbytes)]
-    size = DTYPES[item.dtype].itemsize
-    for rank, begin, end in ranges:
-        if src is None or rank == src:
-            for at in range(begin, end, plan.piece_bytes):
-                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), (at - begin) // size)
-
-
-def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
-    """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each (``src``: only that
-    rank's), see ``_saveblock.block_chunks``."""
-    item = plan.items[index]
-    size, half = DTYPES[item.dtype].itemsize, block_half(plan.piece_bytes)
-    return block_chunks(item.shape, size, item.blocks, half, src)
 
 
 def file_names(stem: str, count: int) -> list[str]:

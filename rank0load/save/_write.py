@@ -1,7 +1,7 @@
 """Moving a model's bytes into rank 0's files (save side); the files themselves: ``_outputs``.
 
 (all ranks) The plan (``_saveplan.SavePlan``, rank 0's, shared) fixes every saved tensor's file and
-offset and every message (``_saveplan.pieces``, ``_saveplan.chunks``).
+offset and every message (``_pieces.pieces``, ``_pieces.chunks``).
 (all ranks) :func:`allocate_staging` reserves the slots; :func:`stream` moves the bytes: each rank
 sends its own rows to rank 0 point to point, in pieces of at most ``piece_bytes``, and its block of
 each chunk of a tensor-parallel DTensor (``_saveblock``); rank 0 receives ahead into its staging
@@ -33,8 +33,9 @@ from ..common._rounds import AllOf, InFlight, Rounds, settled
 from ..errors import LoadError, SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
+from ._pieces import Piece, chunks, pieces
 from ._saveblock import Chunk, Part, block_half, place
-from ._saveplan import SLOTS, Piece, SaveItem, SaveKind, SavePlan, chunks, pieces
+from ._saveplan import SLOTS, SaveItem, SaveKind, SavePlan
 
 __all__ = ["Staging", "allocate_staging", "settle", "stream"]
 
@@ -108,48 +109,57 @@ def _elements(piece: Piece, wire: torch.dtype) -> slice:
     return slice(piece.local, piece.local + piece.nbytes // wire.itemsize)
 
 
-def _rank0(
-    plan: SavePlan,
-    tensors: dict[str, torch.Tensor],
-    outputs: Outputs,
-    staging: Staging,
-    faults: _distribute.Faults,
-    gathered: list[str],
-    on_bytes: Callable[[int], None] | None,
-) -> int:
-    """(rank 0) Receive ahead into the slots, write its own pieces from its tensors, round by round;
-    returns the first failing rank (world: none)."""
-    writer = Writer(outputs.fds, len(staging.slots), faults)
-    pending = InFlight()  # posted receives, and what to do once they are in (hand the slot to the writer)
-    half = block_half(plan.piece_bytes)
+class _Collector:
+    """(rank 0) Every piece's way into the files: received ahead into a staging slot, or taken from
+    rank 0's own tensor (cast into a slot when it must be), then handed to the writer thread, which
+    frees the slot once the bytes are written."""
 
-    def take() -> int:
-        while writer.free.empty() and len(pending):
-            pending.complete_oldest()
-        return writer.free.get()
+    def __init__(
+        self, plan: SavePlan, outputs: Outputs, staging: Staging, faults: _distribute.Faults
+    ) -> None:
+        self.writer = Writer(outputs.fds, len(staging.slots), faults)
+        # posted receives, and what to do once they are in (hand the slot to the writer)
+        self.pending = InFlight()
+        self.staging, self.faults = staging, faults
+        self.half = block_half(plan.piece_bytes)
 
-    def write_received(item: SaveItem, piece: Piece, slot: int) -> None:
-        host = staging.slots[slot][: piece.nbytes]
-        if staging.device:
-            faults.run(host.copy_, staging.device[slot][: piece.nbytes])
-        writer.put(item, piece.start, host_bytes(host), slot)
+    def take(self) -> int:
+        """A free slot, completing the oldest receives until the writer frees one."""
+        while self.writer.free.empty() and len(self.pending):
+            self.pending.complete_oldest()
+        return self.writer.free.get()
 
-    def own(piece: Piece, source: torch.Tensor, item: SaveItem) -> None:
+    def receive(self, item: SaveItem, piece: Piece) -> None:
+        """Post the receive of another rank's ``piece`` into a slot; written once it is in."""
+        slot = self.take()
+        into = (self.staging.device or self.staging.slots)[slot][: piece.nbytes]
+        work = dist.irecv(into, src=piece.src)
+        self.pending.add(work, functools.partial(self.write_received, item, piece, slot))
+
+    def write_received(self, item: SaveItem, piece: Piece, slot: int) -> None:
+        host = self.staging.slots[slot][: piece.nbytes]
+        if self.staging.device:
+            self.faults.run(host.copy_, self.staging.device[slot][: piece.nbytes])
+        self.writer.put(item, piece.start, host_bytes(host), slot)
+
+    def own(self, piece: Piece, source: torch.Tensor, item: SaveItem) -> None:
+        """Rank 0's own ``piece``: written from the tensor as it is, or cast into a slot first."""
         wire = DTYPES[item.dtype]
         values = source[_elements(piece, wire)]
         if values.dtype == wire and values.device.type == "cpu" and values.is_contiguous():
             data = host_bytes(values.view(torch.uint8))
-            writer.put(item, piece.start, data, None, keep=values)
+            self.writer.put(item, piece.start, data, None, keep=values)
             return
-        slot = take()
-        buffer = staging.slots[slot][: piece.nbytes]
-        faults.run(buffer.view(wire).copy_, values)
-        writer.put(item, piece.start, host_bytes(buffer), slot)
+        slot = self.take()
+        buffer = self.staging.slots[slot][: piece.nbytes]
+        self.faults.run(buffer.view(wire).copy_, values)
+        self.writer.put(item, piece.start, host_bytes(buffer), slot)
 
-    def chunk(item: SaveItem, source: torch.Tensor, at: Chunk, parts: tuple[Part, ...]) -> None:
+    def chunk(self, item: SaveItem, source: torch.Tensor, at: Chunk, parts: tuple[Part, ...]) -> None:
         """A BLOCK chunk: rank 0's own parts placed at once, the others' received into the slot's
         second half and placed once in; then the chunk's rows are written as one byte range."""
-        wire, slot = DTYPES[item.dtype], take()
+        staging, faults, half = self.staging, self.faults, self.half
+        wire, slot = DTYPES[item.dtype], self.take()
         host = staging.slots[slot]
         rows = host[: at.nbytes].view(wire).view(at.shape)
         received, works = [], []
@@ -169,39 +179,49 @@ def _rank0(
             for part in received:
                 block = host[half + part.at : half + part.at + part.nbytes].view(wire).view(part.shape)
                 faults.run(place, rows, block, part)
-            writer.put(item, at.start, host_bytes(host[: at.nbytes]), slot)
+            self.writer.put(item, at.start, host_bytes(host[: at.nbytes]), slot)
 
-        pending.add(AllOf(works), then)
+        self.pending.add(AllOf(works), then)
 
+
+def _rank0(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    outputs: Outputs,
+    staging: Staging,
+    faults: _distribute.Faults,
+    gathered: list[str],
+    on_bytes: Callable[[int], None] | None,
+) -> int:
+    """(rank 0) Receive ahead into the slots, write its own pieces from its tensors, round by round
+    (:class:`_Collector`); returns the first failing rank (world: none)."""
+    collector = _Collector(plan, outputs, staging, faults)
     try:
         rounds = Rounds(plan.rounds, faults)
         for begin, stop in rounds:
             for index in range(begin, stop):
                 item = plan.items[index]
                 if item.kind is SaveKind.GATHER:
-                    pending.drain()
+                    collector.pending.drain()
                 source = _source(item, tensors[item.key], gathered)
                 if item.kind is SaveKind.BLOCK:
                     for at, parts in chunks(plan, index):
-                        chunk(item, source, at, parts)
+                        collector.chunk(item, source, at, parts)
                         if on_bytes is not None:
                             on_bytes(at.nbytes)
                     continue
                 for piece in pieces(plan, index):
                     if piece.src == 0:
-                        own(piece, source, item)
+                        collector.own(piece, source, item)
                     else:
-                        slot = take()
-                        into = (staging.device or staging.slots)[slot][: piece.nbytes]
-                        work = dist.irecv(into, src=piece.src)
-                        pending.add(work, functools.partial(write_received, item, piece, slot))
+                        collector.receive(item, piece)
                     if on_bytes is not None:
                         on_bytes(piece.nbytes)
-            pending.drain()
-            writer.jobs.join()
+            collector.pending.drain()
+            collector.writer.jobs.join()
         return rounds.first
     finally:
-        writer.close()
+        collector.writer.close()
 
 
 def _sender(

@@ -51,6 +51,10 @@ class _Group:
     device: torch.device  # where its collectives run (the mesh's device type)
 
 
+# the ranks of each group a bucket is sharded over -> (those groups, its local gradients)
+_Buckets = dict[tuple[tuple[int, ...], ...], tuple[tuple[_Group, ...], list[torch.Tensor]]]
+
+
 def _shard_groups(mesh: DeviceMesh, placements: tuple[object, ...], what: str) -> tuple[_Group, ...]:
     """The groups a tensor with these placements must be summed over: one per ``Shard`` /
     ``_StridedShard`` mesh dimension of size > 1, in mesh-dimension order."""
@@ -179,19 +183,43 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan or inf; ``foreach=True`` on a
             device without ``_foreach`` kernels.
     """
-    if isinstance(parameters, torch.Tensor):
-        params = [parameters]
-    else:
-        params = list(parameters)
-        if isinstance(parameters, types.GeneratorType) and not params:
-            warnings.warn(
-                "`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2
-            )
+    params = _parameter_list(parameters)
     p = _check_norm_type(norm_type)
     if not params:
         return torch.tensor(0.0)
 
-    buckets: dict[tuple[tuple[int, ...], ...], tuple[tuple[_Group, ...], list[torch.Tensor]]] = {}
+    buckets, local_only = _buckets(params)
+    present = [g for _, gs in buckets.values() for g in gs] + local_only
+    first = next((q.grad for q in params if q.grad is not None), params[0])
+    device = local_tensor(first).device  # torch returns the norm on the first gradient's device
+    dtype = torch.float64 if any(local_tensor(q).dtype == torch.float64 for q in params) else torch.float32
+    total = _total_norm(buckets, local_only, p, foreach, device).to(dtype)
+
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot "
+            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    _clip_(present, max_norm, total, foreach)
+    return total
+
+
+def _parameter_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` as a list, with torch's warning for an empty generator."""
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    params = list(parameters)
+    if isinstance(parameters, types.GeneratorType) and not params:
+        # stacklevel 3: the frame stacklevel=2 names from inside clip_grad_norm_ (the warning is unchanged)
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    return params
+
+
+def _buckets(params: list[torch.Tensor]) -> tuple[_Buckets, list[torch.Tensor]]:
+    """Each parameter's local gradient in its bucket (by the ranks of the groups it is sharded over,
+    in the order of its bucket's first parameter), or local only; checked before any collective."""
+    buckets: _Buckets = {}
     local_only: list[torch.Tensor] = []
     seen: dict[tuple[DeviceMesh, tuple[object, ...]], tuple[_Group, ...]] = {}
     for i, param in enumerate(params):
@@ -211,11 +239,14 @@ def clip_grad_norm_(
             )
         if param.grad is not None:
             grads.append(local_tensor(param.grad))
+    return buckets, local_only
 
-    present = [g for _, gs in buckets.values() for g in gs] + local_only
-    first = next((q.grad for q in params if q.grad is not None), params[0])
-    device = local_tensor(first).device  # torch returns the norm on the first gradient's device
-    dtype = torch.float64 if any(local_tensor(q).dtype == torch.float64 for q in params) else torch.float32
+
+def _total_norm(
+    buckets: _Buckets, local_only: list[torch.Tensor], p: float, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
+    """(collective, all ranks) The total norm, float64 on ``device``: each bucket's local power
+    reduced over its groups (:func:`_all_reduce_buckets`), added to (maxed with) the local-only part."""
     values = [_local_power(gs, p, foreach, device) for _, gs in buckets.values()]
     bucket_groups = [gs for gs, _ in buckets.values()]
     if math.isinf(p):
@@ -229,17 +260,7 @@ def clip_grad_norm_(
     else:
         reduced = _all_reduce_buckets(bucket_groups, values, dist.ReduceOp.SUM)
     parts = torch.stack([_local_power(local_only, p, foreach, device), *reduced])
-    total64 = parts.max() if math.isinf(p) else parts.sum().pow(1.0 / p)
-    total = total64.to(dtype)
-
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot "
-            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-            "set `error_if_nonfinite=False`"
-        )
-    _clip_(present, max_norm, total, foreach)
-    return total
+    return parts.max() if math.isinf(p) else parts.sum().pow(1.0 / p)
 
 
 def _check_grad(i: int, param: DTensor, groups: tuple[_Group, ...]) -> None:

@@ -1,0 +1,109 @@
+"""What a saved checkpoint holds beside its tensors, as the model's library reads it back.
+
+(all ranks) :func:`layout_of` picks the :class:`Layout` of a model by its kind (transformers,
+diffusers, any other), :func:`adapter_layout` that of a PEFT adapter: the files' names and which
+config files go with them. (rank 0) :func:`finish` has the layout's config files written
+(``config.json``, ``generation_config.json``, ``adapter_config.json``) into a temporary folder of
+out_dir and commits them with the weights (``_outputs.commit``). No collectives here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..checkpoint._format import DTYPES
+from ..integrations import _peft
+from ..integrations._compat import (
+    diffusers_config_json,
+    is_diffusers_model,
+    is_transformers_model,
+    peft_base_model,
+)
+from . import _outputs
+from ._saveplan import SavePlan
+
+__all__ = ["Layout", "adapter_layout", "finish", "layout_of"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a saved checkpoint looks like beside its tensors: its files' names and its config files."""
+
+    stem: str  # file names: <stem>.safetensors, <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
+    single_file: bool  # one file whatever max_shard_size says (a PEFT adapter's)
+    # (rank 0) writes the config files into an empty temporary folder (model, folder, plan); every file
+    # it leaves there is committed into out_dir with the weights. None: no config files.
+    write_configs: Callable[[nn.Module, str, SavePlan], None] | None
+
+
+def layout_of(model: nn.Module) -> Layout:
+    """(all ranks) The layout ``from_pretrained`` of the model's library reads."""
+    if is_transformers_model(model):
+        return Layout("model", False, _hf_configs)
+    if is_diffusers_model(model):
+        return Layout("diffusion_pytorch_model", False, _diffusers_config)
+    return Layout("model", False, None)
+
+
+def adapter_layout(adapter: str) -> Layout:
+    """(all ranks) PEFT's layout of adapter ``adapter``: one ``adapter_model.safetensors`` and its
+    ``adapter_config.json``."""
+    return Layout("adapter_model", True, functools.partial(_adapter_config, adapter))
+
+
+def finish(
+    model: nn.Module,
+    outputs: _outputs.Outputs,
+    plan: SavePlan,
+    write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
+) -> None:
+    """(rank 0) Write the config files into a temporary folder of out_dir, then commit them with the
+    weights (:func:`_outputs.commit` renames each into out_dir)."""
+    extras: list[tuple[str, str]] = []
+    if write_configs is not None:
+        folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
+        os.makedirs(folder)
+        outputs.temps.append(folder)
+        write_configs(model, folder, plan)
+        extras = [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
+    _outputs.commit(outputs, plan, extras)
+
+
+def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it."""
+    config: Any = copy.deepcopy(_peft.peft_config(model, adapter))
+    if getattr(config, "base_model_name_or_path", None) is None:
+        config.base_model_name_or_path = getattr(peft_base_model(model), "name_or_path", None) or None
+    config.inference_mode = True
+    config.save_pretrained(folder)
+
+
+def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) A transformers model's ``config.json`` (its dtype the saved floating tensors') and
+    ``generation_config.json``."""
+    floats: dict[str, int] = {}
+    for item in plan.items:
+        if DTYPES[item.dtype].is_floating_point and DTYPES[item.dtype].itemsize > 1:
+            floats[item.dtype] = floats.get(item.dtype, 0) + item.nbytes
+    config: Any = copy.deepcopy(model.config)
+    if floats:
+        config.dtype = str(DTYPES[max(floats, key=lambda d: floats[d])]).removeprefix("torch.")
+    config.save_pretrained(folder)
+    generation: Any = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
+
+
+def _diffusers_config(model: nn.Module, folder: str, plan: SavePlan) -> None:
+    """(rank 0) A diffusers model's ``config.json``, as its ``save_config`` writes it (diffusers keeps
+    no dtype there)."""
+    name, text = diffusers_config_json(model)
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+        f.write(text)

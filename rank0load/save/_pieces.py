@@ -1,0 +1,58 @@
+"""The messages of a save, cut from the shared plan: which rank sends which bytes of which item.
+
+(all ranks) :func:`pieces` cuts an item of the plan (``_saveplan.SavePlan``, rank 0's, shared) into
+the messages every rank derives identically, in one order; :func:`chunks` cuts a ``BLOCK`` item
+(tensor parallel) into chunks of whole rows and the senders' parts of each (``_saveblock``). Nothing
+but the plan is exchanged to agree on them. No collectives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..checkpoint._format import DTYPES
+from ._saveblock import Chunk, Part, block_chunks, block_half
+from ._saveplan import SaveKind, SavePlan
+
+__all__ = ["Piece", "chunks", "pieces"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``; for a
+    BLOCK item, the sender's block of the chunk that starts at ``start`` (see :func:`chunks`)."""
+
+    index: int
+    src: int  # 0: rank 0 writes it from its own tensor
+    start: int  # byte offset within the item
+    nbytes: int
+    local: int  # element offset in the sender's local tensor (the piece is contiguous there)
+
+
+def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece]:
+    """(all ranks) The messages of item ``index``, in the order every rank uses; ``src``: only those
+    that rank sends, in the same order."""
+    item = plan.items[index]
+    if item.kind is SaveKind.BLOCK:
+        for chunk, parts in chunks(plan, index, src):
+            yield from (Piece(index, p.src, chunk.start, p.nbytes, p.local) for p in parts)
+        return
+    if item.kind is SaveKind.ROWS:
+        row = item.nbytes // item.shape[0] if item.shape[0] else 0
+        ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
+    else:
+        ranges = [(0, 0, item.nbytes)]
+    size = DTYPES[item.dtype].itemsize
+    for rank, begin, end in ranges:
+        if src is None or rank == src:
+            for at in range(begin, end, plan.piece_bytes):
+                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), (at - begin) // size)
+
+
+def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
+    """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each (``src``: only that
+    rank's), see ``_saveblock.block_chunks``."""
+    item = plan.items[index]
+    size, half = DTYPES[item.dtype].itemsize, block_half(plan.piece_bytes)
+    return block_chunks(item.shape, size, item.blocks, half, src)
