@@ -3,5 +3,6 @@
 ``_compat``: torch's private FSDP2 / DTensor APIs and transformers' (its fp32-kept modules, init
 weights, no-split modules, per version), each behind one function; ``_peft``: PEFT's tuner layers and
 adapter files; ``_convert``: checkpoint-to-model key conversions (transformers' conversion mapping,
-``StackExperts``). Used on every rank by everything above.
+``StackExperts``); ``_resolve``: which conversion places each checkpoint key, decided once per key
+pattern (``KeyResolver``). Used on every rank by everything above.
 """
