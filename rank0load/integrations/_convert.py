@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import SaveError
-from . import _compat
+from . import _compat, _compat_convert
 
 __all__ = [
     "Conversion",
@@ -133,12 +133,12 @@ class TransformersConversions:
     """transformers' own renamings and converters for ``model`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
-        self._renamings, self._converters = _compat.hf_conversions(model)
+        self._renamings, self._converters = _compat_convert.hf_conversions(model)
         self._prefix = getattr(model, "base_model_prefix", None)
         self._model_keys = dict.fromkeys(model_keys, True)
 
     def match(self, key: str) -> ConversionMatch | None:
-        renamed, pattern = _compat.hf_rename(
+        renamed, pattern = _compat_convert.hf_rename(
             key, self._renamings, self._converters, self._prefix, self._model_keys
         )
         if pattern is None:
@@ -157,7 +157,7 @@ class TransformersConversions:
 
     def _expert(self, key: str, pattern: str) -> int | None:
         """The integer the pattern's ``*`` stands for in ``key`` (after the renamings)."""
-        renamed = _compat.hf_rename(key, self._renamings, [], None, None)[0]
+        renamed = _compat_convert.hf_rename(key, self._renamings, [], None, None)[0]
         # transformers' source patterns are regular expressions in which "*" is an index
         found = re.search(pattern.replace("*", r"(\d+)"), renamed)
         return int(found.group(1)) if found is not None and found.groups() else None
@@ -178,10 +178,10 @@ class TransformersReversal:
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
-        self._renamings, self._converters = _compat.hf_reverse_conversions(model)
+        self._renamings, self._converters = _compat_convert.hf_reverse_conversions(model)
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        renamed, converter, pattern = _compat.hf_revert_key(name, self._renamings, self._converters)
+        renamed, converter, pattern = _compat_convert.hf_revert_key(name, self._renamings, self._converters)
         if converter is None or pattern is None:
             return [(renamed, shape)]
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
@@ -194,7 +194,7 @@ class TransformersReversal:
             )
         slices = shape[0] * sources
         standin = torch.arange(slices).reshape(shape[0], sources, *[1] * (len(shape) - 2))
-        out = _compat.hf_revert_tensor(
+        out = _compat_convert.hf_revert_tensor(
             converter, renamed, name, pattern, standin, self._model, self._renamings
         )
         order = {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
@@ -220,7 +220,7 @@ class TransformersRenamings:
         self._model_keys = frozenset(model_keys)
 
     def match(self, key: str) -> ConversionMatch | None:
-        renamed = _compat.hf_legacy_rename(self._model, key)
+        renamed = _compat_convert.hf_legacy_rename(self._model, key)
         if renamed not in self._model_keys and self._prefix is not None:
             head = f"{self._prefix}."
             if renamed.startswith(head) and renamed[len(head) :] in self._model_keys:
@@ -233,7 +233,7 @@ class TransformersRenamings:
 def transformers_conversions(model: nn.Module, model_keys: Sequence[str]) -> Conversion:
     """transformers' own key rules for ``model``, for the installed version: conversions and renamings
     (transformers 5), or renamings alone (4.57)."""
-    if _compat.hf_has_conversion_mapping():
+    if _compat_convert.hf_has_conversion_mapping():
         return TransformersConversions(model, model_keys)
     return TransformersRenamings(model, model_keys)
 
@@ -241,7 +241,7 @@ def transformers_conversions(model: nn.Module, model_keys: Sequence[str]) -> Con
 def transformers_reversal(model: nn.Module) -> TransformersReversal | None:
     """(rank 0) What ``save_pretrained`` reverts for ``model``: transformers 5's conversions; None for
     4.57, which saves a model's own names."""
-    return TransformersReversal(model) if _compat.hf_has_conversion_mapping() else None
+    return TransformersReversal(model) if _compat_convert.hf_has_conversion_mapping() else None
 
 
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
