@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..common._distribute import UserCodeFailure, user_code
+from ..common._failure import UserCodeFailure, user_code
 from ..integrations._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
 from ..integrations._peft import adapters_built_real, tuner_layers_without_values
 
