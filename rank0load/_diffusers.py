@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import load_sharded
 from .common import _distribute
-from .common._distribute import user_code
+from .common._failure import user_code
 from .errors import LoadError, ModelMismatchError
 
 __all__ = ["Configured", "build", "configure", "load"]

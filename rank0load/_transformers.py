@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import load_sharded
 from .checkpoint._format import DTYPES
-from .common import _distribute
+from .common import _distribute, _failure
 from .errors import LoadError, ModelMismatchError
 from .integrations import _compat
 from .load._model import cast, set_config_dtype
@@ -87,7 +87,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
     raw = dict(checkpoint.config)
     _check_quantization(raw.pop("quantization_config", None), checkpoint.where)
     config_class = _config_class(model_cls, raw, checkpoint.where)
-    config, unused = _distribute.user_code(
+    config, unused = _failure.user_code(
         f"{config_class.__name__}.from_dict({checkpoint.where})",
         config_class.from_dict,
         raw,
@@ -208,7 +208,7 @@ def build(model_cls: Any, config: Any, dtype: torch.dtype, record: bool = True) 
     in float32), and ``config.dtype`` (this config is load_pretrained's own)."""
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
     name = getattr(model_cls, "__name__", repr(model_cls))
-    model: nn.Module = _distribute.user_code(f"{name}.from_config", make, config, dtype=dtype)
+    model: nn.Module = _failure.user_code(f"{name}.from_config", make, config, dtype=dtype)
     cast(model, dtype)
     if record:  # transformers 4.57's _from_config leaves it unset; its from_pretrained records it
         set_config_dtype(model, dtype)
@@ -221,5 +221,5 @@ def _peft_wrapped(model: nn.Module, peft_config: Any) -> nn.Module:
         return model
     from peft import get_peft_model
 
-    wrapped: nn.Module = _distribute.user_code("get_peft_model", get_peft_model, model, peft_config)
+    wrapped: nn.Module = _failure.user_code("get_peft_model", get_peft_model, model, peft_config)
     return wrapped

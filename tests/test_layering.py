@@ -146,24 +146,24 @@ def test_the_checker_sees_imports():
 
 def test_rank0loads_own_frames_are_recognised_in_every_folder():
     """``user_code`` blames the caller's code, except for an exception raised inside rank0load's own
-    code that it called: the package root, not the folder ``_distribute`` sits in, decides."""
+    code that it called: the package root, not the folder ``_failure`` sits in, decides."""
     import pytest
     import torch
 
-    from rank0load.common import _distribute
+    from rank0load.common import _failure
     from rank0load.model import _shard
 
-    assert _distribute._PACKAGE == str(PACKAGE) + os.sep
+    assert _failure._PACKAGE == str(PACKAGE) + os.sep
 
     def shard_fn_into_rank0load():  # the caller's shard_fn calling rank0load's policy, which fails
         _shard.default_shard_fn(torch.nn.Linear(2, 2), None)  # type: ignore[arg-type]
 
     with pytest.raises(Exception) as raised:
-        _distribute.user_code("shard_fn", shard_fn_into_rank0load)
-    assert not isinstance(raised.value, _distribute.UserCodeFailure), raised.value
+        _failure.user_code("shard_fn", shard_fn_into_rank0load)
+    assert not isinstance(raised.value, _failure.UserCodeFailure), raised.value
 
     def own_failure():
         raise ValueError("the caller's bug")
 
-    with pytest.raises(_distribute.UserCodeFailure, match="shard_fn raised ValueError: the caller's bug"):
-        _distribute.user_code("shard_fn", own_failure)
+    with pytest.raises(_failure.UserCodeFailure, match="shard_fn raised ValueError: the caller's bug"):
+        _failure.user_code("shard_fn", own_failure)

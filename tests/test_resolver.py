@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rank0load.integrations._convert import ConversionMatch, KeyResolver, StackExperts
+from rank0load.integrations._convert import ConversionMatch, StackExperts
+from rank0load.integrations._resolve import KeyResolver
 
 LAYERS, EXPERTS = 6, 12
 
@@ -146,9 +147,9 @@ def test_resolve_all_odd_keys_equal_one_by_one():
 
 def test_resolve_all_in_small_batches(monkeypatch):
     """Keys are joined a batch at a time (bounded temporaries): batch edges change nothing."""
-    from rank0load.integrations import _convert
+    from rank0load.integrations import _resolve
 
-    monkeypatch.setattr(_convert, "_KEYS_AT_ONCE", 7)
+    monkeypatch.setattr(_resolve, "_KEYS_AT_ONCE", 7)
     model = _model_keys()
     keys = _keys()
     got = KeyResolver(lambda k: k if k in model else None, RULES).resolve_all(keys)

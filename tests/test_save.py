@@ -361,7 +361,7 @@ def _moe_save(rank: int, world: int, name: str, source: str, out: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import rank0load
-    from rank0load.integrations._compat import hf_reverse_conversions
+    from rank0load.integrations._compat_convert import hf_reverse_conversions
     from tests import moe_models
 
     moe_models._quiet()

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 from ..errors import ModelMismatchError, format_keys
-from ..integrations._convert import Conversion, ConversionMatch, KeyResolver
+from ..integrations._convert import Conversion, ConversionMatch
+from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._entries import KeyMatch
 from ._format import TensorHeader

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..errors import LoadError, ModelMismatchError
-from ..integrations._convert import Conversion, ConversionMatch, KeyResolver
+from ..integrations._convert import Conversion, ConversionMatch
+from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._entries import Entry, KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader, read_header

@@ -19,7 +19,8 @@ Order of calls, identical on every rank (see ``_api.load_sharded``):
    error, and the process group stays usable.
 
 A collective that itself fails (a peer died, the network broke, the process-group timeout) is a
-:func:`peer_failure`: the only case where a rank cannot learn the real cause.
+``_failure.peer_failure``: the only case where a rank cannot learn the real cause. How a failure is
+told apart and worded (the caller's code, the machine's, rank0load's own) is ``_failure``'s.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 import pickle
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,13 +37,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import InternalError, LoadError, RankMismatchError
+from ..errors import LoadError, RankMismatchError
 from ..integrations._compat import host_bytes
+from ._failure import Failure, failure_of, peer_failure, rank_mismatch
 
 __all__ = [
-    "Failure",
-    "UserCodeFailure",
-    "user_code",
     "broadcast",
     "Faults",
     "attempt",
@@ -55,7 +52,6 @@ __all__ = [
     "first_failure",
     "gather_to_rank0",
     "mesh_device",
-    "peer_failure",
     "raise_failure",
     "ranks_where",
     "settle",
@@ -66,79 +62,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def peer_failure(
-    what: str,
-    exc: BaseException,
-    cls: type[LoadError] = LoadError,
-    todo: str = "No model was returned; fix the cause and load again.",
-) -> LoadError:
-    """The error for a collective that failed: a peer died (connection reset) or stalled (timeout)."""
-    return cls(
-        f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
-        "died or stalled (see its log); the wait is bounded by the process-group timeout "
-        f"(dist.init_process_group(timeout=...)). {todo}"
-    )
-
-
 R = TypeVar("R")
-
-
-class UserCodeFailure(Exception):
-    """An exception from the caller's code (``model_fn``, ``shard_fn``, the model's own initialisers),
-    carried through a step so that :func:`settle` blames that code. Any other exception that is not a
-    LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
-
-
-# the package root (this module sits in rank0load/common/): a frame in any of its files is ours
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def user_code(what: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-    """``fn(*args, **kwargs)``, the caller's code: an exception it raises becomes a
-    :class:`UserCodeFailure` naming ``what``, unless it is a LoadError, already one, or was raised in
-    rank0load's own code that ``fn`` called (then it stays ours)."""
-    try:
-        return fn(*args, **kwargs)
-    except (LoadError, UserCodeFailure):
-        raise
-    except Exception as exc:
-        frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is this function
-        if any(f.filename.startswith(_PACKAGE) for f in frames):
-            raise
-        raise UserCodeFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
-
-
-def _internal(error: BaseException) -> str:
-    """What an exception inside rank0load's own code was, where it was raised, and the versions."""
-    frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
-    where = ""
-    if frames:
-        last = frames[-1]
-        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
-        if ours and ours[-1] is not last:
-            where += f", called from rank0load's {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})"
-    return f"rank0load's own code raised {type(error).__name__}: {error}{where}"
-
-
-def _versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = []
-    for name in ("rank0load", "torch", "transformers", "peft", "diffusers"):
-        try:
-            found.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            continue
-    return ", ".join(found)
-
-
-def _internal_todo() -> str:
-    return (
-        "This is not caused by your model, checkpoint or arguments: it is a bug in rank0load or a "
-        f"dependency version it cannot handle ({_versions()}). Check the README's tested versions, and "
-        "report it with this message."
-    )
 
 
 def rank0_rng_state(device: torch.device) -> torch.Tensor | None:
@@ -264,17 +188,6 @@ def _scalar(value: int, op: Any) -> int:
     return int(_all_reduce(torch.tensor([value], dtype=torch.int64, device=_object_device()), op).item())
 
 
-@dataclass(frozen=True)
-class Failure:
-    """What the first failing rank tells the others, so that every rank raises the same error."""
-
-    rank: int
-    cls: type[LoadError]  # the error's own class; the caller's wrap for its code; else InternalError
-    message: str  # a LoadError's message, else "Type: message" of the exception
-    is_load_error: bool
-    todo: str | None = None  # what to do, where the stage's own advice does not fit (InternalError)
-
-
 def first_failure(error: BaseException | None) -> int:
     """(all ranks) The lowest rank whose ``error`` is set, or the world size if none (one 8-byte
     all-reduce)."""
@@ -293,16 +206,7 @@ def raise_failure(
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
     mine = None
     if dist.get_rank() == first and error is not None:
-        if isinstance(error, LoadError):
-            mine = Failure(first, type(error), str(error), is_load_error=True)
-        elif isinstance(error, UserCodeFailure):
-            mine = Failure(first, wrap, str(error), is_load_error=False)
-        elif isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
-            mine = Failure(first, wrap, f"{type(error).__name__}: {error}", is_load_error=False)
-        elif wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
-            mine = Failure(first, InternalError, _internal(error), False, _internal_todo())
-        else:  # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
-            mine = Failure(first, wrap, _internal(error), False, f"{_internal_todo()} {todo}")
+        mine = failure_of(first, error, todo, wrap)
     failure: Failure = _broadcast_object(mine, src=first)
     if failure.is_load_error and count == world:  # the same check failed everywhere: its own words
         raise failure.cls(failure.message)
@@ -383,12 +287,7 @@ def agree(proposal: Proposal | None, error: BaseException | None) -> tuple[int, 
             explained = _broadcast_object(
                 proposal.explain(reference) if differs and dist.get_rank() == first else None, src=first
             )
-            ranks = f"[{first}]" if count == 1 else f"[{first}, ...] ({count} ranks)"
-            raise RankMismatchError(
-                f"ranks {ranks} built a different model from rank 0, or were passed other arguments; rank "
-                f"{first}: {explained}. model_fn, shard_fn, dtype, strict, max_staging_bytes and "
-                "local_reads must be the same on every rank: build the same model on every rank."
-            )
+            raise rank_mismatch(first, count, explained)
         n = len(proposal.flags)
         planes = torch.tensor(
             [f & 1 for f in proposal.flags] + [(f >> 1) & 1 for f in proposal.flags], dtype=torch.uint8

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LoadError
-from . import _distribute
+from . import _distribute, _failure
 
 __all__ = ["AllOf", "InFlight", "Outcome", "Rounds", "settled"]
 
@@ -105,4 +105,4 @@ def settled(
     except LoadError:
         raise
     except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
-        raise _distribute.peer_failure(stage, exc, wrap, peer_todo) from exc
+        raise _failure.peer_failure(stage, exc, wrap, peer_todo) from exc

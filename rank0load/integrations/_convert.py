@@ -21,16 +21,16 @@ each byte once, straight into its owner's shard. No rank ever holds a fused para
   model tensor's saved names and shapes, from transformers' own reverse conversions (those
   ``save_pretrained`` applies), each a contiguous byte range of the fused tensor in row-major order.
 
+Which conversion places each checkpoint key, decided once per key pattern, is ``_resolve``'s.
+
 (all ranks build the conversions before sharding; rank 0 alone matches keys, and builds the reversal
 when saving; no collectives)
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -38,12 +38,11 @@ import torch
 from torch import nn
 
 from ..errors import SaveError
-from . import _compat
+from . import _compat, _compat_convert
 
 __all__ = [
     "Conversion",
     "ConversionMatch",
-    "KeyResolver",
     "StackExperts",
     "TransformersConversions",
     "TransformersReversal",
@@ -127,224 +126,6 @@ class StackExperts:
         return None
 
 
-_NUMBER = re.compile(r"(?<![^.])(\d+)(?![^.])")  # a number that is a whole dotted segment
-_DOTTED_NUMBER = re.compile(r"\.(\d+)(?=\.)")  # the same, in keys each written as "." + key + "."
-
-
-def _numbers_blanked(keys: list[str]) -> Iterator[str]:
-    """Each key's pattern (as :class:`KeyResolver` keys its rules: every whole-segment number
-    replaced by NUL), for keys without newlines or NULs: one regular-expression pass over them all,
-    joined, each between dots (a literal dot lets the scan skip ahead, where ``_NUMBER``'s
-    look-behind tests every character: 50 ms instead of 150 for 96,000 keys). A generator: one
-    pattern string per key would be ~10 MiB for a MoE checkpoint, so they live a chunk at a time."""
-    for at in range(0, len(keys), _KEYS_AT_ONCE):
-        blanked = _DOTTED_NUMBER.sub(".\0", _dotted(keys[at : at + _KEYS_AT_ONCE]))
-        yield from [line[1:-1] for line in blanked.split("\n")]
-
-
-def _numbers_of(keys: list[str], width: int) -> Iterator[tuple[str, ...]]:
-    """The ``width`` whole-segment numbers of each of ``keys`` (one pattern's), in key order."""
-    for at in range(0, len(keys), _KEYS_AT_ONCE):
-        chunk = keys[at : at + _KEYS_AT_ONCE]
-        if not width:
-            yield from [()] * len(chunk)
-            continue
-        flat = _DOTTED_NUMBER.findall(_dotted(chunk))
-        yield from zip(*[iter(flat)] * width)
-
-
-def _joined(keys: list[str]) -> Iterator[str]:
-    """``keys`` concatenated, a chunk at a time (bounded temporaries)."""
-    for at in range(0, len(keys), _KEYS_AT_ONCE):
-        yield "".join(keys[at : at + _KEYS_AT_ONCE])
-
-
-def _dotted(keys: list[str]) -> str:
-    """``keys`` one a line, each between dots (what ``_DOTTED_NUMBER`` scans)."""
-    return "." + ".\n.".join(keys) + "."
-
-
-_KEYS_AT_ONCE = 8192
-
-
-@dataclass
-class _Rule:
-    """What a conversion did to one key pattern: its target with each number slot of the pattern
-    (``None``: a literal), the slot holding the expert index, and the match's other fields."""
-
-    first: tuple[str, ...]  # the numbers of the key the rule was read from
-    pieces: tuple[str, ...]  # the target split around its numbers: text, number, text, ...
-    slots: tuple[int | None, ...]  # for each number of the target, the key's slot it copies
-    expert: int | None  # the key's slot holding the expert index
-    match: ConversionMatch | None
-    varied: set[int]  # slots seen with another value than ``first``'s, every prediction confirmed
-
-    def predict(self, numbers: list[str]) -> ConversionMatch | None:
-        if self.match is None:
-            return None
-        out = list(self.pieces)
-        for i, slot in enumerate(self.slots):
-            if slot is not None:
-                out[2 * i + 1] = numbers[slot]
-        expert = int(numbers[self.expert]) if self.expert is not None else None
-        m = self.match
-        return ConversionMatch("".join(out), expert, m.source, m.sources, m.rule, m.unsupported)
-
-
-class KeyResolver:
-    """(rank 0) A checkpoint key -> its canonical model key and, when the model does not have the
-    key itself, the conversion that places it, decided once per key *pattern*.
-
-    MoE checkpoints repeat a few patterns (``layers.N.….experts.E.w1.weight``) tens of thousands of
-    times, and a transformers conversion costs about a dozen regular-expression renamings per key.
-    A pattern's keys differ only in their numbers, so the rule read from one key (which of its
-    numbers the target copies, which one is the expert index) holds for the others. It is taken on
-    trust only after it predicted every key of the pattern exactly until each of its numbers had
-    taken a second value (within the first layer of a MoE checkpoint: a few hundred keys in all);
-    a pattern whose rule mispredicts, or whose numbers repeat within a key (``layers.0.experts.0``),
-    is computed key by key. A predicted target must still be a model key, or the key is computed.
-    """
-
-    def __init__(
-        self,
-        canonical: Callable[[str], str | None],
-        conversions: Sequence[Conversion],
-        canonical_all: Callable[[Sequence[str]], list[str | None]] | None = None,
-    ) -> None:
-        """``canonical_all``: ``canonical`` of many keys at once (``ModelLayout.canonical_all``)."""
-        self._canonical, self._conversions = canonical, tuple(conversions)
-        self._canonical_all = canonical_all or (lambda keys: list(map(canonical, keys)))
-        self._rules: dict[str, _Rule | None] = {}  # None: computed key by key
-
-    def __call__(self, key: str) -> tuple[str | None, ConversionMatch | None]:
-        canonical = self._canonical(key)
-        if canonical is not None or not self._conversions:
-            return canonical, None
-        pieces = _NUMBER.split(key)  # text, number, text, ...: one regex pass for both
-        numbers, pattern = pieces[1::2], "\0".join(pieces[0::2])
-        rule = self._rules.get(pattern)
-        if rule is None:
-            found = self._convert(key)
-            unread = pattern not in self._rules
-            if unread and len(set(numbers)) == len(numbers):  # else: read it off a later key
-                self._rules[pattern] = _rule_of(numbers, found)
-            return (found.target if found else None), found
-        predicted = rule.predict(numbers)
-        if len(rule.varied) == len(rule.first):  # trusted
-            if predicted is None or self._canonical(predicted.target) == predicted.target:
-                return (predicted.target if predicted else None), predicted
-            found = self._convert(key)
-            return (found.target if found else None), found
-        found = self._convert(key)
-        if found != predicted:
-            self._rules[pattern] = None
-        else:
-            rule.varied.update(i for i, (a, b) in enumerate(zip(numbers, rule.first)) if a != b)
-        return (found.target if found else None), found
-
-    def resolve_all(self, keys: Sequence[str]) -> list[tuple[str | None, ConversionMatch | None]]:
-        """``[self(key) for key in keys]``, the same answers at a fraction of the cost (see
-        :meth:`resolve_columns`)."""
-        return list(zip(*self.resolve_columns(keys)))
-
-    def resolve_columns(self, keys: Sequence[str]) -> tuple[list[str | None], list[ConversionMatch | None]]:
-        """:meth:`resolve_all`'s answers as two columns (each key's canonical model key, and its
-        conversion), without a pair per key (~96,000 in a MoE checkpoint, 5 MiB under rank 0's peak).
-        The keys the model lacks are grouped by pattern with one regular-expression pass over them
-        all; a pattern's keys go one by one until its rule is trusted, the rest are predicted
-        together (their numbers found in one pass, each distinct target checked once)."""
-        canonical = self._canonical_all(keys)
-        converted: list[ConversionMatch | None] = [None] * len(keys)
-        if not self._conversions:
-            return canonical, converted
-        lacking = list(
-            itertools.compress(range(len(keys)), map(operator.is_, canonical, itertools.repeat(None)))
-        )
-        if any("\n" in text or "\0" in text for text in _joined([keys[i] for i in lacking])):  # one by one
-            for i in lacking:
-                canonical[i], converted[i] = self(keys[i])
-            return canonical, converted
-        groups: dict[str, list[int]] = {}
-        for i, pattern in zip(lacking, _numbers_blanked([keys[i] for i in lacking])):
-            groups.setdefault(pattern, []).append(i)
-        for pattern, members in groups.items():
-            at = 0
-            while at < len(members) and not self._trusted(pattern):
-                canonical[members[at]], converted[members[at]] = self(keys[members[at]])
-                at += 1
-            rule = self._rules.get(pattern)
-            if rule is None or not self._trusted(pattern):
-                for i in members[at:]:
-                    canonical[i], converted[i] = self(keys[i])
-                continue
-            for i, predicted in zip(members[at:], self._predict_all(rule, [keys[i] for i in members[at:]])):
-                canonical[i], converted[i] = (predicted.target if predicted else None), predicted
-        return canonical, converted
-
-    def _trusted(self, pattern: str) -> bool:
-        rule = self._rules.get(pattern)
-        return rule is not None and len(rule.varied) == len(rule.first)
-
-    def _predict_all(self, rule: _Rule, keys: list[str]) -> list[ConversionMatch | None]:
-        """A trusted ``rule``'s answers for ``keys`` (all of its pattern), as :meth:`__call__` gives
-        them: the predicted target must be a model key, else the key is converted by itself. Made
-        column by column (each distinct target predicted and checked once), not key by key."""
-        if rule.match is None or not keys:
-            return [None] * len(keys)
-        rows = list(_numbers_of(keys, len(rule.first)))
-        copied = tuple(slot for slot in rule.slots if slot is not None)
-        # the numbers a target copies, for each key: () when it copies none
-        which = list(map(operator.itemgetter(*copied), rows)) if copied else [()] * len(rows)
-        if len(copied) == 1:
-            which = [(w,) for w in which]
-        targets: dict[tuple[str, ...], str | None] = {}
-        for numbers, row in dict(zip(which, rows)).items():  # a few hundred targets for ~96,000 keys
-            predicted = rule.predict(list(row)).target  # type: ignore[union-attr]
-            targets[numbers] = predicted if self._canonical(predicted) == predicted else None
-        target_of = list(map(targets.__getitem__, which))
-        experts: Iterable[int | None] = (
-            map(int, map(operator.itemgetter(rule.expert), rows))
-            if rule.expert is not None
-            else itertools.repeat(None)
-        )
-        m = rule.match
-        columns = zip(
-            target_of, experts, *map(itertools.repeat, (m.source, m.sources, m.rule, m.unsupported))
-        )
-        # tuple.__new__ straight from the columns: the named tuple's own __new__ is a Python function
-        out: list[ConversionMatch | None] = list(
-            map(tuple.__new__, itertools.repeat(ConversionMatch), columns)
-        )
-        for i in (i for i, t in enumerate(target_of) if t is None):  # not a model key: converted alone
-            out[i] = self._convert(keys[i])
-        return out
-
-    def _convert(self, key: str) -> ConversionMatch | None:
-        """The first conversion that maps ``key`` onto a tensor of the model (target canonical)."""
-        for conversion in self._conversions:
-            found = conversion.match(key)
-            target = self._canonical(found.target) if found is not None else None
-            if found is not None and target is not None:
-                return found._replace(target=target)
-        return None
-
-
-def _rule_of(numbers: list[str], found: ConversionMatch | None) -> _Rule | None:
-    """The rule ``found`` follows for a key with ``numbers`` (all different), or None when it cannot
-    be read off (an expert index that is none of its numbers)."""
-    if found is None:
-        return _Rule(tuple(numbers), (), (), None, None, set())
-    joined = _NUMBER.split(found.target)  # text, number, text, ...
-    values = joined[1::2]
-    slots = tuple(numbers.index(v) if v in numbers else None for v in values)
-    expert = None
-    if found.expert is not None:
-        if str(found.expert) not in numbers:
-            return None
-        expert = numbers.index(str(found.expert))
-    return _Rule(tuple(numbers), tuple(joined), slots, expert, found, set())
-
-
 _STACKABLE = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
 
 
@@ -352,12 +133,12 @@ class TransformersConversions:
     """transformers' own renamings and converters for ``model`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
-        self._renamings, self._converters = _compat.hf_conversions(model)
+        self._renamings, self._converters = _compat_convert.hf_conversions(model)
         self._prefix = getattr(model, "base_model_prefix", None)
         self._model_keys = dict.fromkeys(model_keys, True)
 
     def match(self, key: str) -> ConversionMatch | None:
-        renamed, pattern = _compat.hf_rename(
+        renamed, pattern = _compat_convert.hf_rename(
             key, self._renamings, self._converters, self._prefix, self._model_keys
         )
         if pattern is None:
@@ -376,7 +157,7 @@ class TransformersConversions:
 
     def _expert(self, key: str, pattern: str) -> int | None:
         """The integer the pattern's ``*`` stands for in ``key`` (after the renamings)."""
-        renamed = _compat.hf_rename(key, self._renamings, [], None, None)[0]
+        renamed = _compat_convert.hf_rename(key, self._renamings, [], None, None)[0]
         # transformers' source patterns are regular expressions in which "*" is an index
         found = re.search(pattern.replace("*", r"(\d+)"), renamed)
         return int(found.group(1)) if found is not None and found.groups() else None
@@ -397,10 +178,10 @@ class TransformersReversal:
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
-        self._renamings, self._converters = _compat.hf_reverse_conversions(model)
+        self._renamings, self._converters = _compat_convert.hf_reverse_conversions(model)
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        renamed, converter, pattern = _compat.hf_revert_key(name, self._renamings, self._converters)
+        renamed, converter, pattern = _compat_convert.hf_revert_key(name, self._renamings, self._converters)
         if converter is None or pattern is None:
             return [(renamed, shape)]
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
@@ -413,7 +194,7 @@ class TransformersReversal:
             )
         slices = shape[0] * sources
         standin = torch.arange(slices).reshape(shape[0], sources, *[1] * (len(shape) - 2))
-        out = _compat.hf_revert_tensor(
+        out = _compat_convert.hf_revert_tensor(
             converter, renamed, name, pattern, standin, self._model, self._renamings
         )
         order = {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
@@ -439,7 +220,7 @@ class TransformersRenamings:
         self._model_keys = frozenset(model_keys)
 
     def match(self, key: str) -> ConversionMatch | None:
-        renamed = _compat.hf_legacy_rename(self._model, key)
+        renamed = _compat_convert.hf_legacy_rename(self._model, key)
         if renamed not in self._model_keys and self._prefix is not None:
             head = f"{self._prefix}."
             if renamed.startswith(head) and renamed[len(head) :] in self._model_keys:
@@ -452,7 +233,7 @@ class TransformersRenamings:
 def transformers_conversions(model: nn.Module, model_keys: Sequence[str]) -> Conversion:
     """transformers' own key rules for ``model``, for the installed version: conversions and renamings
     (transformers 5), or renamings alone (4.57)."""
-    if _compat.hf_has_conversion_mapping():
+    if _compat_convert.hf_has_conversion_mapping():
         return TransformersConversions(model, model_keys)
     return TransformersRenamings(model, model_keys)
 
@@ -460,7 +241,7 @@ def transformers_conversions(model: nn.Module, model_keys: Sequence[str]) -> Con
 def transformers_reversal(model: nn.Module) -> TransformersReversal | None:
     """(rank 0) What ``save_pretrained`` reverts for ``model``: transformers 5's conversions; None for
     4.57, which saves a model's own names."""
-    return TransformersReversal(model) if _compat.hf_has_conversion_mapping() else None
+    return TransformersReversal(model) if _compat_convert.hf_has_conversion_mapping() else None
 
 
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..common._distribute import user_code
+from ..common._failure import user_code
 from ..common._memory import FaultIn, fault_in
 from ..errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 from ..integrations._compat import (

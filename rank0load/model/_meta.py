@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..common._distribute import UserCodeFailure, user_code
+from ..common._failure import UserCodeFailure, user_code
 from ..integrations._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
 from ..integrations._peft import adapters_built_real, tuner_layers_without_values
 
@@ -321,12 +321,7 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
             )
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
-    # Wrapper-free names of every tensor, so checkpoint keys without the wrappers match; a PEFT
-    # model's base names too, so its base model's checkpoint loads into it as it is.
-    for name in [*tensors, *aliases]:
-        for plain in (strip_wrappers(name), base_name(name)):
-            if plain != name and plain not in tensors and plain not in aliases:
-                aliases[plain] = aliases.get(name, name)
+    _add_plain_names(tensors, aliases)
     non_persistent |= {strip_wrappers(name) for name in non_persistent}
     non_persistent |= {base_name(name) for name in non_persistent}
     return ModelLayout(
@@ -337,6 +332,16 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
         initialisable=frozenset(initialisable),
         built=frozenset(aliases.get(name, name) for name in built),
     )
+
+
+def _add_plain_names(tensors: dict[str, TensorInfo], aliases: dict[str, str]) -> None:
+    """Add to ``aliases`` the wrapper-free names of every tensor, so checkpoint keys without the
+    wrappers match; a PEFT model's base names too, so its base model's checkpoint loads into it as
+    it is. A name the model already answers to keeps its meaning."""
+    for name in [*tensors, *aliases]:
+        for plain in (strip_wrappers(name), base_name(name)):
+            if plain != name and plain not in tensors and plain not in aliases:
+                aliases[plain] = aliases.get(name, name)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

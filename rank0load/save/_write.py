@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
-from ..common import _distribute
+from ..common import _distribute, _failure
 from ..common._memory import reserve
 from ..common._rounds import AllOf, InFlight, Rounds, settled
 from ..errors import LoadError, SaveError
@@ -51,7 +51,7 @@ def settle(error: BaseException | None, stage: str) -> None:
 
 
 def _peer_failure(stage: str, exc: BaseException) -> LoadError:
-    return _distribute.peer_failure(stage, exc, SaveError, _TODO)
+    return _failure.peer_failure(stage, exc, SaveError, _TODO)
 
 
 @dataclass

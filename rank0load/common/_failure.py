@@ -1,0 +1,137 @@
+"""What a rank's failure is, and how every rank words it (all ranks; no collectives).
+
+A failure is the caller's code (:class:`UserCodeFailure`, from :func:`user_code`: ``model_fn``,
+``shard_fn``, the model's initialisers), the machine's (``OSError``, ``MemoryError``) or rank0load's
+own (any other exception: an :class:`~..errors.InternalError` naming where it was raised and the
+versions). :func:`failure_of` makes the :class:`Failure` that the first failing rank broadcasts, so
+that every rank raises the same error (``_distribute.settle``); :func:`rank_mismatch` is the error
+for ranks that built different models (``_distribute.agree``); a collective that itself fails is a
+:func:`peer_failure`.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ..errors import InternalError, LoadError, RankMismatchError
+
+__all__ = ["Failure", "UserCodeFailure", "failure_of", "peer_failure", "rank_mismatch", "user_code"]
+
+R = TypeVar("R")
+
+
+def peer_failure(
+    what: str,
+    exc: BaseException,
+    cls: type[LoadError] = LoadError,
+    todo: str = "No model was returned; fix the cause and load again.",
+) -> LoadError:
+    """The error for a collective that failed: a peer died (connection reset) or stalled (timeout)."""
+    return cls(
+        f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
+        "died or stalled (see its log); the wait is bounded by the process-group timeout "
+        f"(dist.init_process_group(timeout=...)). {todo}"
+    )
+
+
+class UserCodeFailure(Exception):
+    """An exception from the caller's code (``model_fn``, ``shard_fn``, the model's own initialisers),
+    carried through a step so that ``_distribute.settle`` blames that code. Any other exception that is not a
+    LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
+
+
+# the package root (this module sits in rank0load/common/): a frame in any of its files is ours
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_code(what: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)``, the caller's code: an exception it raises becomes a
+    :class:`UserCodeFailure` naming ``what``, unless it is a LoadError, already one, or was raised in
+    rank0load's own code that ``fn`` called (then it stays ours)."""
+    try:
+        return fn(*args, **kwargs)
+    except (LoadError, UserCodeFailure):
+        raise
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is this function
+        if any(f.filename.startswith(_PACKAGE) for f in frames):
+            raise
+        raise UserCodeFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _internal(error: BaseException) -> str:
+    """What an exception inside rank0load's own code was, where it was raised, and the versions."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
+        if ours and ours[-1] is not last:
+            where += f", called from rank0load's {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})"
+    return f"rank0load's own code raised {type(error).__name__}: {error}{where}"
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("rank0load", "torch", "transformers", "peft", "diffusers"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def _internal_todo() -> str:
+    return (
+        "This is not caused by your model, checkpoint or arguments: it is a bug in rank0load or a "
+        f"dependency version it cannot handle ({_versions()}). Check the README's tested versions, and "
+        "report it with this message."
+    )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the first failing rank tells the others, so that every rank raises the same error."""
+
+    rank: int
+    cls: type[LoadError]  # the error's own class; the caller's wrap for its code; else InternalError
+    message: str  # a LoadError's message, else "Type: message" of the exception
+    is_load_error: bool
+    todo: str | None = None  # what to do, where the stage's own advice does not fit (InternalError)
+
+
+def failure_of(rank: int, error: BaseException, todo: str, wrap: type[LoadError]) -> Failure:
+    """What rank ``rank``, the first that failed, tells the others of its ``error`` (see
+    ``_distribute.raise_failure``): its LoadError subclass and message; for the caller's code
+    (:class:`UserCodeFailure`) or the machine's (``OSError``, ``MemoryError``), ``wrap`` and the
+    message; for any other exception, rank0load's own failure, where it was raised and the versions."""
+    if isinstance(error, LoadError):
+        return Failure(rank, type(error), str(error), is_load_error=True)
+    if isinstance(error, UserCodeFailure):
+        return Failure(rank, wrap, str(error), is_load_error=False)
+    if isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
+        return Failure(rank, wrap, f"{type(error).__name__}: {error}", is_load_error=False)
+    if wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
+        return Failure(rank, InternalError, _internal(error), False, _internal_todo())
+    # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
+    return Failure(rank, wrap, _internal(error), False, f"{_internal_todo()} {todo}")
+
+
+def rank_mismatch(first: int, count: int, explained: str) -> RankMismatchError:
+    """The error every rank raises when ``count`` ranks, the lowest ``first``, built another model
+    than rank 0's or were passed other arguments; ``explained``: how rank ``first``'s differs."""
+    ranks = f"[{first}]" if count == 1 else f"[{first}, ...] ({count} ranks)"
+    return RankMismatchError(
+        f"ranks {ranks} built a different model from rank 0, or were passed other arguments; rank "
+        f"{first}: {explained}. model_fn, shard_fn, dtype, strict, max_staging_bytes and "
+        "local_reads must be the same on every rank: build the same model on every rank."
+    )
