@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ._files import OpenFile, not_regular, read_exact
-from ._format import Twice, parse_json
+from ._json import Twice, parse_json
 
 __all__ = ["Resolved", "Source", "resolve"]
 
