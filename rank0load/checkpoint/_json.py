@@ -49,7 +49,7 @@ def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> objec
     """
     try:
         text = raw.decode("utf-8")
-        del raw  # the caller's reference may be the last other one (see _source._read_index)
+        del raw  # the caller's reference may be the last other one (see _index._read_index)
         found = json.loads(text)
         # Every key of every object is followed by one ':' in the text, and so is every ':' inside
         # a string. When the keys of the top two levels (all an index or a header has) are as many
