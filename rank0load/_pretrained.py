@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _diffusers
 from ._api import load_sharded
-from .checkpoint._entries import FLOAT_WIRE
 from .checkpoint._files import OpenFile, read_exact
+from .checkpoint._fit import FLOAT_WIRE
 from .checkpoint._format import DTYPES, read_header
 from .checkpoint._source import Resolved, resolve
 from .common import _distribute

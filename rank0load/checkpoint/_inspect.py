@@ -23,7 +23,7 @@ from torch import nn
 from ..errors import LoadError
 from ..integrations._convert import conversions_for
 from ..model._meta import build_on_meta, describe
-from ._entries import build_entries, quantised_keys, unconsumed
+from ._fit import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
 from ._manifest import _headers

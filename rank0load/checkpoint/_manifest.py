@@ -4,7 +4,7 @@
 (before the ranks agree: headers need no model); :func:`read_manifest` then runs
 :func:`build_manifest` on them, which maps checkpoint keys to model keys
 (``_match.match_keys``, which ``inspect`` shares so its dry run matches keys exactly as a load does),
-checks keys (the entries themselves come from ``_entries``), and returns a :class:`Manifest`: the
+checks keys (the entries themselves come from ``_fit``), and returns a :class:`Manifest`: the
 ordered list of :class:`Entry` that every rank will iterate during streaming. Any problem raises a
 :class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
 """
@@ -23,8 +23,9 @@ from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, M
 from ..integrations import _peft
 from ..integrations._convert import Conversion
 from ..model._meta import ModelLayout
-from ._entries import Entry, build_entries, quantised_keys, unconsumed
+from ._entries import Entry
 from ._files import OpenFile, open_files
+from ._fit import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader, read_header
 from ._fp8 import block_size as fp8_block_size
 from ._match import match_keys, nothing_matched

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from ..errors import LoadError, ModelMismatchError
 from ..integrations._convert import Conversion, ConversionMatch, KeyResolver
 from ..model._meta import ModelLayout
-from ._entries import Entry, KeyMatch, build_entries, quantised_keys, unconsumed
+from ._entries import Entry
+from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader, read_header
 from ._fp8 import block_size as fp8_block_size
 from ._manifest import Checkpoint, Manifest, headers_of, manifest_of, unforeseen
