@@ -5,7 +5,7 @@ inside it (rank 0 only; no collectives).
 file and checks its ``weight_map``: every key listed once, every file name a relative path that
 :func:`inside` resolves to a regular file within the checkpoint directory (or the Hub cache repo
 folder its snapshot links into). What it lists is kept as a :class:`Listing`, per-file key counts
-and hash sums, which ``_manifest`` checks each header against; the map itself is read again only to
+and hash sums, which ``_headers`` checks each header against; the map itself is read again only to
 name a disagreement. ``_source`` decides which index or files a checkpoint path means.
 """
 

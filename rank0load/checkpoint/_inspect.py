@@ -26,7 +26,7 @@ from ..model._meta import build_on_meta, describe
 from ._fit import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
-from ._manifest import _headers
+from ._headers import read_headers
 from ._match import match_keys
 from ._source import resolve
 
@@ -125,7 +125,7 @@ def inspect_checkpoint(
     if key_map is not None and model_fn is None:
         raise ValueError("key_map maps checkpoint keys to model keys: pass model_fn as well")
     source = resolve(ckpt_path, revision)
-    headers = _headers(source)
+    headers = read_headers(source)
     per_file: dict[str, int] = {path: 0 for path in source.files}
     dtypes: dict[str, tuple[int, int]] = {}
     largest: TensorHeader | None = None

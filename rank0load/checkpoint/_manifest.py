@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
+from ..errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 from ..integrations import _peft
 from ..integrations._convert import Conversion
 from ..model._meta import ModelLayout
 from ._entries import Entry
 from ._files import OpenFile, open_files
 from ._fit import build_entries, quantised_keys, unconsumed
-from ._format import TensorHeader, read_header
+from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
+from ._headers import read_headers
 from ._match import match_keys, nothing_matched
 from ._source import Source, resolve
 
@@ -59,64 +60,6 @@ class Manifest:
     initialised: tuple[int, int] = (0, 0)
     # runs of files whose headers were matched one run at a time (see _runs); 0: all at once
     runs: int = 0
-
-
-def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
-    """All tensors of all files; checked against the index when there is one (each file's keys
-    against the keys it lists for that file: :class:`~._source.Listing`).
-
-    ``files``: the source's files already opened (``_files.open_files(source.files)``); each
-    header is then read through its descriptor. Without it, each file is opened by path.
-    """
-    found: dict[str, TensorHeader] = {}
-    for path in source.files:
-        tensors, _ = read_header(files[path] if files is not None else path)
-        twice = found.keys() & tensors.keys()  # ~96,000 keys in a MoE checkpoint: checked in C
-        if twice:
-            key = next(k for k in tensors if k in twice)
-            raise CheckpointFormatError(
-                f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
-                f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
-            )
-        if source.listing is not None and not source.listing.agrees(path, tensors):
-            _disagreement(source, source.listing.read_map(), path, tensors)
-        found.update(tensors)
-    if source.listing is not None and source.listing.total != len(found):  # listed, in no header
-        absent = next(((k, p) for k, p in source.listing.read_map().items() if k not in found), None)
-        if absent is None:  # the index read again lists only keys that are there
-            raise CheckpointChangedError(
-                f"{source.description}: the index changed while the checkpoint was loaded "
-                f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
-                "once it is written."
-            )
-        key, path = absent
-        raise CheckpointFormatError(
-            f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
-            "but no file stores it. The index and the shards disagree: re-save the checkpoint."
-        )
-    return found
-
-
-def _disagreement(
-    source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
-) -> None:
-    """Raise the error naming where file ``path``'s keys (its ``tensors``) and the index's map
-    ``listed`` disagree: a key it does not list, or lists in another file (a key it lists but
-    no file holds is named after the last file, as before the index was kept as a Listing)."""
-    unlisted = [k for k in tensors if k not in listed]
-    if unlisted:
-        raise CheckpointFormatError(
-            f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
-            f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
-        )
-    elsewhere = next(((k, listed[k]) for k in tensors if listed[k] != path), None)
-    if elsewhere is not None:
-        key, where = elsewhere
-        raise CheckpointFormatError(
-            f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
-            f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
-        )
-    # else the index lists more keys in this file than it holds: raised once all files are read
 
 
 @dataclass(frozen=True)
@@ -171,7 +114,7 @@ def build_manifest(
     list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`).
     ``headers``: the source's headers, read already (:func:`open_checkpoint`)."""
     if headers is None:
-        headers = _headers(source, files)
+        headers = read_headers(source, files)
     headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
     quantised = quantised_keys(match, layout)
@@ -258,7 +201,7 @@ def _with_adapters(
         return headers, key_map
     merged, own = dict(headers), set()
     for adapter in adapters:
-        for name, t in _headers(adapter.source, files).items():
+        for name, t in read_headers(adapter.source, files).items():
             key = adapter.model_keys.get(name, name)
             if key in merged:
                 raise CheckpointFormatError(
@@ -288,7 +231,7 @@ class Checkpoint:
 
 def headers_of(checkpoint: Checkpoint) -> dict[str, TensorHeader]:
     """(rank 0) Every header of the checkpoint, read through its open files, checked."""
-    return _headers(checkpoint.source, checkpoint.files)
+    return read_headers(checkpoint.source, checkpoint.files)
 
 
 def open_checkpoint(
@@ -311,7 +254,7 @@ def open_checkpoint(
             stack.callback(opened.close)
         if by_runs and not found:
             return Checkpoint(source, found, files, {}, by_runs=True)
-        return Checkpoint(source, found, files, _headers(source, files))
+        return Checkpoint(source, found, files, read_headers(source, files))
     except LoadError as exc:
         return exc
     except Exception as exc:  # anything unforeseen must still reach every rank
