@@ -3,9 +3,9 @@
 all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
-rank 0     resolve the checkpoint, open its files         -> _source, _files, _manifest.open_checkpoint
+rank 0     resolve the checkpoint, open its files         -> _source, _files, _read.open_checkpoint
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
-rank 0     read and match the headers (run by run), validate -> _format, _runs, _manifest, _entries
+rank 0     read and match the headers (run by run), validate -> _read.read_manifest (_runs, _manifest, _fit)
 all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
 all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
 all ranks  shards resident; init what's missing, put adapters in, staging, plan -> _model, _plan
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .checkpoint import _runs
-from .checkpoint._manifest import Checkpoint, Manifest, adapters_of, open_checkpoint
+from .checkpoint._manifest import Manifest, adapters_of
+from .checkpoint._read import Checkpoint, open_checkpoint, read_manifest
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._progress import peak_rss_bytes, progress_bar
@@ -142,7 +142,7 @@ def load_sharded(
         assert built is not None  # agree() raised otherwise
         clock("agree")
         result = (
-            _runs.read_manifest(checkpoint, ckpt_path, built.layout, strict, key_map, built.conversions)
+            read_manifest(checkpoint, ckpt_path, built.layout, strict, key_map, built.conversions)
             if checkpoint is not None
             else None
         )

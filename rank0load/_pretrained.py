@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _diffusers, _transformers
-from .checkpoint._entries import FLOAT_WIRE
 from .checkpoint._files import OpenFile, read_exact
+from .checkpoint._fit import FLOAT_WIRE
 from .checkpoint._format import read_header
 from .checkpoint._source import Resolved, resolve
 from .common import _distribute

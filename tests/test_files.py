@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rank0load.checkpoint import _files, _manifest, _source
+from rank0load.checkpoint import _files, _headers, _source
 from rank0load.checkpoint._files import FileIdentity, OpenFile, open_files
 from rank0load.checkpoint._format import MAX_HEADER_BYTES, read_header
 from rank0load.errors import (
@@ -463,7 +463,7 @@ def test_single_file_wins_over_index(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert source.listing is None
     assert source.ignored == (os.path.join(root, index.name),)
     assert source.description == str(tmp_path) and source.root == root
-    assert set(_manifest._headers(source)) == {"other"}
+    assert set(_headers.read_headers(source)) == {"other"}
     records = [r for r in caplog.records if r.name == "rank0load.checkpoint._source"]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     text = records[0].getMessage()
@@ -620,7 +620,7 @@ def test_open_files_opens_each_once_and_closes_on_failure(
 
 
 def test_headers_read_through_open_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """_manifest._headers(source, files) reads by descriptor and never opens by path."""
+    """_headers.read_headers(source, files) reads by descriptor and never opens by path."""
     sharded(tmp_path)
     source = _source.resolve(tmp_path)
     files = open_files(source.files)
@@ -630,15 +630,15 @@ def test_headers_read_through_open_files(tmp_path: Path, monkeypatch: pytest.Mon
             raise AssertionError("re-opened a checkpoint file by path")
 
         monkeypatch.setattr(OpenFile, "open", refuse)
-        found = _manifest._headers(source, files)
+        found = _headers.read_headers(source, files)
         assert set(found) == {"x", "y"}
         assert found["x"].file == source.files[0] and found["y"].file == source.files[1]
     finally:
         for f in files.values():
             f.close()
     monkeypatch.undo()
-    assert set(_manifest._headers(source, None)) == {"x", "y"}  # the listing is not used up
-    assert set(_manifest._headers(_source.resolve(tmp_path))) == {"x", "y"}  # by path, as before
+    assert set(_headers.read_headers(source, None)) == {"x", "y"}  # the listing is not used up
+    assert set(_headers.read_headers(_source.resolve(tmp_path))) == {"x", "y"}  # by path, as before
 
 
 def test_index_listing_a_missing_key(tmp_path: Path) -> None:
@@ -653,7 +653,7 @@ def test_index_listing_a_missing_key(tmp_path: Path) -> None:
     with pytest.raises(
         CheckpointFormatError, match=r"index lists key 'z' in model-00002-of-00002.safetensors, but no file"
     ):
-        _manifest._headers(source)
+        _headers.read_headers(source)
     write_index(tmp_path, names)  # rewritten after it was resolved
     with pytest.raises(CheckpointChangedError, match="the index changed while the checkpoint was loaded"):
-        _manifest._headers(source)
+        _headers.read_headers(source)

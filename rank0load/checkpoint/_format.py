@@ -4,7 +4,7 @@
 and validates everything the streaming phase relies on (dtype, shape, byte ranges inside the file,
 no overlap, no gaps) before any data moves; parsing the header ourselves is what lets rank 0 then
 read each tensor's bytes at its file offset into a small reusable buffer instead of mapping whole
-files (mapped pages count in RSS). :func:`parse_json` also decodes the index (``_source``).
+files (mapped pages count in RSS). The JSON itself is decoded by ``_json``.
 (all ranks) :data:`DTYPES` and :class:`TensorHeader` are plain data; no collectives here.
 """
 
@@ -17,13 +17,13 @@ import operator
 import os
 import re
 import struct
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import CheckpointFormatError
 from ._files import OpenFile, read_exact
+from ._json import Twice, mark_twice, parse_json, short_repr
 
 __all__ = [
     "DTYPES",
@@ -89,65 +89,6 @@ def _fail(path: str, what: str) -> CheckpointFormatError:
     )
 
 
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class Twice(dict[str, object]):
-    """A JSON object in which some key occurs more than once (``twice`` lists them, in order).
-
-    ``json.loads`` would silently keep the last value; :func:`parse_json` returns this instead so
-    the caller can say which key of which object is ambiguous.
-    """
-
-    twice: tuple[str, ...] = ()
-
-
-def _pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    obj = dict(pairs)  # once per JSON object (~96,000 in a MoE header): the common case in C
-    if len(obj) == len(pairs):
-        return obj
-    seen: set[str] = set()
-    twice = [key for key, _ in pairs if key in seen or seen.add(key)]  # type: ignore[func-returns-value]
-    marked = Twice(obj)
-    marked.twice = tuple(twice)
-    return marked
-
-
-def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> object:
-    """Decode untrusted JSON; objects with a repeated key come back as :class:`Twice`.
-
-    Invalid UTF-8 or JSON, a number too long to convert, or nesting too deep for the parser raise
-    ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index").
-    """
-    try:
-        text = raw.decode("utf-8")
-        del raw  # the caller's reference may be the last other one (see _source._read_index)
-        found = json.loads(text)
-        # Every key of every object is followed by one ':' in the text, and so is every ':' inside
-        # a string. When the keys of the top two levels (all an index or a header has) are as many
-        # as the text's colons, no string holds a ':', no deeper object exists and no key occurs
-        # twice; otherwise parse again, marking repeated keys (the hook costs ~50% more).
-        if _keys_two_deep(found) != text.count(":"):
-            found = json.loads(text, object_pairs_hook=_pairs)
-        return found
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        problem = f"{what} is not valid JSON ({exc})"
-    except ValueError as exc:  # int("9" * 5000): Python's integer-string conversion limit
-        problem = f"{what} holds a number too long to parse ({_short(str(exc), 90)})"
-    except RecursionError:
-        problem = f"{what} is nested too deeply to parse"
-    raise fail(problem)
-
-
-def _keys_two_deep(found: object) -> int:
-    """The keys of ``found`` (a dict) and of the dicts among its values (-1: ``found`` is no dict)."""
-    if type(found) is not dict:
-        return -1
-    return len(found) + sum(len(v) for v in found.values() if type(v) is dict)
-
-
 def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, TensorHeader], dict[str, str]]:
     """(rank 0) Parse and validate one file's header. Returns (tensors, ``__metadata__``).
 
@@ -193,7 +134,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
     metadata = header.pop("__metadata__", None)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _fail(path, f"'__metadata__' is {_short(metadata)}: expected an object of strings")
+        raise _fail(path, f"'__metadata__' is {short_repr(metadata)}: expected an object of strings")
     if isinstance(metadata, Twice):
         raise _fail(path, f"'__metadata__' holds key {metadata.twice[0]!r} twice")
     parsed = _parse_entries(path, header, data_start, data_size)
@@ -236,18 +177,10 @@ def _as_written(
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    metadata: dict[str, str] = {}
-    at = 1
-    if text.startswith('{"__metadata__":'):
-        found = _METADATA.match(text)
-        if found is None:
-            return None
-        metadata = json.loads(found.group(1), object_pairs_hook=_pairs)
-        if isinstance(metadata, Twice):
-            return None
-        at = found.end()
-    elif not text.startswith("{"):
+    opened = _written_metadata(text)
+    if opened is None:
         return None
+    metadata, at = opened
     rows = _ENTRY.findall(text, at)
     if not rows:
         return None
@@ -284,6 +217,20 @@ def _as_written(
     # tuple.__new__ straight from the columns: the named tuple's own __new__ is a Python function
     tensors = dict(zip(keys, map(tuple.__new__, itertools.repeat(TensorHeader), columns)))
     return tensors, metadata, tiled and stops[-1] == data_size
+
+
+def _written_metadata(text: str) -> tuple[dict[str, str], int] | None:
+    """(metadata, where the entries start) of a header as safetensors writes it: ``{``, then its
+    ``__metadata__`` object of strings, if any, written first; None for anything else."""
+    if not text.startswith('{"__metadata__":'):
+        return ({}, 1) if text.startswith("{") else None
+    found = _METADATA.match(text)
+    if found is None:
+        return None
+    metadata = json.loads(found.group(1), object_pairs_hook=mark_twice)
+    if isinstance(metadata, Twice):
+        return None
+    return metadata, found.end()
 
 
 def _parse_entries(
@@ -335,14 +282,16 @@ def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size:
             f"(known: {', '.join(sorted(DTYPES))})",
         )
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _fail(path, f"key {key!r} has shape {_short(shape)}: expected a list of non-negative integers")
+        raise _fail(
+            path, f"key {key!r} has shape {short_repr(shape)}: expected a list of non-negative integers"
+        )
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(type(o) is int and o >= 0 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _fail(path, f"key {key!r} has data_offsets {_short(offsets)}: expected [begin, end]")
+        raise _fail(path, f"key {key!r} has data_offsets {short_repr(offsets)}: expected [begin, end]")
     begin, end = offsets
     if end > data_size:
         raise _fail(
@@ -353,14 +302,14 @@ def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size:
     tshape = tuple(shape)
     if dtype == "F4":
         if not tshape or tshape[-1] % 2:
-            raise _fail(path, f"key {key!r}: F4 shape {_short(shape)} needs an even last dimension")
+            raise _fail(path, f"key {key!r}: F4 shape {short_repr(shape)} needs an even last dimension")
         tshape = (*tshape[:-1], tshape[-1] // 2)
     nbytes = _nbytes(tshape, DTYPES[dtype].itemsize, data_size)
     if nbytes is None or end - begin != nbytes:
         needs = f"more than the {data_size} data bytes" if nbytes is None else f"{nbytes} bytes"
         raise _fail(
             path,
-            f"key {key!r} ({dtype}, shape {_short(shape)}) needs {needs} but data_offsets "
+            f"key {key!r} ({dtype}, shape {short_repr(shape)}) needs {needs} but data_offsets "
             f"[{begin}, {end}] span {end - begin}",
         )
     return TensorHeader(path, key, dtype, tshape, data_start + begin, nbytes)

@@ -149,7 +149,7 @@ def dequantize(
     """float32 values of elements ``[start, start + len(values))`` of an entry made of 2-D parts
     of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales`` holds the
     parts' scale grids (float32), one after the other. (Parts that end on block boundaries are one
-    part to this: ``_entries`` gives such an entry a single ``part_rows``.)
+    part to this: ``_fit`` gives such an entry a single ``part_rows``.)
 
     ``into``: a contiguous tensor of ``len(values)`` elements of a floating dtype that receives the
     values instead (returned), each product rounded once to its dtype, as ``.to(dtype)`` of the

@@ -23,12 +23,12 @@ from torch import nn
 from ..errors import LoadError
 from ..integrations._convert import conversions_for
 from ..model._meta import build_on_meta, describe
-from ._entries import build_entries, quantised_keys, unconsumed
+from ._fit import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
-from ._manifest import _headers
+from ._headers import read_headers
 from ._match import match_keys
-from ._source import resolve
+from ._source import Source, resolve
 
 __all__ = ["FileSummary", "Inspection", "inspect_checkpoint", "load_factory"]
 
@@ -125,7 +125,15 @@ def inspect_checkpoint(
     if key_map is not None and model_fn is None:
         raise ValueError("key_map maps checkpoint keys to model keys: pass model_fn as well")
     source = resolve(ckpt_path, revision)
-    headers = _headers(source)
+    headers = read_headers(source)
+    summary = _summarise(source, headers)
+    if model_fn is None:
+        return summary
+    return _check_model(summary, source, headers, model_fn, key_map, conversions)
+
+
+def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
+    """The checkpoint's files, tensors, dtypes and sizes, no model checked."""
     per_file: dict[str, int] = {path: 0 for path in source.files}
     dtypes: dict[str, tuple[int, int]] = {}
     largest: TensorHeader | None = None
@@ -140,7 +148,7 @@ def inspect_checkpoint(
         FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), n)
         for path, n in per_file.items()
     )
-    summary = Inspection(
+    return Inspection(
         description=source.description,
         root=source.root,
         files=files,
@@ -149,9 +157,18 @@ def inspect_checkpoint(
         dtypes=dict(sorted(dtypes.items())),
         largest=largest,
     )
-    if model_fn is None:
-        return summary
 
+
+def _check_model(
+    summary: Inspection,
+    source: Source,
+    headers: dict[str, TensorHeader],
+    model_fn: Callable[[], nn.Module],
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Any],
+) -> Inspection:
+    """``summary`` with how the checkpoint's keys fit the model ``model_fn`` builds (on meta): every
+    problem listed, none raised (what a load raises for a key_map's mistakes aside)."""
     model, built = build_on_meta(model_fn)
     layout = describe(model, built)
     keys = list(layout.tensors) + list(layout.aliases)

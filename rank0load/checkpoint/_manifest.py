@@ -1,17 +1,16 @@
 """Match the checkpoint's headers to the model and produce the manifest (rank 0; no collectives).
 
-(rank 0) :func:`open_checkpoint` resolves the checkpoint, opens its files and reads their headers
-(before the ranks agree: headers need no model); :func:`read_manifest` then runs
-:func:`build_manifest` on them, which maps checkpoint keys to model keys
-(``_match.match_keys``, which ``inspect`` shares so its dry run matches keys exactly as a load does),
-checks keys (the entries themselves come from ``_entries``), and returns a :class:`Manifest`: the
-ordered list of :class:`Entry` that every rank will iterate during streaming. Any problem raises a
-:class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
+(rank 0) :func:`build_manifest` takes all the checkpoint's headers at once (read by ``_headers``;
+``_read.read_manifest`` calls it) with those of the PEFT adapters loaded with it
+(:func:`adapters_of`), maps checkpoint keys to model keys (``_match.match_keys``, which ``inspect``
+shares so its dry run matches keys exactly as a load does), checks keys (the entries themselves
+come from ``_fit``), and returns a :class:`Manifest` (:func:`manifest_of`, which ``_runs`` shares):
+the ordered list of :class:`Entry` that every rank will iterate during streaming. Any problem
+raises a :class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -19,29 +18,20 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
+from ..errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 from ..integrations import _peft
 from ..integrations._convert import Conversion
 from ..model._meta import ModelLayout
-from ._entries import Entry, build_entries, quantised_keys, unconsumed
-from ._files import OpenFile, open_files
-from ._format import TensorHeader, read_header
+from ._entries import Entry
+from ._files import OpenFile
+from ._fit import build_entries, quantised_keys, unconsumed
+from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
+from ._headers import read_headers
 from ._match import match_keys, nothing_matched
 from ._source import Source, resolve
 
-__all__ = [
-    "Adapter",
-    "Checkpoint",
-    "Manifest",
-    "adapters_of",
-    "build_manifest",
-    "headers_of",
-    "manifest_of",
-    "open_checkpoint",
-    "read_manifest",
-    "unforeseen",
-]
+__all__ = ["Adapter", "Manifest", "adapters_of", "build_manifest", "manifest_of"]
 
 
 @dataclass(frozen=True)
@@ -58,64 +48,6 @@ class Manifest:
     initialised: tuple[int, int] = (0, 0)
     # runs of files whose headers were matched one run at a time (see _runs); 0: all at once
     runs: int = 0
-
-
-def _headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
-    """All tensors of all files; checked against the index when there is one (each file's keys
-    against the keys it lists for that file: :class:`~._source.Listing`).
-
-    ``files``: the source's files already opened (``_files.open_files(source.files)``); each
-    header is then read through its descriptor. Without it, each file is opened by path.
-    """
-    found: dict[str, TensorHeader] = {}
-    for path in source.files:
-        tensors, _ = read_header(files[path] if files is not None else path)
-        twice = found.keys() & tensors.keys()  # ~96,000 keys in a MoE checkpoint: checked in C
-        if twice:
-            key = next(k for k in tensors if k in twice)
-            raise CheckpointFormatError(
-                f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
-                f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
-            )
-        if source.listing is not None and not source.listing.agrees(path, tensors):
-            _disagreement(source, source.listing.read_map(), path, tensors)
-        found.update(tensors)
-    if source.listing is not None and source.listing.total != len(found):  # listed, in no header
-        absent = next(((k, p) for k, p in source.listing.read_map().items() if k not in found), None)
-        if absent is None:  # the index read again lists only keys that are there
-            raise CheckpointChangedError(
-                f"{source.description}: the index changed while the checkpoint was loaded "
-                f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
-                "once it is written."
-            )
-        key, path = absent
-        raise CheckpointFormatError(
-            f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
-            "but no file stores it. The index and the shards disagree: re-save the checkpoint."
-        )
-    return found
-
-
-def _disagreement(
-    source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
-) -> None:
-    """Raise the error naming where file ``path``'s keys (its ``tensors``) and the index's map
-    ``listed`` disagree: a key it does not list, or lists in another file (a key it lists but
-    no file holds is named after the last file, as before the index was kept as a Listing)."""
-    unlisted = [k for k in tensors if k not in listed]
-    if unlisted:
-        raise CheckpointFormatError(
-            f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
-            f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
-        )
-    elsewhere = next(((k, listed[k]) for k in tensors if listed[k] != path), None)
-    if elsewhere is not None:
-        key, where = elsewhere
-        raise CheckpointFormatError(
-            f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
-            f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
-        )
-    # else the index lists more keys in this file than it holds: raised once all files are read
 
 
 @dataclass(frozen=True)
@@ -167,10 +99,10 @@ def build_manifest(
     headers: dict[str, TensorHeader] | None = None,
 ) -> Manifest:
     """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
-    list what to move, in file order. ``files``: the files, opened once (see :func:`read_manifest`).
-    ``headers``: the source's headers, read already (:func:`open_checkpoint`)."""
+    list what to move, in file order. ``files``: the files, opened once (see
+    ``_read.open_checkpoint``). ``headers``: the source's headers, read already (there)."""
     if headers is None:
-        headers = _headers(source, files)
+        headers = read_headers(source, files)
     headers, key_map = _with_adapters(headers, key_map, adapters, files)
     match = match_keys(headers, layout, key_map, conversions)
     quantised = quantised_keys(match, layout)
@@ -257,7 +189,7 @@ def _with_adapters(
         return headers, key_map
     merged, own = dict(headers), set()
     for adapter in adapters:
-        for name, t in _headers(adapter.source, files).items():
+        for name, t in read_headers(adapter.source, files).items():
             key = adapter.model_keys.get(name, name)
             if key in merged:
                 raise CheckpointFormatError(
@@ -270,85 +202,3 @@ def _with_adapters(
         return merged, None
     user_map = key_map
     return merged, lambda k: k if k in own else user_map(k)
-
-
-@dataclass
-class Checkpoint:
-    """(rank 0) The checkpoint resolved, its files open and its headers read and checked: what
-    :func:`read_manifest` matches against the model. Read before the ranks agree on their models,
-    while the slower ranks still build (the headers need no model)."""
-
-    source: Source
-    adapters: Sequence[Adapter]
-    files: dict[str, OpenFile]
-    headers: dict[str, TensorHeader]
-    by_runs: bool = False  # headers left unread: read and matched run by run (see _runs)
-
-
-def headers_of(checkpoint: Checkpoint) -> dict[str, TensorHeader]:
-    """(rank 0) Every header of the checkpoint, read through its open files, checked."""
-    return _headers(checkpoint.source, checkpoint.files)
-
-
-def open_checkpoint(
-    ckpt_path: str | os.PathLike[str],
-    revision: str | None,
-    stack: contextlib.ExitStack,
-    adapters: Callable[[], Sequence[Adapter]] = lambda: (),
-    by_runs: bool = False,
-) -> Checkpoint | LoadError:
-    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
-    (closed by ``stack``) and read the checkpoint's headers. Returns them with the open files the
-    stream reads, or the LoadError to share with every rank (anything unforeseen is wrapped in one).
-    ``by_runs``: without adapters, leave the headers unread (``_runs.read_manifest`` reads them
-    run by run)."""
-    try:
-        source = resolve(ckpt_path, revision)
-        found = adapters()
-        files = open_files((*source.files, *(f for a in found for f in a.source.files)))
-        for opened in files.values():
-            stack.callback(opened.close)
-        if by_runs and not found:
-            return Checkpoint(source, found, files, {}, by_runs=True)
-        return Checkpoint(source, found, files, _headers(source, files))
-    except LoadError as exc:
-        return exc
-    except Exception as exc:  # anything unforeseen must still reach every rank
-        return unforeseen(ckpt_path, exc)
-
-
-def read_manifest(
-    checkpoint: Checkpoint | LoadError,
-    ckpt_path: str | os.PathLike[str],
-    layout: ModelLayout,
-    strict: bool,
-    key_map: Callable[[str], str | None] | None,
-    conversions: Sequence[Conversion] = (),
-) -> Manifest | LoadError:
-    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model, or the
-    LoadError to share with every rank: its own, or any problem found matching its headers."""
-    if isinstance(checkpoint, LoadError):
-        return checkpoint
-    headers, checkpoint.headers = checkpoint.headers, {}  # held here only: freed when this returns
-    try:
-        return build_manifest(
-            checkpoint.source,
-            layout,
-            strict=strict,
-            key_map=key_map,
-            files=checkpoint.files,
-            conversions=conversions,
-            adapters=checkpoint.adapters,
-            headers=headers,
-        )
-    except LoadError as exc:
-        return exc
-    except Exception as exc:  # anything unforeseen must still reach every rank
-        return unforeseen(ckpt_path, exc)
-
-
-def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception) -> LoadError:
-    """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading."""
-    return LoadError(
-        f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
-    )

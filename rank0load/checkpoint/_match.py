@@ -18,7 +18,7 @@ from ..errors import ModelMismatchError, format_keys
 from ..integrations._convert import Conversion, ConversionMatch
 from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
-from ._entries import KeyMatch
+from ._fit import KeyMatch
 from ._format import TensorHeader
 
 __all__ = ["match_keys", "nothing_matched"]

@@ -6,41 +6,44 @@ Made at once, a MoE checkpoint's ~96,000 header entries, their matches and their
 allocator's arenas holding the few objects that outlive them, and those pages stay resident for
 the rest of the load. Measured with ``sys._debugmallocstats`` after a MiniMax-M2-count load, rank 0
 held 1,444 unused 16 KiB pools against rank 1's 269; made run by run, 1,068; with the index kept
-as a ``_source.Listing`` as well (its ~96,000 names were the rest), 376. Here each run of
+as an ``_index.Listing`` as well (its ~96,000 names were the rest), 376. Here each run of
 consecutive files (at least :data:`RUN_TENSORS` tensors) is read, matched and made into entries,
 then its header objects are freed before the next run reuses their memory; an entry's checkpoint
 names are kept as one string per entry.
 
-:func:`read_manifest` makes it so when the load has no ``key_map`` and no adapters (see
-``_manifest.open_checkpoint(by_runs=)``). A run settles what lies within it (:func:`_share`);
-:func:`_merge` settles what spans runs: the index's key count, a model tensor found in two runs,
-expert groups and float8 scale grids whose pieces lie in several runs. Anything else that is not a
-clean load (any error, a tied parameter stored twice, strict keys that do not match) makes rank 0
-read every header again and make the manifest at once (``_manifest.read_manifest``), which raises
-the same first error, worded the same, as without runs: runs change where memory goes, never what
-a load loads or says.
+(rank 0) ``_read.read_manifest`` calls :func:`manifest_by_runs` when the load has no ``key_map``
+and no adapters (see ``_read.open_checkpoint(by_runs=)``). Each file's header is checked as
+``_headers`` checks it (:func:`~._headers.file_tensors`, within its run). A run settles what lies
+within it (:func:`_share`); :func:`_merge` settles what spans runs: the index's key count, a model
+tensor found in two runs, expert groups and float8 scale grids whose pieces lie in several runs.
+Anything else that is not a clean load (any error, a tied parameter stored twice, strict keys that
+do not match) returns None, and ``_read.read_manifest`` reads every header again and makes the
+manifest at once (``_manifest.build_manifest``), which raises the same first error, worded the
+same, as without runs: runs change where memory goes, never what a load loads or says.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..errors import LoadError, ModelMismatchError
 from ..integrations._convert import Conversion, ConversionMatch
 from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
-from ._entries import Entry, KeyMatch, build_entries, quantised_keys, unconsumed
-from ._format import TensorHeader, read_header
+from ._entries import Entry
+from ._files import OpenFile
+from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
+from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
-from ._manifest import Checkpoint, Manifest, headers_of, manifest_of, unforeseen
-from ._manifest import read_manifest as read_at_once
+from ._headers import file_tensors
+from ._manifest import Manifest, manifest_of
 from ._match import match_keys
+from ._source import Source
 
-__all__ = ["RUN_TENSORS", "read_manifest"]
+__all__ = ["RUN_TENSORS", "manifest_by_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ _SCALE = "_scale_inv"
 
 
 class _AtOnce(Exception):
-    """Why the manifest must be made at once (:func:`read_manifest` then makes it so)."""
+    """Why the manifest must be made at once (:func:`manifest_by_runs` then returns None)."""
 
 
 @dataclass
@@ -68,39 +71,32 @@ class _Share:
     unsupported: tuple[str, ...] = ()  # model keys only a conversion rank0load cannot do would fill
 
 
-def read_manifest(
-    checkpoint: Checkpoint | LoadError,
-    ckpt_path: str | os.PathLike[str],
+def manifest_by_runs(
+    source: Source,
+    files: dict[str, OpenFile],
     layout: ModelLayout,
     strict: bool,
-    key_map: Callable[[str], str | None] | None,
     conversions: Sequence[Conversion] = (),
-) -> Manifest | LoadError:
-    """(rank 0) ``_manifest.read_manifest``, run by run where ``checkpoint.by_runs``."""
-    if isinstance(checkpoint, Checkpoint) and checkpoint.by_runs:
-        assert key_map is None  # _api asks for runs only without it
-        try:
-            return _by_runs(checkpoint, layout, strict, conversions)
-        except (_AtOnce, LoadError) as exc:
-            logger.debug("rank0load: the manifest is made at once (%s)", exc)
-        except Exception as exc:  # ours; the load goes on without runs
-            logger.warning(
-                "rank0load: making the manifest run by run failed (%s: %s)", type(exc).__name__, exc
-            )
-        try:
-            checkpoint.by_runs = False
-            checkpoint.headers = headers_of(checkpoint)
-        except LoadError as exc:
-            return exc
-        except Exception as exc:  # anything unforeseen must still reach every rank
-            return unforeseen(ckpt_path, exc)
-    return read_at_once(checkpoint, ckpt_path, layout, strict, key_map, conversions)
+) -> Manifest | None:
+    """(rank 0) The manifest of ``source`` (its ``files`` open) made run by run, or None where it
+    must be made at once (``_read.read_manifest`` then makes it so: any error, and anything else
+    that is not a clean load, is worded there)."""
+    try:
+        return _by_runs(source, files, layout, strict, conversions)
+    except (_AtOnce, LoadError) as exc:
+        logger.debug("rank0load: the manifest is made at once (%s)", exc)
+    except Exception as exc:  # ours; the load goes on without runs
+        logger.warning("rank0load: making the manifest run by run failed (%s: %s)", type(exc).__name__, exc)
+    return None
 
 
 def _by_runs(
-    checkpoint: Checkpoint, layout: ModelLayout, strict: bool, conversions: Sequence[Conversion]
+    source: Source,
+    files: dict[str, OpenFile],
+    layout: ModelLayout,
+    strict: bool,
+    conversions: Sequence[Conversion],
 ) -> Manifest:
-    source = checkpoint.source
     resolver = KeyResolver(layout.canonical, conversions, layout.canonical_all)  # one for all runs
     block = fp8_block_size(source.root)
     listing = source.listing
@@ -108,14 +104,11 @@ def _by_runs(
     every: list[str] | None = [] if listing is None and len(source.files) > 1 else None
     count, headers = 0, dict[str, TensorHeader]()
     for i, path in enumerate(source.files):
-        tensors, _ = read_header(checkpoint.files[path])
+        # checked within the run and against the index (its errors: the manifest made at once)
+        tensors = file_tensors(source, path, files[path], headers)
         count += len(tensors)
-        if listing is not None and not listing.agrees(path, tensors):
-            raise _AtOnce("the index and a header disagree")
-        if every is not None:  # no index: a key stored in two files is found at the end
+        if every is not None:  # no index: a key stored in two files of two runs is found at the end
             every.append("\n".join(tensors))
-        if headers.keys() & tensors.keys():
-            raise _AtOnce("a key is stored twice")
         headers.update(tensors)
         del tensors
         if len(headers) >= RUN_TENSORS or i == len(source.files) - 1:
@@ -127,7 +120,7 @@ def _by_runs(
         keys = list(itertools.chain.from_iterable(k.split("\n") for k in every if k))
         if len(set(keys)) != len(keys) or len(keys) != count:
             raise _AtOnce("a key is stored in two files, or holds a newline")
-    return _merge(shares, checkpoint, layout, strict, block)
+    return _merge(shares, source, layout, strict, block)
 
 
 def _share(
@@ -175,7 +168,7 @@ def _compact(entry: Entry) -> Entry:
 
 def _merge(
     shares: Sequence[_Share],
-    checkpoint: Checkpoint,
+    source: Source,
     layout: ModelLayout,
     strict: bool,
     block: tuple[int, int] | None,
@@ -219,10 +212,8 @@ def _merge(
         raise _AtOnce("keys do not match the model")
     if any(layout.tensors[k].is_param and k not in layout.initialisable for k in missing):
         raise _AtOnce("missing parameters have no initialiser")
-    order = {path: i for i, path in enumerate(checkpoint.source.files)}
+    order = {path: i for i, path in enumerate(source.files)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
     ignored = tuple(sorted(k for s in shares for k in s.ignored))
     kept = tuple(sorted(k for k in absent if k in layout.built))
-    return manifest_of(
-        entries, layout, missing, unexpected, ignored, kept, tuple(checkpoint.source.files), len(shares)
-    )
+    return manifest_of(entries, layout, missing, unexpected, ignored, kept, tuple(source.files), len(shares))

@@ -6,7 +6,7 @@ and, when an index names them, its ``weight_map``. It accepts a directory (holdi
 ``.safetensors`` file, an index ``.json``, or a Hugging Face Hub repo id; with ``subfolder``, that
 folder of a directory or repo (a diffusers pipeline's ``transformer/``). Index entries are
 refused, never followed, when they leave the checkpoint directory (absolute paths, ``..``, a
-symlink pointing outside). A diffusers pipeline's root (``model_index.json``, its weights in one
+symlink pointing outside; ``_index`` reads and checks an index). A diffusers pipeline's root (``model_index.json``, its weights in one
 folder per component) is refused with the folders to pass instead. Other ranks never call anything
 here: on a multi-node job the checkpoint may not exist on their node.
 """
@@ -17,12 +17,11 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ._files import OpenFile, not_regular, read_exact
-from ._format import Twice, parse_json
+from ._files import not_regular
+from ._index import Listing, inside, read_index
 
 __all__ = ["Resolved", "Source", "resolve"]
 
@@ -33,8 +32,6 @@ _INDEX = ".safetensors.index.json"
 _SINGLE = "model" + _SAFE
 _PIPELINE = "model_index.json"  # a diffusers pipeline's root: one folder per component
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-# An index maps names to files: a few MB for the largest models. Anything far bigger is not one.
-_MAX_INDEX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -48,39 +45,6 @@ class Source:
     # Weight files the directory also held but precedence passed over (model.safetensors wins over
     # an index, as in transformers); logged at INFO when resolved.
     ignored: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Listing:
-    """What an index lists, as much of it as checks the headers: each file's number of keys and
-    the sum of their hashes. A MoE index names ~96,000 keys; held as a map from ``resolve`` (before
-    ``load_pretrained`` builds the model) to the manifest, their strings stayed resident on rank 0
-    after they were freed, in the allocator's arenas the build's objects kept alive (13 MiB). The
-    map itself is read again (:meth:`read_map`) only to name the key where index and headers
-    disagree, or for ``inspect``."""
-
-    path: str  # the index file
-    boundary: str | None
-    counts: dict[str, tuple[int, int]]  # absolute file path -> (keys, sum of hash(key) mod 2**64)
-
-    def agrees(self, path: str, keys: Iterable[str]) -> bool:
-        """Whether ``keys`` (a header's) are exactly those the index lists for file ``path``
-        (two different sets of names with equal counts and equal hash sums: chance 2**-64)."""
-        keys = list(keys)
-        return self.counts.get(path) == (len(keys), _hash_sum(keys))
-
-    @property
-    def total(self) -> int:
-        return sum(n for n, _ in self.counts.values())
-
-    def read_map(self) -> dict[str, str]:
-        """The index's map again, checked as :func:`resolve` checked it: checkpoint key -> absolute
-        file path."""
-        return _read_map(self.path, self.boundary)[2]
-
-
-def _hash_sum(keys: Iterable[str]) -> int:
-    return sum(map(hash, keys)) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class Resolved(os.PathLike[str]):
@@ -197,7 +161,7 @@ def _from_dir(path: str, boundary: str | None = None) -> Source:
     root = os.path.realpath(path)
     indexes = [n for n in names if n.endswith(_INDEX)]
     if _SINGLE in names:
-        single = _inside(root, _SINGLE, path, boundary)
+        single = inside(root, _SINGLE, path, boundary)
         if indexes:
             logger.info(
                 "%s holds both %s and %s: loading %s and ignoring the index, as transformers' "
@@ -225,7 +189,7 @@ def _from_dir(path: str, boundary: str | None = None) -> Source:
             "*.safetensors.index.json. Save the model with save_pretrained(..., safe_serialization=True) "
             "or safetensors.torch.save_file."
         )
-    checked = tuple(_inside(root, n, path, boundary) for n in files)
+    checked = tuple(inside(root, n, path, boundary) for n in files)
     return Source(root, checked, None, path)
 
 
@@ -287,103 +251,9 @@ def _pipeline_root(path: str) -> CheckpointNotFoundError:
     )
 
 
-def _inside(root: str, name: object, where: str, boundary: str | None = None) -> str:
-    """Absolute path of ``name`` under ``root``, a regular file; refuse anything that escapes
-    ``boundary`` (default ``root``; a Hub cache's repo folder, whose snapshots link into its blobs)."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointFormatError(
-            f"{where}: file name {name!r} is not a non-empty string. Re-download or re-save the checkpoint."
-        )
-    parts = name.replace("\\", "/").split("/")
-    if os.path.isabs(name) or re.match(r"^[A-Za-z]:", name) or ".." in parts:
-        raise CheckpointFormatError(
-            f"{where}: refusing file {name!r}: index entries must be relative paths inside the "
-            "checkpoint directory (no absolute paths, drives or '..')"
-        )
-    full = os.path.realpath(os.path.join(root, name))
-    boundary = boundary or root
-    if os.path.commonpath([boundary, full]) != boundary:
-        raise CheckpointFormatError(
-            f"{where}: refusing file {name!r}: it resolves to {full!r}, outside the checkpoint "
-            f"directory {boundary!r} (a symlink that escapes?)"
-        )
-    try:
-        mode = os.stat(full).st_mode
-    except OSError:
-        raise CheckpointNotFoundError(
-            f"{where}: names file {name!r}, which does not exist in {root!r}. "
-            "Was the download interrupted? Re-download the missing shard."
-        ) from None
-    if not stat.S_ISREG(mode):
-        raise not_regular(os.path.join(root, name), mode, where)
-    return full
-
-
-def _index_error(index_path: str, problem: str) -> CheckpointFormatError:
-    return CheckpointFormatError(
-        f"{index_path}: {problem}. Re-download or re-save the checkpoint (save_pretrained writes the "
-        "index last: an interrupted save leaves it incomplete), or pass a single .safetensors file "
-        "as ckpt_path."
-    )
-
-
-def _read_index(index_path: str) -> object:
-    """The index's JSON, read through one descriptor of a regular file (never blocks on a FIFO)."""
-    with OpenFile.open(index_path) as f:
-        size = f.identity.size
-        if size > _MAX_INDEX_BYTES:
-            raise _index_error(
-                index_path, f"index is {size} bytes, more than the {_MAX_INDEX_BYTES} an index can need"
-            )
-        raw = [read_exact(f.fd, size, 0, index_path)]
-        f.check()
-    # popped, not named: parse_json then holds the only reference and frees the bytes once decoded
-    # (a MoE index is ~10 MB, and rank 0's peak memory is made while it is parsed)
-    return parse_json(raw.pop(), "index", lambda problem: _index_error(index_path, problem))
-
-
 def _from_index(index_path: str, boundary: str | None = None) -> Source:
-    root, files, mapped = _read_map(index_path, boundary)
-    per_file: dict[str, list[str]] = {f: [] for f in files}
-    for key, path in mapped.items():
-        per_file[path].append(key)
-    counts = {f: (len(keys), _hash_sum(keys)) for f, keys in per_file.items()}
-    return Source(root, files, Listing(index_path, boundary, counts), index_path)
-
-
-def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ...], dict[str, str]]:
-    """(root, files, checkpoint key -> absolute file path) of an index, checked."""
-    index = _read_index(index_path)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise _index_error(index_path, "index has no 'weight_map' object mapping tensor names to files")
-    if isinstance(weight_map, Twice):
-        raise _index_error(
-            index_path,
-            f"key {weight_map.twice[0]!r} is listed twice in 'weight_map' (a JSON reader keeps only the "
-            "last, so which file holds it is ambiguous)",
-        )
-    # The index's own directory, not its symlink target's (a Hub cache links the index to a blob).
-    root = os.path.realpath(os.path.dirname(os.path.abspath(index_path)))
-    if set(map(type, weight_map.values())) - {str}:  # keys are strings: JSON's object keys are
-        key, name = next((k, v) for k, v in weight_map.items() if not isinstance(v, str))
-        raise _index_error(
-            index_path, f"'weight_map' maps key {key!r} to {_short(name)}: expected a file name (a string)"
-        )
-    # ~96,000 keys in a MoE index and a few dozen files: each file resolved once, the map in C
-    resolved = {
-        name: _inside(root, name, index_path, boundary) for name in dict.fromkeys(weight_map.values())
-    }
-    mapped = dict(zip(weight_map, map(resolved.__getitem__, weight_map.values())))
-    files = tuple(sorted(set(resolved.values())))
-    if not files:
-        raise _index_error(index_path, "'weight_map' is empty")
-    return root, files, mapped
-
-
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    root, files, listing = read_index(index_path, boundary)
+    return Source(root, files, listing, index_path)
 
 
 # What a load needs from a Hub repo: weights, their index, and the model config and generation config

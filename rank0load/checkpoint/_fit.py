@@ -1,0 +1,322 @@
+"""The matched checkpoint tensors checked against the model and made into entries (rank 0 builds
+them, or ``inspect`` in one process; no collectives).
+
+(rank 0, or ``inspect``) :func:`build_entries` turns a :class:`KeyMatch` (made by
+``_match.match_keys``) into ``_entries.Entry``s: shapes and dtypes checked against the model
+(:func:`_check_fits`), tied names stored twice compared, per-expert tensors assembled into one
+entry of parts (:func:`_assemble`), float8 tensors given their scale grids
+(:func:`_with_scales`, see ``_fp8``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import os
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..errors import ModelMismatchError
+from ..integrations._convert import ConversionMatch
+from ..model._meta import ModelLayout
+from ._entries import Entry, Parts
+from ._format import DTYPES, TensorHeader
+from ._fp8 import FP8_WIRE
+from ._fp8 import scale_for as fp8_scale_for
+
+# TensorHeader and ConversionMatch fields as C-level getters, for columns of ~96,000 of them
+_KEY, _DTYPE, _SHAPE, _NBYTES = map(operator.attrgetter, ("key", "dtype", "shape", "nbytes"))
+_EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
+
+__all__ = ["FLOAT_WIRE", "KeyMatch", "build_entries", "quantised_keys", "unconsumed"]
+
+
+# Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
+# Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
+FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
+
+
+def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    where = os.path.basename(t.file)
+    if t.shape != shape:
+        raise ModelMismatchError(
+            f"key {model_key!r}: checkpoint shape {t.shape} != model {shape} in {where}. "
+            "Does model_fn build the same config as the checkpoint?"
+        )
+    wire = DTYPES[t.dtype]
+    if wire == dtype:
+        return
+    if t.dtype in FLOAT_WIRE and dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        return
+    raise ModelMismatchError(
+        f"key {model_key!r}: checkpoint dtype {t.dtype} ({wire}) cannot be loaded into the model's "
+        f"{dtype} in {where}: only float64/32/16 and bfloat16 are cast; integers, bools, complex "
+        "and float8/float4 must match exactly. Build the model with the checkpoint's dtype."
+    )
+
+
+@dataclass(frozen=True)
+class KeyMatch:
+    """How the checkpoint's keys map onto the model's (made by ``_match.match_keys``)."""
+
+    # canonical model key -> the checkpoint tensors stored under its names, in header order
+    # (more than one: a tied parameter stored under several of its names)
+    by_model_key: dict[str, tuple[TensorHeader, ...]]
+    unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
+    ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
+    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted (kept ones aside)
+    # canonical model key -> the checkpoint tensors a conversion assembles it from
+    stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
+    # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
+    unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    # canonical keys no checkpoint key maps to that keep the values model_fn built (layout.built)
+    kept: tuple[str, ...] = ()
+
+
+def unconsumed(
+    match: KeyMatch, layout: ModelLayout, quantised: AbstractSet[str] | None = None
+) -> tuple[str, ...]:
+    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised
+    (``quantised``: :func:`quantised_keys`, when already known)."""
+    quantised = quantised_keys(match, layout) if quantised is None else quantised
+    # A header key ending in _scale_inv whose weight is quantised is consumed. Tested key by key in
+    # C, each prefix freed at once: no set of ~48,000 names made for it (9 MiB under rank 0's
+    # peak on a MiniMax-M2 checkpoint).
+    unexpected = match.unexpected
+    scale = map(operator.methodcaller("endswith", "_scale_inv"), unexpected)
+    weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len("_scale_inv"))))
+    consumed = map(operator.and_, scale, map(quantised.__contains__, weight))
+    return tuple(itertools.compress(unexpected, map(operator.not_, consumed)))
+
+
+def build_entries(
+    match: KeyMatch,
+    layout: ModelLayout,
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    *,
+    errors: list[str] | None = None,
+    quantised: AbstractSet[str] | None = None,
+) -> list[Entry]:
+    """(rank 0, for all headers at once or one run of files, see ``_runs``; or ``inspect``) One
+    entry per model tensor found: shapes and dtypes checked, stacked experts assembled, float8
+    tensors given their scales. Raises the first ModelMismatchError, or, with ``errors``
+    (``inspect``: headers only), collects every message there and reads no data (tied names stored
+    twice are then not compared). ``block``: the float8 block size the checkpoint's config.json
+    gives (``_fp8.block_size``; read by the caller, once for all of ``_runs``' runs)."""
+    # float8 checkpoint tensors for floating model tensors
+    quantised = quantised_keys(match, layout) if quantised is None else quantised
+    entries: list[Entry] = []
+
+    def one(model_key: str) -> Entry:
+        info = layout.tensors[model_key]
+        members = match.stacked.get(model_key)
+        if members is not None:
+            entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
+            if members[0][1].key in quantised:
+                entry = _with_scales(
+                    entry, [headers[k] for k in entry.parts.key_list()], headers, block, info.dtype
+                )
+            return entry
+        found = match.by_model_key[model_key]
+        if found[0].key in quantised:
+            if found[0].shape != info.shape:
+                _check_fits(found[0], model_key, info.shape, info.dtype)  # raises: the shapes differ
+            return _with_scales(_single(model_key, found[0]), (found[0],), headers, block, info.dtype)
+        for t in found:
+            _check_fits(t, model_key, info.shape, info.dtype)
+        if len(found) > 1 and errors is None:
+            _check_tied_equal(model_key, found)
+        return _single(model_key, found[0])
+
+    for model_key in [*match.by_model_key, *match.stacked]:
+        try:
+            entries.append(one(model_key))
+        except ModelMismatchError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
+    return entries
+
+
+def _single(key: str, t: TensorHeader) -> Entry:
+    return Entry(key, t.file, t.key, t.dtype, t.shape, t.offset, t.nbytes)
+
+
+def quantised_keys(match: KeyMatch, layout: ModelLayout) -> set[str]:
+    """Checkpoint keys of float8 tensors that go into floating (not float8) model tensors: they are
+    dequantised with their ``_scale_inv`` (see _fp8)."""
+    out = set()
+    floating = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    for key, found in match.by_model_key.items():
+        if found[0].dtype in FP8_WIRE and layout.tensors[key].dtype in floating:
+            out.add(found[0].key)
+    for key, members in match.stacked.items():
+        if layout.tensors[key].dtype in floating:
+            out |= {t.key for _, t in members if t.dtype in FP8_WIRE}
+    return out
+
+
+def _with_scales(
+    entry: Entry,
+    parts: Sequence[TensorHeader],
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> Entry:
+    """``entry`` (float8 parts) with each part's scale grid, checked; dequantised on arrival."""
+    scales = list(map(headers.get, map(operator.add, map(_KEY, parts), itertools.repeat("_scale_inv"))))
+    if None in scales:  # raises, naming the first weight without a scale
+        fp8_scale_for(entry.key, parts[scales.index(None)], headers, block, dtype)
+    # The checks depend on the shapes and the scale's dtype alone: made once for each kind of part
+    kinds = list(zip(map(_SHAPE, parts), map(_SHAPE, scales), map(_DTYPE, scales)))
+    first_of = dict(zip(reversed(kinds), reversed(parts)))  # each kind's first part, named in errors
+    blocks = {fp8_scale_for(entry.key, first_of[k], headers, block, dtype)[1] for k in dict.fromkeys(kinds)}
+    if len(blocks) > 1:
+        raise ModelMismatchError(
+            f"model tensor {entry.key!r}: its float8 parts use different block sizes {sorted(blocks)}"
+        )
+    block = blocks.pop()
+    rows = [shape[0] for shape in map(_SHAPE, parts)]
+    # Parts that end on block boundaries (all but the last) are one matrix to the dequantisation:
+    # their grids one after the other are the grid of the parts stacked (stacked experts of
+    # 128-multiple widths, as real checkpoints have), so the entry is decoded with no step per part.
+    return replace(
+        entry,
+        scales=Parts.of(scales),  # type: ignore[arg-type]  # no None: checked above
+        block=block,
+        part_rows=(sum(rows),) if all(r % block[0] == 0 for r in rows[:-1]) else tuple(rows),
+    )
+
+
+def _assemble(
+    key: str,
+    members: tuple[tuple[ConversionMatch, TensorHeader], ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    quantised: AbstractSet[str] = frozenset(),
+) -> Entry:
+    """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
+    ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in
+    (expert, source) order, which is the fused tensor's row-major byte order."""
+    rule = members[0][0].rule
+    sources = members[0][0].sources
+    experts = shape[0] if shape else 0
+    seen = _by_expert(key, members, shape, experts, rule)
+    every = list(itertools.product(range(experts), range(sources)))  # the fused tensor's order
+    _check_complete(key, seen, every, rule)
+    first = seen[(0, 0)]
+    parts = list(map(seen.__getitem__, every))
+    _check_stacks(key, parts, [seen[(0, s)].shape for s in range(sources)], shape, rule)
+    if first.key not in quantised:
+        _check_fits(first._replace(shape=shape), key, shape, dtype)
+    nbytes = sum(map(_NBYTES, parts))
+    return Entry(
+        key,
+        first.file,
+        first.key,
+        first.dtype,
+        shape,
+        first.offset,
+        nbytes,
+        Parts.of(parts),
+    )
+
+
+def _by_expert(
+    key: str,
+    members: tuple[tuple[ConversionMatch, TensorHeader], ...],
+    shape: tuple[int, ...],
+    experts: int,
+    rule: str,
+) -> dict[tuple[int, int], TensorHeader]:
+    """(expert, source) -> its checkpoint tensor; raises, naming the first, for an expert beyond the
+    model's ``experts`` or stored twice."""
+    matches, tensors = zip(*members)
+    seen: dict[tuple[int, int], TensorHeader] = dict(
+        zip(zip(map(_EXPERT, matches), map(_SOURCE, matches)), tensors)
+    )
+    if len(seen) < len(members) or max(e for e, _ in seen) >= experts:  # find the first culprit
+        seen = {}
+        for m, t in members:
+            expert = m.expert
+            assert expert is not None  # match_keys stacks only matches with an expert index
+            if expert >= experts or (expert, m.source) in seen:
+                what = "beyond the model's" if expert >= experts else "stored twice"
+                raise ModelMismatchError(
+                    f"model tensor {key!r} (shape {shape}): checkpoint key {t.key!r} is expert {expert}, "
+                    f"{what} {experts} experts ({rule}). Does model_fn build the checkpoint's config "
+                    "(num_experts)?"
+                )
+            seen[(expert, m.source)] = t
+    return seen
+
+
+def _check_complete(
+    key: str, seen: dict[tuple[int, int], TensorHeader], every: list[tuple[int, int]], rule: str
+) -> None:
+    """Every (expert, source) of ``every`` is in ``seen``; else raise, naming the first absent one
+    (with the key it would have, made from a present expert's key of its source)."""
+    absent = [k for k in every if k not in seen]
+    if absent:
+        e, s = absent[0]
+        present = next(((e2, t.key) for (e2, s2), t in seen.items() if s2 == s), None)
+        named = ""
+        if present is not None:  # a present expert's key, with the missing expert's index
+            head, sep, tail = present[1].rpartition(f".{present[0]}.")
+            named = f" ({head}.{e}.{tail})" if sep else ""
+        raise ModelMismatchError(
+            f"model tensor {key!r}: the checkpoint has no expert {e} for source {s}{named} of {rule} "
+            f"({len(absent)} expert tensors are missing). The checkpoint is incomplete: re-download it, "
+            "or check that model_fn builds its config."
+        )
+
+
+def _check_stacks(
+    key: str,
+    parts: list[TensorHeader],
+    heads: list[tuple[int, ...]],
+    shape: tuple[int, ...],
+    rule: str,
+) -> None:
+    """The ``parts`` (in the fused tensor's order; ``heads``: expert 0's shapes, one per source)
+    stack to the model's ``shape``: every expert shaped as expert 0, one dtype."""
+    if len(heads) == 1:
+        fits = heads[0] == shape[1:]
+    else:
+        fits = all(len(h) == len(shape) - 1 and h[1:] == shape[2:] for h in heads)
+        fits = fits and sum(h[0] for h in heads) == shape[1]
+    same = all(map(operator.eq, map(_SHAPE, parts), itertools.cycle(heads)))
+    dtypes = sorted(set(map(_DTYPE, parts)))
+    if not (fits and same and len(dtypes) == 1):
+        raise ModelMismatchError(
+            f"model tensor {key!r} (shape {shape}, {rule}): its per-expert tensors do not stack to it "
+            f"(expert 0: shapes {heads}; all experts alike: {same}; dtypes {dtypes}). "
+            "Does model_fn build the checkpoint's config?"
+        )
+
+
+def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], chunk: int = 8 << 20) -> None:
+    """Several names of one tied parameter are stored: they must hold the same bytes."""
+    first = found[0]
+    for other in found[1:]:
+        same = first.dtype == other.dtype and first.nbytes == other.nbytes
+        if same:
+            with open(first.file, "rb", buffering=0) as fa, open(other.file, "rb", buffering=0) as fb:
+                for pos in range(0, first.nbytes, chunk):
+                    n = min(chunk, first.nbytes - pos)
+                    if os.pread(fa.fileno(), n, first.offset + pos) != os.pread(
+                        fb.fileno(), n, other.offset + pos
+                    ):
+                        same = False
+                        break
+        if not same:
+            raise ModelMismatchError(
+                f"tied parameter {model_key!r} is stored twice with different values: "
+                f"{first.key!r} in {os.path.basename(first.file)} and {other.key!r} in "
+                f"{os.path.basename(other.file)}. The model ties them to one tensor; keep one "
+                "in the checkpoint or untie them in model_fn."
+            )

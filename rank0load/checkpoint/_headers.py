@@ -1,0 +1,90 @@
+"""A checkpoint's headers, read and checked against each other and its index (rank 0, or
+``inspect`` in one process; no collectives).
+
+(rank 0) :func:`read_headers` reads every file's header (``_format.read_header``) and checks the
+files together: no key stored in two files, each file's keys exactly those the index lists for it
+(``_index.Listing``), no listed key left unstored. :func:`file_tensors` is one file's part of
+that, which ``_runs`` shares as it reads the headers a run at a time (any error there: the manifest
+is made at once, from :func:`read_headers`, which raises it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ..errors import CheckpointChangedError, CheckpointFormatError, format_keys
+from ._files import OpenFile
+from ._format import TensorHeader, read_header
+from ._source import Source
+
+__all__ = ["file_tensors", "read_headers"]
+
+
+def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
+    """All tensors of all files; checked against the index when there is one (each file's keys
+    against the keys it lists for that file: :class:`~._index.Listing`).
+
+    ``files``: the source's files already opened (``_files.open_files(source.files)``); each
+    header is then read through its descriptor. Without it, each file is opened by path.
+    """
+    found: dict[str, TensorHeader] = {}
+    for path in source.files:
+        found.update(file_tensors(source, path, files[path] if files is not None else path, found))
+    if source.listing is not None and source.listing.total != len(found):  # listed, in no header
+        absent = next(((k, p) for k, p in source.listing.read_map().items() if k not in found), None)
+        if absent is None:  # the index read again lists only keys that are there
+            raise CheckpointChangedError(
+                f"{source.description}: the index changed while the checkpoint was loaded "
+                f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
+                "once it is written."
+            )
+        key, path = absent
+        raise CheckpointFormatError(
+            f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
+            "but no file stores it. The index and the shards disagree: re-save the checkpoint."
+        )
+    return found
+
+
+def file_tensors(
+    source: Source, path: str, file: str | OpenFile, found: Mapping[str, TensorHeader]
+) -> dict[str, TensorHeader]:
+    """(rank 0) The tensors of file ``path`` of ``source``, its header read through ``file`` (the
+    file opened, or its path), checked: no key among ``found`` (the files read before it), and
+    exactly the keys the index lists for it. Raises CheckpointFormatError naming the first key
+    stored twice or where the file and the index disagree (``read_header``'s errors as they come).
+    """
+    tensors, _ = read_header(file)
+    twice = found.keys() & tensors.keys()  # ~96,000 keys in a MoE checkpoint: checked in C
+    if twice:
+        key = next(k for k in tensors if k in twice)
+        raise CheckpointFormatError(
+            f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
+            f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
+        )
+    if source.listing is not None and not source.listing.agrees(path, tensors):
+        _disagreement(source, source.listing.read_map(), path, tensors)
+    return tensors
+
+
+def _disagreement(
+    source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
+) -> None:
+    """Raise the error naming where file ``path``'s keys (its ``tensors``) and the index's map
+    ``listed`` disagree: a key it does not list, or lists in another file (a key it lists but
+    no file holds is named after the last file, as before the index was kept as a Listing)."""
+    unlisted = [k for k in tensors if k not in listed]
+    if unlisted:
+        raise CheckpointFormatError(
+            f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
+            f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
+        )
+    elsewhere = next(((k, listed[k]) for k in tensors if listed[k] != path), None)
+    if elsewhere is not None:
+        key, where = elsewhere
+        raise CheckpointFormatError(
+            f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
+            f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
+        )
+    # else the index lists more keys in this file than it holds: raised once all files are read

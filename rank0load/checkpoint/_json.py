@@ -1,0 +1,74 @@
+"""Untrusted JSON decoded, repeated keys found (rank 0 only; no collectives).
+
+(rank 0) :func:`parse_json` decodes a safetensors header (``_format``) or an index (``_index``):
+invalid UTF-8 or JSON, numbers too long to convert and nesting too deep become the caller's error,
+and an object in which a key occurs twice comes back as a :class:`Twice` naming it (``json.loads``
+alone would keep the last value silently). :func:`short_repr` shortens the values messages quote.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+__all__ = ["Twice", "mark_twice", "parse_json", "short_repr"]
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Twice(dict[str, object]):
+    """A JSON object in which some key occurs more than once (``twice`` lists them, in order).
+
+    ``json.loads`` would silently keep the last value; :func:`parse_json` returns this instead so
+    the caller can say which key of which object is ambiguous.
+    """
+
+    twice: tuple[str, ...] = ()
+
+
+def mark_twice(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``' ``object_pairs_hook``: the object, a :class:`Twice` when a key repeats."""
+    obj = dict(pairs)  # once per JSON object (~96,000 in a MoE header): the common case in C
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    twice = [key for key, _ in pairs if key in seen or seen.add(key)]  # type: ignore[func-returns-value]
+    marked = Twice(obj)
+    marked.twice = tuple(twice)
+    return marked
+
+
+def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> object:
+    """Decode untrusted JSON; objects with a repeated key come back as :class:`Twice`.
+
+    Invalid UTF-8 or JSON, a number too long to convert, or nesting too deep for the parser raise
+    ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index").
+    """
+    try:
+        text = raw.decode("utf-8")
+        del raw  # the caller's reference may be the last other one (see _index._read_index)
+        found = json.loads(text)
+        # Every key of every object is followed by one ':' in the text, and so is every ':' inside
+        # a string. When the keys of the top two levels (all an index or a header has) are as many
+        # as the text's colons, no string holds a ':', no deeper object exists and no key occurs
+        # twice; otherwise parse again, marking repeated keys (the hook costs ~50% more).
+        if _keys_two_deep(found) != text.count(":"):
+            found = json.loads(text, object_pairs_hook=mark_twice)
+        return found
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"{what} is not valid JSON ({exc})"
+    except ValueError as exc:  # int("9" * 5000): Python's integer-string conversion limit
+        problem = f"{what} holds a number too long to parse ({short_repr(str(exc), 90)})"
+    except RecursionError:
+        problem = f"{what} is nested too deeply to parse"
+    raise fail(problem)
+
+
+def _keys_two_deep(found: object) -> int:
+    """The keys of ``found`` (a dict) and of the dicts among its values (-1: ``found`` is no dict)."""
+    if type(found) is not dict:
+        return -1
+    return len(found) + sum(len(v) for v in found.values() if type(v) is dict)

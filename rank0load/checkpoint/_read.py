@@ -1,0 +1,121 @@
+"""Rank 0's two steps on the checkpoint: open it, then read its manifest for the model (rank 0;
+no collectives).
+
+(rank 0) :func:`open_checkpoint` resolves the checkpoint (``_source``), opens its files once
+(``_files``) and reads their headers (``_headers``), before the ranks agree: headers need no
+model. :func:`read_manifest`, the one entry point for the manifest, then makes it run by run
+(``_runs``) where the checkpoint was opened for that, and otherwise, or when the runs cannot
+settle it, from all headers at once (``_manifest.build_manifest``), which words any error. Both
+return the :class:`LoadError` to share instead of raising it: ``_api`` broadcasts it so that every
+rank raises it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..errors import LoadError
+from ..integrations._convert import Conversion
+from ..model._meta import ModelLayout
+from ._files import OpenFile, open_files
+from ._format import TensorHeader
+from ._headers import read_headers
+from ._manifest import Adapter, Manifest, build_manifest
+from ._runs import manifest_by_runs
+from ._source import Source, resolve
+
+__all__ = ["Checkpoint", "open_checkpoint", "read_manifest", "unforeseen"]
+
+
+@dataclass
+class Checkpoint:
+    """(rank 0) The checkpoint resolved, its files open and its headers read and checked: what
+    :func:`read_manifest` matches against the model. Read before the ranks agree on their models,
+    while the slower ranks still build (the headers need no model)."""
+
+    source: Source
+    adapters: Sequence[Adapter]
+    files: dict[str, OpenFile]
+    headers: dict[str, TensorHeader]
+    by_runs: bool = False  # headers left unread: read and matched run by run (see _runs)
+
+
+def open_checkpoint(
+    ckpt_path: str | os.PathLike[str],
+    revision: str | None,
+    stack: contextlib.ExitStack,
+    adapters: Callable[[], Sequence[Adapter]] = lambda: (),
+    by_runs: bool = False,
+) -> Checkpoint | LoadError:
+    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
+    (closed by ``stack``) and read the checkpoint's headers. Returns them with the open files the
+    stream reads, or the LoadError to share with every rank (anything unforeseen is wrapped in one).
+    ``by_runs``: without adapters, leave the headers unread (:func:`read_manifest` reads them
+    run by run)."""
+    try:
+        source = resolve(ckpt_path, revision)
+        found = adapters()
+        files = open_files((*source.files, *(f for a in found for f in a.source.files)))
+        for opened in files.values():
+            stack.callback(opened.close)
+        if by_runs and not found:
+            return Checkpoint(source, found, files, {}, by_runs=True)
+        return Checkpoint(source, found, files, read_headers(source, files))
+    except LoadError as exc:
+        return exc
+    except Exception as exc:  # anything unforeseen must still reach every rank
+        return unforeseen(ckpt_path, exc)
+
+
+def read_manifest(
+    checkpoint: Checkpoint | LoadError,
+    ckpt_path: str | os.PathLike[str],
+    layout: ModelLayout,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion] = (),
+) -> Manifest | LoadError:
+    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model, or the
+    LoadError to share with every rank: its own, or any problem found matching its headers. Made
+    run by run where ``checkpoint.by_runs`` (``_runs.manifest_by_runs``); where the runs cannot
+    make it, every header is read again and the manifest made at once, which words the error."""
+    if isinstance(checkpoint, LoadError):
+        return checkpoint
+    if checkpoint.by_runs:
+        assert key_map is None  # _api asks for runs only without it
+        manifest = manifest_by_runs(checkpoint.source, checkpoint.files, layout, strict, conversions)
+        if manifest is not None:
+            return manifest
+        try:
+            checkpoint.by_runs = False
+            checkpoint.headers = read_headers(checkpoint.source, checkpoint.files)
+        except LoadError as exc:
+            return exc
+        except Exception as exc:  # anything unforeseen must still reach every rank
+            return unforeseen(ckpt_path, exc)
+    headers, checkpoint.headers = checkpoint.headers, {}  # held here only: freed when this returns
+    try:
+        return build_manifest(
+            checkpoint.source,
+            layout,
+            strict=strict,
+            key_map=key_map,
+            files=checkpoint.files,
+            conversions=conversions,
+            adapters=checkpoint.adapters,
+            headers=headers,
+        )
+    except LoadError as exc:
+        return exc
+    except Exception as exc:  # anything unforeseen must still reach every rank
+        return unforeseen(ckpt_path, exc)
+
+
+def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception) -> LoadError:
+    """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading."""
+    return LoadError(
+        f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
+    )
