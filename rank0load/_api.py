@@ -158,7 +158,11 @@ def load_sharded(
         slot = max_staging_bytes // _sink.SLOTS
         handover = _local.hand_over(offer, server, manifest.files, comm, slot, local_reads)
         opened.callback(handover.close)
-        ready = _prepared(built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error)
+        ready = _prepared(
+            lambda: _prepare(
+                built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error
+            )
+        )
         local = handover.decide()
         clock("plan")
         with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
@@ -221,20 +225,10 @@ def _share(
     return shared[0], shared[1], server
 
 
-def _prepared(
-    built: _model.Built,
-    manifest: Manifest,
-    flags: tuple[int, ...],
-    mesh: DeviceMesh,
-    comm: torch.device,
-    max_staging_bytes: int,
-    faulting: FaultIn | None,
-    allocation_error: Exception | None,
-) -> _Ready:
-    """(all ranks) :func:`_prepare` on every rank, any rank's failure raised on all of them."""
-    ready, error = _distribute.attempt(
-        lambda: _prepare(built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error)
-    )
+def _prepared(prepare: Callable[[], _Ready]) -> _Ready:
+    """(all ranks) ``prepare`` (:func:`_prepare`) run on every rank, any rank's failure raised on
+    all of them."""
+    ready, error = _distribute.attempt(prepare)
     _distribute.settle(
         error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
     )
