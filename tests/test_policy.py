@@ -152,10 +152,30 @@ def _rank(rank: int, world: int, root: str) -> dict:
         out["internal"] = _attempt(lambda: rank0load.load_sharded(mixed_net, good))
     finally:
         _model.describe = original
+    out["internal_reading"] = _attempt(lambda: _fails_matching_on_rank0(rank, good))
     out["staging"] = _attempt(lambda: rank0load.load_sharded(mixed_net, good, max_staging_bytes=4 << 40))
     out["device"] = _attempt(lambda: rank0load.load_sharded(mixed_net, os.path.join(root, "dev.safetensors")))
     out["after"] = sorted(gather(rank0load.load_sharded(mixed_net, good)))  # the group is still usable
     return out
+
+
+def _fails_matching_on_rank0(rank: int, good: str) -> None:
+    """A load in which rank 0's own code raises while it matches the headers to the model (the
+    runs declined, then the manifest made at once raises TypeError): rank 0 alone fails."""
+    import rank0load
+    from rank0load.checkpoint import _read
+
+    by_runs, at_once = _read.manifest_by_runs, _read.build_manifest
+
+    def broken(*args, **kwargs):
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
+
+    if rank == 0:
+        _read.manifest_by_runs, _read.build_manifest = (lambda *a, **k: None), broken
+    try:
+        rank0load.load_sharded(mixed_net, good)
+    finally:
+        _read.manifest_by_runs, _read.build_manifest = by_runs, at_once
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
@@ -213,6 +233,16 @@ def test_an_exception_inside_rank0load_is_named_as_ours(outcomes):
     assert "torch 2." in message and "report it" in message, message
     assert "model_fn" not in message and "disagree" not in message, message
     assert "RankMismatchError" not in outcomes[0][0]["internal"].bases
+
+
+def test_an_exception_in_rank0s_reading_is_named_as_ours_on_every_rank(outcomes):
+    """rank0load's own code failing on rank 0 while it matches the headers: every rank raises the
+    same InternalError, naming the checkpoint, where it was raised and the versions, not the model."""
+    message = _same(outcomes[0], "internal_reading", "InternalError")
+    assert "rank 0 could not read checkpoint" in message and "mixed.safetensors" in message, message
+    assert "rank0load's own code raised TypeError" in message and "read_manifest" in message, message
+    assert "torch 2." in message and "report it" in message, message
+    assert "model_fn" not in message, message
 
 
 def test_max_staging_bytes_too_large_names_it(outcomes):

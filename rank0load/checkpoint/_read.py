@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..common._failure import internal_error
 from ..errors import LoadError
 from ..integrations._convert import Conversion
 from ..model._meta import ModelLayout
@@ -95,7 +96,7 @@ def read_manifest(
         except LoadError as exc:
             return exc
         except Exception as exc:  # anything unforeseen must still reach every rank
-            return unforeseen(ckpt_path, exc)
+            return unforeseen(ckpt_path, exc, ours=True)
     headers, checkpoint.headers = checkpoint.headers, {}  # held here only: freed when this returns
     try:
         return build_manifest(
@@ -111,11 +112,17 @@ def read_manifest(
     except LoadError as exc:
         return exc
     except Exception as exc:  # anything unforeseen must still reach every rank
-        return unforeseen(ckpt_path, exc)
+        return unforeseen(ckpt_path, exc, ours=True)
 
 
-def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception) -> LoadError:
-    """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading."""
-    return LoadError(
-        f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
-    )
+def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception, ours: bool = False) -> LoadError:
+    """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading.
+    ``ours``: raised while matching the headers to the model, where only rank0load's code (and the
+    transformers conversions it drives) runs: unless the machine's (``OSError``, ``MemoryError``),
+    an :class:`~..errors.InternalError` naming where it was raised and the versions. Resolving and
+    opening the checkpoint also runs the Hub client and PEFT's config reader: their failures keep
+    the plain wording."""
+    what = f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}"
+    if ours and not isinstance(exc, (OSError, MemoryError)):
+        return internal_error(what, exc)
+    return LoadError(f"{what}: {type(exc).__name__}: {exc}")

@@ -6,7 +6,8 @@ own (any other exception: an :class:`~..errors.InternalError` naming where it wa
 versions). :func:`failure_of` makes the :class:`Failure` that the first failing rank broadcasts, so
 that every rank raises the same error (``_distribute.settle``); :func:`rank_mismatch` is the error
 for ranks that built different models (``_distribute.agree``); a collective that itself fails is a
-:func:`peer_failure`.
+:func:`peer_failure`; :func:`internal_error` words rank0load's own failure for a rank that shares it
+itself (rank 0 reading the checkpoint, ``checkpoint._read``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import torch.distributed as dist
 
 from ..errors import InternalError, LoadError, RankMismatchError
 
-__all__ = ["Failure", "UserCodeFailure", "failure_of", "peer_failure", "rank_mismatch", "user_code"]
+__all__ = [
+    "Failure",
+    "UserCodeFailure",
+    "failure_of",
+    "internal_error",
+    "peer_failure",
+    "rank_mismatch",
+    "user_code",
+]
 
 R = TypeVar("R")
 
@@ -124,6 +133,12 @@ def failure_of(rank: int, error: BaseException, todo: str, wrap: type[LoadError]
         return Failure(rank, InternalError, _internal(error), False, _internal_todo())
     # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
     return Failure(rank, wrap, _internal(error), False, f"{_internal_todo()} {todo}")
+
+
+def internal_error(what: str, error: BaseException) -> InternalError:
+    """rank0load's own ``error``, raised on one rank while it did ``what``, as the InternalError to
+    share with the others: where it was raised and the versions to report."""
+    return InternalError(f"{what}: {_internal(error)}. {_internal_todo()}")
 
 
 def rank_mismatch(first: int, count: int, explained: str) -> RankMismatchError:
