@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
-from ..common import _distribute, _failure
+from ..common import _distribute
 from ..common._memory import reserve
 from ..common._rounds import AllOf, InFlight, Rounds, settled
-from ..errors import LoadError, SaveError
+from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
 from ._pieces import Piece, chunks, pieces
@@ -48,10 +48,6 @@ def settle(error: BaseException | None, stage: str) -> None:
     """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's, as a
     :class:`SaveError` (or that rank's own LoadError class)."""
     _distribute.settle(error, stage, _TODO, wrap=SaveError)
-
-
-def _peer_failure(stage: str, exc: BaseException) -> LoadError:
-    return _failure.peer_failure(stage, exc, SaveError, _TODO)
 
 
 @dataclass
