@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rank0load._api import LoadReport
@@ -114,6 +115,55 @@ def build_only(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple
     return model, _finish(model, cfg)
 
 
+def floor(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+    """build-only, then each rank reads its own rows of every tensor with one ``os.preadv`` each
+    straight into its shard (offsets from each file's header, parsed on every rank; nothing
+    checked, no collective): the least work any loader must do. MoE: into the views of the rank's
+    own experts that ``dcp-hf`` is given (:func:`_own_targets`)."""
+    model, info = build_only(cfg, ckpt, mesh, options)
+    targets = _own_targets(model, cfg)
+    read = sum(_read_own_rows(path, targets) for path in _shard_files(ckpt))
+    return model, {**info, "floor_bytes_read": read}
+
+
+def _read_own_rows(path: str, targets: dict[str, torch.Tensor]) -> int:
+    """Read this rank's rows of every tensor in the file ``path`` into ``targets`` (a DTensor: its
+    local rows; a plain tensor: all of it), one ``os.preadv`` each; the bytes read."""
+    read = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        header = json.loads(os.pread(fd, n, 8))
+        header.pop("__metadata__", None)
+        for key, entry in header.items():
+            target = targets.get(key)
+            if target is None:
+                if ".mlp.experts." in key:  # another rank's expert
+                    continue
+                raise KeyError(f"{key} of {path} is not in the model")
+            first = 0
+            if isinstance(target, DTensor):
+                first = compute_local_shape_and_global_offset(
+                    target.shape, target.device_mesh, target.placements
+                )[1][0]
+            local = local_tensor(target).detach()
+            size = local.numel() * local.element_size()
+            if size == 0:
+                continue
+            row = size // local.shape[0] if local.dim() > 1 else local.element_size()
+            got = os.preadv(
+                fd,
+                [memoryview(local.view(-1).view(torch.uint8).numpy())],  # type: ignore[arg-type]
+                8 + n + entry["data_offsets"][0] + first * row,
+            )
+            if got != size:
+                raise OSError(f"short read of {key} in {path}: {got} of {size} bytes")
+            read += got
+    finally:
+        os.close(fd)
+    return read
+
+
 def rank0load_method(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """``rank0load.load_sharded``: rank 0 opens and validates the checkpoint; the ranks on its host
     (here: all) read their own shards through its descriptors, the others would receive theirs (MoE
@@ -190,7 +240,16 @@ def dcp_hf(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     model = build_sharded(cfg, mesh)
-    # The checkpoint stores each tied tensor once: hand DCP one name per tensor.
+    state = _own_targets(model, cfg)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
+    del state
+    return model, _finish(model, cfg)
+
+
+def _own_targets(model: nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
+    """The model's state dict under the checkpoint's keys: each tied tensor once (the checkpoint
+    stores it once); MoE: each fused expert parameter replaced by plain-tensor views of this rank's
+    own experts under their checkpoint keys (FSDP2 shards dim 0, the expert index)."""
     first: dict[int, str] = {}
     alias: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -207,13 +266,12 @@ def dcp_hf(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.
                 1
             ]
             state.update(moe.expert_views(name, local, offset[0], cfg))
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
-    del state
-    return model, _finish(model, cfg)
+    return state
 
 
 METHODS: dict[str, Method] = {
     "build-only": build_only,
+    "floor": floor,
     "rank0load": rank0load_method,
     "rank0load-stream": rank0load_stream,
     "broadcast-rank0": broadcast_rank0,
@@ -223,6 +281,7 @@ METHODS: dict[str, Method] = {
 
 METHOD_NOTES: dict[str, str] = {
     "build-only": "meta build + `fully_shard` + allocate the local shards and fault them in: the cost every method shares; loads nothing",
+    "floor": "build-only, then each rank reads its own rows of every tensor with one `os.preadv` each straight into its shard (offsets from the headers, parsed on every rank; nothing checked, no collective; MoE: into views of its own experts, as `dcp-hf`): the least work any loader must do",
     "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 opens the checkpoint, the ranks on its host (here: all) read their own rows through its descriptors",
     "rank0load-stream": "`rank0load.load_sharded(model_fn, ckpt, mesh, local_reads=False)`: rank 0 reads every byte, sends each rank its rows",
     "broadcast-rank0": "rank 0 `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
