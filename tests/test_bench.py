@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import struct
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -103,6 +104,25 @@ def _corrupt(path: str, key: str) -> None:
         byte = f.read(1)[0]
         f.seek(pos)
         f.write(bytes([byte ^ 0x40]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11+")
+def test_workers_run_the_drivers_rank0load_whatever_the_working_directory(tmp_path, monkeypatch):
+    """Started inside another tree (comparing two checkouts), the workers still import the driver's
+    rank0load, not the working directory's."""
+    decoy = tmp_path / "cwd" / "rank0load"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy rank0load in the working directory')\n")
+    monkeypatch.chdir(decoy.parent)
+    out = tmp_path / "out"
+    rc = bench.main(
+        ["--size-gb", SIZE, "--rounds", "1", "--cold-only", "--methods", "build-only", "--out", str(out)]
+    )
+    assert rc == 0
+    with open(out / "bench.json") as f:
+        (res,) = json.load(f)["results"]
+    assert all(r.get("error") is None for r in res["raw"]["build-only"][0]), res["raw"]
 
 
 @pytest.mark.slow

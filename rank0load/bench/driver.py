@@ -144,6 +144,10 @@ def run_once(
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    # The workers run this driver's rank0load: without this, "python -m" puts the working directory
+    # first on sys.path, and a run started inside another checkout (comparing two trees) would time
+    # that checkout's code under this one's name (Python 3.11+; 3.10 ignores the variable).
+    env["PYTHONSAFEPATH"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="rank0load-bench-") as tmp:
         store = os.path.join(tmp, "store")
