@@ -598,7 +598,7 @@ def minimax_table(res: dict) -> str:
             line += f": {'met' if met else 'not met'}, {r0['seconds'] / fl['seconds']:.2f}x"
         lines += ["", line + "."] + _round_lines(res, by)
     lines += _per_rank_rows(res)
-    return "\n".join(lines + _dense_round_lines(res) + _phase_lines(res))
+    return "\n".join(lines + _phase_lines(res))
 
 
 def _paired(a: dict, b: dict, whose: str) -> list[str]:
