@@ -39,9 +39,11 @@ def finish() -> None:
 
 
 def say(*args: object) -> None:
-    """Print on rank 0 only."""
+    """Print on rank 0 only, in one write (as :func:`finish`): another rank's line cannot land inside
+    it, even between the text and its newline."""
     if dist.get_rank() == 0:
-        print(*args, flush=True)
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (" ".join(str(a) for a in args) + "\n").encode())
 
 
 def batch(vocab_size: int, device: str, seed: int, size: int = 2, length: int = 16) -> dict:

@@ -10,7 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import finish, init
+from _common import finish, init, say
 from transformers import AutoModelForCausalLM
 
 import rank0load
@@ -35,11 +35,15 @@ def main(ckpt: str) -> None:
     row = torch.tensor([before, after, local], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
-    if dist.get_rank() == 0:
-        print(f"checkpoint {report.bytes / 2**20:.1f} MiB, loaded in {report.seconds:.2f} s")
-        print("rank  peak RSS before  after  (MiB)  local shard (MiB)")
-        for rank, (b, a, s) in enumerate(r.tolist() for r in rows):
-            print(f"{rank:4d}  {b:15.1f}  {a:6.1f}         {s:17.2f}")
+    lines = [
+        f"checkpoint {report.bytes / 2**20:.1f} MiB, loaded in {report.seconds:.2f} s",
+        "rank  peak RSS before  after  (MiB)  local shard (MiB)",
+        *(
+            f"{rank:4d}  {b:15.1f}  {a:6.1f}         {s:17.2f}"
+            for rank, (b, a, s) in enumerate(r.tolist() for r in rows)
+        ),
+    ]
+    say("\n".join(lines))  # the table in one write: the other ranks' lines cannot split it
     finish()
 
 
