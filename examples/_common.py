@@ -32,18 +32,21 @@ def finish() -> None:
     dist.destroy_process_group()
     # Private, read only to report it: every group torch still holds (0 once all are destroyed).
     left = len(dist.distributed_c10d._world.pg_map)
-    # One write of one whole line: the ranks share torchrun's stdout, and print() may write the
-    # text and its newline separately, letting another rank's line land in between.
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), f"rank {rank}/{world}: done, {left} process groups left\n".encode())
+    _write_line(f"rank {rank}/{world}: done, {left} process groups left")
 
 
 def say(*args: object) -> None:
-    """Print on rank 0 only, in one write (as :func:`finish`): another rank's line cannot land inside
-    it, even between the text and its newline."""
+    """Print on rank 0 only (in one write, see :func:`_write_line`)."""
     if dist.get_rank() == 0:
-        sys.stdout.flush()
-        os.write(sys.stdout.fileno(), (" ".join(str(a) for a in args) + "\n").encode())
+        _write_line(" ".join(str(a) for a in args))
+
+
+def _write_line(text: str) -> None:
+    """``text`` and its newline in one write: the ranks share torchrun's stdout, and print() may
+    write the text and its newline separately (unbuffered, ``PYTHONUNBUFFERED``), letting another
+    rank's line land in between."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
 
 
 def batch(vocab_size: int, device: str, seed: int, size: int = 2, length: int = 16) -> dict:
