@@ -39,7 +39,15 @@ from rank0load.integrations._compat import local_tensor
 from . import moe
 from .model import BenchConfig, BenchLlama, expected_inv_freq
 
-__all__ = ["METHODS", "METHOD_NOTES", "SAVE_METHODS", "SAVE_METHOD_NOTES", "build_sharded", "model_fn"]
+__all__ = [
+    "METHODS",
+    "METHOD_NOTES",
+    "SAVE_METHODS",
+    "SAVE_METHOD_NOTES",
+    "build_sharded",
+    "model_fn",
+    "read_header",
+]
 
 Config = BenchConfig | moe.MoeConfig
 Method = Callable[[Config, str, DeviceMesh, dict], tuple[nn.Module, dict]]
@@ -126,15 +134,22 @@ def floor(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.M
     return model, {**info, "floor_bytes_read": read}
 
 
+def read_header(fd: int) -> tuple[int, dict]:
+    """A safetensors file's header length and its tensors' entries (``__metadata__`` left out),
+    read from the open descriptor ``fd`` without checks (the floors' shortcut)."""
+    n = int.from_bytes(os.pread(fd, 8, 0), "little")
+    header = json.loads(os.pread(fd, n, 8))
+    header.pop("__metadata__", None)
+    return n, header
+
+
 def _read_own_rows(path: str, targets: dict[str, torch.Tensor]) -> int:
     """Read this rank's rows of every tensor in the file ``path`` into ``targets`` (a DTensor: its
     local rows; a plain tensor: all of it), one ``os.preadv`` each; the bytes read."""
     read = 0
     fd = os.open(path, os.O_RDONLY)
     try:
-        n = int.from_bytes(os.pread(fd, 8, 0), "little")
-        header = json.loads(os.pread(fd, n, 8))
-        header.pop("__metadata__", None)
+        n, header = read_header(fd)
         for key, entry in header.items():
             target = targets.get(key)
             if target is None:

@@ -34,6 +34,7 @@ from rank0load.checkpoint._fp8 import to_float32
 from rank0load.common._memory import prefault
 from rank0load.integrations._compat import local_tensor
 
+from .methods import read_header
 from .minimax import MiniMaxConfig, build_model, expected_buffers
 
 __all__ = ["MINIMAX_METHODS", "MINIMAX_METHOD_NOTES", "SINGLE_PROCESS", "build_sharded", "floor_fill"]
@@ -124,9 +125,7 @@ class _File:
     def __init__(self, path: str, buf: list[torch.Tensor]) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
-            n = int.from_bytes(os.pread(fd, 8, 0), "little")
-            self.header = json.loads(os.pread(fd, n, 8))
-            self.header.pop("__metadata__", None)
+            n, self.header = read_header(fd)
             size = os.fstat(fd).st_size - 8 - n
             if buf[0].numel() < size:
                 buf[0] = torch.empty(size, dtype=torch.uint8)
