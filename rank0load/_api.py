@@ -35,6 +35,7 @@ from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._progress import peak_rss_bytes, progress_bar
 from .common._report import Clock, LoadReport, log_summary
+from .common._stack import roomy
 from .errors import LoadError
 from .integrations._convert import StackExperts
 from .load import _local, _model, _options, _sink, _transfer
@@ -45,6 +46,7 @@ __all__ = ["load_sharded", "LoadReport", "DEFAULT_STAGING_BYTES"]
 DEFAULT_STAGING_BYTES = _options.DEFAULT_STAGING_BYTES
 
 
+@roomy
 def load_sharded(
     model_fn: Callable[[], nn.Module],
     ckpt_path: str | os.PathLike[str],

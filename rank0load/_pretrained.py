@@ -37,6 +37,7 @@ from .checkpoint._fit import FLOAT_WIRE
 from .checkpoint._format import read_header
 from .checkpoint._source import Resolved, resolve
 from .common import _distribute
+from .common._stack import roomy
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError
 from .integrations import _compat
 
@@ -57,6 +58,7 @@ class _Checkpoint:
     stored_dtype: str | None  # safetensors dtype of the first floating tensor, read only for dtype="auto"
 
 
+@roomy
 def load_pretrained(
     model_cls: Any,
     ckpt_path: str | os.PathLike[str],

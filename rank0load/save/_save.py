@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from ..common import _distribute
 from ..common._progress import peak_rss_bytes, progress_bar
 from ..common._report import Clock
+from ..common._stack import roomy
 from ..errors import SaveError
 from ..integrations import _peft
 from ..integrations._compat import is_transformers_model, local_tensor
@@ -72,6 +73,7 @@ class SaveReport:
         return self.bytes / 1e9 / self.stream_seconds if self.stream_seconds > 0 else 0.0
 
 
+@roomy
 def save_sharded(
     model: nn.Module,
     out_dir: str | os.PathLike[str],
