@@ -2,7 +2,9 @@
 
 Counted, not timed: a call whose frame starts a new chunk maps a fresh page and faults it in, so a
 loop of ``N`` such calls costs at least ``N`` minor page faults (``ru_minflt``), and a loop of calls
-that fit costs none. Each check first finds such a boundary outside ``roomy`` (so it can fail)."""
+that fit costs none. ``test_a_boundary_exists_without_roomy`` shows that the sweep the other tests
+run finds such a boundary outside ``roomy``, so they can fail (both checks of it do with ``roomy`` made
+a plain call)."""
 
 from __future__ import annotations
 
