@@ -1,5 +1,6 @@
 """``load_sharded``: the pipeline, one step per line, each step one call into the module that owns it.
 
+all ranks  the whole call inside one roomy frame (no frame-stack chunk churn) -> common._stack.roomy
 all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
