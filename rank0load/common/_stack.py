@@ -3,9 +3,10 @@
 CPython 3.11 and later keep a thread's Python frames on a stack of chunks (16 KiB at least). A call
 whose frame does not fit in the current chunk gets a new chunk from ``mmap``, and returning from the
 first frame of a chunk gives the chunk back with ``munmap``. A loop that calls a function right at a
-chunk's end therefore maps, faults in and unmaps a fresh page on every call: 6.5 µs a call against
-0.03 µs at other depths (this project's 2-core VM, Python 3.11.7), more with other threads
-running, since each ``munmap`` flushes their TLBs.
+chunk's end therefore maps, faults in and unmaps a fresh page on every call: 6.5-6.9 µs a call
+against 0.03-0.09 µs at other depths and inside :func:`roomy` at any depth (this project's 2-core
+VM; Python 3.11.7, 3.12.1 and 3.13.0 alike; 3.10.13 has no chunks and no such depth), more with
+other threads running, since each ``munmap`` flushes their TLBs.
 
 Where that boundary falls depends on how deep the caller's stack already is, which nothing inside
 the callee can see. Counted with strace on rank 1 of the bench's first dense load (0.84 GB, 2
