@@ -48,6 +48,7 @@ __all__ = [
     "non_persistent_buffers",
     "one_dim_placement",
     "parameters_on_meta",
+    "reduce_scatter_unused_params",
     "to_meta",
     "split_chunks",
 ]
@@ -143,6 +144,27 @@ def fsdp_groups(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, torch
                 params.append((name, fp.sharded_param.dtype, fp.sharded_param.requires_grad))
             out.append((module, params))
     return out
+
+
+def reduce_scatter_unused_params(module: nn.Module) -> None:
+    """Make ``module``'s own FSDP2 groups reduce-scatter zeros for trainable parameters that got no
+    gradient on this rank (an expert no token of its batch reached), so that every rank's
+    reduce-scatter has the same size. ``FSDPModule.set_reduce_scatter_unused_params`` where torch
+    has it; older FSDP2 has no such switch: a warning, since ranks that use different parameters
+    then issue reduce-scatters of different sizes."""
+    setter = getattr(module, "set_reduce_scatter_unused_params", None)
+    if setter is not None:
+        setter(True, recurse=False)
+        return
+    import warnings
+
+    warnings.warn(
+        f"torch {torch.__version__}'s FSDP2 cannot reduce-scatter parameters that some ranks did not "
+        "use (FSDPModule.set_reduce_scatter_unused_params): training a routed MoE with a different "
+        "batch on each rank can abort or hang. Loading and inference are unaffected; upgrade torch to train.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:

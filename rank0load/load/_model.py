@@ -38,7 +38,7 @@ from ..integrations._convert import conversions_for
 from ..integrations._peft import tuner_layers_without_values
 from ..model._layout import layout_flags_of
 from ..model._meta import ModelLayout, build_on_meta, describe, resolve_module
-from ..model._shard import check_dtype_groups, default_shard_fn
+from ..model._shard import prepare_groups, routed_modules, shard_default
 
 __all__ = [
     "Built",
@@ -94,11 +94,12 @@ def build_sharded(
         cast(model, dtype, built=frozenset(id(params[k]) for k in values))
     keys = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     found_conversions = conversions_for(model, keys, conversions)
+    routed = routed_modules(model)  # before sharding renames the classes blocks are found by
     if shard_fn is None:
-        default_shard_fn(model, mesh)
+        shard_default(model, mesh, routed)
     else:
         user_code("shard_fn", shard_fn, model, mesh)
-    check_dtype_groups(model)
+    prepare_groups(model, routed)
     layout = describe(model, values)
     found = targets(model, layout)
     flags = layout_flags_of(found, mesh)

@@ -1,14 +1,30 @@
-"""The default FSDP2 wrapping policy, and the check that no FSDP group mixes parameter dtypes.
+"""The default FSDP2 wrapping policy, and the checks every policy's groups must pass.
 
-(all ranks) :func:`default_shard_fn` applies ``fully_shard`` to the model's blocks, innermost first,
-then to the root; inside each of them, every submodule whose parameters have another dtype than the
-rest of its group (an fp32 router inside a bf16 decoder layer, a ``_keep_in_fp32_modules`` norm, an
-fp32 head) first gets a ``fully_shard`` of its own, at any depth: the largest such submodule that
-has a ``forward`` (a container without one, ``ModuleList`` or ``ModuleDict``, is looked into instead,
-since FSDP's hooks run only on modules that are called).
-(all ranks) :func:`check_dtype_groups`, after any policy (the caller's ``shard_fn`` too): a group that
-holds trainable parameters of two dtypes is a :class:`~.errors.ModelMismatchError` before any data
-moves, not FSDP's ``AssertionError`` at the first forward.
+An FSDP2 group all-gathers in its module's pre-forward hook and reduce-scatters after its backward, on
+the ranks where that module runs. Under data parallelism each rank has its own batch, so a group on a
+module that runs only when a token is routed to it (one expert of a per-expert ``ModuleList``) makes
+ranks issue different collectives: gloo aborts ("Received data size doesn't match"), NCCL hangs or
+gathers the wrong expert. Groups therefore sit only on modules that run on every rank for every batch.
+
+* A **routed list** is a ``ModuleList`` / ``ModuleDict`` that may run only in part: one inside a block
+  whose elements with parameters include two or more of one class (experts), or one whose attribute
+  name contains ``expert`` anywhere in the model. Nothing at or below a routed list gets a group.
+* (all ranks) :func:`routed_modules`, before any policy runs (``fully_shard`` renames the classes
+  the blocks are found by): the ids of the modules at or below a routed list.
+* (all ranks) :func:`default_shard_fn` applies ``fully_shard`` to the model's blocks, innermost first,
+  then to the root. FSDP2 needs one dtype among a group's *trainable* parameters only
+  (``FSDPParamGroup._init_mp_dtypes``); so, inside each unit, a submodule whose trainable parameters
+  have another dtype than the unit's (an fp32 router gate inside a bf16 layer, an fp32 head) first gets
+  a group of its own, at any depth, if it runs every step. Frozen parameters of another dtype stay in
+  their unit's group (FSDP2 all-gathers mixed dtypes as bytes), and so do fp32 LoRA adapters on a
+  frozen bf16 body. A trainable odd-dtype parameter inside a routed list cannot be isolated: a
+  :class:`~.errors.ModelMismatchError` before any data moves.
+* (all ranks, after any policy, the caller's ``shard_fn`` too) :func:`prepare_groups`: a group inside
+  a routed list is refused; a group holding routed parameters reduce-scatters zeros for the ones a
+  rank did not use (else ranks' reduce-scatters differ in size); a group whose trainable parameters
+  have two dtypes is refused now, and again at the first forward (``requires_grad`` can change after
+  the load) by a one-time hook, with the same message instead of FSDP's ``AssertionError``.
+
 ``fully_shard`` on a meta model issues no collectives.
 """
 
@@ -21,12 +37,19 @@ from collections.abc import Set as AbstractSet
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ..errors import ModelMismatchError
-from ..integrations._compat import fsdp_groups, no_split_modules
+from ..integrations._compat import fsdp_groups, no_split_modules, reduce_scatter_unused_params
 
-__all__ = ["check_dtype_groups", "default_shard_fn", "find_blocks"]
+__all__ = [
+    "check_dtype_groups",
+    "default_shard_fn",
+    "find_blocks",
+    "prepare_groups",
+    "routed_modules",
+    "shard_default",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +58,19 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules to shard one by one, innermost first.
 
     Modules whose class is named in ``model._no_split_modules`` (transformers' list of decoder /
-    encoder layers); failing that, the children of the model's largest ``nn.ModuleList``.
+    encoder layers); failing that, the children of the model's largest ``nn.ModuleList``. Blocks
+    inside a routed list (an expert class named in ``_no_split_modules``) are left out.
     """
+    blocks = _candidate_blocks(model)
+    routed = _routed(model, blocks)
+    owners = _owners(model)
+    blocks = [b for b in blocks if id(b) not in routed and not _shares_outside(b, owners)]
+    # Innermost first: fully_shard on a child must precede its parent.
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(blocks, key=lambda m: -order[id(m)])
+
+
+def _candidate_blocks(model: nn.Module) -> list[nn.Module]:
     names = no_split_modules(model)
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if not blocks:
@@ -44,11 +78,34 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if lists:
             biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
             blocks = [b for b in biggest if any(True for _ in b.parameters())]
-    owners = _owners(model)
-    blocks = [b for b in blocks if not _shares_outside(b, owners)]
-    # Innermost first: fully_shard on a child must precede its parent.
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    return sorted(blocks, key=lambda m: -order[id(m)])
+    return blocks
+
+
+def routed_modules(model: nn.Module) -> frozenset[int]:
+    """(all ranks, before sharding) Ids of the modules at or below a routed list: they may run on
+    some ranks and not others, so none of them may be an FSDP unit."""
+    return _routed(model, _candidate_blocks(model))
+
+
+def _routed(model: nn.Module, blocks: list[nn.Module]) -> frozenset[int]:
+    inside_block: set[int] = set()
+    for block in blocks:
+        inside_block.update(id(m) for m in block.modules() if m is not block)
+    out: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in out or not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        attr = name.rsplit(".", 1)[-1]
+        if "expert" in attr.lower() or (id(module) in inside_block and _replicas(module)):
+            out.update(id(m) for m in module.modules())
+    return frozenset(out)
+
+
+def _replicas(container: nn.Module) -> bool:
+    """Whether two or more of the container's elements that hold parameters share a class (experts);
+    ``[Linear, Dropout]`` or one adapter per name run whole."""
+    classes = Counter(type(m) for m in container.children() if any(True for _ in m.parameters()))
+    return any(n > 1 for n in classes.values())
 
 
 def _owners(model: nn.Module) -> dict[int, set[int]]:
@@ -78,11 +135,17 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class _Policy:
     """One pass of the default policy: which parameters already have a group."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) -> None:
         self.mesh = mesh
+        self.routed = routed
+        self.names = {id(m): n for n, m in model.named_modules()}
         self.managed: set[int] = set()
         self.owners = _owners(model)
         self.groups = 0
@@ -91,24 +154,59 @@ class _Policy:
         """``fully_shard(unit)``, after giving each of its odd-dtype submodules a group of its own."""
         dtype = self._group_dtype(unit)
         if dtype is not None:
-            self._isolate(unit, dtype)
+            self._isolate(unit, unit, dtype)
         self._shard(unit)
 
-    def _isolate(self, module: nn.Module, dtype: torch.dtype) -> None:
-        """Give every submodule of ``module`` whose free parameters are not all ``dtype`` a group of
-        its own (innermost first), so that what stays free below ``module`` is ``dtype`` alone."""
+    def _isolate(self, unit: nn.Module, module: nn.Module, dtype: torch.dtype) -> None:
+        """Give every submodule of ``module`` whose free trainable parameters are not all ``dtype`` a
+        group of its own (innermost first), so that what stays free below ``module`` trains in
+        ``dtype`` alone. ``unit``: the group they would otherwise join, for messages."""
         for child in module.children():
             counts = self._counts(child)
             if not counts or set(counts) == {dtype}:
                 continue
+            if id(child) in self.routed:
+                raise ModelMismatchError(self._routed_message(unit, child, dtype))
             if not _has_forward(child):  # ModuleList, ModuleDict, a namespace: its forward never runs,
-                self._isolate(child, dtype)  # so FSDP's hooks on it would not either; look inside
+                self._isolate(unit, child, dtype)  # so FSDP's hooks on it would not either; look inside
                 continue
             own = self._group_dtype(child)
             assert own is not None  # counts is not empty
-            self._isolate(child, own)
+            self._isolate(child, child, own)
             if own != dtype and not _shares_outside(child, self.owners, self.managed):
                 self._shard(child)
+
+    def _routed_message(self, unit: nn.Module, child: nn.Module, dtype: torch.dtype) -> str:
+        def shown(names: list[str]) -> str:
+            names = sorted(names)
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+        where = self.names[id(unit)]
+        prefix = f"{where}." if where else ""
+        held = [
+            prefix + n
+            for n, p in unit.named_parameters()
+            if p.requires_grad and p.dtype == dtype and id(p) not in self.managed
+        ]
+        odd = [
+            f"{self.names[id(child)]}.{n}"
+            for n, p in child.named_parameters()
+            if p.requires_grad and p.dtype != dtype and id(p) not in self.managed
+        ]
+        dtypes = "/".join(
+            sorted(
+                {_dtype_name(p.dtype) for p in child.parameters() if p.requires_grad} - {_dtype_name(dtype)}
+            )
+        )
+        return (
+            f"the FSDP group of {where or 'the root module'!r} would train {_dtype_name(dtype)} "
+            f"parameters ({shown(held)}) and {dtypes} ones inside the routed list "
+            f"{self.names[id(child)]!r} ({shown(odd)}). FSDP2 needs one dtype among a group's trainable "
+            "parameters, and a group of their own inside a routed list (modules that run only on the ranks "
+            "whose tokens reach them) would make ranks with different batches issue different collectives. "
+            "Freeze one side in model_fn (requires_grad_(False): a router bias or scale usually), or give "
+            "both the same dtype."
+        )
 
     def _shard(self, module: nn.Module) -> None:
         fully_shard(module, mesh=self.mesh)
@@ -116,38 +214,92 @@ class _Policy:
         self.groups += 1
 
     def _counts(self, module: nn.Module) -> Counter[torch.dtype]:
+        """Elements of ``module``'s trainable parameters that have no group yet, by dtype."""
         counts: Counter[torch.dtype] = Counter()
         for p in module.parameters():
-            if id(p) not in self.managed:
+            if p.requires_grad and id(p) not in self.managed:
                 counts[p.dtype] += p.numel()
         return counts
 
     def _group_dtype(self, module: nn.Module) -> torch.dtype | None:
-        """The dtype ``module``'s own group will hold: that of the parameters it registers itself
-        (they cannot move to another group), else the most elements' among its free parameters."""
+        """The dtype ``module``'s own group will train in: that of the trainable parameters it
+        registers itself (they cannot move to another group), else the most elements' among its
+        free trainable parameters; None when it has none."""
         direct: Counter[torch.dtype] = Counter()
         for p in module._parameters.values():
-            if p is not None and id(p) not in self.managed:
+            if p is not None and p.requires_grad and id(p) not in self.managed:
                 direct[p.dtype] += p.numel()
         counts = direct or self._counts(module)
         return counts.most_common(1)[0][0] if counts else None
 
 
 def default_shard_fn(model: nn.Module, mesh: DeviceMesh) -> None:
-    """(all ranks) ``fully_shard`` each block, then the root; inside each, first every submodule of
-    another dtype than its group, at any depth.
+    """(all ranks) ``fully_shard`` each block, then the root; inside each, first every submodule
+    that runs every step and whose trainable parameters have another dtype than its group's.
 
-    FSDP2 needs one original dtype per parameter group, so a bf16 body with an fp32 router inside
-    each layer, or an fp32 head on top, gets those modules in groups of their own instead of
-    failing at the first forward.
+    FSDP2 needs one original dtype among a group's trainable parameters, so a bf16 body with a
+    trainable fp32 router gate inside each layer, or an fp32 head on top, gets those modules in
+    groups of their own instead of failing at the first forward. Nothing inside a routed list (the
+    experts of a per-expert MoE) gets a group: a per-expert layer is one group, whatever its expert
+    count. Raises ModelMismatchError where a trainable odd-dtype parameter sits in a routed list.
     """
-    policy = _Policy(model, mesh)
+    shard_default(model, mesh, routed_modules(model))
+
+
+def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) -> None:
+    """:func:`default_shard_fn` with the routed modules already found (:func:`routed_modules`)."""
+    policy = _Policy(model, mesh, routed)
     blocks = find_blocks(model)
     for block in blocks:
         if any(id(p) not in policy.managed for p in block.parameters()):
             policy.shard_unit(block)
     policy.shard_unit(model)
     logger.debug("default policy: %d FSDP groups for %d blocks and the root", policy.groups, len(blocks))
+
+
+def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
+    """(all ranks, after sharding by any policy) Refuse a group inside a routed list; make each group
+    that holds routed parameters reduce-scatter zeros for those a rank did not use; refuse a group
+    whose trainable parameters have two dtypes, now and again at the first forward.
+
+    ``routed``: :func:`routed_modules` of the model before it was sharded.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    inside = sorted(names[id(m)] for m in units if id(m) in routed)
+    if inside:
+        raise ModelMismatchError(
+            f"shard_fn gave FSDP groups of their own to modules inside a routed list ({', '.join(inside[:5])}"
+            f"{f' and {len(inside) - 5} more' if len(inside) > 5 else ''}): such a module runs only on the "
+            "ranks whose tokens reach it, so ranks with different batches would issue different "
+            "collectives (an abort or a hang). fully_shard the block that holds the list instead, or "
+            "pass shard_fn=None: rank0load's default policy does that."
+        )
+    routed_names = {
+        f"{names[id(m)]}.{n}" if names[id(m)] else n
+        for m in model.modules()
+        if id(m) in routed
+        for n, _ in m.named_parameters(recurse=False)
+    }
+    for unit, params in fsdp_groups(model):
+        if any(name in routed_names for name, _, _ in params):
+            reduce_scatter_unused_params(unit)
+    check_dtype_groups(model)
+    _check_at_first_forward(model, units)
+
+
+def _check_at_first_forward(model: nn.Module, units: list[nn.Module]) -> None:
+    """A one-time pre-forward hook on every group, ahead of FSDP's own (whose lazy initialisation
+    raises a bare ``AssertionError`` for two trainable dtypes): ``requires_grad`` set after the
+    load is checked with the same message as at the load."""
+    handles = []
+
+    def check(module: nn.Module, args: object) -> None:
+        for h in handles:
+            h.remove()
+        check_dtype_groups(model)
+
+    handles.extend(u.register_forward_pre_hook(check, prepend=True) for u in units)
 
 
 def check_dtype_groups(model: nn.Module) -> None:
@@ -157,17 +309,20 @@ def check_dtype_groups(model: nn.Module) -> None:
     names = {id(m): n for n, m in model.named_modules()}
     for module, params in fsdp_groups(model):
         trainable = [(name, dtype) for name, dtype, grad in params if grad]
-        dtypes = sorted({str(d).removeprefix("torch.") for _, d in trainable})
+        dtypes = sorted({_dtype_name(d) for _, d in trainable})
         if len(dtypes) < 2:
             continue
         where = names.get(id(module), type(module).__name__) or "the root module"
-        by_dtype = {d: [n for n, t in trainable if str(t).removeprefix("torch.") == d] for d in dtypes}
+        by_dtype = {d: [n for n, t in trainable if _dtype_name(t) == d] for d in dtypes}
         shown = "; ".join(
             f"{d}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for d, ns in by_dtype.items()
         )
         raise ModelMismatchError(
             f"the FSDP group of {where!r} holds trainable parameters of {len(dtypes)} dtypes ({shown}); "
-            "FSDP2 needs one dtype per group and would fail at the first forward. In shard_fn, "
-            "fully_shard each submodule of another dtype before its parent (innermost first), or pass "
-            "shard_fn=None: rank0load's default policy does that."
+            "FSDP2 needs one dtype among a group's trainable parameters and would fail at the first "
+            "forward. Freeze the odd ones (requires_grad_(False)) or give them the group's dtype; or, "
+            "in shard_fn, fully_shard each submodule of another dtype before its parent (innermost "
+            "first), or pass shard_fn=None: rank0load's default policy does that where the module "
+            "runs every step. If you changed requires_grad after the load, load with the same "
+            "requires_grad (set it in model_fn) so the policy can group them."
         )
