@@ -8,7 +8,7 @@ rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
 
 from __future__ import annotations
 
-from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
+from ._api import DEFAULT_STAGING_BYTES, FSDPGroup, LoadReport, load_sharded
 from ._pretrained import load_pretrained
 from .errors import (
     CheckpointChangedError,
@@ -34,6 +34,7 @@ __all__ = [
     "default_shard_fn",
     "StackExperts",
     "LoadReport",
+    "FSDPGroup",
     "DEFAULT_STAGING_BYTES",
     "LoadError",
     "CheckpointNotFoundError",

@@ -1,11 +1,14 @@
 """``python -m rank0load inspect PATH_OR_REPO [--model MODULE:FACTORY [--key-map MODULE:FUNCTION]]``
 (also the ``rank0load`` script).
 
-Reads headers only (one process, no process group, no tensor data). Exit codes, for scripts:
+Reads headers only (one process, no tensor data). With --model, also shards the meta model with the
+default policy over a one-rank gloo world of its own and lists its FSDP groups (no collectives).
+Exit codes, for scripts:
 
     0  the checkpoint is readable (and, with --model, its keys, shapes and dtypes fit the model; tied
        names it stores twice are listed, since only a load compares their values)
-    1  --model given: missing, unexpected or mismatched (shape / dtype) keys were found
+    1  --model given: missing, unexpected or mismatched (shape / dtype) keys were found, or an FSDP
+       group of the default policy would hold trainable parameters of two dtypes
     2  the checkpoint cannot be found or read (malformed file or index), or a bad command line
     3  --model / --key-map: could not be imported, the factory failed to build the model, or
        the key map failed on a key (raised, returned a non-str, mapped two keys to one)
@@ -20,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .checkpoint._inspect import Inspection, inspect_checkpoint, load_factory
+from .common._report import format_groups
 from .errors import LoadError, ModelMismatchError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_MODEL = 0, 1, 2, 3
@@ -39,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
         "inspect",
         help="files, tensors, dtypes and sizes of a checkpoint; with --model, a dry run of the key matching",
         description="Summarise a safetensors checkpoint from its headers. With --model, build the model on "
-        "meta and report missing, unexpected and mismatched keys (a dry run: no data is read).",
+        "meta and report missing, unexpected and mismatched keys and the FSDP groups the default policy "
+        "makes (a dry run: no data is read).",
     )
     ins.add_argument(
         "path", metavar="PATH_OR_REPO", help="directory, .safetensors file, index .json or Hub repo id"
@@ -106,6 +111,11 @@ def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) 
             "raises if they differ)",
             result.tied_twice,
         )
+        if result.fsdp_groups is None:
+            lines.append(f"FSDP groups: not listed ({result.fsdp_unlisted})")
+        else:
+            lines.append(f"FSDP groups, default policy ({len(result.fsdp_groups)}):")
+            lines += format_groups(result.fsdp_groups, limit=20)
         if not result.fits:
             lines.append("does NOT fit the model")
         elif result.tied_twice:
@@ -145,6 +155,19 @@ def _json(result: Inspection) -> str:
             "ignored": list(result.ignored),
             "converted": list(result.converted),
             "tied_twice": list(result.tied_twice),
+            "fsdp_groups": None
+            if result.fsdp_groups is None
+            else [
+                {
+                    "module": g.module,
+                    "parameters": g.parameters,
+                    "elements": g.elements,
+                    "trainable_dtypes": [str(d).removeprefix("torch.") for d in g.trainable_dtypes],
+                    "frozen_dtypes": [str(d).removeprefix("torch.") for d in g.frozen_dtypes],
+                }
+                for g in result.fsdp_groups
+            ],
+            "fsdp_unlisted": result.fsdp_unlisted,
             "fits": result.fits,
         },
         indent=2,

@@ -14,6 +14,7 @@ all ranks  settle: any rank's failure raised everywhere   -> _distribute.settle
 all ranks  agree on which ranks read locally              -> _local.Handover.decide
 all ranks  stream: each rank's bytes from its source, into its sink -> _transfer (_sources, _sink)
 all ranks  re-tie, verify nothing is left on meta         -> _model.finish
+all ranks  the report, with the model's FSDP groups       -> _report.LoadReport, fsdp_plan
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ from .checkpoint._read import Checkpoint, open_checkpoint, read_manifest
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._progress import peak_rss_bytes, progress_bar
-from .common._report import Clock, LoadReport, log_summary
+from .common._report import Clock, FSDPGroup, LoadReport, fsdp_plan, log_summary
 from .common._stack import roomy
 from .errors import LoadError
 from .integrations._convert import StackExperts
 from .load import _local, _model, _options, _sink, _transfer
 from .load._plan import Plan, build_plan
 
-__all__ = ["load_sharded", "LoadReport", "DEFAULT_STAGING_BYTES"]
+__all__ = ["load_sharded", "LoadReport", "FSDPGroup", "DEFAULT_STAGING_BYTES"]
 
 DEFAULT_STAGING_BYTES = _options.DEFAULT_STAGING_BYTES
 
@@ -242,11 +243,12 @@ def _prepared(prepare: Callable[[], _Ready]) -> _Ready:
 def _finished(
     built: _model.Built, manifest: Manifest, plan: Plan, clock: Clock, local: _local.LocalReads
 ) -> nn.Module:
-    """(all ranks) Ties restored and nothing left on meta; the report attached and summarised."""
+    """(all ranks) Ties restored and nothing left on meta; the report (with the FSDP groups)
+    attached and summarised."""
     _model.finish(built.model, built.layout)
     _model.guard_added_parameters(built.model, built.layout)
     clock("finish")
-    report = LoadReport.of(manifest, plan, clock, peak_rss_bytes(), local)
+    report = LoadReport.of(manifest, plan, clock, peak_rss_bytes(), local, fsdp_plan(built.model))
     built.model.rank0load_report = report  # type: ignore[assignment]
     if dist.get_rank() == 0:
         log_summary(report, {e.key: e.nbytes for e in manifest.entries})

@@ -60,6 +60,43 @@ def trained_toy(seed: int = 0) -> Toy:
     return m.eval()
 
 
+class HeadToy(nn.Module):
+    """A bf16 body (embedding, two blocks, final norm) under an fp32 head of its own (not tied)."""
+
+    def __init__(self, vocab: int = 7, dim: int = 5, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h).float())
+
+
+def head_toy() -> HeadToy:
+    """HeadToy in bf16, its head fp32; block 0 frozen, and block 1's norm: the default policy gives
+    the head a group of its own, and keeps the frozen bf16 parameters in their blocks' groups."""
+    model = HeadToy().to(torch.bfloat16)
+    model.head.float()
+    model.blocks[0].requires_grad_(False)
+    model.blocks[1].norm.requires_grad_(False)
+    return model
+
+
+# head_toy()'s FSDP groups under the default policy: (module, parameters, elements, trainable
+# dtypes, frozen dtypes), the root's first (emb 7 x 5 and the norm's 2 x 5; a block 5 x 5 + 3 x 5).
+HEAD_TOY_GROUPS = [
+    ("", 3, 45, (torch.bfloat16,), ()),
+    ("blocks.0", 4, 40, (), (torch.bfloat16,)),
+    ("blocks.1", 4, 40, (torch.bfloat16,), (torch.bfloat16,)),
+    ("head", 1, 35, (torch.float32,), ()),
+]
+
+
 def save_state(model: nn.Module, path: str, dtype: torch.dtype | None = None) -> None:
     """Save like save_pretrained does: tied aliases once."""
     from safetensors.torch import save_model

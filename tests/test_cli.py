@@ -1,6 +1,6 @@
 """``python -m rank0load inspect``, run as subprocesses: the summary, the --model dry run (with a
---key-map too) and the exit codes (0 fits / readable, 1 mismatches, 2 unreadable checkpoint or bad
-command line, 3 model factory or key map failed).
+--key-map too), the FSDP groups of the default policy, and the exit codes (0 fits / readable, 1
+mismatches, 2 unreadable checkpoint or bad command line, 3 model factory or key map failed).
 
 The subprocesses start together from one fixture (each spends seconds importing torch)."""
 
@@ -13,9 +13,10 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 from rank0load.__main__ import main
-from tests.models import save_state, trained_toy
+from tests.models import HEAD_TOY_GROUPS, head_toy, save_state, trained_toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +51,19 @@ def broken_key_map(key: str) -> str:
     raise KeyError(key)
 
 
+class OwnMixed(nn.Module):
+    """Registers a bf16 and an fp32 trainable parameter itself: no policy can split them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+
+def own_mixed() -> nn.Module:
+    return nn.Sequential(OwnMixed())
+
+
 def _sharded_checkpoint(path) -> None:
     """Two shards and an index, the layout save_pretrained writes."""
     from safetensors.torch import save_file
@@ -71,6 +85,7 @@ def cli(tmp_path_factory):
     save_state(trained_toy(), str(tmp / "toy.safetensors"))
     _mismatched_checkpoint(str(tmp / "mismatched.safetensors"))
     _prefixed_checkpoint(str(tmp / "prefixed.safetensors"))
+    save_state(head_toy(), str(tmp / "head.safetensors"))
     commands = {
         "summary": [str(tmp / "sharded"), "--json"],
         "fits": [str(tmp / "toy.safetensors"), "--model", "tests.models:toy"],
@@ -83,6 +98,7 @@ def cli(tmp_path_factory):
             "tests.test_cli:from_prefixed",
             "--json",
         ],
+        "groups": [str(tmp / "head.safetensors"), "--model", "tests.models:head_toy", "--json"],
         "absent": [str(tmp / "absent")],
         "no_module": [str(tmp / "toy.safetensors"), "--model", "tests.no_such_module:build"],
     }
@@ -133,6 +149,83 @@ def test_model_dry_run_fits(cli):
     code, out, err = cli[1]["fits"]
     assert code == 0, out + err
     assert "fits the model" in out and "largest: emb.weight F32 [7, 5] 140 B" in out
+
+
+def test_model_dry_run_lists_fsdp_groups(cli):
+    code, out, err = cli[1]["fits"]  # the toy: fp32, its head tied to the embedding (counted once)
+    assert code == 0, out + err
+    lines = out.splitlines()
+    at = lines.index("FSDP groups, default policy (3):")
+    assert lines[at + 1 : at + 4] == [
+        "  (root): 3 parameters, 45 elements, trainable float32",
+        "  blocks.0: 4 parameters, 40 elements, trainable float32",
+        "  blocks.1: 4 parameters, 40 elements, trainable float32",
+    ]
+    code, out, err = cli[1]["groups"]  # bf16 with an fp32 head, frozen parameters
+    assert code == 0, out + err
+    got = json.loads(out)
+    assert got["fits"] is True and got["fsdp_unlisted"] == ""
+    assert got["fsdp_groups"] == [
+        {
+            "module": name,
+            "parameters": parameters,
+            "elements": elements,
+            "trainable_dtypes": [str(d).removeprefix("torch.") for d in trainable],
+            "frozen_dtypes": [str(d).removeprefix("torch.") for d in frozen],
+        }
+        for name, parameters, elements, trainable, frozen in HEAD_TOY_GROUPS
+    ]
+    assert got["fsdp_groups"][-1] == {
+        "module": "head",
+        "parameters": 1,
+        "elements": 35,
+        "trainable_dtypes": ["float32"],
+        "frozen_dtypes": [],
+    }
+
+
+def test_fsdp_group_of_two_trainable_dtypes_is_a_mismatch(tmp_path, capsys):
+    """What a load raises for it (ModelMismatchError, before any data moves) is listed, exit 1."""
+    from safetensors.torch import save_model
+
+    path = str(tmp_path / "mixed.safetensors")
+    save_model(own_mixed(), path)
+    assert main(["inspect", path, "--model", "tests.test_cli:own_mixed", "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["missing"] == [] and got["unexpected"] == [] and len(got["mismatched"]) == 1
+    assert got["mismatched"][0].startswith(
+        "the FSDP group of 'the root module' holds trainable parameters of 2 dtypes "
+        "(bfloat16: 0.w; float32: 0.scale)"
+    )
+    assert got["fsdp_groups"] == [
+        {
+            "module": "",
+            "parameters": 2,
+            "elements": 15,
+            "trainable_dtypes": ["bfloat16", "float32"],
+            "frozen_dtypes": [],
+        }
+    ]
+
+
+def test_fsdp_groups_not_listed_inside_a_process_group(cli, capsys):
+    """inspect shards over a one-rank world of its own; a process that has a process group keeps it
+    untouched, and is told why no groups are listed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    tmp, _ = cli
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        assert main(["inspect", str(tmp / "toy.safetensors"), "--model", "tests.models:toy"]) == 0
+        out = capsys.readouterr().out
+        assert "FSDP groups: not listed (this process already has a process group)" in out
+        assert "fits the model" in out and dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_model_dry_run_reports_every_mismatch(cli):

@@ -19,6 +19,8 @@ from rank0load.integrations._compat import (
     foreach_mul_,
     foreach_norm,
     foreach_supported,
+    fsdp_group_params,
+    fsdp_groups,
     hf_init_weights,
     host_bytes,
     local_tensor,
@@ -104,6 +106,23 @@ def _ranks(rank: int, world: int) -> dict:
     )
     out["local_contiguous"] = local.is_contiguous()
     out["local_rows"] = local.shape[0]
+
+    # fsdp_group_params / fsdp_groups: each group under the module fully_shard was applied to, in
+    # named_modules() order, holding the very parameters the modules register (whole shapes), and
+    # a frozen parameter's requires_grad; the FSDP+TP weight above is one group of one DTensor.
+    with torch.device("meta"):
+        seq = nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 3, bias=False))
+    seq[0].bias.requires_grad_(False)
+    fully_shard(seq[1], mesh=mesh)
+    fully_shard(seq, mesh=mesh)
+    own = {id(p): n for n, p in seq.named_parameters()}
+    out["group_params"] = [
+        (name, module is seq.get_submodule(name), [(own.get(id(p)), tuple(p.shape)) for p in params])
+        for name, module, params in fsdp_group_params(seq)
+    ]
+    names = {id(m): n for n, m in seq.named_modules()}
+    out["groups"] = [(names[id(m)], params) for m, params in fsdp_groups(seq)]
+    out["tp_group"] = [(n, [type(p).__name__ for p in ps]) for n, _, ps in fsdp_group_params(model)]
     return out
 
 
@@ -148,6 +167,20 @@ def test_local_tensor_is_the_parameters_storage(ranks):
     assert [r["local_rows"] for r in ranks] == [3, 3, 1]  # torch.chunk semantics, as _plan.rows_of assumes
     plain = torch.zeros(3)
     assert local_tensor(plain) is plain
+
+
+def test_fsdp_groups_name_each_groups_parameters(ranks):
+    f32 = torch.float32
+    for r in ranks:
+        assert r["group_params"] == [
+            ("", True, [("0.weight", (7, 4)), ("0.bias", (7,))]),
+            ("1", True, [("1.weight", (3, 7))]),
+        ], "FSDP2's group state changed: update _compat._fsdp_param_groups"
+        assert r["groups"] == [
+            ("", [("0.weight", f32, True), ("0.bias", f32, False)]),
+            ("1", [("1.weight", f32, True)]),
+        ]
+        assert r["tp_group"] == [("", ["DTensor"])]
 
 
 def test_one_dim_placement_and_strided_shard_fields():

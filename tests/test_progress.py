@@ -1,7 +1,8 @@
 """Progress bar, INFO summary and load report: rank 0 alone shows a bar (on a terminal, unless
 HF_HUB_DISABLE_PROGRESS_BARS is set) and logs one INFO line per load; other ranks print and log
-nothing; every rank gets a LoadReport with bytes, tensors, seconds, GB/s, peak RSS and the keys
-that were missing or unexpected.
+nothing; every rank gets a LoadReport with bytes, tensors, seconds, GB/s, peak RSS, the keys
+that were missing or unexpected, and the model's FSDP groups (a bf16 model's fp32 head in a group of
+its own, frozen blocks' dtypes apart).
 
 HF_HUB_DISABLE_PROGRESS_BARS is read when huggingface_hub is imported, so it needs a fresh process
 group: tests/test_hub.py's spawn, which sets it, checks that no bar appears on a terminal."""
@@ -15,9 +16,11 @@ import sys
 import pytest
 import torch
 
+from rank0load import FSDPGroup
+from rank0load.common._report import format_groups
 from tests import _dist
 from tests.fakes import FakeTTY
-from tests.models import toy
+from tests.models import HEAD_TOY_GROUPS, head_toy, save_state, toy
 
 
 class Records(logging.Handler):
@@ -29,7 +32,7 @@ class Records(logging.Handler):
         self.records.append((record.levelno, record.name, record.getMessage()))
 
 
-def _rank(rank: int, world: int, path: str, partial_path: str) -> dict:
+def _rank(rank: int, world: int, path: str, partial_path: str, head_path: str) -> dict:
     import contextlib
 
     import rank0load
@@ -70,6 +73,7 @@ def _rank(rank: int, world: int, path: str, partial_path: str) -> dict:
         model = rank0load.load_sharded(toy, partial_path, strict=False)
         out["partial_stderr"] = sys.stderr.getvalue()
         out["partial"] = model.rank0load_report
+        out["head"] = rank0load.load_sharded(head_toy, head_path).rank0load_report
     finally:
         sys.stderr = real_stderr
     with open("/proc/self/status") as f:
@@ -92,8 +96,10 @@ def _partial(path: str, tmp) -> tuple[str, dict]:
 
 @pytest.fixture(scope="module")
 def shown(tmp_path_factory, toy_checkpoint):
-    partial, state = _partial(toy_checkpoint, tmp_path_factory.mktemp("progress"))
-    return state, _dist.ok(_dist.run(_rank, 2, toy_checkpoint, partial))
+    tmp = tmp_path_factory.mktemp("progress")
+    partial, state = _partial(toy_checkpoint, tmp)
+    save_state(head_toy(), str(tmp / "head.safetensors"))
+    return state, _dist.ok(_dist.run(_rank, 2, toy_checkpoint, partial, str(tmp / "head.safetensors")))
 
 
 def test_bar_on_rank0_terminal_only(shown):
@@ -109,8 +115,9 @@ def test_bar_on_rank0_terminal_only(shown):
 def test_one_info_line_per_load_from_rank0_only(shown):
     _, (r0, r1) = shown
     infos = [m for level, _, m in r0["records"] if level == logging.INFO]
-    assert len(infos) == 3, r0["records"]
+    assert len(infos) == 4, r0["records"]
     assert all("GB/s" in m and "peak RSS" in m and "tensors" in m for m in infos), infos
+    assert "over 2 ranks in 3 FSDP groups" in infos[0] and "in 4 FSDP groups" in infos[3], infos
     warnings = [m for level, _, m in r0["records"] if level == logging.WARNING]
     assert len(warnings) == 2 and "bn.weight" in warnings[0] + warnings[1]
     assert [rec for rec in r1["records"] if rec[0] >= logging.INFO] == []
@@ -129,3 +136,32 @@ def test_load_report(shown):
         assert rep.missing == () and rep.unexpected == ()
         partial = r["partial"]
         assert partial.missing == ("bn.weight",) and partial.unexpected == ("extra.weight",)
+
+
+def test_load_report_lists_the_fsdp_groups(shown):
+    _, results = shown
+    f32 = (torch.float32,)
+    for r in results:  # the same on every rank; elements are the whole parameters'
+        assert r["report"].fsdp_groups == (
+            FSDPGroup("", 3, 45, f32, ()),  # emb.weight (head.weight tied to it, once), bn.weight, bn.bias
+            FSDPGroup("blocks.0", 4, 40, f32, ()),
+            FSDPGroup("blocks.1", 4, 40, f32, ()),
+        )
+        assert r["partial"].fsdp_groups == r["report"].fsdp_groups
+        assert r["head"].fsdp_groups == tuple(FSDPGroup(*g) for g in HEAD_TOY_GROUPS)
+
+
+def test_fsdp_group_text():
+    groups = (
+        FSDPGroup("", 1, 1234567, (torch.bfloat16,), (torch.float32,)),
+        FSDPGroup("layers.0", 9, 90, (), (torch.bfloat16, torch.float32)),
+        FSDPGroup("head", 2, 8, (torch.float32,), ()),
+    )
+    assert str(groups[0]) == "(root): 1 parameter, 1,234,567 elements, trainable bfloat16, frozen float32"
+    assert str(groups[1]) == "layers.0: 9 parameters, 90 elements, frozen bfloat16 + float32"
+    assert format_groups(groups, limit=2) == [
+        "  (root): 1 parameter, 1,234,567 elements, trainable bfloat16, frozen float32",
+        "  layers.0: 9 parameters, 90 elements, frozen bfloat16 + float32",
+        "  ... and 1 more",
+    ]
+    assert format_groups(groups)[-1] == "  head: 2 parameters, 8 elements, trainable float32"

@@ -1,28 +1,34 @@
 """What a checkpoint holds, and whether it fits a model, from the headers alone (one process).
 
-(one process; no collectives, no process group) :func:`inspect_checkpoint` resolves the checkpoint
+(one process; no collectives) :func:`inspect_checkpoint` resolves the checkpoint
 like ``load_sharded`` does on rank 0 (directory, file, index or Hub repo id), validates every
 header and the index, and summarises files, tensors, dtypes and sizes. Given a ``model_fn``, it
 builds the model on meta (nothing is allocated), matches keys exactly as a load does
 (``_match.match_keys``: ``key_map``, non-persistent buffers, tied and wrapper aliases) and lists
 missing, unexpected and mismatched keys, all of them rather than the first. No tensor data is read, so
-tied names stored more than once are listed (``tied_twice``) for the load to compare.
+tied names stored more than once are listed (``tied_twice``) for the load to compare. Then it shards
+the meta model with the default policy over a one-rank gloo world of its own (``fully_shard`` on
+meta issues no collectives; the groups do not depend on the world size) and lists its FSDP groups.
 ``python -m rank0load inspect`` is the command-line front end (``__main__``).
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
-from ..errors import LoadError
+from ..common._report import FSDPGroup, fsdp_plan
+from ..errors import LoadError, ModelMismatchError
 from ..integrations._convert import conversions_for
 from ..model._meta import build_on_meta, describe
+from ..model._shard import check_dtype_groups, default_shard_fn
 from ._fit import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
@@ -63,6 +69,10 @@ class Inspection:
     # Tied parameters whose names the checkpoint stores more than once ("a = b"): a load compares
     # their bytes and raises if they differ; headers alone cannot tell.
     tied_twice: tuple[str, ...] = ()
+    # The FSDP groups the default policy gives the model (root first), as a load's
+    # LoadReport.fsdp_groups lists them; None: no model, or not listed, and why (fsdp_unlisted).
+    fsdp_groups: tuple[FSDPGroup, ...] | None = None
+    fsdp_unlisted: str = ""
 
     @property
     def fits(self) -> bool:
@@ -110,6 +120,11 @@ def inspect_checkpoint(
             Needs ``model_fn``.
         conversions: :class:`~rank0load.StackExperts` rules, as ``load_sharded`` takes them
             (transformers' own conversions apply to a transformers model without them).
+
+    With ``model_fn`` and no process group in this process, the model is also sharded on meta by
+    the default policy over a one-rank gloo world created and destroyed here, for
+    ``Inspection.fsdp_groups``; a group that would hold trainable parameters of two dtypes is listed
+    in ``mismatched`` with the error a load raises.
 
     Returns:
         An :class:`Inspection`.
@@ -181,6 +196,9 @@ def _check_model(
     quantised = quantised_keys(match, layout)
     block = fp8_block_size(source.root) if quantised else None
     entries = build_entries(match, layout, headers, block, errors=mismatched, quantised=quantised)
+    groups, unlisted, refused = _fsdp_groups(model)
+    if refused:
+        mismatched.append(refused)
     converted = tuple(
         f"{e.key} <- {len(e.parts) or 1} tensors ({e.ckpt_key}, ...)"
         + (f", float8 dequantised in blocks of {list(e.block)}" if e.scales else "")
@@ -202,7 +220,38 @@ def _check_model(
                 " = ".join(t.key for t in found) for found in match.by_model_key.values() if len(found) > 1
             )
         ),
+        fsdp_groups=groups,
+        fsdp_unlisted=unlisted,
     )
+
+
+def _fsdp_groups(model: nn.Module) -> tuple[tuple[FSDPGroup, ...] | None, str, str]:
+    """(groups, why they are not listed, the ModelMismatchError a load would raise) for the default
+    policy on ``model`` (on meta; sharded in place, after its keys were matched). A refusal (a group
+    that would train two dtypes, or the policy's own) is what a load raises, before any data moves.
+    Not listed when this process already has a process group: a mesh over that world would need
+    every rank, and is the caller's business."""
+    if not dist.is_available() or dist.is_initialized():
+        return None, "this process already has a process group", ""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # A world of this process alone (an in-memory store, no environment variables); fully_shard on
+    # meta issues no collectives, and the groups are the same at any world size.
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        try:
+            default_shard_fn(model, init_device_mesh("cpu", (1,)))
+        except ModelMismatchError as exc:
+            return None, "the default policy refused the model (see mismatched)", str(exc)
+        try:
+            check_dtype_groups(model)
+        except ModelMismatchError as exc:
+            return fsdp_plan(model), "", str(exc)
+        return fsdp_plan(model), "", ""
+    finally:
+        dist.destroy_process_group()
 
 
 def _names(root: str) -> dict[str, str]:

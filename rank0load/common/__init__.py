@@ -6,5 +6,6 @@ the same error, sharing objects, the agreement on the model); ``_failure``: what
 transfer's rounds, its sends and receives in flight, and the settling at each round's end (the
 load's stream and the save's writes); ``_memory``: host memory (staging reservations, shards
 faulted in); ``_stack``: room on CPython's frame stack for a whole load or save; ``_progress``:
-the progress bar and peak RSS; ``_report``: the phase clock and :class:`~rank0load.LoadReport`.
+the progress bar and peak RSS; ``_report``: the phase clock, :class:`~rank0load.LoadReport` and the
+model's FSDP groups (:class:`~rank0load.FSDPGroup`).
 """

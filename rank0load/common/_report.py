@@ -1,4 +1,8 @@
-"""What a load did: :class:`LoadReport` (every rank) and rank 0's log lines (no collectives)."""
+"""What a load did: :class:`LoadReport` (every rank) and rank 0's log lines (no collectives).
+
+(any rank, no collectives) :func:`fsdp_plan` lists a sharded model's FSDP groups as :class:`FSDPGroup`
+items (the load's report and ``inspect --model`` both show them); :func:`format_groups` words them.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,74 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["Clock", "LoadReport", "log_summary"]
+from ..integrations._compat import fsdp_group_params
+
+__all__ = ["Clock", "FSDPGroup", "LoadReport", "format_groups", "fsdp_plan", "log_summary"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FSDPGroup:
+    """One FSDP2 parameter group: what a training step gathers and reduces as one unit (an
+    all-gather before its forward, again before its backward if it resharded after the forward, and
+    one reduce-scatter of its trainable parameters' gradients)."""
+
+    module: str  # qualified name of the module fully_shard was applied to; "" for the root
+    parameters: int  # parameters in the group (a tied parameter once)
+    elements: int  # their elements, whole (unsharded): what one all-gather assembles
+    trainable_dtypes: tuple[torch.dtype, ...]  # dtypes of the parameters with requires_grad, sorted
+    frozen_dtypes: tuple[torch.dtype, ...]  # dtypes of the others (gathered, never reduced), sorted
+
+    def __str__(self) -> str:
+        where = self.module or "(root)"
+        noun = "parameter" if self.parameters == 1 else "parameters"
+        text = f"{where}: {self.parameters} {noun}, {self.elements:,} elements"
+        if self.trainable_dtypes:
+            text += ", trainable " + " + ".join(_dtype_name(d) for d in self.trainable_dtypes)
+        if self.frozen_dtypes:
+            text += ", frozen " + " + ".join(_dtype_name(d) for d in self.frozen_dtypes)
+        return text
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
+    """(any rank, no collectives) The FSDP2 groups of a sharded ``model``, in ``named_modules()``
+    order (the root's first): one walk over its modules and one pass over its sharded parameters."""
+    plan = []
+    for name, _, params in fsdp_group_params(model):
+        elements = 0
+        trainable: set[torch.dtype] = set()
+        frozen: set[torch.dtype] = set()
+        for p in params:
+            elements += p.numel()
+            (trainable if p.requires_grad else frozen).add(p.dtype)
+        plan.append(
+            FSDPGroup(
+                module=name,
+                parameters=len(params),
+                elements=elements,
+                trainable_dtypes=tuple(sorted(trainable, key=str)),
+                frozen_dtypes=tuple(sorted(frozen, key=str)),
+            )
+        )
+    return tuple(plan)
+
+
+def format_groups(groups: tuple[FSDPGroup, ...], limit: int | None = None) -> list[str]:
+    """One line per group (the first ``limit`` of them, then how many more), indented for a listing."""
+    shown = groups if limit is None else groups[:limit]
+    lines = [f"  {g}" for g in shown]
+    if len(groups) > len(shown):
+        lines.append(f"  ... and {len(groups) - len(shown)} more")
+    return lines
 
 
 @dataclass
@@ -53,10 +120,22 @@ class LoadReport:
     # runs of checkpoint files whose headers rank 0 read and matched one run at a time, holding
     # one run's header objects at once (see _runs); 0: all headers at once
     manifest_runs: int = 0
+    # The model's FSDP2 parameter groups as sharded (the default policy's or shard_fn's), the root's
+    # first: the collectives a training step makes (see FSDPGroup). The same on every rank.
+    fsdp_groups: tuple[FSDPGroup, ...] = ()
 
     @classmethod
-    def of(cls, manifest: Any, plan: Any, clock: Clock, peak_rss: int, local: Any = None) -> LoadReport:
-        """(all ranks) The report of a load that has just finished (``local``: ``_localread.LocalReads``)."""
+    def of(
+        cls,
+        manifest: Any,
+        plan: Any,
+        clock: Clock,
+        peak_rss: int,
+        local: Any = None,
+        groups: tuple[FSDPGroup, ...] = (),
+    ) -> LoadReport:
+        """(all ranks) The report of a load that has just finished (``local``: ``_localread.LocalReads``;
+        ``groups``: :func:`fsdp_plan` of the model)."""
         return cls(
             tensors=len(manifest.entries),
             bytes=manifest.total_bytes,
@@ -83,6 +162,7 @@ class LoadReport:
             local_read=local is not None and local.files is not None,
             local_readers=tuple(sorted(local.readers)) if local is not None else (),
             local_status=local.status if local is not None else "",
+            fsdp_groups=groups,
         )
 
     @property
@@ -152,11 +232,15 @@ def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
             report.dequantised,
         )
     logger.info(
-        "rank0load: %d tensors, %.2f GB in %.2f s (stream %.2f GB/s) over %d ranks, rank 0 peak RSS %.0f MB",
+        "rank0load: %d tensors, %.2f GB in %.2f s (stream %.2f GB/s) over %d ranks in %d FSDP groups, "
+        "rank 0 peak RSS %.0f MB",
         report.tensors,
         report.bytes / 1e9,
         report.seconds,
         report.gb_per_s,
         report.world_size,
+        len(report.fsdp_groups),
         report.peak_rss_bytes / 1e6,
     )
+    if logger.isEnabledFor(logging.DEBUG):  # one line per group: thousands for a MoE model
+        logger.debug("FSDP groups:\n%s", "\n".join(format_groups(report.fsdp_groups)))

@@ -35,6 +35,7 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "foreach_supported",
+    "fsdp_group_params",
     "fsdp_groups",
     "hf_none_means_config_dtype",
     "hf_keep_in_fp32",
@@ -121,29 +122,46 @@ def split_chunks(placement: Placement, t: torch.Tensor, parts: int) -> list[torc
 
 def fsdp_groups(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]]:
     """Every FSDP2 parameter group in ``model``: the module ``fully_shard`` was applied to, and each of
-    its parameters' qualified name, dtype and ``requires_grad``. Private: ``FSDPModule._get_fsdp_state``,
-    ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group`` before per-parameter meshes),
-    ``FSDPParam._module_info``."""
-    from torch.distributed.fsdp import FSDPModule
-
+    its parameters' qualified name, dtype and ``requires_grad``. Private: see :func:`fsdp_group_params`
+    and ``FSDPParam._module_info``."""
     names = {id(m): n for n, m in model.named_modules()}
     out: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
+    for _, module, fsdp_params in _fsdp_param_groups(model):
+        params = []
+        for fp in fsdp_params:
+            owner = names.get(id(fp._module_info.module), "")
+            name = f"{owner}.{fp._module_info.param_name}" if owner else fp._module_info.param_name
+            params.append((name, fp.sharded_param.dtype, fp.sharded_param.requires_grad))
+        out.append((module, params))
+    return out
+
+
+def fsdp_group_params(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """Every FSDP2 parameter group in ``model``, in ``named_modules()`` order, from one walk over the
+    modules: the qualified name of the module ``fully_shard`` was applied to ("" for the root), the
+    module, and its group's sharded parameters (the DTensors the modules hold, shaped as the whole
+    parameters), unnamed. Private: ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``
+    (``_fsdp_param_group`` before per-parameter meshes), ``FSDPParam.sharded_param``."""
+    return [
+        (name, module, [fp.sharded_param for fp in params])
+        for name, module, params in _fsdp_param_groups(model)
+    ]
+
+
+def _fsdp_param_groups(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[Any]]]:
+    """(qualified name, module, its group's ``FSDPParam`` list) for every FSDP2 parameter group."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        if state is None:
             continue
-        state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:
             single = state._fsdp_param_group
             groups = [single] if single is not None else []
         for group in groups:
-            params = []
-            for fp in group.fsdp_params:
-                owner = names.get(id(fp._module_info.module), "")
-                name = f"{owner}.{fp._module_info.param_name}" if owner else fp._module_info.param_name
-                params.append((name, fp.sharded_param.dtype, fp.sharded_param.requires_grad))
-            out.append((module, params))
-    return out
+            yield name, module, group.fsdp_params
 
 
 def reduce_scatter_unused_params(module: nn.Module) -> None:
