@@ -311,8 +311,10 @@ def test_adapter_saved_in_peft_layout_reads_with_peft(setup, ran):
 
 
 def test_full_save_loads_back_into_the_peft_model(setup, ran):
-    """save_sharded of the whole PeftModel keeps its names; load_sharded into the same model_fn
-    restores base and adapters as trained (nothing kept, nothing missing)."""
+    """save_sharded of the whole PeftModel writes its base model as save_pretrained writes it (base
+    names, config.json: from_pretrained reads it, leaving the adapters aside) and the adapters under
+    the PeftModel's names; load_sharded into the same model_fn restores base and adapters as trained
+    (nothing kept, nothing missing)."""
     from safetensors.torch import load_file
 
     _got(ran, "lora-fp32-train")
@@ -322,8 +324,14 @@ def test_full_save_loads_back_into_the_peft_model(setup, ran):
     for name in os.listdir(full):
         if name.endswith(".safetensors"):
             saved.update(load_file(os.path.join(full, name)))
-    assert sorted(saved) == sorted(k for k in trained if "inv_freq" not in k)  # non-persistent
-    assert_same(saved, {k: trained[k] for k in saved})
+    lora = _lora_keys(trained)
+    base = {
+        k.removeprefix("base_model.model.").replace(".base_layer.", "."): k for k in trained if k not in lora
+    }
+    assert sorted(saved) == sorted([*(b for b in base if "inv_freq" not in b), *lora])  # non-persistent
+    assert_same(saved, {k: trained[base.get(k, k)] for k in saved})
+    plain = _one_thread(lambda: hf.model_class("llama_untied").from_pretrained(full))
+    assert_same(reference(plain), {b: trained[k] for b, k in base.items()})
     for got in _got(ran, "resume-full-save"):
         assert_same(got["tensors"], trained)
         assert got["kept"] == () and got["missing"] == ()

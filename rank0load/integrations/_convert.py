@@ -20,6 +20,10 @@ each byte once, straight into its owner's shard. No rank ever holds a fused para
 * :class:`TransformersReversal` — the other way, for ``save_sharded(original_format=True)``: a fused
   model tensor's saved names and shapes, from transformers' own reverse conversions (those
   ``save_pretrained`` applies), each a contiguous byte range of the fused tensor in row-major order.
+  :class:`PeftReversal` puts a ``PeftModel``'s base tensors under its base model's names first.
+
+A ``PeftModel`` gets its base model's conversions both ways, on its base model's names
+(``_peft.base_key``), which the PeftModel answers to as well as to its own.
 
 Which conversion places each checkpoint key, decided once per key pattern, is ``_resolve``'s.
 
@@ -38,16 +42,18 @@ import torch
 from torch import nn
 
 from ..errors import SaveError
-from . import _compat, _compat_convert
+from . import _compat, _compat_convert, _peft
 
 __all__ = [
     "Conversion",
     "ConversionMatch",
+    "PeftReversal",
     "StackExperts",
     "TransformersConversions",
     "TransformersReversal",
     "TransformersRenamings",
     "conversions_for",
+    "original_format_reversal",
     "transformers_conversions",
     "transformers_reversal",
 ]
@@ -207,6 +213,24 @@ class TransformersReversal:
         return [(order[v], part) for v in range(slices)]
 
 
+class PeftReversal:
+    """(rank 0) A ``PeftModel`` tensor's saved names as its base model's library saves them: every
+    tensor but the adapters' under the base model's name (``_peft.base_key``: ``base_model.model.``,
+    ``base_layer`` and ``original_module`` dropped), then ``base_reversal`` (transformers' conversions
+    reverted, for a transformers base); the adapters' own tensors (``adapters``: their names in the
+    file, ``_peft.adapter_parameters``) under the PeftModel's names, which ``load_sharded`` of the
+    PeftModel reads back and a base model's ``from_pretrained`` leaves aside as unexpected."""
+
+    def __init__(self, adapters: frozenset[str], base_reversal: TransformersReversal | None) -> None:
+        self._adapters, self._base_reversal = adapters, base_reversal
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        if name in self._adapters:
+            return [(name, shape)]
+        base = _peft.base_key(name)
+        return self._base_reversal(base, shape) if self._base_reversal is not None else [(base, shape)]
+
+
 class TransformersRenamings:
     """transformers 4.x's key renamings for ``model`` (it has no conversions: its MoE models keep
     per-expert modules, as the Hub stores them): ``_fix_state_dict_key_on_load`` (LayerNorm
@@ -244,9 +268,25 @@ def transformers_reversal(model: nn.Module) -> TransformersReversal | None:
     return TransformersReversal(model) if _compat_convert.hf_has_conversion_mapping() else None
 
 
+def original_format_reversal(
+    model: nn.Module, adapters: frozenset[str]
+) -> TransformersReversal | PeftReversal | None:
+    """(rank 0) ``save_sharded(original_format=True)``'s saved names: a transformers model's
+    conversions reverted (:func:`transformers_reversal`); a ``PeftModel``'s base tensors under its
+    base model's names, reverted so too for a transformers base (:class:`PeftReversal`; ``adapters``:
+    the adapter tensors' names as the plan sees them); None for any other model (its own names)."""
+    base = _compat.peft_base_model(model)
+    reversal = transformers_reversal(base) if _compat.is_transformers_model(base) else None
+    return reversal if base is model else PeftReversal(adapters, reversal)
+
+
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
-    """(all ranks, before sharding) The caller's conversions, then transformers' for a transformers model."""
+    """(all ranks, before sharding) The caller's conversions, then transformers' for a transformers
+    model, also one a ``PeftModel`` wraps: those of its base model, on the base model's names (the
+    targets they give are base names, which the PeftModel answers to, ``_meta.ModelLayout``)."""
     out = list(extra)
-    if _compat.is_transformers_model(model):
-        out.append(transformers_conversions(model, model_keys))
+    base = _compat.peft_base_model(model)
+    if _compat.is_transformers_model(base):
+        keys = model_keys if base is model else [_peft.base_key(k) for k in model_keys]
+        out.append(transformers_conversions(base, keys))
     return out

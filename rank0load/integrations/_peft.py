@@ -6,6 +6,8 @@ caller's random stream, exactly as ``get_peft_model`` on a loaded model does, wh
 stays on meta: adapters are small, and their initialisation (``lora_B`` zeros, ``lora_A`` as PEFT
 draws it) is what the base checkpoint lacks. PEFT moves each new adapter to its base layer's device;
 the move to meta is turned into a dtype cast only, so the values survive.
+(any rank) :func:`base_key` is a PeftModel's name as its base model spells it, :func:`adapter_parameters`
+the names of its adapters' own parameters (what the base model lacks).
 (rank 0) :func:`adapter_names` gives each adapter parameter's name in PEFT's files (PEFT's own
 ``get_peft_model_state_dict``), :func:`read_adapter_config` / :func:`check_adapter_config` compare an
 adapter folder's ``adapter_config.json`` with the model's. Nothing here imports peft for a model that
@@ -33,7 +35,9 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "adapter_names",
+    "adapter_parameters",
     "adapters_built_real",
+    "base_key",
     "building_adapters",
     "check_adapter_config",
     "is_peft_model",
@@ -44,6 +48,12 @@ __all__ = [
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+# What a PEFT model adds to its base model's names: ``base_model.model.`` in front, ``base_layer`` (the
+# wrapped layer of a tuner layer; nested for PEFT's ParamWrapper over fused MoE experts,
+# ``mlp.experts.base_layer.base_layer.gate_up_proj``) and ``original_module`` (modules_to_save) inside.
+_PEFT_PREFIX = "base_model.model."
+_PEFT_SEGMENTS = frozenset(("base_layer", "original_module"))
 
 _state = threading.local()  # .depth: how many inject_adapter calls of this thread are running
 
@@ -130,6 +140,45 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def base_key(key: str) -> str:
+    """A PeftModel's key as its base model and the base model's checkpoints spell it:
+    ``"base_model.model.model.layers.0.q_proj.base_layer.weight"`` -> ``"model.layers.0.q_proj.weight"``;
+    any other key as it is."""
+    if not key.startswith(_PEFT_PREFIX):
+        return key
+    return ".".join(p for p in key.removeprefix(_PEFT_PREFIX).split(".") if p not in _PEFT_SEGMENTS)
+
+
+def _adapter_holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) of every module that holds adapter tensors: each PEFT tuner layer's
+    (and ``modules_to_save`` wrapper's) ``adapter_layer_names`` and ``other_param_names`` attributes."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    for name, module in model.named_modules():
+        if not isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            continue
+        for attr in (*module.adapter_layer_names, *getattr(module, "other_param_names", ())):
+            holder: Any = module
+            for part in attr.split("."):  # "token_adapter.trainable_tokens_delta"
+                holder = getattr(holder, part, None)
+            if isinstance(holder, nn.Module):  # not "r", "scaling": plain dicts
+                yield (f"{name}.{attr}" if name else attr), holder
+
+
+def adapter_parameters(model: nn.Module) -> frozenset[str]:
+    """The names of every adapter parameter and buffer of a PeftModel, every adapter's (``lora_A``,
+    ``lora_B``, a ``modules_to_save`` copy): the tensors its base model does not have. Empty for a
+    model that is not a PeftModel."""
+    if not is_peft_model(model):
+        return frozenset()
+    out: set[str] = set()
+    for prefix, holder in _adapter_holders(model):
+        out.update(f"{prefix}.{leaf}" for leaf, _ in holder.named_parameters())
+        out.update(f"{prefix}.{leaf}" for leaf, _ in holder.named_buffers())
+    return frozenset(out)
+
+
 def tuner_layers_without_values(model: nn.Module, built: set[str]) -> list[str]:
     """(all ranks) Adapter parameters of PEFT tuner layers that were not built for real (peft was
     imported by ``model_fn`` itself, after the build began, or an initialisation that needs the base
@@ -213,6 +262,7 @@ _COMPARED = (
     "r",
     "lora_alpha",
     "target_modules",
+    "target_parameters",  # LoRA on fused MoE experts (PEFT's ParamWrapper)
     "use_rslora",
     "use_dora",
     "bias",
@@ -229,7 +279,7 @@ def check_adapter_config(model: nn.Module, adapter_name: str, found: dict[str, A
             continue
         a, b = _comparable(want[field]), _comparable(found[field])
         if a != b:
-            differ.append(f"{field}: the model has {want[field]!r}, the adapter {found[field]!r}")
+            differ.append(f"{field}: the model has {_shown(a)}, the adapter {_shown(b)}")
     if differ:
         raise ModelMismatchError(
             f"adapter {folder!r} does not fit the model's adapter {adapter_name!r}: "
@@ -241,8 +291,14 @@ def check_adapter_config(model: nn.Module, adapter_name: str, found: dict[str, A
 
 
 def _comparable(value: Any) -> Any:
-    if isinstance(value, (list, tuple, set)):
-        return sorted(str(v) for v in value)
-    if hasattr(value, "value"):  # an enum (PeftType)
+    """A config field as it compares: collections sorted, an empty one None (PEFT writes ``null`` for
+    the ``target_parameters`` a model's config holds as ``set()``), an enum (PeftType) its value."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return sorted(str(v) for v in value) or None
+    if hasattr(value, "value"):
         return value.value
     return value
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else repr(value)

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..common._failure import UserCodeFailure, user_code
 from ..integrations._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
-from ..integrations._peft import adapters_built_real, tuner_layers_without_values
+from ..integrations._peft import adapters_built_real, base_key, tuner_layers_without_values
 
 __all__ = ["ModelLayout", "base_name", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
 
@@ -240,19 +240,11 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
 _WRAPPED = re.compile("|".join(WRAPPER_SEGMENTS))
 
 
-# What a PEFT model adds to its base model's names: ``base_model.model.`` in front, ``.base_layer``
-# (the wrapped layer of a tuner layer) and ``.original_module`` (modules_to_save) inside.
-_PEFT_PREFIX = "base_model.model."
-_PEFT_SEGMENTS = ("base_layer", "original_module")
-
-
 def base_name(key: str) -> str:
-    """A PEFT model's name as its base model and its checkpoints spell it (wrappers removed too):
-    ``"base_model.model.layers.0.q_proj.base_layer.weight"`` -> ``"layers.0.q_proj.weight"``."""
-    key = strip_wrappers(key)
-    if not key.startswith(_PEFT_PREFIX):
-        return key
-    return ".".join(p for p in key.removeprefix(_PEFT_PREFIX).split(".") if p not in _PEFT_SEGMENTS)
+    """A PEFT model's name as its base model and its checkpoints spell it (wrappers removed too,
+    ``_peft.base_key``): ``"base_model.model.layers.0.q_proj.base_layer.weight"`` ->
+    ``"layers.0.q_proj.weight"``."""
+    return base_key(strip_wrappers(key))
 
 
 def strip_wrappers(key: str) -> str:

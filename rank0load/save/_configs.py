@@ -43,8 +43,15 @@ class Layout:
     write_configs: Callable[[nn.Module, str, SavePlan], None] | None
 
 
-def layout_of(model: nn.Module) -> Layout:
-    """(all ranks) The layout ``from_pretrained`` of the model's library reads."""
+def layout_of(model: nn.Module, original_format: bool = True) -> Layout:
+    """(all ranks) The layout ``from_pretrained`` of the model's library reads; for a ``PeftModel``,
+    that of its base model with ``original_format`` (saved under the base model's names), else plain
+    files under the PeftModel's own names, with no config files (no library reads those as a model)."""
+    base = peft_base_model(model)
+    if base is not model:
+        if not original_format:
+            return Layout("model", False, None)
+        model = base
     if is_transformers_model(model):
         return Layout("model", False, _hf_configs)
     if is_diffusers_model(model):
@@ -87,7 +94,8 @@ def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan)
 
 def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
     """(rank 0) A transformers model's ``config.json`` (its dtype the saved floating tensors') and
-    ``generation_config.json``."""
+    ``generation_config.json``; a PeftModel's, its base model's."""
+    model = peft_base_model(model)
     floats: dict[str, int] = {}
     for item in plan.items:
         if DTYPES[item.dtype].is_floating_point and DTYPES[item.dtype].itemsize > 1:
@@ -103,7 +111,7 @@ def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
 
 def _diffusers_config(model: nn.Module, folder: str, plan: SavePlan) -> None:
     """(rank 0) A diffusers model's ``config.json``, as its ``save_config`` writes it (diffusers keeps
-    no dtype there)."""
-    name, text = diffusers_config_json(model)
+    no dtype there); a PeftModel's, its base model's."""
+    name, text = diffusers_config_json(peft_base_model(model))
     with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
         f.write(text)

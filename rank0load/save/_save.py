@@ -34,8 +34,8 @@ from ..common._report import Clock
 from ..common._stack import roomy
 from ..errors import SaveError
 from ..integrations import _peft
-from ..integrations._compat import is_transformers_model, local_tensor
-from ..integrations._convert import transformers_reversal
+from ..integrations._compat import local_tensor
+from ..integrations._convert import original_format_reversal
 from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
@@ -118,7 +118,12 @@ def save_sharded(
         original_format: for a transformers model, revert transformers' conversions as
             ``save_pretrained`` does (its default): a fused MoE parameter (``mlp.experts.gate_up_proj``
             [E, 2I, H]) is saved as the per-expert tensors it was loaded from, renamed modules get their
-            checkpoint names back. Applied to the names key_map returns. False: the model's own names.
+            checkpoint names back. For a ``PeftModel``, its base model is saved so (under the base
+            model's names, with its library's files and config), so that the base model's
+            ``from_pretrained`` reads it; the adapters' own tensors are added under the PeftModel's
+            names (``base_model.model.…lora_A.default.weight``), which ``from_pretrained`` leaves aside
+            and ``load_sharded`` of the same PeftModel loads back. Applied to the names key_map
+            returns. False: the model's own names (a PeftModel's included, with no config files).
         max_staging_bytes: host RAM for staging on each rank.
         adapter: the name of a PEFT adapter of a ``PeftModel`` (``"default"``): save that adapter
             alone in PEFT's layout (``adapter_model.safetensors`` under PEFT's names, which
@@ -142,7 +147,7 @@ def save_sharded(
     return _save(
         model,
         out_dir,
-        layout_of(model),
+        layout_of(model, original_format),
         max_shard_size=max_shard_size,
         dtype=dtype,
         key_map=key_map,
@@ -192,7 +197,7 @@ def _save(
     max_staging_bytes: int,
 ) -> SaveReport:
     """(all ranks) ``save_sharded`` with the files and config files ``layout`` names; the arguments
-    as ``save_sharded``'s (``original_format`` applies to a transformers model only)."""
+    as ``save_sharded``'s (``original_format`` applies to a transformers model and a PeftModel only)."""
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
     described, error = _distribute.attempt(lambda: _describe(model, options))
@@ -276,8 +281,12 @@ def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
 
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
-    """(rank 0) transformers' conversions reverted, for a transformers model with original_format."""
-    return transformers_reversal(model) if original_format and is_transformers_model(model) else None
+    """(rank 0) With original_format, transformers' conversions reverted for a transformers model, and
+    a PeftModel's base tensors under its base model's names (``_convert.original_format_reversal``)."""
+    if not original_format:
+        return None
+    adapters = frozenset(strip_wrappers(k) for k in _peft.adapter_parameters(model))
+    return original_format_reversal(model, adapters)
 
 
 def _report(plan: SavePlan, clock: Clock, gathered: tuple[str, ...]) -> SaveReport:
