@@ -49,17 +49,29 @@ def _write_line(text: str) -> None:
     os.write(sys.stdout.fileno(), (text + "\n").encode())
 
 
-def batch(vocab_size: int, device: str, seed: int, size: int = 2, length: int = 16) -> dict:
-    """A batch of random token ids (your DataLoader with a DistributedSampler goes here)."""
-    generator = torch.Generator().manual_seed(seed)
+def _seed(step: int, rank: int | None) -> int:
+    """Data parallelism: every rank its own batch at every step (``rank``: the data-parallel rank,
+    by default this process's)."""
+    return step * 100_003 + (dist.get_rank() if rank is None else rank)
+
+
+def batch(
+    vocab_size: int, device: str, step: int, rank: int | None = None, size: int = 2, length: int = 16
+) -> dict:
+    """This rank's batch of random token ids at ``step`` (your DataLoader with a DistributedSampler
+    goes here): a different one on every data-parallel rank."""
+    generator = torch.Generator().manual_seed(_seed(step, rank))
     ids = torch.randint(0, vocab_size, (size, length), generator=generator).to(device)
     return {"input_ids": ids, "labels": ids}
 
 
-def denoising_batch(channels: int, text_dim: int, device: str, seed: int, size: int = 2) -> dict:
+def denoising_batch(
+    channels: int, text_dim: int, device: str, step: int, rank: int | None = None, size: int = 2
+) -> dict:
     """A flow-matching batch for a video transformer: clean latents [B, C, frames 1, 4, 4], noise, one
-    time in (0, 1) per sample, text embeddings [B, 3, text_dim] (your VAE and text encoder go here)."""
-    generator = torch.Generator().manual_seed(seed)
+    time in (0, 1) per sample, text embeddings [B, 3, text_dim] (your VAE and text encoder go here); a
+    different batch on every rank."""
+    generator = torch.Generator().manual_seed(_seed(step, rank))
     out = {
         "latents": torch.randn(size, channels, 1, 4, 4, generator=generator),
         "noise": torch.randn(size, channels, 1, 4, 4, generator=generator),

@@ -53,7 +53,7 @@ def main(out_dir: str, pipeline: str | None = None, steps: int = 3) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
     for step in range(steps):
-        b = denoising_batch(model.config.in_channels, model.config.text_dim, device, seed=step)
+        b = denoising_batch(model.config.in_channels, model.config.text_dim, device, step)
         t = b["t"].view(-1, 1, 1, 1, 1)
         noisy = ((1 - t) * b["latents"] + t * b["noise"]).to(torch.bfloat16)
         text = b["text"].to(torch.bfloat16)

@@ -55,7 +55,7 @@ def main(ckpt: str) -> None:
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # Every rank of a tensor-parallel group must see the same batch: seed by the dp coordinate.
-    loss = model(**batch(model.config.vocab_size, device, seed=mesh["dp"].get_local_rank())).loss
+    loss = model(**batch(model.config.vocab_size, device, step=0, rank=mesh["dp"].get_local_rank())).loss
     loss.backward()
     norm = rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
     optimizer.step()

@@ -25,7 +25,7 @@ def main(ckpt: str, out_dir: str, steps: int = 3) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     for step in range(steps):
-        loss = model(**batch(model.config.vocab_size, device, seed=step)).loss
+        loss = model(**batch(model.config.vocab_size, device, step)).loss
         loss.backward()
         norm = rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()

@@ -90,7 +90,9 @@ class TinyLM(nn.Module):
         return self.lm_head(self.model.norm(h))
 
 
-IDS = torch.tensor([[1, 2, 3, 6], [0, 5, 4, 4]])
+def ids_of(dp_rank: int) -> torch.Tensor:
+    """Data-parallel rank ``dp_rank``'s own batch (a tensor-parallel group shares one)."""
+    return torch.randint(0, 7, (2, 4), generator=torch.Generator().manual_seed(40 + dp_rank))
 
 
 def _tiny_lm() -> TinyLM:
@@ -132,10 +134,10 @@ def _tp_then_fsdp(model: TinyLM, mesh) -> TinyLM:
     return model
 
 
-def _params(model: TinyLM) -> tuple[list[str], list[torch.Tensor]]:
-    """The model's parameters after a backward, then a plain tensor (the same on every rank) with
-    its own gradient."""
-    model(IDS).square().mean().backward()
+def _params(model: TinyLM, dp_rank: int) -> tuple[list[str], list[torch.Tensor]]:
+    """The model's parameters after a backward on data-parallel rank ``dp_rank``'s own batch, then a
+    plain tensor (the same on every rank) with its own gradient."""
+    model(ids_of(dp_rank)).square().mean().backward()
     g = torch.Generator().manual_seed(5)
     extra = nn.Parameter(torch.zeros(4, 3))
     extra.grad = torch.randn(4, 3, generator=g)
@@ -274,9 +276,9 @@ def _ranks(rank: int, world: int) -> dict:
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     dptp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     setups = {
-        "fsdp": _params(_fsdp(_tiny_lm(), flat)),
-        "hsdp": _params(_fsdp(_tiny_lm(), hsdp)),
-        "tp": _params(_tp_then_fsdp(_tiny_lm(), dptp)),
+        "fsdp": _params(_fsdp(_tiny_lm(), flat), rank),
+        "hsdp": _params(_fsdp(_tiny_lm(), hsdp), rank),
+        "tp": _params(_tp_then_fsdp(_tiny_lm(), dptp), dptp["dp"].get_local_rank()),
     }
     for setup, (names, params) in setups.items():
         out[setup, "names"] = names

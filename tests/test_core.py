@@ -193,12 +193,16 @@ class BodyAndFp32Head(nn.Module):
         return self.value_head(self.body(ids).float())
 
 
+def _ids(rank: int) -> torch.Tensor:
+    return (torch.tensor([[1, 2, 3], [4, 5, 6]]) + rank) % 7  # the toy's vocabulary
+
+
 def _mixed_dtype_forward(rank: int, world: int, ckpt: str) -> dict:
     import rank0load
 
     model = rank0load.load_sharded(BodyAndFp32Head, ckpt)
     loaded = gather(model)
-    out = model.eval()(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    out = model.eval()(_ids(rank))  # each rank its own batch
     out.sum().backward()  # FSDP2 runs its all-gathers and reduce-scatters for both groups
     return {
         "tensors": loaded,
@@ -217,9 +221,9 @@ def test_default_policy_separates_a_head_of_another_dtype(tmp_path):
     save_state(ref, str(tmp_path / "model.safetensors"))
     results = _dist.ok(_dist.run(_mixed_dtype_forward, 3, str(tmp_path)))
     want = reference(ref)
-    with torch.no_grad():
-        out_ref = ref.eval()(torch.tensor([[1, 2, 3], [4, 5, 6]]))
-    for r in results:
+    for rank, r in enumerate(results):
+        with torch.no_grad():
+            out_ref = ref.eval()(_ids(rank))
         assert_same(r["tensors"], want)
         assert r["grads"]
         torch.testing.assert_close(r["out"], out_ref, rtol=0, atol=1e-2)

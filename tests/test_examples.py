@@ -21,6 +21,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
+RANKS = 2  # the training examples' data-parallel ranks (each its own batch)
 REGION = re.compile(
     r"^[ ]*# --- recipe: (?P<name>[\w ]+) ---\n(?P<body>.*?)^\s*# --- end recipe ---", re.M | re.S
 )
@@ -35,9 +36,9 @@ def _common():
     return module
 
 
-def _batch(vocab_size: int, device: str, seed: int) -> dict:
-    """examples/_common.py's batch."""
-    return _common().batch(vocab_size, device, seed)
+def _batch(vocab_size: int, device: str, step: int, rank: int) -> dict:
+    """examples/_common.py's batch: data-parallel rank ``rank``'s at ``step``."""
+    return _common().batch(vocab_size, device, step, rank)
 
 
 def _config():
@@ -122,9 +123,10 @@ def test_train(checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out_dir = str(tmp_path / "trained")
-    text = _run("train.py", 2, checkpoint, out_dir)
+    text = _run("train.py", RANKS, checkpoint, out_dir)
     got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
-    want = _reference_steps(checkpoint, [[_batch(64, "cpu", seed=s)] for s in range(3)])
+    # Each rank its own batch; the printed loss is rank 0's.
+    want = _reference_steps(checkpoint, [[_batch(64, "cpu", s, r) for r in range(RANKS)] for s in range(3)])
     assert len(got) == 3, text
     for (loss, norm), (ref_loss, ref_norm) in zip(got, want):
         assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3), text
@@ -160,7 +162,7 @@ def test_tensor_parallel(checkpoint):
     text = _run("tensor_parallel.py", 4, checkpoint)
     assert "down_proj travels as 'block', embed_tokens as 'sharded'" in text, text
     ((loss, norm),) = _numbers(r"loss ([\d.]+), grad norm ([\d.]+)", text)
-    ((ref_loss, ref_norm),) = _reference_steps(checkpoint, [[_batch(64, "cpu", seed=s) for s in (0, 1)]])
+    ((ref_loss, ref_norm),) = _reference_steps(checkpoint, [[_batch(64, "cpu", 0, r) for r in (0, 1)]])
     assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4), text
 
 
@@ -176,9 +178,9 @@ def test_measure_ram(checkpoint):
 
 
 def _reference_denoising(pipeline: str, steps: int) -> list[tuple[float, float]]:
-    """(loss, gradient norm) of examples/diffusion.py's steps on one process, one thread: diffusers' own
-    from_pretrained in bf16, the same batches (every rank takes the same batch, so FSDP2's mean gradient
-    is this one), torch's gradient norm and clipping."""
+    """(rank 0's loss, gradient norm) of examples/diffusion.py's steps on one process, one thread:
+    diffusers' own from_pretrained in bf16, every rank's batch (each rank's backward, summed and divided
+    by the ranks, as FSDP2 averages), torch's gradient norm and clipping."""
     import torch.nn.functional as F
     from diffusers import WanTransformer3DModel
 
@@ -192,13 +194,21 @@ def _reference_denoising(pipeline: str, steps: int) -> list[tuple[float, float]]
     out = []
     try:
         for step in range(steps):
-            b = _common().denoising_batch(model.config.in_channels, model.config.text_dim, "cpu", seed=step)
-            t = b["t"].view(-1, 1, 1, 1, 1)
-            noisy = ((1 - t) * b["latents"] + t * b["noise"]).to(torch.bfloat16)
-            text = b["text"].to(torch.bfloat16)
-            pred = model(hidden_states=noisy, timestep=b["t"] * 1000, encoder_hidden_states=text).sample
-            loss = F.mse_loss(pred.float(), b["noise"] - b["latents"])
-            loss.backward()
+            losses = []
+            for rank in range(RANKS):  # each rank's batch; FSDP2 averages their gradients
+                b = _common().denoising_batch(
+                    model.config.in_channels, model.config.text_dim, "cpu", step, rank
+                )
+                t = b["t"].view(-1, 1, 1, 1, 1)
+                noisy = ((1 - t) * b["latents"] + t * b["noise"]).to(torch.bfloat16)
+                text = b["text"].to(torch.bfloat16)
+                pred = model(hidden_states=noisy, timestep=b["t"] * 1000, encoder_hidden_states=text).sample
+                losses.append(F.mse_loss(pred.float(), b["noise"] - b["latents"]))
+                losses[-1].backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= RANKS
+            loss = losses[0]  # what rank 0 prints
             # torch's norm of the gradients in float32 (rank0load's accumulation; clip_grad_norm_ would
             # take each bf16 gradient's norm in bf16), then torch's clipping with it
             grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
@@ -213,7 +223,8 @@ def _reference_denoising(pipeline: str, steps: int) -> list[tuple[float, float]]
 
 
 def _reference_lora(path: str, steps: int) -> tuple[list[tuple[float, float]], dict]:
-    """examples/lora.py's loop in one process: get_peft_model(from_pretrained(base, bf16)), seed 0."""
+    """examples/lora.py's loop in one process: get_peft_model(from_pretrained(base, bf16)), seed 0, every
+    rank's batch."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -225,8 +236,13 @@ def _reference_lora(path: str, steps: int) -> tuple[list[tuple[float, float]], d
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     out = []
     for step in range(steps):
-        loss = model(**_batch(64, "cpu", seed=step)).loss
-        loss.backward()
+        losses = []
+        for rank in range(RANKS):  # each rank's batch; FSDP2 averages their gradients
+            losses.append(model(**_batch(64, "cpu", step, rank)).loss)
+            losses[-1].backward()
+        for p in trainable:
+            p.grad /= RANKS
+        loss = losses[0]  # what rank 0 prints
         norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -243,7 +259,7 @@ def test_lora(checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out_dir = str(tmp_path / "adapter")
-    text = _run("lora.py", 2, checkpoint, out_dir)
+    text = _run("lora.py", RANKS, checkpoint, out_dir)
     assert "kept 8 adapter tensors" in text, text  # 2 layers x (q_proj, v_proj) x (lora_A, lora_B)
     got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
     want, trained = _reference_lora(checkpoint, 3)
@@ -273,7 +289,7 @@ def test_diffusion(tmp_path):
     from diffusers import WanTransformer3DModel
 
     out_dir = str(tmp_path / "wan-trained")
-    text = _run("diffusion.py", 2, out_dir)
+    text = _run("diffusion.py", RANKS, out_dir)
     got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
     want = _reference_denoising(out_dir + "-input", 3)
     assert len(got) == 3, text

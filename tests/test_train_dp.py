@@ -26,8 +26,8 @@ The models:
 Each per-expert MoE has one FSDP group per decoder layer and the root, whatever its expert count.
 And two refusals, on every rank alike: the remote MoE with its fp32 router bias trainable (a trainable
 bf16 expert list under a float32 group: ``ModelMismatchError`` at the load, before any data moves),
-and the same model loaded frozen whose bias is made trainable afterwards (the same kind of error at
-the first forward, not FSDP's ``AssertionError``).
+the same model loaded frozen whose bias is made trainable afterwards (the same kind of error at the
+first forward, not FSDP's ``AssertionError``), and a ``shard_fn`` that gives every expert its own group.
 """
 
 from __future__ import annotations
@@ -120,6 +120,17 @@ def remote_model(bias_trainable: bool = False, frozen: bool = False):
     return model
 
 
+def shard_each_expert(model, mesh) -> None:
+    """A shard_fn as a user might write it: every expert its own group, then each layer, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        for expert in layer.block_sparse_moe.experts:
+            fully_shard(expert, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 class WithHead(torch.nn.Module):
     """A new fp32 classification head on Llama's body (``model.*``, as the checkpoint names it)."""
 
@@ -155,6 +166,7 @@ CHECKPOINTS = {
     "remote_full": "remote",
     "remote_bias_trainable": "remote",
     "unfrozen_later": "remote",
+    "expert_groups": "remote",
     "head": "llama",
     "llama": "llama",
 }
@@ -219,6 +231,8 @@ def _load(job: Job):
         for p in model.parameters():
             p.requires_grad_(True)
         return model
+    if job.kind == "expert_groups":
+        return rank0load.load_sharded(remote_model, job.ckpt, dtype=BF16, shard_fn=shard_each_expert)
     if job.kind == "head":
         return rank0load.load_sharded(head_model, job.ckpt, strict=False)
     if job.kind == "llama":
@@ -274,11 +288,12 @@ def _run_all(rank: int, world: int, root: str, jobs: dict[str, Job]) -> dict:
         root,
         jobs,
         _train_rank,
-        expects_error=lambda job: job.kind in ("remote_bias_trainable", "unfrozen_later"),
+        expects_error=lambda job: job.kind in ERRORS,
     )
 
 
-KINDS = ("moe_lora", "remote_lora", "remote_full", "head", "llama", "remote_bias_trainable", "unfrozen_later")
+ERRORS = ("remote_bias_trainable", "unfrozen_later", "expert_groups")
+KINDS = ("moe_lora", "remote_lora", "remote_full", "head", "llama", *ERRORS)
 
 
 @pytest.fixture(scope="module")
@@ -441,3 +456,10 @@ def test_requires_grad_changed_after_the_load_is_told_at_the_first_forward(ran):
     message = _dist.same_error(errors, "ModelMismatchError").message
     assert "float32" in message and "bfloat16" in message and "e_score_correction_bias" in message, message
     assert "AssertionError" not in message
+
+
+def test_a_shard_fn_that_gives_experts_groups_is_refused_before_data_moves(ran):
+    errors = [r["jobs"]["expert_groups"] for r in ran[1]]
+    message = _dist.same_error(errors, "ModelMismatchError").message
+    assert "model.layers.0.block_sparse_moe.experts.0" in message and "routed list" in message, message
+    assert "shard_fn=None" in message, message

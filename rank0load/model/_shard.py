@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import ModelMismatchError
 from ..integrations._compat import fsdp_groups, no_split_modules, reduce_scatter_unused_params
@@ -288,11 +290,11 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
     _check_at_first_forward(model, units)
 
 
-def _check_at_first_forward(model: nn.Module, units: list[nn.Module]) -> None:
+def _check_at_first_forward(model: nn.Module, units: Sequence[nn.Module]) -> None:
     """A one-time pre-forward hook on every group, ahead of FSDP's own (whose lazy initialisation
     raises a bare ``AssertionError`` for two trainable dtypes): ``requires_grad`` set after the
     load is checked with the same message as at the load."""
-    handles = []
+    handles: list[RemovableHandle] = []
 
     def check(module: nn.Module, args: object) -> None:
         for h in handles:
