@@ -5,7 +5,8 @@ compared bit for bit with single-process PEFT on the installed transformers and 
   (fp32 and bf16): equal to ``get_peft_model(from_pretrained(base))`` with the same seed, every parameter
   and buffer (lora_B zeros, lora_A as PEFT draws it), the adapters listed apart (``LoadReport.kept``),
   logits equal to the base model's, ``requires_grad`` as PEFT set it;
-- two training steps (SGD, ``rank0load.clip_grad_norm_``) equal to the same steps on the reference;
+- two training steps (SGD, ``rank0load.clip_grad_norm_``), each rank its own batch, equal to float32
+  rounding to the same steps on the reference over every rank's batch;
 - the adapter saved in PEFT's layout (``save_sharded(..., adapter="default")``), read by
   ``PeftModel.from_pretrained``;
 - resume: base checkpoint + an adapter PEFT's own ``save_pretrained`` wrote, in one load, equal to
@@ -37,7 +38,7 @@ SEED = 1234
 STEPS = 2
 LR = 0.5
 # Large enough that neither rank0load's nor torch's clipping scales (both multiply by exactly 1.0):
-# the steps stay bit-exact while the norms, summed in another order, agree to float32 rounding.
+# tests/test_clip.py checks the clipping itself.
 MAX_NORM = 1e6
 
 
@@ -84,21 +85,21 @@ class Wrapped(torch.nn.Module):
 # --- every rank -----------------------------------------------------------------------------------------
 
 
-def _train(model, losing: bool) -> torch.Tensor:
-    """STEPS SGD steps on IDS; only rank 0's loss counts (the others' is multiplied by zero) and FSDP
-    sums instead of averaging, so the gradients are exactly the single-process ones."""
+def batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s own training batch at ``step`` (data parallelism: a different one on every rank)."""
+    return torch.randint(0, 67, (2, 8), generator=torch.Generator().manual_seed(50 + 1000 * step + rank))
+
+
+def _train(model, rank: int) -> torch.Tensor:
+    """STEPS SGD steps, each on this rank's own batch; FSDP2 averages the ranks' gradients."""
     import rank0load
 
     model.train()
-    for m in model.modules():
-        if hasattr(m, "set_gradient_divide_factor"):  # an FSDP unit: a plain sum (gloo has no PREMUL_SUM)
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     norms = []
-    for _ in range(STEPS):
-        loss = model(input_ids=IDS, labels=IDS).loss
-        (loss * (1.0 if losing else 0.0)).backward()
+    for step in range(STEPS):
+        ids = batch(step, rank)
+        model(input_ids=ids, labels=ids).loss.backward()
         norms.append(rank0load.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM))
         opt.step()
         opt.zero_grad()
@@ -149,7 +150,7 @@ def _run_job(job: Job) -> dict:
     with torch.no_grad():
         out["logits"] = model.eval()(input_ids=IDS).logits
     if job.train:
-        out["norms"] = _train(model, dist.get_rank() == 0)
+        out["norms"] = _train(model, dist.get_rank())
         out["trained"] = gather(model)
     if job.save_adapter is not None:
         rank0load.save_sharded(model, job.save_adapter, adapter="default")
@@ -196,7 +197,12 @@ def _one_thread(fn):
 
 
 @functools.cache
-def _expect(base: str, dtype: torch.dtype | None, kind: str, train: bool, adapter: str | None = None) -> dict:
+def _expect(
+    base: str, dtype: torch.dtype | None, kind: str, train: bool, adapter: str | None = None, world: int = 1
+) -> dict:
+    """The reference; ``train``: STEPS SGD steps over ``world`` ranks' batches (each batch's backward,
+    summed and divided by ``world``: the mean gradient FSDP2 gives every rank)."""
+
     def run() -> dict:
         model = _reference(base, dtype, kind, adapter)
         out: dict = {
@@ -212,9 +218,13 @@ def _expect(base: str, dtype: torch.dtype | None, kind: str, train: bool, adapte
             model.train()
             opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
             norms = []
-            for _ in range(STEPS):
-                model(input_ids=IDS, labels=IDS).loss.backward()
-                trainable = [p for p in model.parameters() if p.requires_grad]
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            for step in range(STEPS):
+                for rank in range(world):
+                    ids = batch(step, rank)
+                    model(input_ids=ids, labels=ids).loss.backward()
+                for p in trainable:
+                    p.grad /= world
                 norms.append(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM))
                 opt.step()
                 opt.zero_grad()
@@ -292,10 +302,17 @@ def test_base_checkpoint_into_a_peft_model(setup, ran, name, dtype):
 
 
 def test_two_training_steps_equal_the_reference(setup, ran):
-    want = _expect(setup["base"], None, "lora", True)
-    for got in _got(ran, "lora-fp32-train"):
-        assert_same(got["trained"], want["trained"])
-        torch.testing.assert_close(got["norms"], want["norms"], rtol=2e-6, atol=1e-7)
+    """Each rank its own batch: the averaged gradients, summed in another order than the reference's,
+    agree to float32 rounding, and so do the SGD steps and the norms."""
+    got_all = _got(ran, "lora-fp32-train")
+    want = _expect(setup["base"], None, "lora", True, world=len(got_all))
+    for got in got_all:
+        assert sorted(got["trained"]) == sorted(want["trained"])
+        for k, v in want["trained"].items():
+            torch.testing.assert_close(
+                got["trained"][k], v, rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}"
+            )
+        torch.testing.assert_close(got["norms"], want["norms"], rtol=1e-5, atol=1e-7)
         moved = [
             k for k in _lora_keys(want["trained"]) if not torch.equal(want["trained"][k], want["tensors"][k])
         ]
