@@ -2,24 +2,30 @@
 ``load_sharded``. After the config is shared, a transformers model class takes the steps of
 ``_transformers``, a diffusers model class those of ``_diffusers``.
 
+(all ranks) :func:`_check_arguments`: an unknown keyword argument or a ``trust_remote_code`` that
+            is not a bool is a LoadError on every rank, from its own arguments (no collective).
 (rank 0)    :func:`_read` resolves the checkpoint as ``load_sharded`` does (``_source.resolve``: a
             directory, a file, an index or a Hub repo id) and reads ``config.json``, then
             ``generation_config.json`` if there is one, and, when ``dtype="auto"`` finds no dtype in
-            the config, the dtype of the checkpoint's first floating tensor (one header).
+            the config, the dtype of the checkpoint's first floating tensor (one header). With
+            ``trust_remote_code=True`` and an Auto class, the code ``auto_map`` names for it
+            (``_remote_code.read``: the module files and those they import relatively).
 (all ranks) ``_distribute.share``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
-(all ranks) ``_transformers.configure`` under ``_distribute.attempt`` / ``settle``: the config class
-            (from ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
-            generation config. Every rank computes it from the same data; a failure is raised everywhere.
+(all ranks) ``_transformers.configure`` under ``_distribute.attempt`` / ``settle``: the remote code
+            installed and imported, the config class (from ``model_type``, ``auto_map``, or
+            ``model_cls.config_class``), ``config_overrides``, the dtype, the generation config, the
+            model class. Every rank computes it from the same data; a failure is raised everywhere.
 (all ranks) ``load_sharded`` with ``model_fn`` building ``model_cls`` from that config; rank 0 passes
             what it resolved (``_source.Resolved``), so a Hub repo is looked up once and an index
             parsed once.
 
 Other ranks never read the checkpoint or the Hugging Face cache, and never reach the network: they
-build the model from the config rank 0 sent.
+build the model from the config (and the code) rank 0 sent.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pickle
@@ -32,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _diffusers, _transformers
+from ._api import load_sharded
 from .checkpoint._files import OpenFile, read_exact
 from .checkpoint._fit import FLOAT_WIRE
 from .checkpoint._format import read_header
@@ -39,11 +46,18 @@ from .checkpoint._source import Resolved, resolve
 from .common import _distribute
 from .common._stack import roomy
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError
-from .integrations import _compat
+from .integrations import _compat, _remote_code
 
 __all__ = ["load_pretrained"]
 
 _MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; anything far bigger is not one
+
+# load_sharded's keyword arguments that load_pretrained passes on (dtype and revision are its own)
+_LOAD_SHARDED_OPTIONS = tuple(
+    name
+    for name, p in inspect.signature(load_sharded).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("dtype", "revision")
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class _Checkpoint:
     generation: dict[str, Any] | None  # generation_config.json, None when the checkpoint has none
     overrides: dict[str, Any]  # rank 0's config_overrides
     stored_dtype: str | None  # safetensors dtype of the first floating tensor, read only for dtype="auto"
+    code: _remote_code.RemoteCode | None = None  # trust_remote_code=True: the code; None: not trusted
 
 
 @roomy
@@ -69,6 +84,7 @@ def load_pretrained(
     config_overrides: dict[str, Any] | None = None,
     subfolder: str | None = None,
     peft_config: Any = None,
+    trust_remote_code: bool = False,
     **load_sharded_kwargs: Any,
 ) -> nn.Module:
     """Build a transformers or diffusers model from the checkpoint's ``config.json`` and load it
@@ -107,6 +123,16 @@ def load_pretrained(
             peft_config)``, built in the meta build, its adapters initialised as PEFT draws them (rank 0's
             random state) and the base weights loaded into it; with ``adapter=`` (a PEFT adapter folder,
             passed to ``load_sharded``) a trained adapter is loaded too.
+        trust_remote_code: as for ``from_pretrained``: run the checkpoint's own code. With an Auto
+            class, the classes ``config.json``'s ``auto_map`` names for ``AutoConfig`` and for the Auto
+            class are used (over transformers' own, as ``from_pretrained`` does). Rank 0 reads their
+            module files and those they import relatively (from the checkpoint's folder, or the Hub
+            repo at the weights' commit) and sends them with the config; every rank installs them
+            under its ``HF_MODULES_CACHE`` as transformers' loader does, with the same module names,
+            and imports them. Other ranks need neither the checkpoint nor the Hub. ``save_sharded``
+            of the model then writes the code files and ``auto_map`` as ``save_pretrained`` does.
+            Only for code you trust: it runs on every rank. A model class passed as ``model_cls``
+            is used as it is; a diffusers model class is always its own code.
         **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``, ``local_reads``,
             ``conversions``, ``adapter``, passed to ``load_sharded``.
 
@@ -120,25 +146,48 @@ def load_pretrained(
     Raises:
         LoadError: on every rank, with the same message: everything ``load_sharded`` raises, and a
             missing or malformed ``config.json`` (``CheckpointNotFoundError``,
-            ``CheckpointFormatError``), a ``model_type`` transformers does not know (remote code is
-            never fetched or run: ``ModelMismatchError`` saying how to build the model yourself), a
-            quantisation other than FP8 blocks, an Auto class without a model for this config, or
-            ``config_overrides`` naming no config attribute.
+            ``CheckpointFormatError``), a ``model_type`` transformers does not know (with an
+            ``auto_map`` and without ``trust_remote_code=True``: ``ModelMismatchError`` naming the
+            flag), a code file ``auto_map`` names that is missing (``CheckpointNotFoundError``) or
+            fails to import, a quantisation other than FP8 blocks, an Auto class without a model for
+            this config, ``config_overrides`` naming no config attribute, or a keyword argument
+            neither ``load_pretrained`` nor ``load_sharded`` takes (before any collective).
     """
+    _check_arguments(trust_remote_code, load_sharded_kwargs)
     if not dist.is_available() or not dist.is_initialized():
         raise LoadError(
             "torch.distributed is not initialised: call dist.init_process_group() first "
             "(torchrun sets the environment for it)"
         )
     diffusers = _compat.is_diffusers_class(model_cls)  # the same answer on every rank
+    # the auto_map entries whose code rank 0 reads: an Auto class's and its config's
+    code = None
+    if trust_remote_code and not diffusers:
+        auto = hasattr(model_cls, "from_config") and hasattr(model_cls, "_model_mapping")
+        code = ("AutoConfig", model_cls.__name__) if auto else ()
     if dist.get_rank() == 0:
-        read, path = _read(ckpt_path, revision, dtype, config_overrides, subfolder, not diffusers)
+        read, path = _read(ckpt_path, revision, dtype, config_overrides, subfolder, not diffusers, code)
     else:
         read, path = None, ckpt_path  # other ranks never look at ckpt_path
     checkpoint: _Checkpoint = _distribute.share(read)
     if diffusers:
         return _diffusers.load(model_cls, checkpoint, path, mesh, dtype, load_sharded_kwargs)
     return _transformers.load(model_cls, checkpoint, path, mesh, dtype, peft_config, load_sharded_kwargs)
+
+
+def _check_arguments(trust_remote_code: object, load_sharded_kwargs: dict[str, Any]) -> None:
+    """(all ranks, each from its own arguments; no collective) A keyword argument that neither
+    ``load_pretrained`` nor ``load_sharded`` takes, or a ``trust_remote_code`` that is not a bool."""
+    unknown = sorted(set(load_sharded_kwargs) - set(_LOAD_SHARDED_OPTIONS))
+    if unknown:
+        names = ", ".join(repr(n) for n in unknown)
+        raise LoadError(
+            f"load_pretrained got an unexpected keyword argument {names}: it takes dtype, revision, "
+            "config_overrides, subfolder, peft_config and trust_remote_code, and passes "
+            f"{', '.join(_LOAD_SHARDED_OPTIONS)} on to load_sharded. Check the spelling."
+        )
+    if not isinstance(trust_remote_code, bool):
+        raise LoadError(f"trust_remote_code={trust_remote_code!r}: expected True or False")
 
 
 def _read(
@@ -148,8 +197,10 @@ def _read(
     overrides: dict[str, Any] | None,
     subfolder: str | None = None,
     generation: bool = True,
+    code: tuple[str, ...] | None = None,
 ) -> tuple[_Checkpoint | LoadError, str | os.PathLike[str]]:
-    """(rank 0) The checkpoint's configs (``generation``: its generation config too), or the
+    """(rank 0) The checkpoint's configs (``generation``: its generation config too), and with
+    ``code`` (trust_remote_code=True: the ``auto_map`` entries to read) the code they name, or the
     LoadError to share; and the path for ``load_sharded``: the folder ``subfolder`` names, the
     snapshot directory when ``ckpt_path`` was a Hub repo id, with its resolved Source (``Resolved``),
     so that it is resolved once."""
@@ -178,6 +229,11 @@ def _read(
             else None,
             overrides=dict(overrides or {}),
             stored_dtype=stored,
+            code=None
+            if code is None
+            else _remote_code.read(
+                os.fspath(ckpt_path), source.root, hub, subfolder, config.get("auto_map", {}), code, where
+            ),
         )
         pickle.dumps(read)  # what share() sends: a failure here must not leave the other ranks waiting
         path = source.root if hub else ckpt_path if subfolder is None else os.path.join(ckpt_path, subfolder)

@@ -2,11 +2,15 @@
 
 (rank 0)    ``_pretrained._read`` resolves the checkpoint and reads ``config.json``, then
             ``generation_config.json`` if there is one (and, for ``dtype="auto"`` with no dtype in the
-            config, the dtype of the checkpoint's first floating tensor); ``_distribute.share`` sends it
-            to every rank. Then :func:`load`, on every rank:
-(all ranks) :func:`configure` under ``_distribute.attempt`` / ``settle``: the config class (from
+            config, the dtype of the checkpoint's first floating tensor; with ``trust_remote_code=True``,
+            the code ``auto_map`` names); ``_distribute.share`` sends it to every rank. Then
+            :func:`load`, on every rank:
+(all ranks) :func:`configure` under ``_distribute.attempt`` / ``settle``: remote code installed
+            (``_remote_code.install``), the config class (from ``auto_map`` with remote code, from
             ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
-            generation config. Every rank computes it from the same data; a failure is raised everywhere.
+            generation config, the model class (an Auto class's remote class, registered as
+            ``from_pretrained`` registers it). Every rank computes it from the same data; a failure is
+            raised everywhere.
 (all ranks) ``load_sharded``, :func:`build` inside its meta build: ``from_config`` in that dtype (then
             ``get_peft_model`` with a ``peft_config``); the generation config set on the loaded model.
 
@@ -30,7 +34,7 @@ from ._api import load_sharded
 from .checkpoint._format import DTYPES
 from .common import _distribute, _failure
 from .errors import LoadError, ModelMismatchError
-from .integrations import _compat
+from .integrations import _compat, _remote_code
 from .load._model import cast, set_config_dtype
 
 __all__ = ["Configured", "build", "configure", "load"]
@@ -48,6 +52,7 @@ class Configured:
     dtype: torch.dtype
     generation: Any  # a transformers GenerationConfig, or None
     record: bool = True  # set config.dtype (4.57's from_pretrained(dtype="auto") leaves a weights' dtype out)
+    model_cls: Any = None  # the class to build, when not load_pretrained's model_cls: remote code's
 
 
 def load(
@@ -67,7 +72,8 @@ def load(
     assert configured is not None  # settle() raised otherwise
     model = load_sharded(
         lambda: _peft_wrapped(
-            build(model_cls, configured.config, configured.dtype, configured.record), peft_config
+            build(configured.model_cls or model_cls, configured.config, configured.dtype, configured.record),
+            peft_config,
         ),
         path,
         mesh,
@@ -86,7 +92,10 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
 
     raw = dict(checkpoint.config)
     _check_quantization(raw.pop("quantization_config", None), checkpoint.where)
-    config_class = _config_class(model_cls, raw, checkpoint.where)
+    code = checkpoint.code  # None: trust_remote_code=False
+    if code is not None and code.files:
+        _remote_code.install(code)
+    config_class = _config_class(model_cls, raw, checkpoint.where, code)
     config, unused = _failure.user_code(
         f"{config_class.__name__}.from_dict({checkpoint.where})",
         config_class.from_dict,
@@ -100,8 +109,9 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
             f"config_overrides {sorted(unused)} name no attribute of {type(config).__name__} "
             f"(from {checkpoint.where}); check their spelling."
         )
+    remote = _remote_model_class(model_cls, config, code, checkpoint.where)
     mapping = getattr(model_cls, "_model_mapping", None)  # an Auto class: what its from_config checks
-    if mapping is not None and type(config) not in mapping:
+    if remote is None and mapping is not None and type(config) not in mapping:
         raise ModelMismatchError(
             f"{model_cls.__name__} has no model for {type(config).__name__} (model_type "
             f"{raw.get('model_type')!r} in {checkpoint.where}; its architectures: "
@@ -126,7 +136,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
         dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
         logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
     record = _compat.hf_none_means_config_dtype() or checkpoint.stored_dtype is None
-    return Configured(config, chosen, generation, record)
+    return Configured(config, chosen, generation, record, remote)
 
 
 def _check_quantization(quant: object, where: str) -> None:
@@ -143,10 +153,12 @@ def _check_quantization(quant: object, where: str) -> None:
         )
 
 
-def _config_class(model_cls: Any, raw: dict[str, Any], where: str) -> Any:
-    """The config class: ``model_cls.config_class`` for a model class, else the one ``model_type``
-    names (as transformers' ``AutoConfig`` picks it). Remote code is never fetched or run."""
-    from transformers import PreTrainedModel
+def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = None) -> Any:
+    """The config class: ``model_cls.config_class`` for a model class; for an Auto class, with
+    ``code`` (``_remote_code.RemoteCode``, trust_remote_code=True), the class ``auto_map`` names for
+    ``AutoConfig``, registered for it (as ``AutoConfig.from_pretrained`` picks and registers it);
+    else the one ``model_type`` names."""
+    from transformers import PretrainedConfig, PreTrainedModel
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
@@ -160,6 +172,14 @@ def _config_class(model_cls: Any, raw: dict[str, Any], where: str) -> Any:
             "load_sharded(model_fn, ckpt_path)."
         )
     model_type = raw.get("model_type")
+    local = (
+        CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
+    )
+    remote = code.get("AutoConfig") if code is not None else None
+    if remote is not None and not _compat.hf_registered_class_wins(local):
+        config_class = _remote_code.import_class(remote, PretrainedConfig, where)
+        config_class.register_for_auto_class()
+        return config_class
     if (
         model_type == "mistral" and "layer_types" in raw
     ):  # AutoConfig.from_pretrained's rule (transformers 5.23)
@@ -167,15 +187,21 @@ def _config_class(model_cls: Any, raw: dict[str, Any], where: str) -> Any:
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
         return CONFIG_MAPPING[model_type]
     how = (
-        " Import the model's classes yourself on every rank and pass the model class as model_cls "
-        "(load_pretrained(MyModelForCausalLM, ckpt_path) reads config.json with its config_class), or build "
-        "it with load_sharded(lambda: MyModelForCausalLM(MyConfig(**config)), ckpt_path)."
+        " Or import the model's classes yourself on every rank and pass the model class as model_cls "
+        "(load_pretrained(MyModelForCausalLM, ckpt_path) reads config.json with its config_class)."
     )
-    if "auto_map" in raw:
+    if "auto_map" in raw and code is None:
         raise ModelMismatchError(
             f"{where}: model_type {model_type!r} needs the checkpoint's own code (auto_map: "
-            f"{raw['auto_map']}), which from_pretrained runs only with trust_remote_code=True. "
-            "load_pretrained never fetches or runs remote code (the other ranks have no copy of it)." + how
+            f"{raw['auto_map']}), which load_pretrained runs only with trust_remote_code=True, as "
+            "from_pretrained does. Pass trust_remote_code=True if you trust that code (it runs on every "
+            "rank; rank 0 reads it and sends it to the others)." + how
+        )
+    if "auto_map" in raw:
+        raise ModelMismatchError(
+            f"{where}: model_type {model_type!r} is not an architecture transformers knows, and "
+            f"auto_map ({raw['auto_map']}) has no AutoConfig entry to read it with. Pass the model class "
+            "as model_cls, or add the config class to auto_map."
         )
     import transformers
 
@@ -183,6 +209,32 @@ def _config_class(model_cls: Any, raw: dict[str, Any], where: str) -> Any:
         f"{where}: model_type {model_type!r} is not an architecture transformers {transformers.__version__} "
         "knows. Upgrade transformers if the model is new." + how
     )
+
+
+def _remote_model_class(model_cls: Any, config: Any, code: Any, where: str) -> Any:
+    """For an Auto class with ``code`` (``_remote_code.RemoteCode``) naming a class for it in
+    ``auto_map``: that class, as ``AutoModel*.from_pretrained`` with ``trust_remote_code=True`` takes
+    it (registered for the config's class when transformers has no model for it, registered for the
+    Auto class so that saving copies its code, ``GenerationMixin`` added where it generates), unless
+    a class registered by the caller wins (``_compat.hf_registered_class_wins``). Else None."""
+    from transformers import PreTrainedModel
+
+    remote = code.get(model_cls.__name__) if code is not None else None
+    if remote is None or not hasattr(model_cls, "_model_mapping"):
+        return None
+    mapping = model_cls._model_mapping
+    local = type(config) in mapping
+    registered = mapping[type(config)] if local else None
+    if isinstance(registered, (tuple, list)):  # several classes for one config: transformers' own
+        registered = registered[0]
+    if _compat.hf_registered_class_wins(registered):
+        return None
+    found = _remote_code.import_class(remote, PreTrainedModel, where)
+    if not local:
+        model_cls.register(type(config), found, exist_ok=True)
+    if _compat.hf_remote_auto_class(local):
+        found.register_for_auto_class(auto_class=model_cls)
+    return _compat.hf_with_generation_mixin(found)
 
 
 def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype:

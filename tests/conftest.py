@@ -43,3 +43,22 @@ def toy_reference() -> dict:
     from tests.models import reference, trained_toy
 
     return reference(trained_toy())
+
+
+@pytest.fixture(scope="session")
+def hf_modules_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A modules cache of the session's own for transformers' remote code (``trust_remote_code=True``)
+    in the test process, instead of ``~/.cache/huggingface/modules``: transformers'
+    ``dynamic_module_utils.HF_MODULES_CACHE``, which its loader reads at each call. One for the whole
+    session: the ``transformers_modules`` package, once imported, looks for its modules where it was
+    first found."""
+    dynamic = pytest.importorskip("transformers.dynamic_module_utils")
+    path = str(tmp_path_factory.mktemp("hf-modules"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dynamic, "HF_MODULES_CACHE", path)
+        package = sys.modules.get("transformers_modules")
+        if package is not None:  # imported from another cache earlier in this process
+            patch.setattr(
+                package, "__path__", [os.path.join(path, "transformers_modules"), *package.__path__]
+            )
+        yield path

@@ -168,3 +168,52 @@ class TPThenFSDP:
             parallelize_module(layer, mesh["tp"], plan)
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+
+
+REMOTE_AUTO_MAP = {
+    "AutoConfig": "configuration_tiny_moe.TinyMoeConfig",
+    "AutoModelForCausalLM": "modeling_tiny_moe.TinyMoeForCausalLM",
+}
+
+
+def remote_code_files() -> dict[str, str]:
+    """tests/remote_code/ as a checkpoint's remote code: ``configuration_tiny_moe.py`` and
+    ``modeling_tiny_moe.py`` (which imports the first relatively, as real remote code does), as they are."""
+    import os
+
+    from tests import remote_code
+
+    folder = os.path.dirname(os.path.abspath(remote_code.__file__))
+    out = {}
+    for name in ("configuration_tiny_moe.py", "modeling_tiny_moe.py"):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            out[name] = f.read()
+    return out
+
+
+def remote_code_checkpoint(folder: str, seed: int = 0) -> None:
+    """A remote-code checkpoint in ``folder``: tests/remote_code's ``TinyMoeForCausalLM`` with random
+    (seeded) weights, saved with ``save_pretrained`` in several files, its code beside it
+    (:func:`remote_code_files`) and ``auto_map`` in config.json naming the config and model classes."""
+    import json
+    import os
+
+    from tests.remote_code.configuration_tiny_moe import TinyMoeConfig
+    from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
+
+    _quiet()
+    torch.manual_seed(seed)
+    model = TinyMoeForCausalLM(TinyMoeConfig())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    for name, text in remote_code_files().items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["auto_map"] = dict(REMOTE_AUTO_MAP)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)

@@ -21,7 +21,11 @@ from rank0load.integrations._compat import (
     foreach_supported,
     fsdp_group_params,
     fsdp_groups,
+    hf_auto_class,
     hf_init_weights,
+    hf_registered_class_wins,
+    hf_remote_auto_class,
+    hf_with_generation_mixin,
     host_bytes,
     local_tensor,
     no_split_modules,
@@ -331,3 +335,96 @@ def test_clear_hf_initialized_lets_init_weights_write_again(llama):
     assert 'getattr(module, "_is_hf_initialized", False)' in source, (
         "transformers no longer reads the module's _is_hf_initialized: review _compat.clear_hf_initialized"
     )
+
+
+# --- transformers' remote code (trust_remote_code=True) ---------------------------------------------------
+
+
+def _remote_checkpoint(folder, config: dict, code: dict[str, str]) -> str:
+    import json
+    import os
+
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    for name, text in code.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+    return str(folder)
+
+
+def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
+    """A Llama checkpoint whose auto_map names a model class of its own: from_pretrained runs it, and
+    registers it for the Auto class (save_pretrained then copies its code) as ``hf_remote_auto_class``
+    says for a config transformers has a model for; ``_remote_code.read`` / ``import_class`` give the
+    class under from_pretrained's module name."""
+    transformers = pytest.importorskip("transformers")
+    from rank0load.integrations import _remote_code
+    from tests import hf
+
+    folder = str(tmp_path / "my-llama")
+    hf.pretrained("llama").save_pretrained(folder)
+    code = "from transformers import LlamaForCausalLM\n\n\nclass MyLlama(LlamaForCausalLM):\n    pass\n"
+    with open(f"{folder}/modeling_my_llama.py", "w") as f:
+        f.write(code)
+    auto_map = {"AutoModelForCausalLM": "modeling_my_llama.MyLlama"}
+    hf._quiet()
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.auto_map = auto_map
+    config.save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert type(model).__name__ == "MyLlama" and type(model.config) is transformers.LlamaConfig
+    expected = "AutoModelForCausalLM" if hf_remote_auto_class(has_local_code=True) else None
+    assert hf_auto_class(type(model)) == expected, "review _compat.hf_remote_auto_class"
+    assert hf_remote_auto_class(has_local_code=False)
+
+    read = _remote_code.read(
+        folder, folder, False, None, auto_map, ("AutoConfig", "AutoModelForCausalLM"), "c"
+    )
+    (entry,) = read.classes
+    assert [f.path for f in read.files] == [entry.module] and read.files[0].data == code.encode()
+    found = _remote_code.import_class(entry, transformers.PreTrainedModel, "c")
+    assert found.__module__ == type(model).__module__ == entry.module.removesuffix(".py").replace("/", ".")
+
+
+def test_registered_config_class_wins_from_transformers_5(tmp_path, hf_modules_cache):
+    """A config class registered for the model type outside transformers: transformers 5's
+    AutoConfig.from_pretrained takes it over the checkpoint's own (``explicit_local_code``), 4.57's runs
+    the remote code; transformers' own classes never win."""
+    transformers = pytest.importorskip("transformers")
+
+    class Registered(transformers.PretrainedConfig):
+        model_type = "rank0load_registered"
+
+    transformers.AutoConfig.register("rank0load_registered", Registered, exist_ok=True)
+    remote = (
+        "from transformers import PretrainedConfig\n\n\n"
+        "class RemoteConfig(PretrainedConfig):\n    model_type = 'rank0load_registered'\n"
+    )
+    folder = _remote_checkpoint(
+        tmp_path / "registered",
+        {"model_type": "rank0load_registered", "auto_map": {"AutoConfig": "configuration_r.RemoteConfig"}},
+        {"configuration_r.py": remote},
+    )
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    wins = type(config) is Registered
+    assert wins == hf_registered_class_wins(Registered), "review _compat.hf_registered_class_wins"
+    assert wins == (int(transformers.__version__.split(".")[0]) >= 5)
+    assert not hf_registered_class_wins(transformers.LlamaConfig) and not hf_registered_class_wins(None)
+    assert hf_auto_class(type(config)) == ("AutoConfig" if not wins else None)
+
+
+def test_with_generation_mixin_adds_it_where_the_class_generates():
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation import GenerationMixin
+
+    class Plain(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+    class Generates(Plain):
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            return kwargs
+
+    assert hf_with_generation_mixin(Plain) is Plain
+    made = hf_with_generation_mixin(Generates)
+    assert issubclass(made, Generates) and GenerationMixin in made.__mro__ and made.__name__ == "Generates"

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from rank0load.model._shard import find_blocks, routed_modules
-from tests.remote_moe import TinyMoeConfig, TinyMoeForCausalLM
+from tests.remote_code.configuration_tiny_moe import TinyMoeConfig
+from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
 
 def _names(model: nn.Module, ids: frozenset[int]) -> set[str]:

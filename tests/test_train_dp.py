@@ -18,7 +18,7 @@ The models:
 - ``moe_lora``: transformers' Mixtral (4.57: per-expert ``ModuleList``, only the experts hit run; newest:
   fused experts) in bf16, LoRA on attention and on the experts (4.57: ``w1``/``w2``/``w3`` modules;
   newest: the fused parameters through ``target_parameters``), through ``load_pretrained(peft_config=)``;
-- ``remote_lora``: a remote-code per-expert MoE (``tests/remote_moe.py``: hit-only loop, an fp32
+- ``remote_lora``: a remote-code per-expert MoE (``tests/remote_code/``: hit-only loop, an fp32
   ``e_score_correction_bias`` Parameter), LoRA on every linear layer including each expert's;
 - ``remote_full``: the same model fully fine-tuned in bf16, its fp32 router bias frozen;
 - ``head``: a new fp32 classification head on a frozen bf16 Llama body (``strict=False``);
@@ -85,7 +85,7 @@ def mixtral_config():
 
 
 def remote_config():
-    from tests.remote_moe import TinyMoeConfig
+    from tests.remote_code.configuration_tiny_moe import TinyMoeConfig
 
     return TinyMoeConfig(num_local_experts=EXPERTS)
 
@@ -112,7 +112,7 @@ def lora_config(kind: str):
 def remote_model(bias_trainable: bool = False, frozen: bool = False):
     """model_fn: the remote MoE from its config, its router bias frozen unless ``bias_trainable``,
     everything frozen with ``frozen``."""
-    from tests.remote_moe import TinyMoeForCausalLM
+    from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
     model = TinyMoeForCausalLM(remote_config())
     for n, p in model.named_parameters():
@@ -183,7 +183,7 @@ def _save(root: str, kind: str) -> str:
     if family == "mixtral":
         model = AutoModelForCausalLM.from_config(mixtral_config())
     elif family == "remote":
-        from tests.remote_moe import TinyMoeForCausalLM
+        from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
         model = TinyMoeForCausalLM(remote_config())
     else:
@@ -215,7 +215,7 @@ def _load(job: Job):
             AutoModelForCausalLM, job.ckpt, dtype=BF16, peft_config=lora_config(job.kind)
         )
     if job.kind == "remote_lora":
-        from tests.remote_moe import TinyMoeForCausalLM
+        from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
         return rank0load.load_pretrained(
             TinyMoeForCausalLM, job.ckpt, dtype=BF16, peft_config=lora_config(job.kind)
@@ -326,11 +326,11 @@ def _reference(kind: str, ckpt: str, loaded: dict[str, torch.Tensor]):
     if kind == "remote_lora":
         from peft import get_peft_model
 
-        from tests.remote_moe import TinyMoeForCausalLM
+        from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
         return get_peft_model(TinyMoeForCausalLM.from_pretrained(ckpt, dtype=BF16), lora_config(kind))
     if kind == "remote_full":
-        from tests.remote_moe import TinyMoeForCausalLM
+        from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
         model = TinyMoeForCausalLM.from_pretrained(ckpt, dtype=BF16)
         for n, p in model.named_parameters():

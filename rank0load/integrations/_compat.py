@@ -37,8 +37,12 @@ __all__ = [
     "foreach_supported",
     "fsdp_group_params",
     "fsdp_groups",
+    "hf_auto_class",
     "hf_none_means_config_dtype",
     "hf_keep_in_fp32",
+    "hf_registered_class_wins",
+    "hf_remote_auto_class",
+    "hf_with_generation_mixin",
     "is_diffusers_class",
     "is_diffusers_model",
     "is_transformers_model",
@@ -287,12 +291,54 @@ def is_transformers_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def hf_none_means_config_dtype() -> bool:
     """Whether ``from_pretrained`` without ``dtype`` builds in the config's dtype (transformers 5) or
     in torch's default dtype (4.57, whose default is ``torch_dtype=None``)."""
-    import transformers
+    return _transformers_major() >= 5
 
-    return int(transformers.__version__.split(".")[0]) >= 5
+
+def hf_registered_class_wins(cls: object) -> bool:
+    """Whether transformers' Auto classes take ``cls`` (the class registered for a model type, or for
+    a config class) over the checkpoint's remote code even with ``trust_remote_code=True``:
+    transformers 5 does when ``cls`` is defined outside transformers (``explicit_local_code`` in
+    ``AutoConfig.from_pretrained`` and ``_BaseAutoModelClass.from_pretrained``); 4.57 always runs the
+    remote code. None (nothing registered): False."""
+    return (
+        cls is not None
+        and _transformers_major() >= 5
+        and not str(getattr(cls, "__module__", "")).startswith("transformers.")
+    )
+
+
+def hf_remote_auto_class(has_local_code: bool) -> bool:
+    """Whether ``AutoModel*.from_pretrained`` with remote code registers the remote model class for
+    the Auto class (``register_for_auto_class``, after which ``save_pretrained`` copies its code)
+    when transformers also has a model for the config: transformers 5 always does; 4.57 only when
+    it has none (``has_local_code`` False)."""
+    return _transformers_major() >= 5 or not has_local_code
+
+
+def hf_auto_class(cls: type) -> str | None:
+    """The Auto class a remote-code class was registered for (``register_for_auto_class``: the private
+    ``_auto_class``, which ``save_pretrained`` reads to copy the code), or None."""
+    auto = getattr(cls, "_auto_class", None)
+    return auto if isinstance(auto, str) else getattr(auto, "__name__", None)
+
+
+def hf_with_generation_mixin(model_class: type) -> type:
+    """``model_class`` as ``AutoModel*.from_pretrained`` builds a remote-code class: with
+    ``GenerationMixin`` among its bases when it defines its own ``generate`` or
+    ``prepare_inputs_for_generation``. Internal: ``transformers.models.auto.auto_factory.
+    add_generation_mixin_to_remote_model`` (4.57 and 5)."""
+    from transformers.models.auto.auto_factory import add_generation_mixin_to_remote_model
+
+    return add_generation_mixin_to_remote_model(model_class)  # type: ignore[no-any-return]
 
 
 def hf_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:

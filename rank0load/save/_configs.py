@@ -3,8 +3,8 @@
 (all ranks) :func:`layout_of` picks the :class:`Layout` of a model by its kind (transformers,
 diffusers, any other), :func:`adapter_layout` that of a PEFT adapter: the files' names and which
 config files go with them. (rank 0) :func:`finish` has the layout's config files written
-(``config.json``, ``generation_config.json``, ``adapter_config.json``) into a temporary folder of
-out_dir and commits them with the weights (``_outputs.commit``). No collectives here.
+(``config.json``, ``generation_config.json``, ``adapter_config.json``, a remote-code model's
+``*.py``) into a temporary folder of out_dir and commits them with the weights (``_outputs.commit``). No collectives here.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..integrations._compat import (
     is_transformers_model,
     peft_base_model,
 )
+from ..integrations._remote_code import save_code
 from . import _outputs
 from ._saveplan import SavePlan
 
@@ -94,7 +95,8 @@ def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan)
 
 def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
     """(rank 0) A transformers model's ``config.json`` (its dtype the saved floating tensors') and
-    ``generation_config.json``; a PeftModel's, its base model's."""
+    ``generation_config.json``, and a remote-code model's code files with its ``auto_map`` (as
+    ``save_pretrained`` writes them); a PeftModel's, its base model's."""
     model = peft_base_model(model)
     floats: dict[str, int] = {}
     for item in plan.items:
@@ -103,6 +105,7 @@ def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
     config: Any = copy.deepcopy(model.config)
     if floats:
         config.dtype = str(DTYPES[max(floats, key=lambda d: floats[d])]).removeprefix("torch.")
+    save_code(model, folder, config)  # a remote-code model's files and auto_map, as save_pretrained
     config.save_pretrained(folder)
     generation: Any = getattr(model, "generation_config", None)
     if generation is not None:

@@ -1,10 +1,10 @@
-"""A per-expert MoE as remote code defines it, shaped like the public MiniMax-M2 ports (importable in
-spawned ranks; standalone, so it can also be shipped beside a checkpoint as ``modeling_*.py``).
+"""A per-expert MoE as remote code defines it, shaped like the public MiniMax-M2 ports (imported in spawned
+ranks as ``tests.remote_code.modeling_tiny_moe``; copied beside a checkpoint as its remote code).
 
 What matters to data-parallel training here: each layer's experts are an ``nn.ModuleList`` of separate
 modules (``block_sparse_moe.experts.{e}.w1/w2/w3``), and the MoE block calls **only the experts its
 tokens were routed to**, so ranks with different batches run different experts. The router scores
-are corrected by an fp32 ``e_score_correction_bias`` *Parameter* on the MoE block (kept in float32 under
+are corrected by an fp32 ``e_score_correction_bias`` *Parameter* on the MoE block, frozen (kept in float32 under
 ``dtype=bfloat16`` by ``_keep_in_fp32_modules_strict``). Attention is plain causal attention without
 rotary embeddings. Runs on transformers 4.57 and 5.x alike.
 """
@@ -14,33 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
-
-class TinyMoeConfig(PretrainedConfig):
-    model_type = "tiny_moe"
-
-    def __init__(
-        self,
-        vocab_size: int = 64,
-        hidden_size: int = 32,
-        intermediate_size: int = 24,
-        num_hidden_layers: int = 2,
-        num_attention_heads: int = 4,
-        num_local_experts: int = 7,
-        num_experts_per_tok: int = 2,
-        **kwargs,
-    ) -> None:
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_local_experts = num_local_experts
-        self.num_experts_per_tok = num_experts_per_tok
-        kwargs.setdefault("tie_word_embeddings", False)
-        super().__init__(**kwargs)
+from .configuration_tiny_moe import TinyMoeConfig
 
 
 class TinyMoeRMSNorm(nn.Module):
@@ -93,7 +70,10 @@ class TinyMoeSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         self.experts = nn.ModuleList(TinyMoeExpert(config) for _ in range(config.num_local_experts))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_local_experts))
+        # Updated from load statistics, not by gradients: frozen, as the ports declare it.
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.num_local_experts), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape

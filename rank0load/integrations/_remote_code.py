@@ -1,0 +1,242 @@
+"""A checkpoint's own Python code (``trust_remote_code=True``): read on rank 0, installed on every rank
+as transformers' dynamic-module loader installs it.
+
+(rank 0)    :func:`read`: for each ``auto_map`` entry ``load_pretrained`` uses (``AutoConfig`` and the
+            Auto class's own), transformers' ``get_cached_module_file`` finds the module file (in the
+            checkpoint's folder, in the Hub repo at the commit of the snapshot the weights come from,
+            or in the repo an ``org/name--module.Class`` entry names), copies it and the modules it
+            imports relatively (``from .configuration_x import ...``) under
+            ``HF_MODULES_CACHE/transformers_modules/``, named as ``from_pretrained`` names them, and
+            checks that the packages they import are installed. :func:`read` takes those files' bytes:
+            a :class:`RemoteCode`, which travels to the other ranks with the config.
+(all ranks) :func:`install` writes the files under this rank's own ``HF_MODULES_CACHE`` at the same
+            paths (atomically: ranks sharing a cache write the same bytes), :func:`import_class`
+            imports a class from them with transformers' ``get_class_in_module``. The module names
+            are rank 0's, and ``from_pretrained``'s, on every rank, so the classes pickle and
+            ``save_pretrained`` copies their files. Neither needs the checkpoint or the Hub.
+(rank 0)    :func:`save_code`: what ``save_pretrained`` writes for a remote-code model beside its
+            config (``custom_object_save``): its module files and its ``auto_map`` entry.
+
+Executing the code is the caller's step (``import_class``, inside ``_failure.user_code``). No
+collectives here; transformers is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
+from . import _compat
+
+__all__ = ["CodeClass", "CodeFile", "RemoteCode", "import_class", "install", "read", "save_code"]
+
+_MAX_CODE_BYTES = 64 << 20  # a modeling file is ~100 kB; anything far bigger is not one
+
+
+@dataclass(frozen=True)
+class CodeFile:
+    """One module file, as rank 0's transformers installed it."""
+
+    path: str  # relative to HF_MODULES_CACHE: transformers_modules/<folder>[/<hash>]/modeling_x.py
+    data: bytes  # its bytes
+
+
+@dataclass(frozen=True)
+class CodeClass:
+    """A class an ``auto_map`` entry names, and where its module is."""
+
+    auto: str  # the auto_map key: "AutoConfig", "AutoModelForCausalLM", ...
+    reference: str  # the entry as config.json spells it: "modeling_x.XForCausalLM"
+    module: str  # its module file relative to HF_MODULES_CACHE (get_class_in_module's module_path)
+    name: str  # the class's name in that module
+
+
+@dataclass(frozen=True)
+class RemoteCode:
+    """What rank 0 read for ``trust_remote_code=True``: the classes and every file their modules need."""
+
+    classes: tuple[CodeClass, ...]
+    files: tuple[CodeFile, ...]  # sorted by path, each once
+
+    def get(self, auto: str) -> CodeClass | None:
+        return next((c for c in self.classes if c.auto == auto), None)
+
+
+def read(
+    ckpt_path: str,
+    root: str,
+    hub: bool,
+    subfolder: str | None,
+    auto_map: object,
+    wanted: Sequence[str],
+    where: str,
+) -> RemoteCode:
+    """(rank 0) The code of the ``wanted`` entries of ``auto_map`` (those it has), for a checkpoint
+    given as ``ckpt_path`` whose ``config.json`` rank 0 found in folder ``root`` (a Hub snapshot's
+    when ``hub``: the code is taken at that snapshot's commit; ``subfolder``: the folder inside the
+    repo). ``where``: config.json's path, for messages.
+
+    Raises:
+        CheckpointFormatError: an ``auto_map`` that is not an object, an entry not ``module.Class``.
+        CheckpointNotFoundError: a module file (or one it imports relatively) that cannot be read.
+        ModelMismatchError: the code imports a package that is not installed.
+    """
+    if not wanted:
+        return RemoteCode((), ())
+    if not isinstance(auto_map, dict):
+        raise CheckpointFormatError(
+            f"{where}: auto_map is a JSON {type(auto_map).__name__}, expected an object of Auto class "
+            "names and 'module.Class' entries. Re-download or re-save the checkpoint."
+        )
+    from transformers import dynamic_module_utils as modules
+    from transformers.utils import extract_commit_hash
+
+    if hub:  # the repo id, at the commit the weights come from; a subfolder's code is in its folder
+        location: str = ckpt_path
+        revision = extract_commit_hash(os.path.join(root, "config.json"), None)
+        prefix = f"{subfolder.strip('/')}/" if subfolder else ""
+    else:  # the folder holding config.json, as the user spelt it: from_pretrained names modules after it
+        location = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
+        location = os.path.join(location, subfolder) if subfolder else location
+        revision, prefix = None, ""
+    classes: list[CodeClass] = []
+    files: dict[str, bytes] = {}
+    for auto in wanted:
+        if auto not in auto_map:
+            continue
+        reference = auto_map[auto]
+        repo, module, name = _parse(auto, reference, where)
+        source, module_file = (repo, f"{module}.py") if repo else (location, f"{prefix}{module}.py")
+        try:
+            path = modules.get_cached_module_file(source, module_file, revision=None if repo else revision)
+            cache = modules.HF_MODULES_CACHE
+            main = os.path.join(cache, path)
+            for file in [main, *modules.get_relative_import_files(main)]:
+                relative = _relative(cache, file, where)
+                if relative not in files:
+                    files[relative] = _read(file)
+        except LoadError:
+            raise
+        except ImportError as exc:  # check_imports: a package the code imports is not installed
+            raise ModelMismatchError(
+                f"{where}: the checkpoint's code for {auto} ({reference!r}) cannot run here: {exc}"
+            ) from None
+        except Exception as exc:  # cached_file's OSError for a missing file, a FileNotFoundError, ...
+            raise CheckpointNotFoundError(
+                f"{where}: auto_map[{auto!r}] = {reference!r} needs {module_file} from {source!r}, which "
+                f"could not be read ({type(exc).__name__}: {exc}). The checkpoint's code files must be "
+                "beside its config.json; re-download or re-save the checkpoint."
+            ) from None
+        classes.append(CodeClass(auto, str(reference), path, name))
+    return RemoteCode(tuple(classes), tuple(CodeFile(p, files[p]) for p in sorted(files)))
+
+
+def _parse(auto: str, reference: object, where: str) -> tuple[str | None, str, str]:
+    """``[org/name--]module.Class`` -> (the repo or None, the module, the class), as transformers'
+    ``get_class_from_dynamic_module`` splits it."""
+    repo, _, local = reference.rpartition("--") if isinstance(reference, str) else (None, "", "")
+    module, _, name = local.partition(".")
+    if not module or not name.isidentifier() or not all(p and p != ".." for p in module.split("/")):
+        raise CheckpointFormatError(
+            f"{where}: auto_map[{auto!r}] = {reference!r}: expected 'module.Class' (or "
+            "'org/name--module.Class'). Re-download or re-save the checkpoint."
+        )
+    return repo or None, module, name
+
+
+def _relative(cache: str, file: str, where: str) -> str:
+    """``file``'s path inside the modules cache, or a LoadError for one outside it."""
+    relative = os.path.relpath(os.path.normpath(file), os.path.normpath(cache))
+    if os.path.isabs(relative) or relative.split(os.sep)[0] == "..":
+        raise CheckpointFormatError(f"{where}: the checkpoint's code imports {file}, outside {cache}")
+    return relative
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(_MAX_CODE_BYTES + 1)
+    if len(data) > _MAX_CODE_BYTES:
+        raise CheckpointFormatError(f"{path}: over {_MAX_CODE_BYTES} bytes is too large for a code file")
+    return data
+
+
+def install(code: RemoteCode) -> None:
+    """(all ranks) Write ``code``'s files under this rank's ``HF_MODULES_CACHE``, at rank 0's paths,
+    each package folder with its ``__init__.py`` (``create_dynamic_module``). A file that already
+    holds the bytes is left alone; another is replaced atomically (written beside, then renamed), so
+    that ranks sharing a cache, and readers, never see half a file."""
+    from transformers import dynamic_module_utils as modules
+
+    cache = modules.HF_MODULES_CACHE
+    for file in code.files:
+        target = os.path.join(cache, file.path)
+        if os.path.isabs(file.path) or ".." in file.path.split(os.sep):
+            raise LoadError(f"remote code file {file.path!r} is not inside {cache}")
+        modules.create_dynamic_module(os.path.dirname(file.path))
+        if _holds(target, file.data):
+            continue
+        temp = f"{target}.tmp-{os.getpid()}-{secrets.token_hex(4)}"  # never a module name
+        try:
+            with open(temp, "wb") as f:
+                f.write(file.data)
+            os.replace(temp, target)
+        finally:
+            if os.path.lexists(temp):
+                os.unlink(temp)
+    importlib.invalidate_caches()
+
+
+def _holds(path: str, data: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(data) + 1) == data
+    except OSError:
+        return False
+
+
+def import_class(code: CodeClass, base: type, where: str) -> Any:
+    """(all ranks, after :func:`install`) The class, imported from its module as transformers'
+    ``get_class_from_dynamic_module`` imports it (``get_class_in_module``: module name from the
+    path, reloaded when the files' hash changed). Runs the checkpoint's code: whatever it raises, or
+    a class that is not a ``base`` subclass, is a LoadError naming the entry (``where``: config.json)."""
+    from transformers import dynamic_module_utils as modules
+
+    try:
+        found = modules.get_class_in_module(code.name, code.module)
+    except Exception as exc:
+        raise LoadError(
+            f"{where}: the checkpoint's code for {code.auto} ({code.reference!r}, "
+            f"{os.path.basename(code.module)}) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise ModelMismatchError(
+            f"{where}: auto_map[{code.auto!r}] = {code.reference!r} is {found!r}, not a {base.__name__} "
+            "subclass. Check the checkpoint's auto_map."
+        )
+    return found
+
+
+def save_code(model: nn.Module, folder: str, config: Any) -> None:
+    """(rank 0) What ``save_pretrained`` writes for a model whose class came from remote code (one
+    registered for an Auto class), before the config: ``custom_object_save`` copies its module file
+    and the modules it imports relatively into ``folder`` and sets its ``auto_map`` entry in
+    ``config`` (whose own ``save_pretrained`` then adds ``AutoConfig``'s). The class is the model's
+    own, not the ``FSDP...`` class ``fully_shard`` made of it. Any other model: nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    auto = _compat.hf_auto_class(cls)
+    if auto is None:
+        return
+    from transformers.dynamic_module_utils import custom_object_save
+
+    # what custom_object_save reads of the model: its module, class name and Auto class
+    stand_in = type(cls.__name__, (), {"__module__": cls.__module__, "_auto_class": auto})()
+    custom_object_save(stand_in, folder, config=config)
