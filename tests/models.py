@@ -293,3 +293,16 @@ def check_layout(path: str) -> None:
         assert (8 + n + begin) % width == 0, (path, begin, dtype)
         at = end
     assert size == 8 + n + at
+
+
+class OwnMixed(nn.Module):
+    """A module that registers a bf16 and an fp32 trainable parameter itself: no policy can split them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+
+def own_mixed() -> nn.Module:
+    return nn.Sequential(OwnMixed())

@@ -13,10 +13,9 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 
 from rank0load.__main__ import main
-from tests.models import HEAD_TOY_GROUPS, head_toy, save_state, trained_toy
+from tests.models import HEAD_TOY_GROUPS, head_toy, own_mixed, save_state, trained_toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,19 +48,6 @@ def from_prefixed(key: str) -> str | None:
 
 def broken_key_map(key: str) -> str:
     raise KeyError(key)
-
-
-class OwnMixed(nn.Module):
-    """Registers a bf16 and an fp32 trainable parameter itself: no policy can split them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
-        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-
-
-def own_mixed() -> nn.Module:
-    return nn.Sequential(OwnMixed())
 
 
 def _sharded_checkpoint(path) -> None:
@@ -190,7 +176,7 @@ def test_fsdp_group_of_two_trainable_dtypes_is_a_mismatch(tmp_path, capsys):
 
     path = str(tmp_path / "mixed.safetensors")
     save_model(own_mixed(), path)
-    assert main(["inspect", path, "--model", "tests.test_cli:own_mixed", "--json"]) == 1
+    assert main(["inspect", path, "--model", "tests.models:own_mixed", "--json"]) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["missing"] == [] and got["unexpected"] == [] and len(got["mismatched"]) == 1
     assert got["mismatched"][0].startswith(

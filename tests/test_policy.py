@@ -20,7 +20,7 @@ from torch import nn
 
 from tests import _dist
 from tests.fakes import hide
-from tests.models import assert_same, gather, reference
+from tests.models import assert_same, gather, own_mixed, reference
 
 pytestmark = pytest.mark.slow
 
@@ -84,19 +84,6 @@ def trained_mixed(seed: int = 0) -> MixedNet:
         for p in model.parameters():
             p.uniform_(-1, 1)
     return model
-
-
-class OwnMixed(nn.Module):
-    """A module that registers a bf16 and an fp32 parameter itself: no fully_shard can split them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
-        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-
-
-def own_mixed() -> nn.Module:
-    return nn.Sequential(OwnMixed())
 
 
 def one_group(model: nn.Module, mesh) -> None:
