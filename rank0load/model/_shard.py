@@ -207,7 +207,8 @@ class _Policy:
             "parameters, and a group of their own inside a routed list (modules that run only on the ranks "
             "whose tokens reach them) would make ranks with different batches issue different collectives. "
             "Freeze one side in model_fn (requires_grad_(False): a router bias or scale usually), or give "
-            "both the same dtype."
+            "both the same dtype; with load_pretrained, freeze it in a shard_fn that then calls "
+            "rank0load.default_shard_fn(model, mesh), or pass a peft_config (PEFT freezes the base)."
         )
 
     def _shard(self, module: nn.Module) -> None:
