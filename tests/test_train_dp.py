@@ -28,6 +28,7 @@ And two refusals, on every rank alike: the remote MoE with its fp32 router bias 
 bf16 expert list under a float32 group: ``ModelMismatchError`` at the load, before any data moves),
 the same model loaded frozen whose bias is made trainable afterwards (the same kind of error at the
 first forward, not FSDP's ``AssertionError``), and a ``shard_fn`` that gives every expert its own group.
+The refusal's way out, a ``shard_fn`` that freezes the bias and then runs the default policy, loads.
 """
 
 from __future__ import annotations
@@ -120,6 +121,16 @@ def remote_model(bias_trainable: bool = False, frozen: bool = False):
     return model
 
 
+def freeze_bias_first(model, mesh) -> None:
+    """The refusal's way out for load_pretrained users: freeze the router bias, then the default policy."""
+    import rank0load
+
+    for n, p in model.named_parameters():
+        if n.endswith("e_score_correction_bias"):
+            p.requires_grad_(False)
+    rank0load.default_shard_fn(model, mesh)
+
+
 def shard_each_expert(model, mesh) -> None:
     """A shard_fn as a user might write it: every expert its own group, then each layer, then the root."""
     from torch.distributed.fsdp import fully_shard
@@ -167,6 +178,7 @@ CHECKPOINTS = {
     "remote_bias_trainable": "remote",
     "unfrozen_later": "remote",
     "expert_groups": "remote",
+    "frozen_in_shard_fn": "remote",
     "head": "llama",
     "llama": "llama",
 }
@@ -231,6 +243,13 @@ def _load(job: Job):
         for p in model.parameters():
             p.requires_grad_(True)
         return model
+    if job.kind == "frozen_in_shard_fn":
+        return rank0load.load_sharded(
+            functools.partial(remote_model, bias_trainable=True),
+            job.ckpt,
+            dtype=BF16,
+            shard_fn=freeze_bias_first,
+        )
     if job.kind == "expert_groups":
         return rank0load.load_sharded(remote_model, job.ckpt, dtype=BF16, shard_fn=shard_each_expert)
     if job.kind == "head":
@@ -265,6 +284,8 @@ def _train_rank(job: Job) -> dict:
     rank = dist.get_rank()
     model = _load(job)
     out: dict = {"loaded": gather(model), "groups": _groups(model)}
+    if job.kind == "frozen_in_shard_fn":  # loads; its training is remote_full's
+        return out
     model.train()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for _, p in trainable], lr=LR)
@@ -293,7 +314,7 @@ def _run_all(rank: int, world: int, root: str, jobs: dict[str, Job]) -> dict:
 
 
 ERRORS = ("remote_bias_trainable", "unfrozen_later", "expert_groups")
-KINDS = ("moe_lora", "remote_lora", "remote_full", "head", "llama", *ERRORS)
+KINDS = ("moe_lora", "remote_lora", "remote_full", "head", "llama", "frozen_in_shard_fn", *ERRORS)
 
 
 @pytest.fixture(scope="module")
@@ -449,6 +470,13 @@ def test_a_trainable_router_bias_beside_bf16_experts_is_refused_before_data_move
     message = _dist.same_error(errors, "ModelMismatchError").message
     for words in ("e_score_correction_bias", "float32", "bfloat16", "experts", "requires_grad_(False)"):
         assert words in message, message
+    assert "shard_fn" in message and "peft_config" in message, message
+
+
+def test_the_refusals_way_out_a_shard_fn_that_freezes_first_loads(ran):
+    for r in ran[1]:
+        groups = r["jobs"]["frozen_in_shard_fn"]["groups"]
+        assert len(groups) == 3 and not [g for g in groups if "experts" in g], groups
 
 
 def test_requires_grad_changed_after_the_load_is_told_at_the_first_forward(ran):
