@@ -82,6 +82,9 @@ def _run_job(job: Job) -> dict:
     out = {
         "tensors": gather(model),
         "modules": (own.__module__, type(model.config).__module__),
+        "files": tuple(
+            os.path.realpath(sys.modules[c.__module__].__file__ or "") for c in (own, type(config))
+        ),
         "pickles": type(config) is type(model.config) and pickle.loads(pickle.dumps(own)) is own,
         "config": model.config.to_dict(),
     }
@@ -95,6 +98,10 @@ def _run_job(job: Job) -> dict:
 
 def _rank(rank: int, world: int, root: str, caches: str, jobs: dict[str, Job]) -> dict:
     assert "transformers" not in sys.modules, "transformers imported before HF_MODULES_CACHE was set"
+    # spawn hands each rank the test process's sys.path, to which transformers' init_hf_modules added
+    # the test process's own modules cache: without this, ``transformers_modules`` would resolve there
+    # (the code found only if the test process had loaded it too) instead of in this rank's own cache.
+    sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p, "transformers_modules"))]
     cache = os.path.join(caches, f"rank{rank}")  # empty, this rank's own: read when transformers is imported
     os.environ["HF_MODULES_CACHE"] = cache
     os.environ["HF_HOME"] = os.path.join(root, "hf") if rank == 0 else os.path.join(caches, "nowhere")
@@ -104,6 +111,7 @@ def _rank(rank: int, world: int, root: str, caches: str, jobs: dict[str, Job]) -
     out["cache"] = sorted(
         os.path.relpath(os.path.join(d, n), cache) for d, _, names in os.walk(cache) for n in names
     )
+    out["own_cache"] = cache
     return out
 
 
@@ -187,6 +195,8 @@ def test_every_rank_imports_the_code_under_from_pretrained_module_names(loaded, 
         assert got["pickles"], rank
         for module in got["modules"]:  # written into this rank's own, empty, cache
             assert module.replace(".", os.sep) + ".py" in r["cache"], (rank, r["cache"])
+        for file in got["files"]:  # and imported from there
+            assert file.startswith(os.path.realpath(r["own_cache"]) + os.sep), (rank, file)
         assert r["touched"] == [], (rank, r["touched"])  # ranks other than 0: nothing under the root
     installed = {p for p in results[1]["cache"] if p.endswith(".py") and not p.endswith("__init__.py")}
     assert {os.path.basename(p) for p in installed} == set(CODE)
