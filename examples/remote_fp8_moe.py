@@ -111,8 +111,11 @@ def write_checkpoint(folder: str, block: int = 32) -> None:
     torch.manual_seed(0)
     model = MiniMaxM2ForCausalLM(config)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:  # the router bias small beside the gate's scores: tokens spread over the experts
+                p.normal_(0, 0.01 if name.endswith("e_score_correction_bias") else 0.1)
     os.makedirs(folder, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 RANKS = 2  # the training examples' data-parallel ranks (each its own batch)
 REGION = re.compile(
-    r"^[ ]*# --- recipe: (?P<name>[\w ]+) ---\n(?P<body>.*?)^\s*# --- end recipe ---", re.M | re.S
+    r"^[ ]*# --- recipe: (?P<name>[^\n]+?) ---\n(?P<body>.*?)^\s*# --- end recipe ---", re.M | re.S
 )
 
 
@@ -71,11 +71,14 @@ def checkpoint(tmp_path_factory) -> str:
 DONE = re.compile(r"rank (\d+)/(\d+): done, (\d+) process groups left$", re.M)
 
 
-def _run(script: str, ranks: int, *args: str) -> str:
+def _run(script: str, ranks: int, *args: str, env: dict[str, str] | None = None) -> str:
     """Run an example under torchrun; judge it by what every rank reported when its work was done
     (examples/_common.finish): each rank must say so, with no process group left. A non-zero exit after
-    that is torch 2.13's exit-time abort in interpreter shutdown (shared/DESIGN.md), not the script's."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
+    that is torch 2.13's exit-time abort in interpreter shutdown (shared/DESIGN.md), not the script's.
+    ``env``: more environment variables for the ranks."""
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1", **(env or {})
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     done = subprocess.run(
         [*command, os.path.join(EXAMPLES, script), *args],
@@ -281,6 +284,168 @@ def test_lora(checkpoint, tmp_path):
             assert value.abs().max() > 0, name  # trained away from PEFT's zeros
 
 
+def _example(script: str):
+    """examples/``script`` as a module (its constants and helpers), importing its ``_common`` as the
+    script does."""
+    sys.path.insert(0, EXAMPLES)
+    try:
+        name = "examples_" + script.removesuffix(".py")
+        spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, script))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(EXAMPLES)
+    return module
+
+
+def _dequantized_copy(fp8: str, path: str) -> None:
+    """``fp8`` (remote_fp8_moe.py's one-file checkpoint) with every float8 weight replaced by its float32
+    ``q * scale_inv`` per block (tests/moe_models.dequantize, transformers' formula), the scales and
+    ``quantization_config`` dropped, the code files kept: transformers' own ``from_pretrained`` reads it
+    as it reads any bf16 model. (tests/moe_models.save_dequantized wants a sharded checkpoint's index.)"""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.moe_models import dequantize
+
+    shutil.copytree(fp8, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    plain = {
+        key: dequantize(t, tensors[key + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn else t
+        for key, t in tensors.items()
+        if not key.endswith("_scale_inv")
+    }
+    assert len(plain) < len(tensors) and all(t.dtype != torch.float8_e4m3fn for t in plain.values())
+    save_file(plain, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tmp_path_factory) -> tuple[str, str]:
+    """(the FP8 remote-code checkpoint remote_fp8_moe.py --write writes, its dequantised copy)."""
+    folder = tmp_path_factory.mktemp("fp8-moe")
+    fp8, plain = str(folder / "fp8"), str(folder / "dequantized")
+    subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "remote_fp8_moe.py"), "--write", fp8],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    _dequantized_copy(fp8, plain)
+    return fp8, plain
+
+
+def _reference_remote_fp8_moe(path: str, ranks: int, steps: int):
+    """examples/remote_fp8_moe.py's loop in one process, one thread (as each rank runs): transformers'
+    ``from_pretrained(dequantized copy, bf16, trust_remote_code=True)``, seed 0 then ``get_peft_model``,
+    seed 1 then the fp32 head, every rank's batch. Returns ([(rank 0's loss, norm)], the trained LoRA
+    parameters, the trained head).
+
+    As FSDP2 does: each rank's loss has its own backward and the float32 gradients are averaged
+    afterwards. (A backward of the mean of the losses is not the same on 3 ranks: its 1/3 passes through
+    the bf16 graph and rounds there, moving the losses and norms by up to 6e-5; 1/2 is exact.) A LoRA
+    parameter no token reached on any rank gets a zero gradient, as its FSDP2 shard does, not None:
+    AdamW's weight decay then moves it (by ~4e-6 here), as it moves the example's."""
+    from peft import get_peft_model
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    example = _example("remote_fp8_moe.py")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, trust_remote_code=True)
+    torch.manual_seed(0)
+    model = get_peft_model(base, example.LORA)
+    torch.manual_seed(1)
+    head = nn.Linear(model.config.hidden_size, 1)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = []
+    try:
+        for step in range(steps):
+            losses = []
+            for rank in range(ranks):  # each rank's batch and backward; FSDP2 averages the gradients
+                data = _batch(model.config.vocab_size, "cpu", step, rank)
+                lm = model(**data, output_hidden_states=True)
+                value = head(lm.hidden_states[-1][:, -1].float()).squeeze(-1)
+                losses.append(
+                    lm.loss + nn.functional.mse_loss(value, example.value_target(data["input_ids"]))
+                )
+                losses[-1].backward()
+            for p in trainable:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad / ranks
+            norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append((losses[0].item(), norm.item()))  # rank 0's loss, as it prints
+    finally:
+        torch.set_num_threads(threads)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return out, adapters, {n: p.detach().clone() for n, p in head.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+@pytest.mark.peft
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_remote_fp8_moe(fp8_moe, ranks, tmp_path, hf_modules_cache):
+    """The seed team's stack: remote code (read on rank 0 only), FP8 dequantised into bf16, LoRA on
+    attention and on every expert, a new fp32 head on the model's mesh, a different batch on every rank;
+    trained as one process trains it (the dequantised copy through transformers and PEFT), the adapter
+    and head saved, read back by PeftModel.from_pretrained and safetensors, and resumed equal.
+
+    Tolerances: on both transformers legs (4.57, 5.24), on 2 and 3 ranks, the example prints the
+    reference's numbers to every digit (6 decimals, ~1e-7 relative); rel=1e-5 leaves room for summation
+    order alone (the norm over shards, the reduce-scatter's sum). Looser would check little: the LoRA's
+    share of these numbers is small (lora_A drawn from another seed moves them by 2e-5 to 2e-4, every
+    lora_B gradient dropped by up to 4e-4), unseen at the other tests' 1e-3; a head drawn from another
+    seed moves them by ~30%. The adapters are checked themselves: the saved ones equal the reference's
+    within 4e-8 after 3 AdamW steps (float32 rounding of the clipped update), while a None gradient for
+    the experts no token reached (AdamW skips them; FSDP2 gives zeros) moves those by ~4e-6."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    fp8, plain = fp8_moe
+    out_dir = str(tmp_path / "trained")
+    modules = {"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}  # the ranks' own, not ~/.cache
+    text = _run("remote_fp8_moe.py", ranks, fp8, out_dir, env=modules)
+    got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
+    want, adapters, head = _reference_remote_fp8_moe(plain, ranks, 3)
+    assert len(got) == 3, text
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, want):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5), (
+            got,
+            want,
+        )
+    assert max(norm for _, norm in want) > 1.0  # the clipping was in force
+    # LoRA on q_proj, v_proj (2 layers) and w1, w2, w3 of 8 experts (2 layers), A and B; the head's 2
+    assert len(adapters) == 2 * 2 * 2 + 2 * 8 * 3 * 2 == 104
+    assert "resumed 106 adapter and head tensors, equal to the trained ones: True" in text, text
+    back = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16, trust_remote_code=True),
+        os.path.join(out_dir, "adapter"),
+    )
+    loaded = {n: p for n, p in back.named_parameters() if "lora_" in n}
+    assert sorted(loaded) == sorted(adapters)
+    for name, value in loaded.items():
+        torch.testing.assert_close(value, adapters[name], rtol=1e-6, atol=1e-7, msg=name)
+    saved_head = load_file(os.path.join(out_dir, "head", "model.safetensors"))
+    assert sorted(saved_head) == sorted(head)
+    for name, value in saved_head.items():
+        torch.testing.assert_close(value, head[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.diffusers
 def test_diffusion(tmp_path):
@@ -319,8 +484,12 @@ def _regions() -> dict[str, str]:
     for name in sorted(os.listdir(EXAMPLES)):
         if name.endswith(".py"):
             with open(os.path.join(EXAMPLES, name)) as f:
-                for m in REGION.finditer(f.read()):
-                    out[f"{name}: {m['name']}"] = textwrap.dedent(m["body"]).strip()
+                source = f.read()
+            found = list(REGION.finditer(source))
+            # every marker read as a region: a name the pattern missed would leave its recipe unchecked
+            assert len(found) == source.count("# --- recipe:") == source.count("# --- end recipe ---"), name
+            for m in found:
+                out[f"{name}: {m['name']}"] = textwrap.dedent(m["body"]).strip()
     return out
 
 

@@ -88,7 +88,9 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         self.experts = nn.ModuleList(MiniMaxM2MLP(config) for _ in range(config.num_local_experts))
         # Updated from routing statistics, not by gradients: frozen, kept in float32.
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_local_experts), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.num_local_experts), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
