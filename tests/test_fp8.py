@@ -139,3 +139,14 @@ def test_large_runs_go_in_bounded_steps():
     start = 123
     got = dequantize(values[start:], start, part_rows, cols, block, scales)
     assert torch.equal(got, want[start:])
+
+
+def test_a_ranks_rows_inside_one_block_row():
+    """A rank's rows of one 128 x 128 block (an expert weight split over 2 or 3 ranks), whole rows
+    over one or several column blocks: each is one block row's scales broadcast (``_scale_rows``'
+    one-multiply path), the formula's values exactly."""
+    for cols, (start_row, rows) in ((128, (64, 64)), (256, (0, 43)), (384, (43, 42)), (256, (85, 43))):
+        values, scales, full = _quantised((128, 128), cols, [128], seed=cols + start_row)
+        start, n = start_row * cols, rows * cols
+        got = dequantize(values[start : start + n], start, [128], cols, (128, 128), scales)
+        assert torch.equal(got, full[start : start + n]), (cols, start_row, rows)

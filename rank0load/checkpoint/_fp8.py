@@ -243,13 +243,18 @@ def _scale_rows(
 ) -> None:
     """``y = x`` [k, w] times the block scales of rows ``row ..`` and columns ``col ..`` of a part
     (``y`` may be ``x``). Whole blocks (the usual run of a stacked expert's rows): one multiply with
-    the grid broadcast over each block. Otherwise the scale rows are gathered once per matrix row
-    ([k, grid columns], 1/bn of the elements), then broadcast over each block's columns."""
+    the grid broadcast over each block; rows inside one block row (a rank's half of a 128-row expert
+    weight on 2 ranks), likewise with that one grid row. Otherwise the scale rows are gathered once
+    per matrix row ([k, grid columns], 1/bn of the elements), then broadcast over each block's columns."""
     bm, bn = block
     k, width = x.shape
     if not col and not row % bm and not k % bm and not width % bn:
         g, blocks = row // bm, (k // bm, bm, width // bn, bn)
         torch.mul(x.view(blocks), grid[g : g + k // bm, None, : width // bn, None], out=y.view(blocks))
+        return
+    if not col and not width % bn and row // bm == (row + k - 1) // bm:  # rows inside one block row
+        blocks = (k, width // bn, bn)  # (a rank's half of a 128-row expert): one grid row, broadcast
+        torch.mul(x.view(blocks), grid[row // bm, None, : width // bn, None], out=y.view(blocks))
         return
     index = torch.arange(row, row + k, device=grid.device) // bm
     rows = grid.index_select(0, index)  # [k, grid columns]
