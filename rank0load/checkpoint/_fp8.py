@@ -253,8 +253,8 @@ def _scale_rows(
         torch.mul(x.view(blocks), grid[g : g + k // bm, None, : width // bn, None], out=y.view(blocks))
         return
     if not col and not width % bn and row // bm == (row + k - 1) // bm:  # rows inside one block row
-        blocks = (k, width // bn, bn)  # (a rank's half of a 128-row expert): one grid row, broadcast
-        torch.mul(x.view(blocks), grid[row // bm, None, : width // bn, None], out=y.view(blocks))
+        row_blocks = (k, width // bn, bn)  # (a rank's half of a 128-row expert): one grid row, broadcast
+        torch.mul(x.view(row_blocks), grid[row // bm, None, : width // bn, None], out=y.view(row_blocks))
         return
     index = torch.arange(row, row + k, device=grid.device) // bm
     rows = grid.index_select(0, index)  # [k, grid columns]
