@@ -119,7 +119,14 @@ def save(name: str, path: str | os.PathLike[str], *, fused: bool = False, seed: 
 
 
 def weight_map(path: str | os.PathLike[str]) -> dict[str, str]:
-    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+    """Key -> file: the index's, or every key of a single-file checkpoint's model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            return dict.fromkeys(f.keys(), "model.safetensors")
+    with open(index) as f:
         return json.load(f)["weight_map"]
 
 
@@ -141,11 +148,12 @@ def rewrite(
     quantization_config: dict | None = None,
 ) -> None:
     """Rewrite every shard of a saved checkpoint in place: each key becomes ``edit(key, tensor)`` (no
-    entry: the key is dropped; several: they stay in the same file). Rewrites the index to match and,
-    if given, adds ``quantization_config`` to config.json."""
+    entry: the key is dropped; several: they stay in the same file). Rewrites the index to match (a
+    single-file checkpoint keeps having none) and, if given, adds ``quantization_config`` to config.json."""
     from safetensors.torch import load_file, save_file
 
     path = str(path)
+    indexed = os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     new_map: dict[str, str] = {}
     total = 0
     for file in sorted(set(weight_map(path).values())):
@@ -155,10 +163,11 @@ def rewrite(
         save_file(out, os.path.join(path, file), metadata={"format": "pt"})
         new_map.update(dict.fromkeys(out, file))
         total += sum(t.numel() * t.element_size() for t in out.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(new_map.items()))}, f, indent=2
-        )
+    if indexed:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(new_map.items()))}, f, indent=2
+            )
     if quantization_config is not None:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)

@@ -299,34 +299,6 @@ def _example(script: str):
     return module
 
 
-def _dequantized_copy(fp8: str, path: str) -> None:
-    """``fp8`` (remote_fp8_moe.py's one-file checkpoint) with every float8 weight replaced by its float32
-    ``q * scale_inv`` per block (tests/moe_models.dequantize, transformers' formula), the scales and
-    ``quantization_config`` dropped, the code files kept: transformers' own ``from_pretrained`` reads it
-    as it reads any bf16 model. (tests/moe_models.save_dequantized wants a sharded checkpoint's index.)"""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from tests.moe_models import dequantize
-
-    shutil.copytree(fp8, path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    block = tuple(config.pop("quantization_config")["weight_block_size"])
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    plain = {
-        key: dequantize(t, tensors[key + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn else t
-        for key, t in tensors.items()
-        if not key.endswith("_scale_inv")
-    }
-    assert len(plain) < len(tensors) and all(t.dtype != torch.float8_e4m3fn for t in plain.values())
-    save_file(plain, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def fp8_moe(tmp_path_factory) -> tuple[str, str]:
     """(the FP8 remote-code checkpoint remote_fp8_moe.py --write writes, its dequantised copy)."""
@@ -340,7 +312,11 @@ def fp8_moe(tmp_path_factory) -> tuple[str, str]:
         cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    _dequantized_copy(fp8, plain)
+    from tests.moe_models import headers, save_dequantized
+
+    save_dequantized(fp8, plain)  # transformers' formula per block, the scales dropped, the code files kept
+    stored = headers(plain)
+    assert stored and not any(k.endswith("_scale_inv") or d == "F8_E4M3" for k, (d, _) in stored.items())
     return fp8, plain
 
 
