@@ -174,7 +174,6 @@ def _write_fp8(out: str, layers: int, experts: int) -> None:
     import json
     import shutil
 
-    import torch
     from safetensors.torch import save_file
 
     from rank0load.bench.minimax import MiniMaxConfig, _generate, _layer
@@ -227,7 +226,6 @@ def _write_fp8(out: str, layers: int, experts: int) -> None:
         json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
     open(os.path.join(out, "done"), "w").close()
     print(f"wrote {out}: {len(weight_map)} tensors in {n} files", flush=True)
-    del torch
 
 
 def _result(**fields: object) -> None:
@@ -281,6 +279,7 @@ def _fp8_floor(ckpt: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     t0 = time.perf_counter()
     config = AutoConfig.from_pretrained(ckpt, trust_remote_code=True)
+    block = config.quantization_config["weight_block_size"][0]  # square blocks, as the writer makes them
     del config.quantization_config  # the model holds bf16, as rank0load builds it
     model, _ = build_on_meta(
         lambda: AutoModelForCausalLM.from_config(config, trust_remote_code=True), torch.bfloat16
@@ -295,7 +294,7 @@ def _fp8_floor(ckpt: str) -> None:
     was = gc.isenabled()
     gc.disable()
     try:
-        read = _floor_fill(model, where, ckpt, 128)
+        read = _floor_fill(model, where, ckpt, block)
     finally:
         if was:
             gc.enable()
@@ -373,6 +372,8 @@ def _verify(model: nn.Module, ckpt: str) -> bool:
 
     with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
         where: dict[str, str] = json.load(f)["weight_map"]
+    with open(os.path.join(ckpt, "config.json")) as f:
+        block = json.load(f)["quantization_config"]["weight_block_size"][0]
     last = len(model.model.layers) - 1
     ok = True
     for name, p in model.named_parameters():
@@ -384,7 +385,7 @@ def _verify(model: nn.Module, ckpt: str) -> bool:
         with safe_open(os.path.join(ckpt, where[name]), "pt") as f:
             stored = f.get_tensor(name)
             if stored.dtype == torch.float8_e4m3fn:
-                stored = dequantize(stored, f.get_tensor(name + "_scale_inv"), 128)
+                stored = dequantize(stored, f.get_tensor(name + "_scale_inv"), block)
         ok = ok and torch.equal(full, stored.to(full.dtype))
     flag = torch.tensor([int(ok)])
     dist.broadcast(flag, 0)
