@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank0load.checkpoint._fp8 import dequantize, dequantize_at, scale_span, to_float32
+from rank0load.checkpoint._fp8 import dequantize, dequantize_at, dequantize_stacked, scale_span, to_float32
 from tests.moe_models import dequantize as reference
 from tests.moe_models import quantize
 
@@ -150,3 +150,33 @@ def test_a_ranks_rows_inside_one_block_row():
         start, n = start_row * cols, rows * cols
         got = dequantize(values[start : start + n], start, [128], cols, (128, 128), scales)
         assert torch.equal(got, full[start : start + n]), (cols, start_row, rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 5),
+    st.data(),
+)
+def test_stacked_entries_dequantise_as_each_alone(n, bm, bn, col_blocks, data):
+    """``dequantize_stacked``: ``n`` same-shape entries' rows ``first ..`` at once (a layer's experts,
+    a rank's rows of each), any row range, partial last block row: each entry's values exactly as
+    the formula gives them, and as :func:`dequantize` gives that entry alone."""
+    rows = data.draw(st.integers(1, 13))
+    first = data.draw(st.integers(0, rows - 1))
+    k = data.draw(st.integers(1, rows - first))
+    cols = bn * col_blocks
+    qs, grids, want = [], [], []
+    for seed in range(n):
+        values, scales, full = _quantised((bm, bn), cols, [rows], seed)
+        qs.append(values.view(rows, cols)[first : first + k])
+        grids.append(scales.view(-1, col_blocks)[first // bm : -(-(first + k) // bm)])
+        want.append(full.view(rows, cols)[first : first + k])
+        alone = dequantize(
+            values[first * cols : (first + k) * cols], first * cols, [rows], cols, (bm, bn), scales
+        )
+        assert torch.equal(alone.view(k, cols), want[-1])
+    got = dequantize_stacked(torch.stack(qs), torch.stack(grids), first, (bm, bn))
+    assert torch.equal(got, torch.stack(want))

@@ -25,7 +25,16 @@ import torch
 from ..errors import ModelMismatchError
 from ._format import TensorHeader
 
-__all__ = ["FP8_WIRE", "block_size", "dequantize", "dequantize_at", "scale_for", "scale_span", "to_float32"]
+__all__ = [
+    "FP8_WIRE",
+    "block_size",
+    "dequantize",
+    "dequantize_at",
+    "dequantize_stacked",
+    "scale_for",
+    "scale_span",
+    "to_float32",
+]
 
 FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
@@ -173,6 +182,24 @@ def dequantize(
         if done == values.numel():
             break
     return dest
+
+
+def dequantize_stacked(
+    values: torch.Tensor, grids: torch.Tensor, first_row: int, block: tuple[int, int]
+) -> torch.Tensor:
+    """float32 values of ``k`` rows (from ``first_row``) of each of ``n`` same-shape 2-D float8
+    entries at once (a layer's experts, each rank's rows of them): ``values`` [n, k, cols] (any
+    strides), ``grids`` [n, grid rows from ``first_row // bm``, cols / bn] their block scales
+    (float32), ``cols`` a multiple of ``bn``. The same products as :func:`dequantize` gives each
+    entry on its own, in a handful of operations instead of a handful per entry."""
+    n, k, cols = values.shape
+    bm, bn = block
+    out = torch.empty((n, k, cols), dtype=torch.float32, device=values.device)
+    _convert_into(values.reshape(n, k * cols), out.view(n, k * cols))
+    rows = torch.arange(first_row, first_row + k, device=values.device) // bm - first_row // bm
+    scale = grids.index_select(1, rows)  # [n, k, cols / bn]: each matrix row's block scales
+    out.view(n, k, cols // bn, bn).mul_(scale.unsqueeze(-1))
+    return out
 
 
 def dequantize_at(

@@ -158,11 +158,19 @@ class LocalReader:
         self.touched: set[str] = set()
         self._layouts: dict[int, dict[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
 
-    def arrivals(self, piece: Piece) -> Iterator[Arrival]:
+    def arrivals(self, piece: Piece | Message) -> Iterator[Arrival]:
         """``piece`` read: straight into this rank's tensor where it can land there (on the CPU, of
-        the wire dtype), else into its staging slot (free again once the arrival is delivered).
-        After a local failure, or for another rank's piece (rank 0 sees all), nothing: no message
-        depends on it."""
+        the wire dtype), else into its staging slot (free again once the arrival is delivered); a
+        message (``Sink.runs``: float8 pairs dequantised together) into the slot, each piece at its
+        offset. After a local failure, or for another rank's piece (rank 0 sees all), nothing: no
+        message depends on it."""
+        if isinstance(piece, Message):
+            if self.sink.faults.error is None:
+                try:
+                    yield self._message(piece)
+                except Exception as exc:
+                    self.sink.faults.note(exc)
+            return
         if self.sink.faults.error is not None or piece.dst not in (-1, self.me):
             return
         try:
@@ -172,6 +180,13 @@ class LocalReader:
             return
         if arrival is not None:
             yield arrival
+
+    def _message(self, message: Message) -> Arrival:
+        if self.host is not self.slot:
+            raise InternalError("internal error: a message of pieces for a reader that stages on a device")
+        for piece, at in message.parts():
+            self._read(piece, self.slot[at : at + piece.nbytes])
+        return Arrival(message, self.slot[: message.nbytes])
 
     def _arrival(self, piece: Piece) -> Arrival | None:
         message = Message.of(piece)

@@ -11,7 +11,7 @@ chunk to ``fan_out``), so neither imports the other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..checkpoint._format import DTYPES
-from ..checkpoint._fp8 import dequantize, dequantize_at
+from ..checkpoint._fp8 import dequantize, dequantize_at, dequantize_stacked
 from ..common import _distribute
 from ..common._memory import reserve
 from ..common._rounds import AllOf
@@ -29,7 +29,7 @@ from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
 from ._blocks import cut, deliveries
 from ._messages import Message
-from ._pieces import Kind, Piece, Route
+from ._pieces import ALIGN, Kind, Piece, Route
 from ._plan import Plan
 
 __all__ = [
@@ -159,9 +159,133 @@ class Sink:
         """(all ranks) The local work of every piece of ``message``, whose bytes are in ``data``
         (``landed``: straight in the target already; a point-to-point piece then needs nothing;
         ``non_blocking``: see :meth:`write`)."""
-        for piece, at in message.parts():
+        parts = list(message.parts())
+        i = 0
+        while i < len(parts):
+            pairs = 0 if landed or len(parts) == 1 else self._same_pairs(parts, i)
+            if pairs:
+                self.faults.run(self._dequantize_pairs, parts[i : i + 2 * pairs], data)
+                i += 2 * pairs
+                continue
+            piece, at = parts[i]
             if not (landed and piece.route is Route.TO_RANK):
                 self.broadcast(piece, data[at : at + piece.nbytes], landed, non_blocking)
+            i += 1
+
+    def pair_key(self, scales: Piece, rows: Piece) -> tuple[object, ...] | None:
+        """What makes a float8 entry's scale grid rows and its rows, arriving together, dequantisable
+        together with other entries of the same key (:meth:`runs`): a 2-D SHARDED entry of one part,
+        whose columns are whole blocks, ``rows`` this rank's whole local shard (on the CPU, of a
+        floating dtype), ``scales`` exactly the grid rows those rows need. None: it is not such a pair."""
+        if scales.route is not Route.SCALES or rows.route is not Route.TO_RANK or scales.index != rows.index:
+            return None
+        entry, target = self.entries[rows.index], self.targets[rows.index].tensor
+        if (
+            rows.kind is not Kind.SHARDED
+            or not entry.scales
+            or len(entry.shape) != 2
+            or len(entry.part_rows) != 1
+        ):
+            return None
+        cols, (bm, bn), wire = entry.shape[1], entry.block, self.wires[rows.index]
+        row = cols * wire.itemsize
+        if cols % bn or target.device.type != "cpu" or not target.is_contiguous() or rows.local_offset:
+            return None
+        if (
+            not target.is_floating_point()
+            or rows.nbytes != target.numel() * wire.itemsize
+            or rows.start % row
+        ):
+            return None
+        lo, k = rows.start // row, rows.nbytes // row
+        grid_row = cols // bn * 4  # float32 scales
+        if scales.start != lo // bm * grid_row or scales.nbytes != (-(-(lo + k) // bm) - lo // bm) * grid_row:
+            return None
+        return entry.shape, entry.block, wire, target.dtype, lo, k
+
+    def runs(self, pieces: Iterable[Piece], limit: int) -> Iterator[Piece | Message]:
+        """``pieces`` (this rank's view, in order), each float8 scales-and-rows pair that follows another
+        of the same :meth:`pair_key` joined with it into one :class:`Message` of at most ``limit``
+        bytes (laid out as ``_messages`` lays them: ALIGN boundaries), for :meth:`take` to dequantise
+        at once; every other piece as it comes. A lone pair is a message of two."""
+        run: list[Piece] = []
+        key: tuple[object, ...] | None = None
+        size = 0
+        held: Piece | None = None  # a SCALES piece, until the next piece says whether it pairs
+
+        def flush() -> Iterator[Message]:
+            nonlocal run, key, size
+            if run:
+                offsets = [0]
+                for p in run[:-1]:
+                    offsets.append(_up(offsets[-1] + p.nbytes))
+                yield Message(tuple(run), tuple(offsets), offsets[-1] + run[-1].nbytes)
+            run, key, size = [], None, 0
+
+        for piece in pieces:
+            if piece.dst not in (-1, self.me):  # another rank's (rank 0 sees them all): read by no one here
+                yield piece
+                continue
+            if held is not None:
+                pair, held = (held, piece), None
+                got = self.pair_key(*pair)
+                if got is not None:
+                    nbytes = _up(pair[0].nbytes) + _up(pair[1].nbytes)
+                    if got != key or size + nbytes > limit:
+                        yield from flush()
+                    run.extend(pair)
+                    key, size = got, size + nbytes
+                    continue
+                yield from flush()
+                yield pair[0]
+            if piece.route is Route.SCALES and self.entries[piece.index].scales:
+                held = piece
+                continue
+            yield from flush()
+            yield piece
+        yield from flush()
+        if held is not None:
+            yield held
+
+    def _same_pairs(self, parts: list[tuple[Piece, int]], i: int) -> int:
+        """How many scales-and-rows pairs of one :meth:`pair_key`, equally spaced, start at ``parts[i]``
+        (0: none, or one alone in a message of many pieces, which goes the usual way)."""
+        if i + 1 >= len(parts):
+            return 0
+        key = self.pair_key(parts[i][0], parts[i + 1][0])
+        if key is None:
+            return 0
+        step = parts[i + 2][1] - parts[i][1] if i + 3 < len(parts) else 0
+        n = 1
+        while i + 2 * n + 1 < len(parts):
+            (s, at), (r, rat) = parts[i + 2 * n], parts[i + 2 * n + 1]
+            if at - parts[i][1] != n * step or rat - at != parts[i + 1][1] - parts[i][1]:
+                break
+            if self.pair_key(s, r) != key:
+                break
+            n += 1
+        return n if n > 1 or len(parts) == 2 else 0
+
+    def _dequantize_pairs(self, parts: list[tuple[Piece, int]], data: torch.Tensor) -> None:
+        """Equally spaced pairs of one :meth:`pair_key` in ``data``: their rows dequantised together,
+        in steps of at most ``_DEQUANTISE_STEP`` elements, each entry's products then cast once into
+        its shard (the rounding :func:`dequantize` gives it alone)."""
+        (scales, s_at), (rows, r_at) = parts[0], parts[1]
+        n = len(parts) // 2
+        step = parts[2][1] - s_at if n > 1 else 0
+        entry, wire = self.entries[rows.index], self.wires[rows.index]
+        cols = entry.shape[1]
+        k = rows.nbytes // (cols * wire.itemsize)
+        values = data.as_strided((n, rows.nbytes), (step, 1), data.storage_offset() + r_at)
+        values = values.view(wire).view(n, k, cols)
+        grids = data.as_strided((n, scales.nbytes), (step, 1), data.storage_offset() + s_at)
+        grids = grids.view(torch.float32).view(n, -1, cols // entry.block[1])
+        lo = rows.start // (cols * wire.itemsize)
+        per = max(1, _DEQUANTISE_STEP // (k * cols))
+        for at in range(0, n, per):
+            out = dequantize_stacked(values[at : at + per], grids[at : at + per], lo, entry.block)
+            for j, (piece, _) in enumerate(parts[2 * at + 1 : 2 * (at + per) : 2]):
+                self.targets[piece.index].tensor.view(k, cols).copy_(out[j])
 
     def landing(self, piece: Piece) -> torch.Tensor | None:
         """(receivers) Where a broadcast piece can land without staging; None: stage it."""
@@ -324,3 +448,7 @@ def fan_out(
         works.append(dist.isend(payload, dst=d.dst))
         keep.append(payload)
     return AllOf(works, keep)
+
+
+def _up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN

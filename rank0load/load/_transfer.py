@@ -34,6 +34,7 @@ from ..common import _distribute
 from ..common._rounds import InFlight, Rounds, settled
 from ..errors import LoadError
 from ._blocks import block_half
+from ._messages import Message
 from ._pieces import Route
 from ._plan import Plan
 from ._sink import Arrival, Sink, Staging, Target, deliver, fan_out
@@ -81,11 +82,13 @@ def _quietly(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[in
     (no one waits on it) before they learn of it. Returns the first failing rank (world: none)."""
     by_round = ByRound(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
     for stop in plan.rounds:
-        for piece in by_round.until(stop):
-            for arrival in reader.arrivals(piece):
+        # A layer's experts' float8 rows are read as one message and dequantised together.
+        for item in sink.runs(by_round.until(stop), plan.piece_bytes):
+            for arrival in reader.arrivals(item):
                 _wait(deliver(arrival, sink, reader.layouts))
-            if on_bytes is not None and piece.route is not Route.SCALES:
-                on_bytes(piece.nbytes)
+            if on_bytes is not None:
+                pieces = item.pieces if isinstance(item, Message) else (item,)
+                on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
         reader.round_end()
     reader.finish()
     return _distribute.first_failure(sink.faults.error)
