@@ -82,6 +82,26 @@ def _entry(
     exit_without_teardown(0)  # the result is written: skip module teardown (~1 s of CPU a rank)
 
 
+# What most ranks import anyway (tests/_preload.py), imported once: the ranks fork from a server
+# that holds it (multiprocessing's forkserver) instead of each starting a fresh interpreter (on CI's
+# 2 cores ``import torch`` costs ~4 s of CPU a rank, transformers' modeling ~5 more).
+PRELOAD = ["tests._preload"]
+_server: Any = None
+
+
+def _context(fresh: bool) -> Any:
+    """The forkserver context (once: ``PRELOAD`` imported in its server), or with ``fresh`` a spawn
+    one: a rank that sets an environment variable some library reads at import (``HF_HOME``,
+    ``HF_HUB_OFFLINE``, ``HF_MODULES_CACHE``) must import it itself."""
+    global _server
+    if fresh or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _server is None:
+        _server = mp.get_context("forkserver")
+        _server.set_forkserver_preload(PRELOAD)
+    return _server
+
+
 def spawn(
     fn: Callable[..., Any],
     world: int,
@@ -91,12 +111,13 @@ def spawn(
     env: dict | None = None,
     exit_at_once: bool = False,
     backend: str = "gloo",
+    fresh: bool = False,
 ) -> tuple[list[Any], list[int | None], float]:
     """Run ``fn`` on ``world`` ranks; a rank may die. Returns (result or None per rank, exit codes,
     seconds until the last rank ended). A rank still running after ``timeout`` fails the test.
     ``backend``: the process group's, as ``init_process_group`` takes it ("gloo", "nccl",
     "cpu:gloo,cuda:nccl"); with NCCL in it, rank r first sets ``cuda:r`` as its device."""
-    ctx = mp.get_context("spawn")
+    ctx = _context(fresh)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
@@ -139,11 +160,12 @@ def run(
     pg_timeout: float = 60,
     env: dict | None = None,
     backend: str = "gloo",
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn`` on ``world`` ranks; every rank must end and leave a result (or a Raised).
     ``backend``: as for :func:`spawn`."""
     results, codes, _ = spawn(
-        fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, env=env, backend=backend
+        fn, world, *args, timeout=timeout, pg_timeout=pg_timeout, env=env, backend=backend, fresh=fresh
     )
     for r, res in enumerate(results):
         if res is None:

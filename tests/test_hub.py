@@ -103,7 +103,7 @@ def hub_results(tmp_path_factory):
         text=True,
     )
     env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # see test_progress_bar_disabled_by_environment
-    results = _dist.ok(_dist.run(_rank, 2, str(hf_home), env=env))
+    results = _dist.ok(_dist.run(_rank, 2, str(hf_home), env=env, fresh=True))
     out, err = cli.communicate(timeout=120)
     return str(hf_home), results, (cli.returncode, out, err)
 

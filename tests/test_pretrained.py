@@ -196,7 +196,7 @@ def _checkpoints(tmp) -> tuple[str, dict]:
 def loaded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrained")
     root, jobs = _checkpoints(tmp)
-    results = _dist.ok(_dist.run(_rank, 2, root, jobs, timeout=900))
+    results = _dist.ok(_dist.run(_rank, 2, root, jobs, timeout=900, fresh=True))
     return tmp, root, jobs, results
 
 

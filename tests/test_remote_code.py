@@ -169,7 +169,7 @@ def loaded(request, checkpoints, tmp_path_factory) -> tuple[int, str, list[dict]
         "unknown": Job(ckpt, {**trusted, "code_revision": "main"}, error=True),
         "missing": Job(missing, trusted, error=True),
     }
-    results = _dist.ok(_dist.run(_rank, world, root, caches, jobs, timeout=600))
+    results = _dist.ok(_dist.run(_rank, world, root, caches, jobs, timeout=600, fresh=True))
     return world, out, results
 
 
