@@ -52,10 +52,11 @@ def _padded(n: int, lo: int, hi: int, fill: int) -> tuple[torch.Tensor, torch.Te
 
 def test_fault_in_does_what_prefault_does_for_every_tensor():
     # blocks above glibc's largest mmap threshold (32 MiB): mapped fresh, whatever the process freed
-    fresh = [torch.empty(n, dtype=torch.uint8) for n in (48 << 20, 40 << 20, 100, 5000)]
+    fresh = [torch.empty(n, dtype=torch.uint8) for n in (48 << 20, 40 << 20)]
+    small = [torch.full((n,), 5, dtype=torch.uint8) for n in (100, 5000)]  # whole storages under _SMALL
     storages, shards = zip(*[_padded(3 * 4096 + 100, 1000 + i, 10000 + i, 7) for i in range(40)])
     before = _rss()
-    pending = _memory.fault_in([*fresh, *shards])
+    pending = _memory.fault_in([*fresh, *small, *shards])
     pending.wait()
     assert _rss() - before > (88 << 20) * 0.9
     for storage, shard in zip(storages, shards):
@@ -64,7 +65,11 @@ def test_fault_in_does_what_prefault_does_for_every_tensor():
         assert torch.count_nonzero(storage[start + shard.numel() :]) == 0
         if _memory._madvise:
             assert torch.all(shard == 7)
-    assert torch.count_nonzero(fresh[2]) == 0  # under a page: zero-filled
+    # left to fault in where they are written: nothing outside them to zero, nothing done to them
+    assert all(torch.all(t == 5) for t in small)
+    storage, shard = _padded(4096, 0, 100, 7)  # a small shard whose storage is padded: the padding zeroed
+    _memory.fault_in([shard]).wait()
+    assert torch.count_nonzero(storage[100:]) == 0
 
 
 def test_fault_in_thread_failure_is_raised_by_wait(monkeypatch):
@@ -80,13 +85,14 @@ def test_fault_in_thread_failure_is_raised_by_wait(monkeypatch):
 
 def test_fault_in_without_madvise_zero_fills(monkeypatch):
     monkeypatch.setattr(_memory, "_madvise", False)
-    tensors = [torch.full((50000 + i,), 3.0) for i in range(5)]
+    tensors = [torch.full(((1 << 18) + i,), 3.0) for i in range(5)]  # over _SMALL
     _memory.fault_in(tensors).wait()
     assert all(torch.count_nonzero(t) == 0 for t in tensors)
 
 
 def test_fault_in_parameters_that_require_grad():
     """The thread zero-fills a parameter (under a page) as prefault does: no in-place-on-a-leaf error."""
-    params = [torch.nn.Parameter(torch.full((10,), 2.0)), torch.nn.Parameter(torch.full((1 << 20,), 2.0))]
+    padded = torch.full((20,), 2.0)[:10]  # under a page, its storage padded (FSDP2's shards are)
+    params = [torch.nn.Parameter(padded), torch.nn.Parameter(torch.full((1 << 20,), 2.0))]
     _memory.fault_in(params).wait()
     assert torch.count_nonzero(params[0].detach()) == 0 and params[1].requires_grad

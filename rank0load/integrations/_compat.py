@@ -124,11 +124,15 @@ def split_chunks(placement: Placement, t: torch.Tensor, parts: int) -> list[torc
     return list(chunks)
 
 
-def fsdp_groups(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]]:
+def fsdp_groups(
+    model: nn.Module, names: dict[int, str] | None = None
+) -> list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]]:
     """Every FSDP2 parameter group in ``model``: the module ``fully_shard`` was applied to, and each of
-    its parameters' qualified name, dtype and ``requires_grad``. Private: see :func:`fsdp_group_params`
+    its parameters' qualified name, dtype and ``requires_grad``. ``names``: each module's name by
+    ``id``, where the caller has walked the modules already. Private: see :func:`fsdp_group_params`
     and ``FSDPParam._module_info``."""
-    names = {id(m): n for n, m in model.named_modules()}
+    if names is None:
+        names = {id(m): n for n, m in model.named_modules()}
     out: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] = []
     for _, module, fsdp_params in _fsdp_param_groups(model):
         params = []

@@ -260,9 +260,9 @@ def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(prefix) if prefix else model), leaf
 
 
-def _initialiser(model: nn.Module, module_name: str) -> bool:
-    """Whether the module that owns a parameter can be re-initialised (see ``_model.init_missing``)."""
-    module = model.get_submodule(module_name) if module_name else model
+def _initialiser(model: nn.Module, module_name: str, module: nn.Module) -> bool:
+    """Whether ``module`` (``module_name``), which owns a parameter, can be re-initialised (see
+    ``_model.init_missing``)."""
     return (
         callable(getattr(module, "reset_parameters", None)) or hf_init_weights(model, module_name) is not None
     )
@@ -276,6 +276,7 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
     groups: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}
     initialisable: set[str] = set()
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not one lookup per parameter
 
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
@@ -290,7 +291,8 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
             is_param=True,
             is_dtensor=_is_dtensor(param),
         )
-        if _initialiser(model, name.rpartition(".")[0]):
+        owner = name.rpartition(".")[0]
+        if _initialiser(model, owner, modules[owner]):
             initialisable.add(name)
 
     non_persistent: set[str] = set()

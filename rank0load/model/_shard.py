@@ -267,8 +267,9 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
 
     ``routed``: :func:`routed_modules` of the model before it was sharded.
     """
-    names = {id(m): n for n, m in model.named_modules()}
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    named = list(model.named_modules())  # one walk (47,000 expert modules at the real count)
+    names = {id(m): n for n, m in named}
+    units = [m for _, m in named if isinstance(m, FSDPModule)]
     inside = sorted(names[id(m)] for m in units if id(m) in routed)
     if inside:
         raise ModelMismatchError(
@@ -279,15 +280,16 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
             "pass shard_fn=None: rank0load's default policy does that."
         )
     routed_names = {
-        f"{names[id(m)]}.{n}" if names[id(m)] else n
-        for m in model.modules()
+        f"{name}.{n}" if name else n
+        for name, m in named
         if id(m) in routed
         for n, _ in m.named_parameters(recurse=False)
     }
-    for unit, params in fsdp_groups(model):
+    groups = fsdp_groups(model, names)
+    for unit, params in groups:
         if any(name in routed_names for name, _, _ in params):
             reduce_scatter_unused_params(unit)
-    check_dtype_groups(model)
+    check_dtype_groups(model, groups, names)
     _check_at_first_forward(model, units)
 
 
@@ -305,12 +307,18 @@ def _check_at_first_forward(model: nn.Module, units: Sequence[nn.Module]) -> Non
     handles.extend(u.register_forward_pre_hook(check, prepend=True) for u in units)
 
 
-def check_dtype_groups(model: nn.Module) -> None:
+def check_dtype_groups(
+    model: nn.Module,
+    groups: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] | None = None,
+    names: dict[int, str] | None = None,
+) -> None:
     """(all ranks, after sharding) Raise a ModelMismatchError for an FSDP group whose trainable
     parameters have more than one dtype: FSDP2 would raise at the first forward (one original dtype
-    per group)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    for module, params in fsdp_groups(model):
+    per group). ``groups`` and ``names``: ``fsdp_groups(model)`` and each module's name by ``id``,
+    where the caller has them."""
+    if names is None:
+        names = {id(m): n for n, m in model.named_modules()}
+    for module, params in fsdp_groups(model, names) if groups is None else groups:
         trainable = [(name, dtype) for name, dtype, grad in params if grad]
         dtypes = sorted({_dtype_name(d) for _, d in trainable})
         if len(dtypes) < 2:
