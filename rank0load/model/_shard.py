@@ -267,9 +267,9 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
 
     ``routed``: :func:`routed_modules` of the model before it was sharded.
     """
-    named = list(model.named_modules())  # one walk (47,000 expert modules at the real count)
+    named = list(model.named_modules())  # walked once for names (47,000 expert modules at the real count)
     names = {id(m): n for n, m in named}
-    units = [m for _, m in named if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     inside = sorted(names[id(m)] for m in units if id(m) in routed)
     if inside:
         raise ModelMismatchError(
