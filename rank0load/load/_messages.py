@@ -29,7 +29,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ._pieces import ALIGN, Kind, Piece, Route
+from ._pieces import Kind, Piece, Route, aligned
 from ._plan import Plan
 
 __all__ = ["BROADCAST", "Message", "messages"]
@@ -70,6 +70,14 @@ class Message:
     def of(cls, piece: Piece) -> Message:
         """A message of one piece."""
         return cls((piece,), (0,), piece.nbytes)
+
+    @classmethod
+    def packed(cls, pieces: list[Piece]) -> Message:
+        """A message of ``pieces``, in order, each from the ALIGN boundary after the one before."""
+        offsets = [0]
+        for p in pieces[:-1]:
+            offsets.append(aligned(offsets[-1] + p.nbytes))
+        return cls(tuple(pieces), tuple(offsets), offsets[-1] + pieces[-1].nbytes)
 
 
 def _lane(piece: Piece) -> int:
@@ -149,7 +157,7 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
         at = 0
         if lane in open_:
             group, offsets = open_[lane]
-            at = _up(offsets[-1] + group[-1].nbytes)
+            at = aligned(offsets[-1] + group[-1].nbytes)
             if at + piece.nbytes > plan.piece_bytes:
                 yield close(lane)
                 at = 0
@@ -158,7 +166,3 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
         offsets.append(at)
     for lane in sorted(open_):
         yield close(lane)
-
-
-def _up(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN

@@ -16,9 +16,14 @@ from torch.distributed.tensor import DTensor
 
 from ..model._layout import ROWS_OK, RUNS_OK
 
-__all__ = ["ALIGN", "Kind", "Piece", "Route", "kind_of"]
+__all__ = ["ALIGN", "Kind", "Piece", "Route", "aligned", "kind_of"]
 
 ALIGN = 64  # piece boundaries stay multiples of every element size
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN`: where the next piece of a message starts."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 class Kind(enum.Enum):

@@ -29,7 +29,7 @@ from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
 from ._blocks import cut, deliveries
 from ._messages import Message
-from ._pieces import ALIGN, Kind, Piece, Route
+from ._pieces import Kind, Piece, Route, aligned
 from ._plan import Plan
 
 __all__ = [
@@ -216,10 +216,7 @@ class Sink:
         def flush() -> Iterator[Message]:
             nonlocal run, key, size
             if run:
-                offsets = [0]
-                for p in run[:-1]:
-                    offsets.append(_up(offsets[-1] + p.nbytes))
-                yield Message(tuple(run), tuple(offsets), offsets[-1] + run[-1].nbytes)
+                yield Message.packed(run)
             run, key, size = [], None, 0
 
         for piece in pieces:
@@ -230,7 +227,7 @@ class Sink:
                 pair, held = (held, piece), None
                 got = self.pair_key(*pair)
                 if got is not None:
-                    nbytes = _up(pair[0].nbytes) + _up(pair[1].nbytes)
+                    nbytes = aligned(pair[0].nbytes) + aligned(pair[1].nbytes)
                     if got != key or size + nbytes > limit:
                         yield from flush()
                     run.extend(pair)
@@ -448,7 +445,3 @@ def fan_out(
         works.append(dist.isend(payload, dst=d.dst))
         keep.append(payload)
     return AllOf(works, keep)
-
-
-def _up(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
