@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from rank0load.integrations._compat import (
     StridedShard,
+    can_reduce_scatter_unused_params,
     clear_hf_initialized,
     foreach_mul_,
     foreach_norm,
@@ -32,6 +33,7 @@ from rank0load.integrations._compat import (
     non_persistent_buffers,
     one_dim_placement,
     parameters_on_meta,
+    parse_to,
     split_chunks,
 )
 from tests import _dist
@@ -210,6 +212,26 @@ def test_foreach_helpers_clip_grad_norm_relies_on():
         foreach_norm([torch.empty(0)], float("inf"), torch.float32)
     foreach_mul_(tensors, torch.tensor(0.5))
     assert tensors[0].tolist() == [1.5, -2.0] and tensors[1].tolist() == [0.5, 1.0]
+
+
+def test_reduce_scatter_unused_params_is_there_from_torch_2_13():
+    """Where FSDP2 has the switch, a group holding routed experts reduce-scatters zeros for unused
+    ones; where it has not (torch 2.12), rank0load refuses to train them (model/_shard.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    assert can_reduce_scatter_unused_params() is (release >= (2, 13)), torch.__version__
+    if can_reduce_scatter_unused_params():
+        params = inspect.signature(FSDPModule.set_reduce_scatter_unused_params).parameters
+        assert list(params)[::2] == ["self", "recurse"] and len(params) == 3, params
+
+
+def test_parse_to_names_what_tensor_to_would_do():
+    """PEFT moves new adapters with ``Tensor.to``; _peft keeps them off meta by what it names."""
+    assert parse_to("meta", torch.bfloat16) == (torch.device("meta"), torch.bfloat16)
+    assert parse_to(dtype=torch.float16) == (None, torch.float16)
+    assert parse_to(device="cpu") == (torch.device("cpu"), None)
+    assert parse_to(torch.empty(0, dtype=torch.int8)) == (torch.device("cpu"), torch.int8)
 
 
 def test_strided_shard_is_neither_shard_nor_is_shard():

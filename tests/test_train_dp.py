@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from rank0load.integrations._compat import can_reduce_scatter_unused_params
 from tests import _dist, hf, moe_models
 from tests.models import assert_same, gather, reference
 
@@ -286,6 +287,8 @@ def _train_rank(job: Job) -> dict:
     out: dict = {"loaded": gather(model), "groups": _groups(model)}
     if job.kind == "frozen_in_shard_fn":  # loads; its training is remote_full's
         return out
+    if job.kind in routed_trained() and not can_reduce_scatter_unused_params():
+        return _refused_and_ways_out(model, job.kind, rank, out)
     model.train()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for _, p in trainable], lr=LR)
@@ -299,6 +302,39 @@ def _train_rank(job: Job) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     out["trained"] = {n: p.full_tensor() for n, p in trainable}
+    return out
+
+
+def routed_trained() -> tuple[str, ...]:
+    """The kinds whose groups hold trainable parameters inside a routed (per-expert) list: transformers
+    4.57's Mixtral is per-expert, the newest's fuses its experts into parameters every token uses."""
+    return ("remote_lora", "remote_full") if _transformers5() else ("moe_lora", "remote_lora", "remote_full")
+
+
+def _refused_and_ways_out(model, kind: str, rank: int, out: dict) -> dict:
+    """torch < 2.13: the first training forward is refused on every rank; the message's ways out work
+    with each rank's own batch: a forward under ``no_grad``, then training with the experts frozen."""
+    from rank0load.errors import ModelMismatchError
+
+    model.train()
+    try:
+        _loss(model, kind, 0, rank)
+    except ModelMismatchError as exc:
+        out["refused"] = str(exc)
+    with torch.no_grad():
+        out["no_grad_loss"] = _loss(model, kind, 0, rank).float()
+    for n, p in model.named_parameters():
+        if ".experts." in n:
+            p.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR)
+    out["frozen_losses"] = []
+    for step in range(STEPS):
+        loss = _loss(model, kind, step, rank)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out["frozen_losses"].append(loss.detach().float())
     return out
 
 
@@ -430,8 +466,16 @@ def _reference_run(kind: str, ckpt: str, world: int, first: dict) -> dict:
 TRAINED = ("moe_lora", "remote_lora", "remote_full", "head", "llama")
 
 
+OLD_FSDP = (
+    "torch before 2.13 cannot train a routed list (no set_reduce_scatter_unused_params): refused instead"
+)
+NEW_FSDP = "this torch's FSDP2 reduce-scatters unused parameters: the routed kinds train"
+
+
 @pytest.mark.parametrize("kind", TRAINED)
 def test_each_rank_its_own_batch_trains_as_the_reference(ran, root, kind):
+    if kind in routed_trained() and not can_reduce_scatter_unused_params():
+        pytest.skip(OLD_FSDP)
     world, results = ran
     got = [r["jobs"][kind] for r in results]
     for r in results:
@@ -491,3 +535,26 @@ def test_a_shard_fn_that_gives_experts_groups_is_refused_before_data_moves(ran):
     message = _dist.same_error(errors, "ModelMismatchError").message
     assert "model.layers.0.block_sparse_moe.experts.0" in message and "routed list" in message, message
     assert "shard_fn=None" in message, message
+
+
+@pytest.mark.skipif(can_reduce_scatter_unused_params(), reason=NEW_FSDP)
+def test_torch_before_2_13_refuses_to_train_a_routed_list_on_every_rank(ran, root):
+    """The same refusal on every rank at the first training forward, before any collective (else an
+    abort or a hang); the message's ways out run with each rank's own batch: a forward under no_grad
+    gives the reference's loss, and training with the experts frozen takes its steps."""
+    world, results = ran
+    for kind in routed_trained():
+        got = [r["jobs"][kind] for r in results]
+        messages = {g.get("refused") for g in got}
+        assert len(messages) == 1 and None not in messages, messages
+        message = messages.pop()
+        for words in ("2.13", "experts", "requires_grad_(False)", "torch.no_grad()"):
+            assert words in message, message
+        model = _reference(kind, _save(root, kind), got[0]["loaded"])
+        for rank, res in enumerate(got):
+            assert_same(res["loaded"], reference(model))
+            with torch.no_grad():
+                want = _loss(model, kind, 0, rank).float()
+            torch.testing.assert_close(res["no_grad_loss"], want, **BF16_TOL)
+            assert len(res["frozen_losses"]) == STEPS, res
+            assert all(bool(torch.isfinite(x)) for x in res["frozen_losses"]), res["frozen_losses"]

@@ -25,10 +25,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 # Private: FSDP2 places it on top of a tensor-parallel Shard of the same dimension.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
-from ._peft import building_adapters
-
 __all__ = [
     "StridedShard",
+    "can_reduce_scatter_unused_params",
     "clear_hf_initialized",
     "diffusers_config_json",
     "diffusers_keep_in_fp32",
@@ -53,6 +52,7 @@ __all__ = [
     "non_persistent_buffers",
     "one_dim_placement",
     "parameters_on_meta",
+    "parse_to",
     "reduce_scatter_unused_params",
     "to_meta",
     "split_chunks",
@@ -172,25 +172,26 @@ def _fsdp_param_groups(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[
             yield name, module, group.fsdp_params
 
 
+def can_reduce_scatter_unused_params() -> bool:
+    """Whether this torch's FSDP2 can reduce-scatter zeros for parameters a rank did not use
+    (``FSDPModule.set_reduce_scatter_unused_params``, new in torch 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
 def reduce_scatter_unused_params(module: nn.Module) -> None:
     """Make ``module``'s own FSDP2 groups reduce-scatter zeros for trainable parameters that got no
     gradient on this rank (an expert no token of its batch reached), so that every rank's
-    reduce-scatter has the same size. ``FSDPModule.set_reduce_scatter_unused_params`` where torch
-    has it; older FSDP2 has no such switch: a warning, since ranks that use different parameters
-    then issue reduce-scatters of different sizes."""
-    setter = getattr(module, "set_reduce_scatter_unused_params", None)
-    if setter is not None:
-        setter(True, recurse=False)
-        return
-    import warnings
+    reduce-scatter has the same size. Needs :func:`can_reduce_scatter_unused_params`."""
+    module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
 
-    warnings.warn(
-        f"torch {torch.__version__}'s FSDP2 cannot reduce-scatter parameters that some ranks did not "
-        "use (FSDPModule.set_reduce_scatter_unused_params): training a routed MoE with a different "
-        "batch on each rank can abort or hang. Loading and inference are unaffected; upgrade torch to train.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+
+def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """The device and dtype a ``Tensor.to(*args, **kwargs)`` call names (None where it names none).
+    Private: ``torch._C._nn._parse_to``, the parser ``Tensor.to`` itself uses."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:
@@ -229,10 +230,11 @@ _patch_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta(keep_real: Callable[[], bool] = lambda: False) -> Iterator[None]:
     """Patch ``nn.Module.register_parameter`` so every registered parameter lives on meta.
 
-    Parameters a PEFT tuner registers while injecting adapters stay real (``_peft``).
+    Parameters registered while ``keep_real()`` is true stay real (a PEFT tuner's new adapters:
+    ``_peft.building_adapters``).
     A parameter object registered twice (a tie made by assigning one ``Parameter`` to two modules)
     maps to one meta parameter, so ties made during construction survive. (accelerate's
     ``init_empty_weights`` patches the same method.)
@@ -241,7 +243,7 @@ def parameters_on_meta() -> Iterator[None]:
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
     def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta" and not building_adapters():
+        if param is not None and param.device.type != "meta" and not keep_real():
             hit = replaced.get(id(param))
             if hit is not None and hit[0] is param:
                 meta_param = hit[1]

@@ -30,6 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ModelMismatchError
+from ._compat import parse_to
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -71,7 +72,7 @@ class _KeepOffMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
-            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            device, dtype = parse_to(*args[1:], **kwargs)
             if device is not None and torch.device(device).type == "meta":
                 return args[0].to(dtype=dtype) if dtype is not None else args[0]
         return func(*args, **kwargs)

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..common._failure import UserCodeFailure, user_code
 from ..integrations._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
-from ..integrations._peft import adapters_built_real, base_key, tuner_layers_without_values
+from ..integrations._peft import adapters_built_real, base_key, building_adapters, tuner_layers_without_values
 
 __all__ = ["ModelLayout", "base_name", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
 
@@ -62,7 +62,7 @@ def _build_once(
 ) -> nn.Module:
     default = torch.get_default_dtype()
     own_state = torch.get_rng_state() if rng_state is not None else None
-    with parameters_on_meta(), adapters_built_real(default), _MetaValuesSkipped():
+    with parameters_on_meta(building_adapters), adapters_built_real(default), _MetaValuesSkipped():
         if rng_state is not None:
             torch.set_rng_state(rng_state)
         if dtype in _DEFAULTABLE:

@@ -21,9 +21,11 @@ gathers the wrong expert. Groups therefore sit only on modules that run on every
   :class:`~.errors.ModelMismatchError` before any data moves.
 * (all ranks, after any policy, the caller's ``shard_fn`` too) :func:`prepare_groups`: a group inside
   a routed list is refused; a group holding routed parameters reduce-scatters zeros for the ones a
-  rank did not use (else ranks' reduce-scatters differ in size); a group whose trainable parameters
-  have two dtypes is refused now, and again at the first forward (``requires_grad`` can change after
-  the load) by a one-time hook, with the same message instead of FSDP's ``AssertionError``.
+  rank did not use (else ranks' reduce-scatters differ in size; torch before 2.13 cannot, so there such
+  a group refuses to run forward under grad mode while those parameters are trainable); a group whose
+  trainable parameters have two dtypes is refused now, and again at the first forward
+  (``requires_grad`` can change after the load) by a one-time hook, with the same message instead of
+  FSDP's ``AssertionError``.
 
 ``fully_shard`` on a meta model issues no collectives.
 """
@@ -42,7 +44,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import ModelMismatchError
-from ..integrations._compat import fsdp_groups, no_split_modules, reduce_scatter_unused_params
+from ..integrations._compat import (
+    can_reduce_scatter_unused_params,
+    fsdp_group_params,
+    fsdp_groups,
+    no_split_modules,
+    reduce_scatter_unused_params,
+)
 
 __all__ = [
     "check_dtype_groups",
@@ -262,7 +270,8 @@ def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) ->
 
 def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
     """(all ranks, after sharding by any policy) Refuse a group inside a routed list; make each group
-    that holds routed parameters reduce-scatter zeros for those a rank did not use; refuse a group
+    that holds routed parameters reduce-scatter zeros for those a rank did not use (before torch 2.13:
+    refuse to train them, at each forward under grad mode); refuse a group
     whose trainable parameters have two dtypes, now and again at the first forward.
 
     ``routed``: :func:`routed_modules` of the model before it was sharded.
@@ -286,11 +295,58 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
         for n, _ in m.named_parameters(recurse=False)
     }
     groups = fsdp_groups(model, names)
-    for unit, params in groups:
-        if any(name in routed_names for name, _, _ in params):
-            reduce_scatter_unused_params(unit)
+    routed_groups = [
+        i for i, (_, params) in enumerate(groups) if any(n in routed_names for n, _, _ in params)
+    ]
+    if can_reduce_scatter_unused_params():
+        for i in routed_groups:
+            reduce_scatter_unused_params(groups[i][0])
+    elif routed_groups:
+        _refuse_training_routed(model, names, groups, routed_groups, routed_names)
     check_dtype_groups(model, groups, names)
     _check_at_first_forward(model, units)
+
+
+def _refuse_training_routed(
+    model: nn.Module,
+    names: dict[int, str],
+    groups: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]],
+    routed_groups: list[int],
+    routed_names: set[str],
+) -> None:
+    """Before torch 2.13 FSDP2 reduce-scatters only the gradients a rank has: where ranks' batches reach
+    different experts, their reduce-scatters differ in size (gloo aborts, NCCL hangs). A pre-forward hook
+    on each group holding routed parameters raises, on every rank alike and before any collective,
+    whenever one of those parameters is trainable under grad mode. Frozen experts (LoRA elsewhere,
+    inference) run as usual."""
+    sharded = fsdp_group_params(model)  # the same groups, in the same order, as ``groups``
+    for i in routed_groups:
+        unit, params = groups[i]
+        watched = [
+            (name, p) for (name, _, _), p in zip(params, sharded[i][2], strict=True) if name in routed_names
+        ]
+        where = names.get(id(unit), "") or "the root module"
+
+        def check(
+            module: nn.Module,
+            args: object,
+            watched: list[tuple[str, nn.Parameter]] = watched,
+            where: str = where,
+        ) -> None:
+            if not torch.is_grad_enabled():
+                return
+            trainable = [name for name, p in watched if p.requires_grad]
+            if trainable:
+                raise ModelMismatchError(
+                    f"torch {torch.__version__}'s FSDP2 cannot train {where}: it holds routed parameters "
+                    f"that require grad ({', '.join(trainable[:3])}{' ...' if len(trainable) > 3 else ''}), "
+                    "and with a different batch on each rank, ranks whose tokens reach different experts "
+                    "would reduce-scatter gradients of different sizes (an abort or a hang). Upgrade torch to "
+                    "2.13 or newer (FSDPModule.set_reduce_scatter_unused_params), or freeze them with "
+                    "requires_grad_(False) and train the rest; run inference under torch.no_grad()."
+                )
+
+        unit.register_forward_pre_hook(check, prepend=True)
 
 
 def _check_at_first_forward(model: nn.Module, units: Sequence[nn.Module]) -> None:
