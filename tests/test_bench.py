@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import struct
-import sys
 from dataclasses import asdict
 
 import pytest
@@ -110,7 +109,6 @@ def _corrupt(path: str, key: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11+")
 def test_workers_run_the_drivers_rank0load_whatever_the_working_directory(tmp_path, monkeypatch):
     """Started inside another tree (comparing two checkouts), the workers still import the driver's
     rank0load, not the working directory's."""

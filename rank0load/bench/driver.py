@@ -387,7 +387,7 @@ def environment() -> dict:
         pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "mem_gib": round(mem / (1 << 30), 1) if mem else None,
@@ -905,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "methods": {m: methods_for(args.model, args.save)[m] for m in args.methods},
         "results": all_results,
     }
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     base = "bench-save" if args.save else "bench"
     for name in (f"{base}-{stamp}.json", f"{base}.json"):  # a dated record, and the latest under a fixed name
         with open(os.path.join(args.out, name), "w") as f:
