@@ -1,6 +1,5 @@
 """``load_sharded``: the pipeline, one step per line, each step one call into the module that owns it.
 
-all ranks  the whole call inside one roomy frame (no frame-stack chunk churn) -> common._stack.roomy
 all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
@@ -37,7 +36,7 @@ from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._progress import peak_rss_bytes, progress_bar
 from .common._report import Clock, FSDPGroup, LoadReport, fsdp_plan, log_summary
-from .common._stack import roomy
+from .common._rounds import DEFAULT_STAGING_BYTES, SLOTS
 from .errors import LoadError
 from .integrations._convert import StackExperts
 from .load import _local, _model, _options, _sink, _transfer
@@ -45,10 +44,7 @@ from .load._plan import Plan, build_plan
 
 __all__ = ["load_sharded", "LoadReport", "FSDPGroup", "DEFAULT_STAGING_BYTES"]
 
-DEFAULT_STAGING_BYTES = _options.DEFAULT_STAGING_BYTES
 
-
-@roomy
 def load_sharded(
     model_fn: Callable[[], nn.Module],
     ckpt_path: str | os.PathLike[str],
@@ -159,7 +155,7 @@ def load_sharded(
         clock("manifest")
         # a local reader on an accelerator reads one piece at a time through a pinned host buffer:
         # one staging slot's size (pieces are at most max_staging_bytes / SLOTS)
-        slot = max_staging_bytes // _sink.SLOTS
+        slot = max_staging_bytes // SLOTS
         handover = _local.hand_over(offer, server, manifest.files, comm, slot, local_reads)
         opened.callback(handover.close)
         ready = _prepared(
@@ -307,7 +303,7 @@ def _prepare(
         [found[e.key] for e in entries],
         [agreed[e.key] for e in entries],
         mesh,
-        max_staging_bytes // _sink.SLOTS,
+        max_staging_bytes // SLOTS,
     )
     staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, comm, max_staging_bytes)
     return _Ready(plan, [_sink.target_of(found[e.key]) for e in entries], staging)

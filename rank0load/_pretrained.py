@@ -44,7 +44,6 @@ from .checkpoint._fit import FLOAT_WIRE
 from .checkpoint._format import read_header
 from .checkpoint._source import Resolved, resolve
 from .common import _distribute
-from .common._stack import roomy
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError
 from .integrations import _compat, _remote_code
 
@@ -73,7 +72,6 @@ class _Checkpoint:
     code: _remote_code.RemoteCode | None = None  # trust_remote_code=True: the code; None: not trusted
 
 
-@roomy
 def load_pretrained(
     model_cls: Any,
     ckpt_path: str | os.PathLike[str],

@@ -34,7 +34,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from rank0load._api import LoadReport
 from rank0load.common._memory import prefault
-from rank0load.common._stack import roomy
 from rank0load.integrations._compat import local_tensor
 
 from . import moe
@@ -114,11 +113,9 @@ def _full_state_dict(ckpt: str, cfg: Config) -> dict[str, torch.Tensor]:
     return state
 
 
-@roomy  # as rank0load's calls: no frame-stack chunk churn in the build at any depth (common/_stack)
 def build_only(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Meta build + fully_shard + allocate the local shards and fault them in (rank0load's own
-    ``prefault``: the cheapest way to make them resident, so nobody is charged more than this),
-    inside rank0load's ``roomy`` frame, as the least a build can cost."""
+    ``prefault``: the cheapest way to make them resident, so nobody is charged more than this)."""
     model = build_sharded(cfg, mesh)
     with torch.no_grad():
         for p in model.parameters():
@@ -126,7 +123,6 @@ def build_only(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple
     return model, _finish(model, cfg)
 
 
-@roomy
 def floor(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """build-only, then each rank reads its own rows of every tensor with one ``os.preadv`` each
     straight into its shard (offsets from each file's header, parsed on every rank; nothing
@@ -299,7 +295,7 @@ METHODS: dict[str, Method] = {
 }
 
 METHOD_NOTES: dict[str, str] = {
-    "build-only": "meta build + `fully_shard` + allocate the local shards and fault them in, inside rank0load's `roomy` frame (no frame-stack chunk churn): the least every method pays; loads nothing",
+    "build-only": "meta build + `fully_shard` + allocate the local shards and fault them in: the least every method pays; loads nothing",
     "floor": "build-only, then each rank reads its own rows of every tensor with one `os.preadv` each straight into its shard (offsets from the headers, parsed on every rank; nothing checked, no collective; MoE: into views of its own experts, as `dcp-hf`): the least work any loader must do",
     "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 opens the checkpoint, the ranks on its host (here: all) read their own rows through its descriptors",
     "rank0load-stream": "`rank0load.load_sharded(model_fn, ckpt, mesh, local_reads=False)`: rank 0 reads every byte, sends each rank its rows",

@@ -32,7 +32,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from rank0load._api import LoadReport
 from rank0load.checkpoint._fp8 import to_float32
 from rank0load.common._memory import prefault
-from rank0load.common._stack import roomy
 from rank0load.integrations._compat import local_tensor
 
 from .methods import read_header
@@ -64,7 +63,6 @@ def build_sharded(cfg: MiniMaxConfig, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-@roomy  # the least a build costs: no frame-stack chunk churn at any depth, as in rank0load's calls
 def build_only(cfg: MiniMaxConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """Build, shard, allocate and fault in the local shards (rank0load's ``prefault``)."""
     model = build_sharded(cfg, mesh)
@@ -97,7 +95,6 @@ def rank0load_method(
     }
 
 
-@roomy
 def floor(cfg: MiniMaxConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """build-only, then :func:`floor_fill`."""
     model, info = build_only(cfg, ckpt, mesh, options)
@@ -261,7 +258,7 @@ MINIMAX_METHODS: dict[str, Method] = {
 }
 
 MINIMAX_METHOD_NOTES: dict[str, str] = {
-    "build-only": "`AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)` on meta, sharded by rank0load's default policy (`default_shard_fn`), `to_empty`, local shards faulted in, inside rank0load's `roomy` frame: loads nothing",
+    "build-only": "`AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)` on meta, sharded by rank0load's default policy (`default_shard_fn`), `to_empty`, local shards faulted in: loads nothing",
     "rank0load": "`rank0load.load_pretrained(AutoModelForCausalLM, ckpt, mesh, dtype=torch.bfloat16)`: config, build, default policy, FP8 dequantised on each rank",
     "floor": "build-only, then each rank, garbage collector paused, reads each file whole with one `os.preadv` and dequantises every float8 element it holds (`rank0load.checkpoint._fp8.to_float32` x its block's scale, broadcast -> bf16) into its shards, experts batched per layer and projection: the least work any loader must do",
     "transformers": "one process: `AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)` (transformers 5 dequantises FP8 on a machine without a GPU)",

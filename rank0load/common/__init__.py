@@ -5,7 +5,7 @@ the same error, sharing objects, the agreement on the model); ``_failure``: what
 (the caller's code, the machine's, rank0load's own) and how every rank words it; ``_rounds``: a
 transfer's rounds, its sends and receives in flight, and the settling at each round's end (the
 load's stream and the save's writes); ``_memory``: host memory (staging reservations, shards
-faulted in); ``_stack``: room on CPython's frame stack for a whole load or save; ``_progress``:
+faulted in); ``_progress``:
 the progress bar and peak RSS; ``_report``: the phase clock, :class:`~rank0load.LoadReport` and the
 model's FSDP groups (:class:`~rank0load.FSDPGroup`).
 """

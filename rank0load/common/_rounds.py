@@ -24,7 +24,44 @@ import torch.distributed as dist
 from ..errors import LoadError
 from . import _distribute, _failure
 
-__all__ = ["AllOf", "InFlight", "Outcome", "Rounds", "settled"]
+__all__ = [
+    "ALIGN",
+    "DEFAULT_STAGING_BYTES",
+    "MIN_STAGING_BYTES",
+    "ROUND_PIECES",
+    "SLOTS",
+    "AllOf",
+    "InFlight",
+    "Outcome",
+    "Rounds",
+    "aligned",
+    "block_half",
+    "slot_bytes",
+    "settled",
+]
+
+# The staging geometry the load and the save share.
+DEFAULT_STAGING_BYTES = 16 << 20  # max_staging_bytes on a CPU mesh
+SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
+ALIGN = 64  # piece sizes and boundaries stay multiples of every element size
+ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
+MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
+
+
+def slot_bytes(max_staging_bytes: int) -> int:
+    """One staging slot's bytes: a ``SLOTS``-th of ``max_staging_bytes``, a multiple of ``ALIGN``."""
+    return max(ALIGN, max_staging_bytes // SLOTS // ALIGN * ALIGN)
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN`: where the next piece of a message starts."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def block_half(piece_bytes: int) -> int:
+    """Bytes of a staging slot a chunk of whole rows may fill (a multiple of :data:`ALIGN`); the blocks
+    cut from it, or the parts received for it, go after them."""
+    return (piece_bytes // ALIGN * ALIGN) // 2 // ALIGN * ALIGN
 
 
 class AllOf:

@@ -18,14 +18,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..checkpoint._entries import Entry
+from ..common._rounds import block_half
 from ..model._layout import Runs
-from ._pieces import ALIGN, Kind, Piece, Route
+from ._pieces import Kind, Piece, Route
 
 __all__ = [
     "Delivery",
     "block_chunk_rows",
     "block_chunks",
-    "block_half",
     "cut",
     "deliveries",
     "fits_block",
@@ -45,11 +45,6 @@ class Delivery:
     local_offset: int
     nbytes: int
     inner: tuple[tuple[tuple[int, int], ...], ...]  # runs on dimensions 1..n-1
-
-
-def block_half(piece_bytes: int) -> int:
-    """Bytes of a staging slot a BLOCK chunk may fill; the blocks cut from it go after them."""
-    return (piece_bytes // ALIGN * ALIGN) // 2 // ALIGN * ALIGN
 
 
 def row_bytes(entry: Entry) -> int:

@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..checkpoint._format import DTYPES
+from ..common._rounds import block_half
 from ..errors import CheckpointChangedError, InternalError, LoadError
 from . import _reads
-from ._blocks import block_half, deliveries
+from ._blocks import deliveries
 from ._messages import Message
 from ._pieces import Piece, Route
 from ._plan import Plan

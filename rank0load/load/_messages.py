@@ -29,7 +29,8 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ._pieces import Kind, Piece, Route, aligned
+from ..common._rounds import aligned
+from ._pieces import Kind, Piece, Route
 from ._plan import Plan
 
 __all__ = ["BROADCAST", "Message", "messages"]

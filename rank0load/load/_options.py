@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..common._rounds import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
 from ..errors import LoadError
 from ..model._layout import rank_coordinates
-from ._pieces import ALIGN
-from ._sink import SLOTS
 
 __all__ = [
     "ACCELERATOR_STAGING_BYTES",
@@ -25,7 +24,6 @@ __all__ = [
     "default_staging_bytes",
 ]
 
-DEFAULT_STAGING_BYTES = 16 << 20
 # On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: more staging
 # lets its reader threads keep up with the copy. On the H100 (benchmarks/README.md, CUDA, fifth run:
 # 4 GB, warm) the stream took 0.157-0.206 s with 64 MiB and 8 threads, 0.133-0.149 s with 256 MiB
@@ -37,9 +35,6 @@ def default_staging_bytes(device_type: str) -> int:
     """``max_staging_bytes`` when the caller gives none: 16 MiB on a CPU mesh, 256 MiB on an
     accelerator mesh (rank 0's pinned host slots, the other ranks' device slots)."""
     return DEFAULT_STAGING_BYTES if device_type == "cpu" else ACCELERATOR_STAGING_BYTES
-
-
-MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
 
 
 def check_options(dtype: object, max_staging_bytes: object, local_reads: object = True) -> None:

@@ -16,14 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..model._layout import ROWS_OK, RUNS_OK
 
-__all__ = ["ALIGN", "Kind", "Piece", "Route", "aligned", "kind_of"]
-
-ALIGN = 64  # piece boundaries stay multiples of every element size
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`ALIGN`: where the next piece of a message starts."""
-    return -(-nbytes // ALIGN) * ALIGN
+__all__ = ["Kind", "Piece", "Route", "kind_of"]
 
 
 class Kind(enum.Enum):

@@ -43,13 +43,12 @@ from torch.distributed.tensor import DTensor, Placement
 from ..checkpoint._entries import Entry
 from ..checkpoint._fp8 import scale_span
 from ..common._distribute import round_ends
+from ..common._rounds import ALIGN, ROUND_PIECES
 from ..model._layout import Runs, placements_on, rank_coordinates, rows_of, runs_at
 from ._blocks import block_chunks, deliveries, fits_block, row_bytes
-from ._pieces import ALIGN, Kind, Piece, Route, kind_of
+from ._pieces import Kind, Piece, Route, kind_of
 
-__all__ = ["ROUND_PIECES", "Plan", "build_plan"]
-
-ROUND_PIECES = 64  # a round carries at least this many pieces' worth of bytes (256 MiB by default)
+__all__ = ["Plan", "build_plan"]
 
 
 @dataclass(frozen=True)

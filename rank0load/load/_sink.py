@@ -23,17 +23,16 @@ from ..checkpoint._format import DTYPES
 from ..checkpoint._fp8 import dequantize, dequantize_at, dequantize_stacked
 from ..common import _distribute
 from ..common._memory import reserve
-from ..common._rounds import AllOf
+from ..common._rounds import SLOTS, AllOf, aligned
 from ..errors import InternalError
 from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
 from ._blocks import cut, deliveries
 from ._messages import Message
-from ._pieces import Kind, Piece, Route, aligned
+from ._pieces import Kind, Piece, Route
 from ._plan import Plan
 
 __all__ = [
-    "SLOTS",
     "Arrival",
     "Sink",
     "Staging",
@@ -45,7 +44,6 @@ __all__ = [
     "target_of",
 ]
 
-SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
 _BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
 # On an accelerator the temporaries are device memory and each step costs a dozen kernel launches:

@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..common import _distribute
-from ..common._rounds import InFlight, Rounds, settled
+from ..common._rounds import InFlight, Rounds, block_half, settled
 from ..errors import LoadError
-from ._blocks import block_half
 from ._messages import Message
 from ._pieces import Route
 from ._plan import Plan

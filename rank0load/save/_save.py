@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from ..common import _distribute
 from ..common._progress import peak_rss_bytes, progress_bar
 from ..common._report import Clock
-from ..common._stack import roomy
+from ..common._rounds import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
 from ..errors import SaveError
 from ..integrations import _peft
 from ..integrations._compat import local_tensor
@@ -40,13 +40,11 @@ from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
 from ._configs import Layout, adapter_layout, finish, layout_of
-from ._saveplan import ALIGN, SLOTS, Revert, SavePlan, parse_size, plan_or_error, plan_save
+from ._saveplan import Revert, SavePlan, parse_size, plan_or_error, plan_save
 
 __all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STAGING_BYTES = 16 << 20
 
 
 @dataclass
@@ -73,7 +71,6 @@ class SaveReport:
         return self.bytes / 1e9 / self.stream_seconds if self.stream_seconds > 0 else 0.0
 
 
-@roomy
 def save_sharded(
     model: nn.Module,
     out_dir: str | os.PathLike[str],
@@ -254,8 +251,8 @@ def _describe(
     dtype, staging = options["dtype"], options["max_staging_bytes"]
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise SaveError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
-    if isinstance(staging, bool) or not isinstance(staging, int) or staging < ALIGN * SLOTS:
-        raise SaveError(f"max_staging_bytes={staging!r} must be an int of at least {ALIGN * SLOTS}")
+    if isinstance(staging, bool) or not isinstance(staging, int) or staging < MIN_STAGING_BYTES:
+        raise SaveError(f"max_staging_bytes={staging!r} must be an int of at least {MIN_STAGING_BYTES}")
     parse_size(options["max_shard_size"])
     layout = describe(model)
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())

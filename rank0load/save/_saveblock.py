@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..errors import SaveError
 from ..model._layout import Runs, rank_coordinates, runs_at
 
-__all__ = ["Blocks", "Chunk", "Part", "block_chunks", "block_half", "blocks_of", "place"]
+__all__ = ["Blocks", "Chunk", "Part", "block_chunks", "blocks_of", "place"]
 
 Blocks = tuple[tuple[int, Runs], ...]  # (global rank, the global indices it holds per dimension, as runs)
 
@@ -60,12 +60,6 @@ class Part:
     def shape(self) -> tuple[int, ...]:
         """The block's shape as the sender holds it: its local width on the later dimensions."""
         return (self.rows[1] - self.rows[0], *(sum(b - a for a, b in r) for r in self.inner))
-
-
-def block_half(piece_bytes: int) -> int:
-    """Bytes of a staging slot a chunk may fill; its received parts go after them. ``piece_bytes``
-    is a multiple of 64, so both halves stay aligned to every element size."""
-    return piece_bytes // 2
 
 
 def blocks_of(t: DTensor) -> Blocks:

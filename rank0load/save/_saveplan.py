@@ -25,14 +25,13 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..checkpoint._format import DTYPES
 from ..common._distribute import round_ends
+from ..common._rounds import ROUND_PIECES, slot_bytes
 from ..errors import LoadError, SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of
 from ..model._meta import ModelLayout, strip_wrappers
 from ._saveblock import Blocks, blocks_of
 
 __all__ = [
-    "ALIGN",
-    "SLOTS",
     "SaveItem",
     "Revert",
     "SaveKind",
@@ -44,9 +43,6 @@ __all__ = [
     "plan_save",
 ]
 
-SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
-ALIGN = 64  # piece sizes stay multiples of every element size
-ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # a saved name and shape -> the names and shapes it is saved as (equal byte ranges, in order)
 Revert = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
@@ -213,7 +209,7 @@ def plan_save(
         rows.append((key, parts, wire, kind, senders, blocks))
     if not rows:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
-    piece_bytes = max(ALIGN, options["max_staging_bytes"] // SLOTS // ALIGN * ALIGN)
+    piece_bytes = slot_bytes(options["max_staging_bytes"])
     limit = sys.maxsize if single_file else parse_size(options["max_shard_size"])
     return _lay_out(rows, tensors, limit, piece_bytes, tuple(skipped), stem)
 

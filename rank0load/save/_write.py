@@ -29,13 +29,13 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint._format import DTYPES
 from ..common import _distribute
 from ..common._memory import reserve
-from ..common._rounds import AllOf, InFlight, Rounds, settled
+from ..common._rounds import SLOTS, AllOf, InFlight, Rounds, block_half, settled
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
 from ._pieces import Piece, chunks, pieces
-from ._saveblock import Chunk, Part, block_half, place
-from ._saveplan import SLOTS, SaveItem, SaveKind, SavePlan
+from ._saveblock import Chunk, Part, place
+from ._saveplan import SaveItem, SaveKind, SavePlan
 
 __all__ = ["Staging", "allocate_staging", "settle", "stream"]
 
