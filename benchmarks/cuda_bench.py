@@ -4,7 +4,7 @@ FSDP2 model on one GPU, against the alternatives and the machine's own copy band
     python benchmarks/cuda_bench.py --size-gb 4 --out /tmp/cuda-bench --json cuda.json
 
 (one process per method, world size 1 on NCCL) It writes a Llama-style bf16 checkpoint (the main
-bench's shapes, ``rank0load.bench.model``; values drawn on the GPU, so writing 4 GB takes seconds)
+bench's shapes, ``benchmarks.bench.model``; values drawn on the GPU, so writing 4 GB takes seconds)
 with a ``config.json`` for transformers' ``LlamaForCausalLM``, reads it once so every method reads
 from the page cache, then runs each method in a fresh process and measures its **first call**
 (cold; CUDA and the process group are initialised before the clock, as every method needs them)
@@ -41,8 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # CUDA_BENCH_LIB: the tree whose rank0load to measure (another checkout, for a same-run comparison)
 sys.path.insert(0, os.environ.get("CUDA_BENCH_LIB") or os.path.dirname(HERE))
 
-from rank0load.bench.model import BenchConfig, _pack, config_for_size, tensor_specs  # noqa: E402
-from rank0load.bench.worker import _reset_peak, _status  # noqa: E402
+from benchmarks.bench.model import BenchConfig, _pack, config_for_size, tensor_specs  # noqa: E402
+from benchmarks.bench.worker import _reset_peak, _status  # noqa: E402
 
 # --cpu-smoke: the same code on the CPU with gloo (no pinning, no device clocks), to check the
 # script itself before a GPU is lent; its figures mean nothing.
@@ -194,7 +194,7 @@ def _model_state(model) -> dict[str, torch.Tensor]:
 
 def m_rank0load(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     import rank0load
-    from rank0load.bench.model import BenchLlama
+    from benchmarks.bench.model import BenchLlama
 
     holder: dict = {}
 
@@ -220,7 +220,7 @@ def m_build_only(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rank0load.bench.model import BenchLlama
+    from benchmarks.bench.model import BenchLlama
 
     holder: dict = {}
 

@@ -16,7 +16,7 @@ Writes (once) a Qwen3-MoE checkpoint with ``save_pretrained`` (hidden 64, expert
 ``--fp8-remote`` measures the seed team's own shape instead: MiniMax-M2 as its Hub remote code builds
 it on transformers 4.57 (``examples/minimax_m2``: one module per expert, ``trust_remote_code=True``),
 from an FP8 block checkpoint in the Hub's layout at the real count (62 x 256 experts, 96,103
-tensors, hidden 128, expert width 128: 0.79 GB, ``rank0load.bench.minimax``'s tensors), dequantised
+tensors, hidden 128, expert width 128: 0.79 GB, ``benchmarks.bench.minimax``'s tensors), dequantised
 into bf16. Each round runs, in fresh processes on ``--ranks`` gloo ranks:
 
 - ``rank0load``: ``load_pretrained(AutoModelForCausalLM, ckpt, dtype=torch.bfloat16,
@@ -24,7 +24,7 @@ into bf16. Each round runs, in fresh processes on ``--ranks`` gloo ranks:
 - ``floor``: what any FSDP2 load of this model must do: the model built on meta as rank0load builds
   it (``build_on_meta``), the same ``fully_shard`` policy (``default_shard_fn``), ``to_empty``, then
   each rank reading every file whole (one ``os.preadv``) and dequantising the elements it holds
-  into its shards, a layer's experts batched per projection (``rank0load.bench.minimax_methods``'
+  into its shards, a layer's experts batched per projection (``benchmarks.bench.minimax_methods``'
   ``_File`` and ``_dequantize_into``); each step timed.
 
 Both are verified after the timing: every parameter of the first and last layer (and the rest of
@@ -37,7 +37,7 @@ MoE block, as public MiniMax-M2 ports hold it: the shape on which a policy that 
 island would give each of the 256 experts of each layer a group of its own.
 
 Run it with the transformers whose per-expert layout you want (4.57 builds ``nn.ModuleList`` experts;
-transformers 5 fuses them, which ``python -m rank0load.bench --model moe`` measures).
+transformers 5 fuses them, which ``python -m benchmarks.bench --model moe`` measures).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import nn
+
+# the benchmark's modules (benchmarks.bench), from a run started anywhere
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _write(out: str, layers: int, experts: int) -> None:
@@ -169,14 +172,14 @@ CODE_FILES = ("configuration_minimax_m2.py", "modeling_minimax_m2.py")
 
 
 def _write_fp8(out: str, layers: int, experts: int) -> None:
-    """The FP8 checkpoint (rank0load.bench.minimax's tensors, one file a layer) with the remote code
+    """The FP8 checkpoint (benchmarks.bench.minimax's tensors, one file a layer) with the remote code
     of examples/minimax_m2 beside it and ``auto_map`` in config.json. Written once; ``done`` last."""
     import json
     import shutil
 
     from safetensors.torch import save_file
 
-    from rank0load.bench.minimax import MiniMaxConfig, _generate, _layer
+    from benchmarks.bench.minimax import MiniMaxConfig, _generate, _layer
 
     cfg = MiniMaxConfig(layers=layers, experts=experts)
     os.makedirs(out, exist_ok=True)
@@ -317,7 +320,7 @@ def _floor_fill(model: nn.Module, where: dict[str, str], ckpt: str, block: int) 
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from rank0load.bench.minimax_methods import _dequantize_into, _File
+    from benchmarks.bench.minimax_methods import _dequantize_into, _File
 
     expert = re.compile(r"(.*\.experts\.)(\d+)(\.w\d\.weight)$")
     per_file: dict[str, dict] = {}
@@ -368,7 +371,7 @@ def _verify(model: nn.Module, ckpt: str) -> bool:
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
-    from rank0load.bench.minimax import dequantize
+    from benchmarks.bench.minimax import dequantize
 
     with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
         where: dict[str, str] = json.load(f)["weight_map"]

@@ -1,4 +1,4 @@
-"""Thin wrapper: ``python benchmarks/run_bench.py [args]`` == ``python -m rank0load.bench [args]``.
+"""Thin wrapper: ``python benchmarks/run_bench.py [args]`` == ``python -m benchmarks.bench [args]``.
 
 The full README run: ``python benchmarks/run_bench.py --sweep 0.2,0.8,3.2 --plot --update-readme``.
 """
@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rank0load.bench import main
+from benchmarks.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

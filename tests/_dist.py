@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from rank0load.bench._exit import exit_without_teardown
+from benchmarks.bench._exit import exit_without_teardown
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m rank0load.bench``: a tiny checkpoint, 2 gloo ranks, every method, 1 round.
+"""Smoke test of ``python -m benchmarks.bench``: a tiny checkpoint, 2 gloo ranks, every method, 1 round.
 
 Checks that every figure is there and sane — the cold first load and the warm second one of each
 process — that verification ran on every loading method (both loads), and that it fails when the
@@ -21,10 +21,10 @@ from dataclasses import asdict
 
 import pytest
 
-from rank0load import bench
-from rank0load.bench import moe
-from rank0load.bench.methods import METHODS
-from rank0load.bench.model import config_for_size, tensor_digest, tensor_specs
+from benchmarks import bench
+from benchmarks.bench import moe
+from benchmarks.bench.methods import METHODS
+from benchmarks.bench.model import config_for_size, tensor_digest, tensor_specs
 
 SIZE = "0.005"  # GB: hidden 256, 2 layers, vocab 4000, 3 shards
 
@@ -269,7 +269,7 @@ def test_moe_verification_catches_a_wrong_expert(moe_smoke, tmp_path):
 
 @pytest.mark.slow
 def test_save_methods_report_and_verify(tmp_path):
-    from rank0load.bench.methods import SAVE_METHODS
+    from benchmarks.bench.methods import SAVE_METHODS
 
     readme = tmp_path / "README.md"
     loads = "<!-- bench:results:start -->\nloads\n<!-- bench:results:end -->"
@@ -308,7 +308,7 @@ def test_save_methods_report_and_verify(tmp_path):
 
 
 def test_save_flag_parsing():
-    from rank0load.bench.methods import SAVE_METHODS
+    from benchmarks.bench.methods import SAVE_METHODS
 
     assert bench.parse_args([]).methods == list(METHODS)  # the default run is unchanged
     assert bench.parse_args(["--save"]).methods == list(SAVE_METHODS)
@@ -319,7 +319,7 @@ def test_save_flag_parsing():
 
 
 def test_cold_warm_and_minimax_flags():
-    from rank0load.bench.minimax_methods import MINIMAX_METHODS
+    from benchmarks.bench.minimax_methods import MINIMAX_METHODS
 
     default = bench.parse_args([])
     assert default.warm is True and default.warm_up is True  # cold first, then warm, by default
@@ -342,13 +342,13 @@ def test_cold_warm_and_minimax_flags():
 
 @pytest.mark.slow
 def test_two_node_bench_counts_what_crosses_the_link(tmp_path):
-    """``python -m rank0load.bench.nodes`` (1 + 1 ranks, no rate limit): rank0load sends node 1 its
+    """``python -m benchmarks.bench.nodes`` (1 + 1 ranks, no rate limit): rank0load sends node 1 its
     shard once (half the checkpoint), the broadcast sends it all; both verified on both ranks."""
     import shutil as sh
 
     if os.geteuid() != 0 or sh.which("ip") is None or sh.which("unshare") is None:
         pytest.skip("network namespaces need root, iproute2 and unshare")
-    from rank0load.bench import nodes
+    from benchmarks.bench import nodes
 
     argv = ["--size-gb", SIZE, "--rounds", "1", "--rate", "none", "--out", str(tmp_path)]
     argv += ["--methods", "rank0load,broadcast-rank0"]
@@ -368,7 +368,7 @@ def test_two_node_bench_counts_what_crosses_the_link(tmp_path):
 def _tiny_minimax():
     """The writer's config for tests/moe_models.py's tiny MiniMax-M2 (2 layers, 5 experts, hidden 32,
     expert width 24: partial 128-blocks, uneven experts over 2 ranks)."""
-    from rank0load.bench.minimax import MiniMaxConfig
+    from benchmarks.bench.minimax import MiniMaxConfig
 
     return MiniMaxConfig(
         layers=2, experts=5, hidden=32, intermediate=24, heads=4, kv_heads=2, head_dim=8, vocab=64
@@ -385,7 +385,7 @@ def test_minimax_checkpoint_is_the_hub_fp8_layout(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rank0load.bench import minimax
+    from benchmarks.bench import minimax
     from tests import moe_models
 
     meta = minimax.write_checkpoint(_tiny_minimax(), str(tmp_path / "ckpt"), log=lambda s: None)
@@ -434,7 +434,7 @@ def minimax_smoke(tmp_path_factory):
 
 @pytest.mark.slow
 def test_minimax_every_method_reports_and_verifies(minimax_smoke):
-    from rank0load.bench.minimax_methods import MINIMAX_METHODS
+    from benchmarks.bench.minimax_methods import MINIMAX_METHODS
 
     rc, doc, readme = minimax_smoke
     assert rc == 0

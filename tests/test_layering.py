@@ -23,12 +23,10 @@ LAYERS = [
 
 
 def _modules() -> dict[str, Path]:
-    """Dotted name below rank0load (``load._plan``, ``_api``) -> file, the benchmark left out."""
+    """Dotted name below rank0load (``load._plan``, ``_api``) -> file."""
     out = {}
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).with_suffix("")
-        if rel.parts[0] == "bench":
-            continue
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
         out[".".join(parts)] = path
     return out

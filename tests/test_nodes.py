@@ -57,7 +57,7 @@ dist.destroy_process_group()
 open(os.path.join(out, f"rank{{rank}}.done"), "w").close()  # all its work done, every group destroyed
 # as tests/_dist.py's ranks end: without the interpreter's module teardown, where torch 2.13 on the
 # CPU aborts or, about one run in five, hangs after all four ranks are done
-from rank0load.bench._exit import exit_without_teardown
+from benchmarks.bench._exit import exit_without_teardown
 exit_without_teardown(0)
 """
 

@@ -1,4 +1,4 @@
-"""``python -m rank0load.bench.nodes``: two nodes on one machine, a rate-limited link between them,
+"""``python -m benchmarks.bench.nodes``: two nodes on one machine, a rate-limited link between them,
 the checkpoint on node 0 only.
 
 Two network namespaces joined by a veth pair stand for two nodes (as ``tests/test_nodes.py``); a
@@ -9,8 +9,8 @@ files, so every-rank readers (DCP) cannot run there. Rank 0 reads its veth's byt
 the load itself (between the barriers that bracket the timing, not the verification after it): what
 crossed the link, each way.
 
-    sudo python -m rank0load.bench.nodes --ranks-per-node 1 --size-gb 0.8
-    sudo python -m rank0load.bench.nodes --ranks-per-node 2 --methods rank0load,broadcast-rank0
+    sudo python -m benchmarks.bench.nodes --ranks-per-node 1 --size-gb 0.8
+    sudo python -m benchmarks.bench.nodes --ranks-per-node 2 --methods rank0load,broadcast-rank0
 
 Needs root, iproute2 and ``unshare``. This is a script: it prints to stdout.
 """
@@ -86,7 +86,7 @@ def two_nodes(per_node: int, hidden: str, rate: str, burst: str) -> Iterator[Nod
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rank0load.bench.nodes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench.nodes", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=0.8, help="checkpoint size in GB (default 0.8)")
     p.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each of the 2 nodes (default 1)")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""One rank of one benchmark run: ``python -m rank0load.bench.worker '<json spec>'``.
+"""One rank of one benchmark run: ``python -m benchmarks.bench.worker '<json spec>'``.
 
 (every rank, a fresh process per method and round) Import what any method may import (torch,
 safetensors, DCP, rank0load; transformers and the model's module for the MoE and MiniMax models),
@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 
-from rank0load.bench._exit import exit_without_teardown
+from benchmarks.bench._exit import exit_without_teardown
 
 
 def _status(field: str) -> int:

@@ -1,4 +1,4 @@
-"""``python -m rank0load.bench [args]``: run the benchmark (:func:`rank0load.bench.driver.main`)."""
+"""``python -m benchmarks.bench [args]``: run the benchmark (:func:`benchmarks.bench.driver.main`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The benchmark: host RAM and time of loading one checkpoint into an FSDP2 model, per method.
 
-``python -m rank0load.bench [args]`` runs it (see :mod:`rank0load.bench.driver` for the flags).
+``python -m benchmarks.bench [args]`` runs it (see :mod:`benchmarks.bench.driver` for the flags).
 :mod:`~.driver` drives the runs and writes the tables, :mod:`~.worker` is one rank of one run
-(``python -m rank0load.bench.worker '<json spec>'``), :mod:`~.methods` holds the loading methods
+(``python -m benchmarks.bench.worker '<json spec>'``), :mod:`~.methods` holds the loading methods
 compared, :mod:`~.model` the benchmark's Llama-style model and checkpoint writer, and :mod:`~.moe`
 the MoE one (``--model moe``: a per-expert Qwen3-MoE checkpoint into transformers' fused experts).
 ``--save`` measures the save methods (:data:`~.methods.SAVE_METHODS`) instead of the loads.

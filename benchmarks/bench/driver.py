@@ -1,19 +1,19 @@
-"""``python -m rank0load.bench``: host RAM and time of loading one checkpoint into an FSDP2 model.
+"""``python -m benchmarks.bench``: host RAM and time of loading one checkpoint into an FSDP2 model.
 
 Writes (or reuses) a Llama-style bf16 checkpoint with tied embeddings, then, for each round and
-each method, launches ``--ranks`` fresh gloo processes on the CPU (``rank0load.bench.worker``)
+each method, launches ``--ranks`` fresh gloo processes on the CPU (``benchmarks.bench.worker``)
 that build the sharded model and load the checkpoint; each rank reports its load seconds, RSS
 before, peak RSS (``VmHWM``), resident shard bytes and transient = peak - before - resident, and
 verifies the result bit-exact. A method's figures are its fastest round whose result verified.
 
-    python -m rank0load.bench                                   # 0.8 GB, 2 ranks, all methods, 2 rounds
-    python -m rank0load.bench --sweep 0.2,0.8,3.2 --plot --update-readme
-    python -m rank0load.bench --model moe                       # a Qwen3-MoE per-expert checkpoint instead
-    python -m rank0load.bench --save --sweep 0.2,0.8            # the save methods instead of the loads
+    python -m benchmarks.bench                                   # 0.8 GB, 2 ranks, all methods, 2 rounds
+    python -m benchmarks.bench --sweep 0.2,0.8,3.2 --plot --update-readme
+    python -m benchmarks.bench --model moe                       # a Qwen3-MoE per-expert checkpoint instead
+    python -m benchmarks.bench --save --sweep 0.2,0.8            # the save methods instead of the loads
 
 ``--model moe`` writes a Qwen3-MoE checkpoint in the per-expert Hub layout and loads it into
 transformers' ``Qwen3MoeForCausalLM`` (fused experts) built with ``AutoModelForCausalLM.from_config``
-(see :mod:`rank0load.bench.moe`); it needs transformers.
+(see :mod:`benchmarks.bench.moe`); it needs transformers.
 
 ``--save`` runs the save methods instead (``save-rank0load``, ``save-full-sd``, ``save-dcp-hf``): each
 rank loads the model with rank0load outside the measurement, then the save is measured the same
@@ -46,8 +46,8 @@ from .model import BenchConfig, cached_checkpoint
 
 MODELS = ("llama", "moe", "minimax")
 Config = BenchConfig | moe.MoeConfig | minimax.MiniMaxConfig
-FLOOR_TARGET = 1.15  # issue #20: rank0load's cold load within 1.15x the floor's
-TRANSIENT_TARGET_MIB = 48  # issue #20: rank0load's transient at most this above build-only's, every rank
+FLOOR_TARGET = 1.15  # rank0load's cold load within 1.15x the floor's
+TRANSIENT_TARGET_MIB = 48  # rank0load's transient at most this above build-only's, every rank
 
 __all__ = ["main", "parse_args", "run_size"]
 
@@ -175,7 +175,7 @@ def run_once(
             with open(os.path.join(tmp, f"rank{r}.log"), "w") as log:
                 procs.append(
                     subprocess.Popen(
-                        [*prefix, sys.executable, "-m", "rank0load.bench.worker", json.dumps(spec)],
+                        [*prefix, sys.executable, "-m", "benchmarks.bench.worker", json.dumps(spec)],
                         env={**env, **extra},
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -708,7 +708,7 @@ def plot(results: list[dict], path: str) -> bool:
 def readme_section(
     main_res: dict, sweep: list[dict] | None, env: dict, argv: Sequence[str], plot_name: str | None
 ) -> str:
-    cmd = "python -m rank0load.bench" + ("" if not argv else " " + " ".join(argv))
+    cmd = "python -m benchmarks.bench" + ("" if not argv else " " + " ".join(argv))
     model = main_res.get("model", "llama")
     save = bool(main_res.get("save"))
     parts = [
@@ -760,7 +760,7 @@ def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama",
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rank0load.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
         choices=MODELS,

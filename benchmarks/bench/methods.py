@@ -307,7 +307,7 @@ METHOD_NOTES: dict[str, str] = {
 
 # ------------------------------------------------------------------------------------------ saving
 #
-# ``python -m rank0load.bench --save``: each save method takes ``(model, out_dir, options)`` (the
+# ``python -m benchmarks.bench --save``: each save method takes ``(model, out_dir, options)`` (the
 # FSDP2 model already loaded, outside the measurement) and writes ``out_dir``; it returns a dict of
 # method-specific facts. The worker verifies the top-level ``*.safetensors`` in ``out_dir`` after
 # the measurement.
