@@ -1,12 +1,11 @@
-"""BLOCK entries' geometry: chunks of whole rows, and each rank's block of a chunk (all ranks; no collectives).
+"""BLOCK entries' geometry: chunks of whole rows, each rank's block of a chunk (all ranks; no collectives).
 
 A BLOCK entry (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``) travels as chunks of
 whole rows filling at most half a staging slot (:func:`block_chunks`; dimension-1 rows of one
 dimension-0 index when a whole row is wider), and each rank's block of a chunk is a
-:class:`Delivery` (:func:`deliveries`): its rows of the chunk, cut to its indices on the other
-dimensions (:func:`cut`), and where they land in its local tensor. Rank 0 cuts every rank's
-blocks (``_sink.fan_out``), a rank reading its own bytes cuts its own, and a receiver derives the
-pieces it receives from the same deliveries, so they agree without exchanging anything.
+:class:`Delivery` (:func:`deliveries`). Rank 0 cuts every rank's blocks (``_sink.fan_out``), a
+local reader cuts its own, and a receiver derives the pieces it receives from the same
+deliveries, so they agree without exchanging anything.
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ def deliveries(piece: Piece, entry: Entry, runs_by_rank: dict[int, Runs]) -> Ite
                 yield replace(d, local_offset=d.local_offset + base)
         return
     itemsize = entry.nbytes // math.prod(entry.shape)
-    first = piece.local_offset  # a chunk's first row
+    first = piece.local_offset  # a FAN_OUT chunk's first row (see block_chunks)
     last = first + piece.nbytes // row_bytes(entry)
     for rank in sorted(runs_by_rank):
         runs = runs_by_rank[rank]

@@ -1,23 +1,18 @@
 """Node-local reads: rank 0 lends its open checkpoint files to the ranks on its own host.
 
-Ranks on rank 0's host need no bytes from rank 0, only its permission and its files: a descriptor
-rank 0 opened read-only and passed over a Unix-domain socket (``SCM_RIGHTS``) reads fine in a process
-whose mount namespace hides the checkpoint. So rank 0 stays the only rank that resolves, lists,
-opens and validates the checkpoint, and ranks on its host read their own rows in parallel with no
-network hop (``_localread``); every other rank keeps the point-to-point stream.
+A descriptor rank 0 opened read-only and passed over a Unix-domain socket (``SCM_RIGHTS``) reads
+fine in a process whose mount namespace hides the checkpoint. So rank 0 stays the only rank that
+resolves, opens and validates the checkpoint, and ranks on its host read their own bytes
+(``_localread``); every other rank keeps the point-to-point stream.
 
-(rank 0) :meth:`Server.listen`, once the manifest exists: an abstract Unix socket (reachable only
-from rank 0's network namespace) with a random name, and the :class:`Offer` that rides on the
-manifest's broadcast: the name, a random token, rank 0's pid, uid and host, and the identity of
-every file.
-(all ranks) :func:`hand_over`: one gather to rank 0 of each rank's (on rank 0's host?, pid, uid);
-rank 0 serves in a background thread, handing its descriptors only to a peer whose kernel-reported
-pid and uid (``SO_PEERCRED``) are those a rank on its host reported and that sends the token; the
-ranks on its host connect, check that the peer is rank 0, and check every descriptor they receive
-against the offer (regular, read-only, same device, inode, size and mtime).
-(all ranks) :meth:`Handover.decide`: one bit per rank, OR-ed over the ranks; rank 0 stops serving.
-A rank reads locally only if it holds every descriptor, verified; any failure (no socket, refused,
-timeout) makes it take the stream, and rank 0 knows to send it its pieces: never a hang.
+(rank 0) :meth:`Server.listen` once the manifest exists (an abstract Unix socket, reachable only
+from rank 0's network namespace); its :class:`Offer` rides on the manifest's broadcast.
+(all ranks) :func:`hand_over`: rank 0 hands its descriptors only to a peer whose kernel-reported
+pid and uid (``SO_PEERCRED``) are those a rank on its host reported and that sends the offer's
+token; that rank checks that the peer is rank 0 and every descriptor against the offer.
+(all ranks) :meth:`Handover.decide`. A rank reads locally only if it holds every descriptor,
+verified; any failure (no socket, refused, timeout) makes it take the stream, and rank 0 knows to
+send it its pieces: never a hang.
 """
 
 from __future__ import annotations
@@ -150,7 +145,7 @@ class Server:
                     with self._lock:
                         self.refused.append(why)
                     logger.warning("rank0load: refused a connection to the checkpoint's descriptors: %s", why)
-                    return  # closed: the peer gets nothing
+                    return
                 for first in range(0, len(self._fds), _FDS_PER_MESSAGE):
                     batch = self._fds[first : first + _FDS_PER_MESSAGE]
                     socket.send_fds(conn, [_BATCH.pack(first, len(self._fds))], batch)
@@ -177,7 +172,7 @@ class Server:
         return None
 
     def stop(self) -> None:
-        """Stop accepting, at once: shutting the listening socket down wakes the accepting thread."""
+        """Stop accepting, at once (shutting the socket down wakes the accepting thread)."""
         self._stop.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -196,8 +191,9 @@ class HandoverError(Exception):
 
 
 def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
-    """(a rank on rank 0's host) Rank 0's descriptors, in ``offer.identities`` order, each checked;
-    raises HandoverError (nothing left open) otherwise."""
+    """(a rank on rank 0's host) Rank 0's descriptors, in ``offer.identities`` order, each checked
+    against the offer (regular, read-only, same identity); raises HandoverError or OSError (nothing
+    left open) otherwise."""
     fds: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:

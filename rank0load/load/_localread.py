@@ -1,26 +1,16 @@
 """A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives).
 
 (a local reader: a rank other than 0 that ``_local.hand_over`` gave rank 0's descriptors)
-:class:`LocalReader` is one of the sources of bytes (``_sources``): it takes the place of the
-receives for this rank's own pieces. For every piece rank 0 would have sent it — its rows of a SHARDED entry, the chunks of a BLOCK entry, from which it cuts its
-own blocks exactly as rank 0 would (``_sink.fan_out``, with no one to send to) — it reads the
-bytes with ``preadv`` at their file offsets (``Entry.extents``, so assembled experts and float8
-weights too): straight into its local shard when that is on the CPU and of the wire dtype, else into
-a staging slot, and hands it on as an arrival for the sink's local work (cast, dequantise). It reads only the rows of a
-chunk that hold its blocks. Broadcast pieces (PLAIN and GENERIC entries, float8 scale grids) still
-arrive by broadcast, in order, while some rank takes the stream; when every rank but 0 reads
-locally (:attr:`LocalReads.everyone`), each reads those too (:attr:`LocalReader.everything`), and with
-CPU shards rank 0 reads its own share through a LocalReader as well (its own files,
-:class:`_Rank0Files`): no message moves at all (``_transfer``'s quiet path).
+:class:`LocalReader` is a source of bytes (``_sources``) in place of the receives for this rank's
+own pieces: its rows of SHARDED entries, and the rows of BLOCK chunks that hold its blocks, which it
+cuts as rank 0 would (``_sink.fan_out``, with no one to send to). Broadcast pieces still arrive by
+broadcast while some rank takes the stream; when every rank but 0 reads locally
+(:attr:`LocalReads.everyone`), each reads those too, and with CPU shards rank 0 reads its own share
+through a LocalReader as well (:class:`_Rank0Files`): no message moves (``_transfer._quietly``).
 
-The first failure (a read error, a file that changed) is the sink's local failure, settled like any
-other (``_distribute.first_failure``; at each round's end while rank 0 streams to someone, once at
-the end when no one streams): the same LoadError on every rank. At each round's end the files read
-in it are checked: ``fstat`` on the descriptor against the identity rank 0 recorded when it opened
-the file (rank 0 checks its own files by path too).
-
-With shards on an accelerator, reads land in a pinned host buffer and are copied into the rank's
-device staging slot, then the same local work runs on the device (not tested: no GPU here).
+A failure (a read error, a file that changed) is the sink's local failure, settled like any other:
+the same LoadError on every rank. At each round's end the files read in it are checked against the
+identity rank 0 recorded when it opened them.
 """
 
 from __future__ import annotations
@@ -95,7 +85,7 @@ class LocalReads:
 
     def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None] | None) -> Iterator[Piece]:
         """(rank 0) Its pieces less those the readers read themselves; their bytes are counted on
-        ``on_bytes`` (the progress bar) as they are passed over, from the thread iterating."""
+        ``on_bytes`` (the progress bar) as they are passed over."""
         for piece in plan.pieces(0):
             if piece.dst in self.readers:  # its rows, and the scale grid rows they need
                 if on_bytes is not None and piece.route is Route.TO_RANK:
@@ -105,8 +95,7 @@ class LocalReads:
 
     @property
     def everyone(self) -> bool:
-        """Every rank but 0 reads its own bytes: nothing is left to send (``_transfer.stream`` then
-        has rank 0 read its own pieces the same way, and no message moves at all)."""
+        """Every rank but 0 reads its own bytes: nothing is left to send."""
         return len(self.readers) == dist.get_world_size() - 1
 
     def reader(
@@ -124,8 +113,8 @@ class LocalReads:
 
 class _Rank0Files:
     """(rank 0, when every rank reads locally and its shards are on the CPU) Its own open files, as
-    a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path. (With shards
-    on an accelerator rank 0 keeps its reader thread: its staging slots are device memory.)"""
+    a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path. (On an
+    accelerator rank 0 keeps its reader thread.)"""
 
     host = None
 
@@ -152,7 +141,7 @@ class LocalReader:
         self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | _Rank0Files, everything: bool
     ) -> None:
         self.plan, self.sink, self.files = plan, sink, files
-        self.everything = everything  # every rank but 0 reads locally: broadcast pieces too
+        self.everything = everything  # broadcast pieces too
         self.me = dist.get_rank()
         self.slot = staging.slots[0]  # reads are synchronous: one slot, free again once delivered
         self.host = files.host if files.host is not None else self.slot
@@ -162,9 +151,8 @@ class LocalReader:
     def arrivals(self, piece: Piece | Message) -> Iterator[Arrival]:
         """``piece`` read: straight into this rank's tensor where it can land there (on the CPU, of
         the wire dtype), else into its staging slot (free again once the arrival is delivered); a
-        message (``Sink.runs``: float8 pairs dequantised together) into the slot, each piece at its
-        offset. After a local failure, or for another rank's piece (rank 0 sees all), nothing: no
-        message depends on it."""
+        message (``Sink.runs``) into the slot, each piece at its offset. After a local failure, or
+        for another rank's piece, nothing: no message depends on it."""
         if isinstance(piece, Message):
             if self.sink.faults.error is None:
                 try:
@@ -193,7 +181,7 @@ class LocalReader:
         message = Message.of(piece)
         if piece.route is Route.FAN_OUT:
             return self._chunk(piece, message)
-        if piece.route in (Route.BROADCAST, Route.SCALES):  # a broadcast's work, or own scale rows
+        if piece.route in (Route.BROADCAST, Route.SCALES):
             into = self.sink.landing(piece)
             on_cpu = into is not None and into.device.type == "cpu"
         else:  # TO_RANK
@@ -219,8 +207,8 @@ class LocalReader:
             self.sink.faults.run(self.files.check, path)
 
     def finish(self) -> None:
-        """Check every file once more after the last read, as rank 0's reader thread does (for rank 0
-        by path too: a file replaced after its round still fails the load)."""
+        """Check every file once more after the last read, as rank 0's reader thread does: a file
+        replaced after its round still fails the load."""
         self.touched = set(self.files.paths())
         self.round_end()
 
@@ -240,7 +228,7 @@ class LocalReader:
         return Arrival(message, self._staged(rows), spare=spare, rows=rows)
 
     def _staged(self, piece: Piece) -> torch.Tensor:
-        """``piece``'s bytes in this rank's staging slot (through the pinned host buffer, on an accelerator)."""
+        """``piece``'s bytes in the staging slot (through the pinned host buffer, on an accelerator)."""
         host = self.host[: piece.nbytes]
         self._read(piece, host)
         return host if self.host is self.slot else self.slot[: piece.nbytes].copy_(host)

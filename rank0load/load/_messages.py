@@ -1,11 +1,10 @@
 """Which pieces travel together: the plan's pieces grouped into messages (all ranks; no collectives).
 
-A checkpoint of many small tensors (a MoE checkpoint's ~96,000 per-expert tensors) would otherwise be
-one message per tensor per rank. (all ranks) :func:`messages` groups consecutive pieces bound for the
-same place (point to point to one rank, or broadcast) into one :class:`Message` of at most
-``Plan.piece_bytes``: rank 0 reads a message's bytes into one staging slot (``_stream.Reader``, one
-``preadv`` per run of adjacent file bytes) and sends it once; a receiver gets one buffer and hands each
-piece's slice to its sink.
+(all ranks) :func:`messages` groups consecutive pieces bound for the same place (point to point to
+one rank, or broadcast) into one :class:`Message` of at most ``Plan.piece_bytes``, so that a
+checkpoint of many small tensors (a MoE's per-expert tensors) is not one message per tensor per
+rank: rank 0 reads a message into one staging slot and sends it once; a receiver gets one buffer and
+hands each piece's slice to its sink.
 
 Each piece has a *lane*: the rank it goes to, or :data:`BROADCAST`; rank 0's own pieces and BLOCK
 pieces (``_sink.fan_out`` cuts a chunk into blocks) are messages of their own. Every rank groups
@@ -126,10 +125,9 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
     """(all ranks) ``pieces`` (one rank's view of ``plan``, in plan order) grouped into messages, in
     the order they move: consecutive pieces of one lane (to one rank, or broadcast) until a round's
     end, a separating entry (see the module docstring) or ``plan.piece_bytes``. BLOCK pieces are
-    messages of one piece each; so are rank 0's own pieces, unless ``own_together`` (rank 0 of an
-    accelerator mesh, whose own pieces go through its staging: fewer, larger copies): then its
-    consecutive own pieces are grouped too, and any other piece closes their group first, so that
-    nothing another rank sees moves in another order."""
+    messages of one piece each; so are rank 0's own pieces, unless ``own_together``
+    (``_sources.own_together``): then its consecutive own pieces are grouped too, and any other piece
+    closes their group first, so that nothing another rank sees moves in another order."""
     gaps = _Gaps.of(plan)
     open_: dict[int, tuple[list[Piece], list[int]]] = {}  # lane -> its open group: pieces, offsets
 
@@ -143,8 +141,7 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
         if lane != _ALONE and _ALONE in open_:  # rank 0's own pieces never wait behind another's
             yield close(_ALONE)
         # The lanes this piece may separate (see _Gaps.apart): every one at a round's first piece, a
-        # broadcast or a BLOCK piece; else only its own and the broadcast one (rank 0 with many
-        # ranks: a few checks per piece, not one per rank).
+        # broadcast or a BLOCK piece; else only its own and the broadcast one.
         if gaps.round_of[piece.index] != round_ or lane in (BROADCAST, _BLOCK):
             round_, suspects = gaps.round_of[piece.index], sorted(open_)
         else:

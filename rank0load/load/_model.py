@@ -1,12 +1,9 @@
 """The model around the stream: build and shard it, allocate its shards, initialise what the
 checkpoint lacks, and put it back together afterwards (all ranks; no collectives).
 
-(all ranks) :func:`build_sharded` runs ``model_fn`` on meta and the sharding policy, and describes
-the result (:class:`~._meta.ModelLayout`) and each tensor's layout flags for the agreement.
-(all ranks) :func:`materialise` allocates every local shard (a thread faults them in) and puts back
-the real buffers;
-:func:`init_missing` gives parameters absent from the checkpoint the model's own initialisation
-(``strict=False``); :func:`finish` re-ties shared parameters and checks that nothing is left on meta.
+In load order (``_api``'s pipeline): :func:`build_sharded`, :func:`materialise`,
+:func:`init_missing`, :func:`apply_built`; after the stream :func:`finish` and
+:func:`guard_added_parameters`.
 """
 
 from __future__ import annotations
@@ -75,10 +72,11 @@ def build_sharded(
     conversions: Sequence[Any] = (),
     rng_state: torch.Tensor | None = None,
 ) -> Built:
-    """(all ranks) ``model_fn()`` on meta (PEFT adapters built for real from ``rng_state``), cast to ``dtype``, sharded by ``shard_fn`` (or the default
-    policy), described. The checkpoint conversions (the caller's, then transformers' for a
-    transformers model) are looked up before sharding renames the classes. Raises whatever the
-    caller's code raises; the caller agrees on it."""
+    """(all ranks) ``model_fn()`` on meta (PEFT adapters built for real from ``rng_state``), cast
+    to ``dtype``, sharded by ``shard_fn`` (or the default policy), described with each tensor's
+    layout flags for the agreement. The checkpoint conversions (the caller's, then transformers')
+    are looked up before sharding renames the classes. Raises ModelMismatchError for PEFT adapters
+    built without values, and whatever the caller's code raises; the caller agrees on it."""
     model, values = build_on_meta(model_fn, dtype, rng_state)
     unbuilt = tuner_layers_without_values(model, set(values))
     if unbuilt:
@@ -116,8 +114,7 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
     (``_keep_in_fp32_modules(_strict)``) in float32, non-persistent buffers as the model built them
     (rotary ``inv_freq`` stays float32). The caller's config object is left alone. A diffusers
     model: the same, float8 included, float32 for every key with a segment in the class's
-    ``_keep_in_fp32_modules`` (Wan's ``scale_shift_table``, ``time_embedder``, ``norm2``), as
-    ``from_pretrained(torch_dtype=...)`` loads it. Any other model: what ``model.to(dtype)`` does.
+    ``_keep_in_fp32_modules``. Any other model: what ``model.to(dtype)`` does.
     Under a PEFT model the base model is cast so; ``built`` (ids of the parameters ``model_fn``
     built with real values: PEFT's adapters) keep the dtype PEFT gave them, as ``get_peft_model``
     on a ``from_pretrained(dtype=...)`` model leaves them."""
@@ -178,7 +175,7 @@ def set_config_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
     """Canonical key -> the model's tensor (DTensor parameter, plain parameter or buffer)."""
     out: dict[str, torch.Tensor] = {}
-    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not one per key
+    modules = dict(model.named_modules(remove_duplicate=False))
     for key, info in layout.tensors.items():
         prefix, _, leaf = key.rpartition(".")
         module = modules[prefix]
@@ -191,9 +188,9 @@ def materialise(model: nn.Module, device: torch.device) -> FaultIn:
 
     ``to_empty`` is FSDP2's supported way to allocate sharded parameters (it re-pads the local
     shards and keeps tied parameters one object), but it also empties buffers: save and restore them.
-    The local shards are faulted in (their storages' bytes outside the shard zeroed) by a background
-    thread (see _memory): wait on what this returns before anything is written to a parameter.
-    Plain buffers are made contiguous so pieces can land in them directly.
+    The local shards are faulted in by a background thread (see _memory): wait on what this returns
+    before anything is written to a parameter. Plain buffers are made contiguous so pieces can land
+    in them directly. Raises LoadError if a plain parameter is not contiguous.
     """
     saved: list[tuple[nn.Module, str, torch.Tensor]] = []
     for module in model.modules():
@@ -241,7 +238,8 @@ def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]
     The nearest ancestor's ``_init_weights(module)`` (transformers: the same init
     ``from_pretrained`` gives new heads), else the owning module's ``reset_parameters()``. Floating
     parameters are first filled with NaN, so a parameter that neither initialiser wrote is caught
-    (on every rank) instead of leaving uninitialised memory. Runs before streaming: loaded values win.
+    (ModelMismatchError) instead of leaving uninitialised memory. Runs before streaming: loaded
+    values win.
     """
     owners: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
     for key in missing:
@@ -278,7 +276,8 @@ def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
     """(all ranks) At the model's first forward, raise if trainable parameters were added after the
     load as plain tensors: ``get_peft_model`` on the loaded model builds adapters that are not
     sharded, not synchronised and drawn differently on each rank, so the ranks drift apart. Every
-    rank runs the same forward and finds the same names, so every rank raises; the hook then goes."""
+    rank runs the same forward and finds the same names, so every rank raises LoadError; the hook
+    then goes."""
     known = set(layout.tensors) | set(layout.aliases)
     handles: list[Any] = []
 
@@ -307,7 +306,8 @@ def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
 
 
 def finish(model: nn.Module, layout: ModelLayout) -> None:
-    """(all ranks) Re-tie every name of a tied parameter to one object; nothing may be left on meta.
+    """(all ranks) Re-tie every name of a tied parameter to one object; raises RankMismatchError if
+    anything is left on meta.
 
     ``to_empty`` and FSDP2's re-registration can leave a second name pointing at another object.
     """

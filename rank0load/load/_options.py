@@ -1,9 +1,7 @@
 """``load_sharded``'s arguments checked before anything is built, and the staging it defaults to (all ranks).
 
-(all ranks, before the build) :func:`check_options` and :func:`check_mesh` raise a LoadError for
-arguments that would fail later; :func:`default_staging_bytes` is ``max_staging_bytes`` when the
-caller gives none. No collectives: every rank gets the same arguments, and the agreement compares
-what each rank was given (``_distribute.options_of``).
+No collectives: every rank gets the same arguments, and the agreement compares what each rank was
+given (``_distribute.options_of``).
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ __all__ = [
 ]
 
 # On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: more staging
-# lets its reader threads keep up with the copy. On the H100 (benchmarks/README.md, CUDA, fifth run:
-# 4 GB, warm) the stream took 0.157-0.206 s with 64 MiB and 8 threads, 0.133-0.149 s with 256 MiB
-# and 16 threads reading 8 MiB parts (_stream.ACCELERATOR_READ_THREADS, _PART_BYTES).
+# lets its reader threads (_stream.ACCELERATOR_READ_THREADS) keep up with the copy.
 ACCELERATOR_STAGING_BYTES = 256 << 20
 
 
@@ -38,7 +34,7 @@ def default_staging_bytes(device_type: str) -> int:
 
 
 def check_options(dtype: object, max_staging_bytes: object, local_reads: object = True) -> None:
-    """(all ranks) Arguments that would fail later, checked before anything is built."""
+    """(all ranks) Arguments that would fail later, checked before anything is built; raises LoadError."""
     if not isinstance(local_reads, bool):
         raise LoadError(
             f"local_reads={local_reads!r} is not a bool (True: ranks on rank 0's host read their own bytes)"
@@ -55,7 +51,7 @@ def check_options(dtype: object, max_staging_bytes: object, local_reads: object 
 
 
 def check_mesh(mesh: DeviceMesh, world_size: int) -> None:
-    """(all ranks) The mesh must span every rank, with global rank 0 at its origin."""
+    """(all ranks) The mesh must span every rank, with global rank 0 at its origin; raises LoadError."""
     ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     if ranks != list(range(world_size)):
         raise LoadError(

@@ -1,9 +1,7 @@
 """The plan's vocabulary: how an entry travels, where a piece goes, and the piece itself (all ranks).
 
-:class:`Kind` (how an entry travels: ``_plan``'s docstring says each), :class:`Route` (where a piece
-goes), :class:`Piece` (a contiguous byte range of a checkpoint entry and its place in the
-destination's local tensor) and :func:`kind_of` (the kind all ranks take for a target, from the
-layout flags they agreed on). Pure data, no collectives; every module of ``load/`` speaks it.
+A :class:`Piece` is a contiguous byte range of a checkpoint entry and its place in the
+destination's local tensor. Pure data, no collectives.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ __all__ = ["Kind", "Piece", "Route", "kind_of"]
 
 
 class Kind(enum.Enum):
-    """How an entry travels (see the module docstring)."""
+    """How an entry travels (``_plan``'s module docstring says each)."""
 
     SHARDED = "sharded"
     PLAIN = "plain"
@@ -39,6 +37,8 @@ class Route(enum.Enum):
 
 @dataclass(frozen=True)
 class Piece:
+    """A contiguous byte range of a checkpoint entry and its place in the destination's local tensor."""
+
     index: int  # manifest entry index
     route: Route
     dst: int  # global rank for Route.TO_RANK; -1 otherwise

@@ -2,8 +2,7 @@
 
 Every rank derives the same sequence of :class:`Piece` from the manifest, the agreed kinds and the
 mesh (:func:`build_plan` -> :class:`Plan`), so sender and receivers agree on every message without
-exchanging anything more. A piece is a contiguous byte range of the checkpoint (wire dtype) and its
-place in the destination's local tensor.
+exchanging anything more. The kinds:
 
 * ``SHARDED`` (a DTensor whose placements are only ``Shard(0)`` and ``Replicate``): each rank's
   local tensor is a contiguous range of rows, one contiguous range of the file. Rank 0 sends each
@@ -13,12 +12,10 @@ place in the destination's local tensor.
 * ``PLAIN`` (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
 * ``BLOCK`` (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``: tensor-parallel
   ``Shard(1)``, the ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): each rank's local
-  tensor is the cross product of index runs, one list per dimension, which rank 0 computes for
-  every rank itself (``_layout.runs_at``; see there why nothing per rank is exchanged). It reads the
-  tensor in chunks of whole rows (at most half a staging slot), cuts each rank's block out of the
-  chunk and sends it point to point (:class:`Delivery`). No rank ever holds the full tensor. A
-  float8 block travels as float8 and its owner dequantises each element with the scale of the
-  block of the tensor it came from (``_layout.global_indices``).
+  tensor is the cross product of index runs, one list per dimension (``_layout.runs_at``). Rank 0
+  reads it in chunks and sends each rank its block (``_blocks``); no rank ever holds the full
+  tensor. A float8 block travels as float8 and its owner dequantises it
+  (``_layout.global_indices``).
 * ``GENERIC`` (placements that are none of the above, a non-contiguous local shard, rows wider than
   half a staging slot): broadcast in pieces into a full-size tensor on every rank, which then cuts
   its own shard locally (outside the staging budget; reported in ``LoadReport.broadcast_whole``).
@@ -98,7 +95,7 @@ class Plan:
 
     def _entry_pieces(self, index: int, kind: Kind, me: int, chunks: bool = False) -> Iterator[Piece]:
         entry = self.entries[index]
-        if entry.nbytes == 0:  # zero-width: nothing to move
+        if entry.nbytes == 0:
             return
         step = self.piece_bytes
         shared = entry.scale_nbytes if kind is not Kind.SHARDED else 0  # SHARDED: each rank its rows
@@ -126,7 +123,7 @@ class Plan:
         for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
             lo, hi = rows_of(self.mesh_shape, placements, entry.shape[0], coord)
             size, (first, end) = (hi - lo) * row, _scale_rows(entry, lo, hi)
-            scales = [  # the scale grid rows of its rows, before them
+            scales = [  # before its rows
                 Piece(index, Route.SCALES, rank, at, min(step, end - at), at, kind)
                 for at in range(first, end, step)
             ]

@@ -3,9 +3,9 @@
 :func:`runs` turns a piece's extents (``Entry.extents``: where its bytes lie in the files) into runs
 of nearby file bytes, each filled with one ``preadv`` (:func:`read_vectored`, short reads retried)
 scattering into the destination buffer; :func:`split_runs` cuts runs into parts that threads read
-side by side. Rank 0's reader thread (``_stream``) and a rank reading through rank 0's descriptors
-(``_localread``) both read through here, so a test or a benchmark patches :func:`read_vectored`
-once for both. No file is mapped: page-cache pages never count in a rank's RSS.
+side by side. Rank 0's reader thread (``_stream``) and a local reader (``_localread``) both read
+through here, so a test or a benchmark patches :func:`read_vectored` once for both. No file is
+mapped: page-cache pages never count in a rank's RSS.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
 
 def read_vectored(fd: int, views: list[memoryview], offset: int, path: str) -> None:
     """Fill ``views`` one after the other from the file bytes at ``offset`` on: one ``preadv`` for
-    them all unless the kernel returns less (short reads retried)."""
+    them all unless the kernel returns less (short reads retried). Raises CheckpointFormatError at
+    end of file, OSError as the kernel gives it."""
     at, i = offset, 0
     views = list(views)
     while i < len(views):
@@ -49,13 +50,12 @@ def runs(
     """A piece's extents (``Entry.extents``: file, file offset, bytes, offset in ``data``) as runs of
     nearby file bytes, each read with one ``preadv`` scattering into ``data``: ``(file, offset,
     buffers)``, the files in the order the extents first name them, each file's runs by offset.
-    Stacked experts' parts are many small tensors, next to each other in the file or a few other
-    tensors apart (the bytes between go to a scratch buffer: see ``_GAP``)."""
+    Extents at most ``_GAP`` apart share a run (the bytes between go to a scratch buffer)."""
     view = host_bytes(data)
     if len(extents) == 1:
         path, offset, nbytes, at = extents[0]
         return [(path, offset, [view[at : at + nbytes]])]
-    order = dict.fromkeys(map(_PATH, extents))  # the files, as the extents first name them
+    order = dict.fromkeys(map(_PATH, extents))
     if len(order) == 1:  # the usual case: sorted by offset with a C-level key
         ordered = sorted(extents, key=_OFFSET)
     else:
@@ -105,7 +105,6 @@ def split_runs(
 # A gap of at most _GAP bytes between two extents of one file is read too (into _SCRATCH, whose
 # contents nobody reads: sharing it between threads is harmless): one preadv for a rank's rows of
 # stacked experts, whose parts sit between other tensors' (w1 and w3 around w2 and the scales),
-# instead of one call per part. MiniMax-M2 count, 2 ranks: ~34,000 preadv calls per rank -> 2,855 on
-# rank 0 (its header reads included) and 1,987 on rank 1.
+# instead of one call per part.
 _GAP = 64 << 10
 _SCRATCH = memoryview(bytearray(_GAP))

@@ -1,12 +1,9 @@
 """Where the tensor data lands on this rank (all ranks; no collectives).
 
-:class:`Target` says where an entry lands on this rank; (all ranks) :func:`allocate_staging` reserves
-every staging buffer before the last agreement; :class:`Sink` casts or dequantises arriving bytes
-into the targets, assembles GENERIC entries (then cuts this rank's shard with DTensor's own split,
-no communication) and float8 scale grids; :func:`fan_out` cuts a BLOCK chunk into each rank's
-block, writes this rank's own and posts the others' sends (point to point). ``_transfer`` moves the
-bytes; ``_localread`` reads them for a node-local reader; both hand them to a Sink (and a BLOCK
-chunk to ``fan_out``), so neither imports the other.
+:func:`allocate_staging` reserves every staging buffer before the last agreement; :class:`Sink`
+does the local work on arriving bytes; :func:`fan_out` cuts a BLOCK chunk into each rank's block.
+``_transfer`` and ``_localread`` both hand their bytes to a Sink (a BLOCK chunk to ``fan_out``), so
+neither imports the other.
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ __all__ = [
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
 _BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
 # On an accelerator the temporaries are device memory and each step costs a dozen kernel launches:
-# steps 64 times as large (16 Mi elements, 64 MiB of float32). Measured on the H100
-# (benchmarks/README.md): 1.1 G elements/s in 1 MiB steps, against 114 for a whole matrix at once.
+# steps 64 times as large.
 _DEVICE_STEP_SHIFT = 6
 
 
@@ -130,8 +126,8 @@ class _Assembly:
 class Sink:
     """(all ranks) This rank's local work on arriving bytes: cast or dequantise them into the target,
     assemble GENERIC entries (then cut this rank's shard with DTensor's own split,
-    ``src_data_rank=None``: no communication) and float8 scale grids. After the first local failure
-    it does nothing more (see ``_distribute.Faults``)."""
+    ``src_data_rank=None``: no communication) and float8 scale grids. Failures are noted in
+    :attr:`faults`, not raised; after the first it does nothing more (see ``_distribute.Faults``)."""
 
     def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
         self.plan, self.entries, self.targets = plan, plan.entries, targets
@@ -340,13 +336,13 @@ class Sink:
             if dst.device.type != "cpu":
                 step <<= _DEVICE_STEP_SHIFT
         flat, scaled = dst.view(-1), bool(self.entries[piece.index].scales)
-        in_place = dst.device == values.device  # the products written straight into the shard
+        in_place = dst.device == values.device
         for at in range(0, values.numel(), step):  # float8: float32 temporaries of one step at a time
             some = values[at : at + step]
             into = flat[start + at : start + at + some.numel()]
             if block and scaled:
                 into.copy_(self._decode_block(piece.index, some, start + at))
-            elif scaled and in_place:  # no float32 copy to cast after
+            elif scaled and in_place:  # the products written straight into the shard
                 self._decode(piece.index, some, first + at, into)
             elif scaled:
                 into.copy_(self._decode(piece.index, some, first + at))
@@ -407,9 +403,10 @@ def fan_out(
 ) -> AllOf:
     """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
     into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
-    others are sent. A block that is not a contiguous part of the chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block (replicas)
-    share one copy, so the packed blocks never exceed the chunk. After a local failure the blocks
-    still go out, as scratch bytes of the right size."""
+    others are sent (returned: the sends to wait for). A block that is not a contiguous part of the
+    chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block
+    (replicas) share one copy, so the packed blocks never exceed the chunk. After a local failure
+    the blocks still go out, as scratch bytes of the right size."""
     entry, wire = sink.entries[piece.index], sink.wires[piece.index]
     made: dict[tuple[Any, ...], torch.Tensor] = {}
     works: list[Any] = []

@@ -1,20 +1,11 @@
 """Where a message's bytes come from on this rank: one interface for the ways they arrive (all ranks).
 
 Every rank walks its view of the plan's messages (``_messages``) round by round, and a *source* puts
-each one's bytes in memory: an :class:`~._sink.Arrival` (a staging buffer, or the target itself).
-A rank's source is fixed before the stream:
-
-* :class:`FileSource` (rank 0): its reader thread (``_stream.Reader``) reads the checkpoint through
-  the descriptors rank 0 validated, its own rows straight into its shards on the CPU, everything
-  else into its staging.
-* :class:`ReceiveSource` (a rank that rank 0 streams to): receives posted up to its staging slots
-  ahead, each straight into the local shard where the bytes can land there, and the broadcasts in
-  order; a rank on rank 0's host reads its own pieces through rank 0's descriptors instead
-  (``_localread.LocalReader``, itself a source of arrivals, one piece at a time).
-
-``_transfer`` hands every arrival on (rank 0: first to the ranks it serves), into this rank's sink,
-then gives its buffer back with ``release``. A source's failures (a read error, a changed file) are
-the sink's local failures (``_distribute.Faults``): the round's messages still flow, unread.
+each one's bytes in memory as an :class:`~._sink.Arrival`: :class:`FileSource` on rank 0,
+:class:`ReceiveSource` on the others (with ``_localread.LocalReader`` for a local reader's own
+pieces). ``_transfer`` hands every arrival on, then gives its buffer back with ``release``. A
+source's failures are the sink's local failures (``_distribute.Faults``): the round's messages
+still flow, unread.
 """
 
 from __future__ import annotations
@@ -64,16 +55,15 @@ class ByRound(Generic[T]):
 
 def own_together(device: torch.device) -> bool:
     """Whether rank 0 groups its own consecutive pieces into messages (``_messages.messages``): on
-    an accelerator mesh, where they go through its pinned staging anyway (one copy per message,
-    one event, one ring region; at world size 1 every piece is rank 0's own). On the CPU they are
-    read straight into its shards, one piece each."""
+    an accelerator mesh, where they go through its pinned staging anyway (one copy per message).
+    On the CPU they are read straight into its shards, one piece each."""
     return device.type != "cpu"
 
 
 class FileSource:
     """(rank 0) Its messages (``pieces``: those it reads; local readers read theirs) read by its
-    reader thread, one arrival each, in order. On an accelerator mesh the staging is a ring whose
-    bytes must be released in the order taken, each before the next arrival is asked for."""
+    reader thread (``_stream.Reader``), one arrival each, in order. On an accelerator mesh each
+    arrival must be released before the next is asked for (``_stream._Ring``)."""
 
     def __init__(
         self, plan: Plan, staging: Staging, files: Mapping[str, Any], sink: Sink, pieces: Iterator[Piece]
@@ -126,8 +116,8 @@ class FileSource:
 class ReceiveSource:
     """(ranks other than 0) Receives posted up to ``slots`` ahead: a one-piece message straight into
     the local shard when the wire dtype is the target's, else into a staging slot; broadcasts in
-    order (once the receives before them are done); with ``local``, this rank's own pieces read
-    through rank 0's descriptors instead (synchronously: no slot of its own)."""
+    order, once the receives before them are done; with ``local``, this rank's own pieces read
+    through rank 0's descriptors instead."""
 
     def __init__(self, plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None) -> None:
         self.sink, self.local, self.slots = sink, local, staging.slots
@@ -158,7 +148,8 @@ class ReceiveSource:
         yield from self._completed(keep=0)
 
     def _broadcast(self, message: Message) -> Generator[Arrival, None, Arrival]:
-        """Receive a broadcast message (yielding earlier arrivals while no slot is free); returns its arrival."""
+        """Receive a broadcast message (yielding earlier arrivals while no slot is free); returns its
+        arrival."""
         into = self.sink.landing(message.first) if len(message.pieces) == 1 else None
         slot = None
         if into is None:

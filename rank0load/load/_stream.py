@@ -2,15 +2,11 @@
 
 (rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._messages.Message` it
 either reads straight into the final destination (rank 0's own rows, when no cast is needed and
-the shard is on the CPU) or into one of the staging buffers allocated before the stream: all its
-pieces at once, one ``preadv`` per run of adjacent file bytes. On an accelerator mesh the staging
-is one pinned ring (:class:`_Ring`), and the reads of every message that fits in its free part go
-to a few threads at once, in parts of at most 4 MiB (:func:`read_threads`): one thread reads the
-page cache at a few GB/s, the pinned host-to-device copy runs at tens. The sender hands buffers
-back once their bytes are sent (on an accelerator, with an event recorded after the non-blocking
-copies that read them: the reader waits for it before filling those bytes again), so host RAM
-spent on staging never exceeds the staging budget whatever the checkpoint's size. Reads use
-``os.preadv`` at file offsets: no file is mapped, so page-cache pages never count in RSS.
+the shard is on the CPU) or into one of the staging buffers allocated before the stream
+(``_reads``). On an accelerator mesh the staging is one pinned ring (:class:`_Ring`), read by
+several threads (:func:`read_threads`): one thread cannot keep up with the host-to-device copy.
+The sender hands buffers back once their bytes are sent (:meth:`Reader.release`), so host RAM
+spent on staging never exceeds the staging budget whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -38,17 +34,12 @@ __all__ = ["Reader", "Staged", "read_threads"]
 
 # Threads that read rank 0's staged messages on an accelerator mesh: every free slot's message is
 # read at once, in parts of at most _PART_BYTES, while the sender copies the oldest one to the
-# device. On the H100 machine (benchmarks/README.md) one thread reads the page cache into pinned
-# memory at 7-8 GB/s, 8 threads at 52 and 16 at 64 (4 MiB reads), and the pinned host-to-device
-# copy runs at 55; with 256 MiB of staging, 16 threads reading 8 MiB parts streamed fastest (fifth
-# run). On the CPU the shards are written in place and the other ranks read beside rank 0: one
-# thread, reading each message before the next.
+# device (benchmarks/README.md). On the CPU the shards are written in place and the other ranks
+# read beside rank 0: one thread, reading each message before the next.
 ACCELERATOR_READ_THREADS = 16
-_PART_BYTES = 8 << 20  # the read size at which those threads were fastest
-# On an accelerator mesh rank 0's pinned staging is one ring rather than SLOTS fixed slots: each
-# message takes the next bytes it needs (from _RING_ALIGN boundaries), so many small messages are
-# read at once where a slot each would leave most of the staging idle. At world size 1 every piece
-# is a message (a Llama layer: 2 norms of 4 KiB, k and v of 2 MiB, ... in slots of 16 MiB). False:
+_PART_BYTES = 8 << 20
+# On an accelerator mesh rank 0's pinned staging is one ring rather than SLOTS fixed slots, so many
+# small messages are read at once where a slot each would leave most of the staging idle. False:
 # the fixed slots (for benchmarks/cuda_bench.py's same-run comparison).
 RING_ON_ACCELERATORS = True
 _RING_ALIGN = 4096
@@ -120,7 +111,8 @@ class _Ring:
 
 
 class Reader:
-    """Background reader. Iterate it to get :class:`Staged` messages in order; call :meth:`release`.
+    """(rank 0) Background reader. Iterate it to get :class:`Staged` messages in order; call
+    :meth:`release`. Iterating re-raises an error of the reader thread itself.
 
     Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
     ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
@@ -133,11 +125,8 @@ class Reader:
     ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
     at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
     the oldest message's parts only; a file is checked when its last reads are done. With ``ring``
-    (the pinned buffer that ``buffers`` are views of) a message takes the next bytes of the ring it
-    needs instead of a slot, and ``Staged.slot`` is a token to release (see :class:`_Ring`). The
-    consumer must then release each message before it asks for the next one (the sender on an
-    accelerator does, with an event): the ring hands out its bytes in order, so a message kept back
-    would stall the reader.
+    (the pinned buffer that ``buffers`` are views of) ``Staged.slot`` is a ring token: the consumer
+    must release each message before it asks for the next one, or the reader stalls (:class:`_Ring`).
     """
 
     _DONE = object()
@@ -184,7 +173,7 @@ class Reader:
 
     def _runs(self, message: Message, data: torch.Tensor) -> list[tuple[str, int, list[memoryview]]]:
         """The runs of file bytes that fill ``data`` with ``message``'s pieces (see :func:`runs`)."""
-        extents = []  # every piece's, shifted to its place in the message: adjacent ones merge
+        extents = []  # shifted to their place in the message, so that adjacent ones merge
         for piece, at in message.parts():
             entry, scales = self._entries[piece.index], piece.route is Route.SCALES
             for path, offset, nbytes, into in entry.extents(piece.start, piece.nbytes, scales):

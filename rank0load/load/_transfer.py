@@ -2,23 +2,18 @@
 
 The staging (``_sink.allocate_staging``) is reserved before the last agreement, so that no
 allocation inside the stream can leave a rank unable to take part. (all ranks) :func:`stream` moves
-every :class:`~._pieces.Piece` of the plan, grouped into messages (``_messages``: consecutive pieces
-bound for the same place, one buffer each). Each rank gets every message's bytes from one source
-(``_sources``: rank 0's reader thread, receives from rank 0, or its own reads through rank 0's
-descriptors) and hands each arrival on: rank 0 first to the ranks it serves (:class:`_Sender`: sends,
-broadcasts, BLOCK chunks cut for each rank), then every rank into its sink (``_sink``: casts,
-float8 dequantisation, assembly), and gives the buffer back to the source.
+every piece of the plan, grouped into messages (``_messages``). Each rank gets every message's bytes
+from its source (``_sources``) and hands each arrival on: rank 0 first to the ranks it serves
+(:class:`_Sender`), then every rank into its sink (``_sink``), and gives the buffer back.
 
 The messages are fixed by the plan: after a *local* failure (a read error or a changed file, a cast
 or copy error anywhere) a rank keeps sending and receiving the round's remaining messages, from and
-into scratch, and does no more local work. At the end of every round the ranks compare notes (one
-8-byte all-reduce); if any rank failed, all stop there and raise that rank's error. The process
-group stays usable. Only a collective that itself fails (a peer is gone) raises at once, as a peer
-failure. The rounds, the sends and receives in flight and that settling are ``common._rounds``',
-shared with the save (``save._write``).
+into scratch, and does no more local work. At the end of every round the ranks compare notes; if
+any rank failed, all stop there and raise that rank's error, and the process group stays usable.
+Only a collective that itself fails (a peer is gone) raises at once, as a peer failure. The rounds
+and that settling are ``common._rounds``', shared with the save.
 
-When every rank reads its own bytes (one host, CPU shards) there are no messages: :func:`_quietly`
-has each rank read its share in its own thread, and the notes are compared once.
+When every rank reads its own bytes (one host, CPU shards) there are no messages (:func:`_quietly`).
 """
 
 from __future__ import annotations
@@ -75,13 +70,13 @@ def stream(
 
 def _quietly(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None) -> int:
     """(all ranks, when every rank but 0 reads its own bytes and the shards are on the CPU) No
-    message at all: each rank, rank 0 too, reads its own pieces in order in its own thread, checks
-    the files it read at each round's end and every file after its last read, and the ranks
-    compare notes once, at the end. A failing rank stops reading; the others finish their own share
-    (no one waits on it) before they learn of it. Returns the first failing rank (world: none)."""
+    message at all: each rank, rank 0 too, reads its own pieces in order, checks the files it read
+    at each round's end and every file after its last read, and the ranks compare notes once, at
+    the end. A failing rank stops reading; the others finish their own share before they learn of
+    it. Returns the first failing rank (world: none)."""
     by_round = ByRound(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
     for stop in plan.rounds:
-        # A layer's experts' float8 rows are read as one message and dequantised together.
+        # Float8 scales-and-rows pairs are read as one message and dequantised together (Sink.runs).
         for item in sink.runs(by_round.until(stop), plan.piece_bytes):
             for arrival in reader.arrivals(item):
                 _wait(deliver(arrival, sink, reader.layouts))
@@ -146,9 +141,8 @@ class _Sender:
     """(rank 0) Hands each arrival on to the ranks it serves (not ``readers``: they read their own
     bytes; when they are all the other ranks, their broadcast pieces too), then into its own sink.
     On an accelerator mesh the copies out of the pinned staging are non-blocking, on the device's
-    current stream (what reads the shards later is ordered after them): the sender never waits for
-    one; the reader waits, before filling those bytes again, for an event recorded after their
-    copies, and the last round ends with the stream synchronised."""
+    current stream (what reads the shards later is ordered after them); the reader waits for them
+    (:meth:`_done_with`), and the last round ends with the stream synchronised."""
 
     def __init__(
         self,
@@ -174,7 +168,7 @@ class _Sender:
         if piece.route is Route.FAN_OUT:
             self._fan_out(arrival, data, held)
         elif own:
-            if not arrival.landed:  # read into a slot, not in place: pinned, on an accelerator
+            if not arrival.landed:
                 self.sink.take(message, data, non_blocking=not self.on_cpu)
             self._done_with(held)
         elif message.dst > 0:
@@ -213,10 +207,9 @@ class _Sender:
 
     def _done_with(self, slot: int | None) -> None:
         """``slot``'s bytes are used: on the CPU, hand it back; on an accelerator its copies to the
-        device are only queued, so the reader fills it again once an event recorded now has
-        completed, while the sender goes on to queue the next ones. On an accelerator every
-        message's slot (a ring token there: ``_stream._Ring``) is handed back here before the next
-        message is asked for, as the ring needs: sends go from the device buffer, not the slot."""
+        device are only queued, so it goes back with an event recorded now (``_stream.Reader.release``).
+        On an accelerator every message's slot is handed back here before the next message is asked
+        for, as the ring needs (``_stream._Ring``): sends go from the device buffer, not the slot."""
         if self.on_cpu or slot is None:
             self.source.release(slot)
             return
