@@ -1,10 +1,5 @@
 """What moves: one :class:`Entry` per model tensor, and the checkpoint tensors (:class:`Parts`) it
 is made of (plain data: rank 0 makes them, see ``_fit``; every rank reads them; no collectives).
-
-(all ranks) An :class:`Entry` addresses its bytes from 0 to ``nbytes``, whether they are one
-checkpoint tensor's or several ones' one after the other (stacked experts); :meth:`Entry.extents`
-says where in rank 0's files a range of them is. :class:`Parts` holds many parts as arrays, so that
-the manifest pickles fast, with its checkpoint names joined into one string when it travels.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ._format import TensorHeader
 
-# TensorHeader fields as C-level getters, for columns of ~96,000 of them
+# TensorHeader fields as C-level getters, for whole columns of headers
 _FILE, _KEY, _OFFSET, _NBYTES = map(operator.attrgetter, ("file", "key", "offset", "nbytes"))
 
 __all__ = ["Entry", "Part", "Parts"]
@@ -37,8 +32,7 @@ class Part:
 @dataclass(frozen=True)
 class Parts:
     """Several checkpoint tensors whose bytes, one after the other, are an entry's bytes, held as
-    arrays: a MoE layer's fused experts are hundreds of parts, a MiniMax-M2 checkpoint ~96,000, and
-    the manifest travels to every rank (one Python object per part would cost seconds to pickle)."""
+    arrays (not one object per part) so that the manifest pickles fast to every rank."""
 
     files: tuple[str, ...] = ()  # the distinct files, absolute paths on rank 0
     file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
@@ -88,9 +82,8 @@ class Parts:
     __hash__ = None  # type: ignore[assignment]  # arrays: never hashable
 
     def __reduce__(self) -> tuple[type[Parts], tuple[object, ...]]:
-        """Pickled with :meth:`compacted`'s keys: the manifest reaches the other ranks as a few
-        hundred strings, not ~96,000 (rank 0 keeps its own tuples: joining them there would add
-        the joined copy to its heap, where the freed names would not give their memory back)."""
+        """Pickled with :meth:`compacted`'s keys, one string per entry. Rank 0 keeps its own tuples:
+        joining them there would add a copy to its heap that the freed names would not give back."""
         c = self.compacted()
         return Parts, (c.files, c.file_of, c.offsets, c.starts, c.keys)
 
@@ -105,7 +98,7 @@ class Parts:
 
     def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
         """See :meth:`Entry.extents`: the parts that bytes [start, start + nbytes) span (found by
-        bisection), made column by column: a piece of stacked experts spans hundreds of parts."""
+        bisection), made column by column."""
         stop, starts, n = start + nbytes, self.starts, len(self.offsets)
         lo = bisect.bisect_right(starts, start) - 1
         if lo >= n or nbytes <= 0:

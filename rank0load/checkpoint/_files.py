@@ -1,11 +1,9 @@
 """Opening checkpoint files: regular files only, read-only, opened once, checked for changes.
 
 (rank 0) :func:`open_files` / :meth:`OpenFile.open` refuse anything but a regular file before
-opening it (a FIFO or a device could block rank 0 forever while the other ranks wait in a
-collective), open it once read-only and record its :class:`FileIdentity`. Every later read goes
-through that descriptor (headers, index and configs by :func:`read_exact`, tensor bytes by
-``_stream`` and ``_localread``), never by re-opening the path, and :meth:`OpenFile.check` tells a file replaced or
-rewritten during the load from a corrupt one.
+opening it (see ``_OPEN_FLAGS``), open it once read-only and record its :class:`FileIdentity`.
+Every later read goes through that descriptor (:func:`read_exact`, ``_stream``, ``_localread``),
+never by re-opening the path; :meth:`OpenFile.check` tells a changed file from a corrupt one.
 (ranks on rank 0's host) ``_local`` and ``_localread`` compare the descriptors rank 0 lends them
 with the :class:`FileIdentity` it recorded. No collectives here.
 """
@@ -88,11 +86,8 @@ class FileIdentity:
 
 
 class OpenFile:
-    """(rank 0) One checkpoint file, opened once (read-only, O_NONBLOCK, O_CLOEXEC) after checking
-    it is a regular file; the stream reads by this descriptor, never re-opening by path.
-
-    :meth:`check` compares the file (by descriptor and by path) with the :class:`FileIdentity` taken
-    at open time. The caller owns the descriptor: :meth:`close` it (or use ``with``).
+    """(rank 0) One checkpoint file, opened once (see the module docstring). The caller owns the
+    descriptor: :meth:`close` it (or use ``with``).
     """
 
     __slots__ = ("path", "fd", "identity")

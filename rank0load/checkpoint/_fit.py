@@ -1,11 +1,5 @@
 """The matched checkpoint tensors checked against the model and made into entries (rank 0 builds
-them, or ``inspect`` in one process; no collectives).
-
-(rank 0, or ``inspect``) :func:`build_entries` turns a :class:`KeyMatch` (made by
-``_match.match_keys``) into ``_entries.Entry``s: shapes and dtypes checked against the model
-(:func:`_check_fits`), tied names stored twice compared, per-expert tensors assembled into one
-entry of parts (:func:`_assemble`), float8 tensors given their scale grids
-(:func:`_with_scales`, see ``_fp8``).
+them, or ``inspect`` in one process; no collectives). See :func:`build_entries`.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from ._format import DTYPES, TensorHeader
 from ._fp8 import FP8_WIRE
 from ._fp8 import scale_for as fp8_scale_for
 
-# TensorHeader and ConversionMatch fields as C-level getters, for columns of ~96,000 of them
+# TensorHeader and ConversionMatch fields as C-level getters, for whole columns of them
 _KEY, _DTYPE, _SHAPE, _NBYTES = map(operator.attrgetter, ("key", "dtype", "shape", "nbytes"))
 _EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
 
@@ -83,8 +77,7 @@ def unconsumed(
     (``quantised``: :func:`quantised_keys`, when already known)."""
     quantised = quantised_keys(match, layout) if quantised is None else quantised
     # A header key ending in _scale_inv whose weight is quantised is consumed. Tested key by key in
-    # C, each prefix freed at once: no set of ~48,000 names made for it (9 MiB under rank 0's
-    # peak on a MiniMax-M2 checkpoint).
+    # C, each prefix freed at once: no set of names is made for it (it would raise rank 0's peak).
     unexpected = match.unexpected
     scale = map(operator.methodcaller("endswith", "_scale_inv"), unexpected)
     weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len("_scale_inv"))))
@@ -107,7 +100,6 @@ def build_entries(
     (``inspect``: headers only), collects every message there and reads no data (tied names stored
     twice are then not compared). ``block``: the float8 block size the checkpoint's config.json
     gives (``_fp8.block_size``; read by the caller, once for all of ``_runs``' runs)."""
-    # float8 checkpoint tensors for floating model tensors
     quantised = quantised_keys(match, layout) if quantised is None else quantised
     entries: list[Entry] = []
 

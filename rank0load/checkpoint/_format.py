@@ -2,9 +2,8 @@
 
 (rank 0 only) :func:`read_header` reads a file's header through the descriptor ``_files`` opened
 and validates everything the streaming phase relies on (dtype, shape, byte ranges inside the file,
-no overlap, no gaps) before any data moves; parsing the header ourselves is what lets rank 0 then
-read each tensor's bytes at its file offset into a small reusable buffer instead of mapping whole
-files (mapped pages count in RSS). The JSON itself is decoded by ``_json``.
+no overlap, no gaps) before any data moves, so that rank 0 can read tensors at their offsets
+instead of mapping whole files (mapped pages count in RSS). The JSON is decoded by ``_json``.
 (all ranks) :data:`DTYPES` and :class:`TensorHeader` are plain data; no collectives here.
 """
 
@@ -67,9 +66,8 @@ MAX_HEADER_BYTES = 100_000_000
 
 
 class TensorHeader(NamedTuple):
-    """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``. (A named tuple:
-    one is made per checkpoint tensor, ~96,000 for a MoE checkpoint, at a fifth of a frozen
-    dataclass's cost.)"""
+    """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``. (A named tuple,
+    not a dataclass: one is made per checkpoint tensor.)"""
 
     file: str  # path as given to read_header (or OpenFile.path)
     key: str
@@ -150,7 +148,7 @@ _DTYPE_NAMES = {name: name for name in _ITEMSIZE}
 # The header as safetensors writes it (what save_pretrained and save_file produce): compact JSON,
 # "__metadata__" first, each entry's fields in this order, no escapes, then spaces up to a multiple
 # of 8 bytes. Read with one regular-expression pass over the text instead of json.loads building a
-# dict and two lists per entry (~96,000 in a MoE checkpoint): about half the time.
+# dict and two lists per entry; any other layout goes through json (see read_header).
 _ENTRY = re.compile(
     r'"([^"]*)":\{"dtype":"([A-Z0-9_]{1,16})","shape":\[([0-9,]{0,400})\],'
     r'"data_offsets":\[([0-9]{1,18}),([0-9]{1,18})\]\}([,}])'
@@ -236,9 +234,9 @@ def _written_metadata(text: str) -> tuple[dict[str, str], int] | None:
 def _parse_entries(
     path: str, header: dict[str, object], data_start: int, data_size: int
 ) -> dict[str, TensorHeader] | None:
-    """Every entry at once, each check made over columns rather than entry by entry (a MoE header
-    holds ~96,000 entries); None when any check fails or the header holds what only
-    :func:`_parse_entry` handles (F4, very many dimensions), which then names the first problem."""
+    """Every entry at once, each check made over columns rather than entry by entry; None when any
+    check fails or the header holds what only :func:`_parse_entry` handles (F4, very many
+    dimensions), which then names the first problem."""
     entries = list(header.values())
     if set(map(type, entries)) - {dict}:  # Twice (a field stored twice) too
         return None
@@ -259,7 +257,7 @@ def _parse_entries(
     if any(map(operator.ne, map(operator.sub, ends, begins), sizes)):
         return None
     # One string per dtype and one tuple per distinct shape, shared by every entry (json makes a
-    # new string and list for each): ~10 MiB less on rank 0 for 96,000 entries.
+    # new string and list for each).
     shared: dict[Any, Any] = dict(_DTYPE_NAMES)
     return {
         key: TensorHeader(path, key, shared[d], shared.setdefault(s, s), data_start + b, n)

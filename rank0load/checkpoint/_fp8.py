@@ -41,12 +41,10 @@ _TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
 def to_float32(values: torch.Tensor) -> torch.Tensor:
-    """``values.to(torch.float32)`` for a float8 tensor, bit for bit, faster on the CPU.
+    """``values.to(torch.float32)`` for a float8 tensor, bit for bit, NaNs included.
 
-    torch converts float8 to float32 one element at a time on the CPU (about 0.2 G elements/s per
-    core on our machines); a float8 dtype has only 256 values, so a 1 KiB table indexed by the bytes
-    (``index_select`` with int32 indices) does the same about three times faster, NaNs included.
-    Elsewhere (CUDA) torch's own conversion is already at memory speed and is used as it is.
+    On the CPU, a 256-entry table indexed by the bytes (``index_select`` with int32 indices), which
+    is faster than torch's element-wise conversion; elsewhere (CUDA), torch's own conversion.
     """
     table = _table(values)
     if table is None:

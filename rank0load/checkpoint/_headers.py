@@ -1,11 +1,8 @@
 """A checkpoint's headers, read and checked against each other and its index (rank 0, or
 ``inspect`` in one process; no collectives).
 
-(rank 0) :func:`read_headers` reads every file's header (``_format.read_header``) and checks the
-files together: no key stored in two files, each file's keys exactly those the index lists for it
-(``_index.Listing``), no listed key left unstored. :func:`file_tensors` is one file's part of
-that, which ``_runs`` shares as it reads the headers a run at a time (any error there: the manifest
-is made at once, from :func:`read_headers`, which raises it).
+(rank 0) :func:`read_headers` reads every file's header and checks the files together;
+:func:`file_tensors` is one file's part of that, which ``_runs`` shares.
 """
 
 from __future__ import annotations
@@ -22,11 +19,14 @@ __all__ = ["file_tensors", "read_headers"]
 
 
 def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
-    """All tensors of all files; checked against the index when there is one (each file's keys
-    against the keys it lists for that file: :class:`~._index.Listing`).
+    """(rank 0) All tensors of all files; checked against the index when there is one (each file's
+    keys against the keys it lists for that file: :class:`~._index.Listing`).
 
     ``files``: the source's files already opened (``_files.open_files(source.files)``); each
     header is then read through its descriptor. Without it, each file is opened by path.
+
+    Raises CheckpointFormatError (a key stored twice, a file and the index disagree, a listed key
+    no file stores) or CheckpointChangedError (the index changed during the load).
     """
     found: dict[str, TensorHeader] = {}
     for path in source.files:
@@ -56,7 +56,7 @@ def file_tensors(
     stored twice or where the file and the index disagree (``read_header``'s errors as they come).
     """
     tensors, _ = read_header(file)
-    twice = found.keys() & tensors.keys()  # ~96,000 keys in a MoE checkpoint: checked in C
+    twice = found.keys() & tensors.keys()  # checked in C
     if twice:
         key = next(k for k in tensors if k in twice)
         raise CheckpointFormatError(
@@ -72,8 +72,7 @@ def _disagreement(
     source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
 ) -> None:
     """Raise the error naming where file ``path``'s keys (its ``tensors``) and the index's map
-    ``listed`` disagree: a key it does not list, or lists in another file (a key it lists but
-    no file holds is named after the last file, as before the index was kept as a Listing)."""
+    ``listed`` disagree: a key it does not list, or lists in another file."""
     unlisted = [k for k in tensors if k not in listed]
     if unlisted:
         raise CheckpointFormatError(

@@ -1,12 +1,10 @@
 """The index of a sharded checkpoint, read and checked, and the file names a checkpoint lists kept
 inside it (rank 0 only; no collectives).
 
-(rank 0) :func:`read_index` reads ``*.safetensors.index.json`` through one descriptor of a regular
-file and checks its ``weight_map``: every key listed once, every file name a relative path that
-:func:`inside` resolves to a regular file within the checkpoint directory (or the Hub cache repo
-folder its snapshot links into). What it lists is kept as a :class:`Listing`, per-file key counts
-and hash sums, which ``_headers`` checks each header against; the map itself is read again only to
-name a disagreement. ``_source`` decides which index or files a checkpoint path means.
+(rank 0) :func:`read_index` reads ``*.safetensors.index.json`` and checks its ``weight_map``: every
+key listed once, every file name a relative path that :func:`inside` resolves to a regular file
+within the checkpoint directory (or the Hub cache repo folder its snapshot links into). What it
+lists is kept as a :class:`Listing`, which ``_headers`` checks each header against.
 """
 
 from __future__ import annotations
@@ -30,11 +28,10 @@ _MAX_INDEX_BYTES = 256 << 20
 @dataclass(frozen=True)
 class Listing:
     """What an index lists, as much of it as checks the headers: each file's number of keys and
-    the sum of their hashes. A MoE index names ~96,000 keys; held as a map from ``resolve`` (before
-    ``load_pretrained`` builds the model) to the manifest, their strings stayed resident on rank 0
-    after they were freed, in the allocator's arenas the build's objects kept alive (13 MiB). The
-    map itself is read again (:meth:`read_map`) only to name the key where index and headers
-    disagree, or for ``inspect``."""
+    the sum of their hashes. Not the map itself: its key strings, held from ``resolve`` to the
+    manifest, would stay resident on rank 0 after being freed (the model build keeps their
+    allocator arenas alive). The map is read again (:meth:`read_map`) only to name the key where
+    index and headers disagree, or for ``inspect``."""
 
     path: str  # the index file
     boundary: str | None
@@ -111,7 +108,7 @@ def _read_index(index_path: str) -> object:
         raw = [read_exact(f.fd, size, 0, index_path)]
         f.check()
     # popped, not named: parse_json then holds the only reference and frees the bytes once decoded
-    # (a MoE index is ~10 MB, and rank 0's peak memory is made while it is parsed)
+    # (rank 0's peak memory is made while it is parsed)
     return parse_json(raw.pop(), "index", lambda problem: _index_error(index_path, problem))
 
 
@@ -135,7 +132,7 @@ def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ..
             index_path,
             f"'weight_map' maps key {key!r} to {short_repr(name)}: expected a file name (a string)",
         )
-    # ~96,000 keys in a MoE index and a few dozen files: each file resolved once, the map in C
+    # each file name resolved once, then the map built in C
     resolved = {name: inside(root, name, index_path, boundary) for name in dict.fromkeys(weight_map.values())}
     mapped = dict(zip(weight_map, map(resolved.__getitem__, weight_map.values())))
     files = tuple(sorted(set(resolved.values())))

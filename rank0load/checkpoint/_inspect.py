@@ -1,14 +1,8 @@
 """What a checkpoint holds, and whether it fits a model, from the headers alone (one process).
 
-(one process; no collectives) :func:`inspect_checkpoint` resolves the checkpoint
-like ``load_sharded`` does on rank 0 (directory, file, index or Hub repo id), validates every
-header and the index, and summarises files, tensors, dtypes and sizes. Given a ``model_fn``, it
-builds the model on meta (nothing is allocated), matches keys exactly as a load does
-(``_match.match_keys``: ``key_map``, non-persistent buffers, tied and wrapper aliases) and lists
-missing, unexpected and mismatched keys, all of them rather than the first. No tensor data is read, so
-tied names stored more than once are listed (``tied_twice``) for the load to compare. Then it shards
-the meta model with the default policy over a one-rank gloo world of its own (``fully_shard`` on
-meta issues no collectives; the groups do not depend on the world size) and lists its FSDP groups.
+(one process; no collectives) :func:`inspect_checkpoint` resolves and validates the checkpoint
+as rank 0 does for a load and, given a ``model_fn``, matches keys exactly as a load does
+(``_match.match_keys``), listing every problem rather than the first. No tensor data is read.
 ``python -m rank0load inspect`` is the command-line front end (``__main__``).
 """
 

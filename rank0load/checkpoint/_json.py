@@ -1,9 +1,7 @@
 """Untrusted JSON decoded, repeated keys found (rank 0 only; no collectives).
 
-(rank 0) :func:`parse_json` decodes a safetensors header (``_format``) or an index (``_index``):
-invalid UTF-8 or JSON, numbers too long to convert and nesting too deep become the caller's error,
-and an object in which a key occurs twice comes back as a :class:`Twice` naming it (``json.loads``
-alone would keep the last value silently). :func:`short_repr` shortens the values messages quote.
+(rank 0) :func:`parse_json` decodes a safetensors header (``_format``) or an index (``_index``).
+:func:`short_repr` shortens the values messages quote.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ class Twice(dict[str, object]):
 
 def mark_twice(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """``json.loads``' ``object_pairs_hook``: the object, a :class:`Twice` when a key repeats."""
-    obj = dict(pairs)  # once per JSON object (~96,000 in a MoE header): the common case in C
+    obj = dict(pairs)  # once per JSON object: the common case in C
     if len(obj) == len(pairs):
         return obj
     seen: set[str] = set()
@@ -54,7 +52,7 @@ def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> objec
         # Every key of every object is followed by one ':' in the text, and so is every ':' inside
         # a string. When the keys of the top two levels (all an index or a header has) are as many
         # as the text's colons, no string holds a ':', no deeper object exists and no key occurs
-        # twice; otherwise parse again, marking repeated keys (the hook costs ~50% more).
+        # twice; otherwise parse again, marking repeated keys (the hook is slower).
         if _keys_two_deep(found) != text.count(":"):
             found = json.loads(text, object_pairs_hook=mark_twice)
         return found

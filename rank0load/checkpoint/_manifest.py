@@ -1,11 +1,9 @@
 """Match the checkpoint's headers to the model and produce the manifest (rank 0; no collectives).
 
-(rank 0) :func:`build_manifest` takes all the checkpoint's headers at once (read by ``_headers``;
-``_read.read_manifest`` calls it) with those of the PEFT adapters loaded with it
-(:func:`adapters_of`), maps checkpoint keys to model keys (``_match.match_keys``, which ``inspect``
-shares so its dry run matches keys exactly as a load does), checks keys (the entries themselves
-come from ``_fit``), and returns a :class:`Manifest` (:func:`manifest_of`, which ``_runs`` shares):
-the ordered list of :class:`Entry` that every rank will iterate during streaming. Any problem
+(rank 0) :func:`build_manifest` takes all the checkpoint's headers at once, with those of the PEFT
+adapters loaded with it (:func:`adapters_of`), maps checkpoint keys to model keys
+(``_match.match_keys``), checks them, and returns a :class:`Manifest` (:func:`manifest_of`, which
+``_runs`` shares): the ordered :class:`Entry` list every rank iterates while streaming. Any problem
 raises a :class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
 """
 

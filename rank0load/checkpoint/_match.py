@@ -1,11 +1,9 @@
 """Which model key each checkpoint key loads into (rank 0, or one process for ``inspect``; no
 collectives).
 
-:func:`match_keys` maps every checkpoint key to a canonical model key: ``key_map`` first, the model's
-non-persistent buffers (ignored) and its aliases (tied names, wrapper prefixes), then the
-conversions (renamed keys, experts stacked into one parameter). ``_manifest`` (all headers at once),
-``_runs`` (run by run) and ``_inspect`` (the dry run) all match keys here, so they agree exactly.
-:func:`nothing_matched` words the error for a load that would load nothing.
+:func:`match_keys` is the one key matcher: ``_manifest`` (all headers at once), ``_runs`` (run by
+run) and ``_inspect`` (the dry run) all use it, so they agree exactly. :func:`nothing_matched`
+words the error for a load that would load nothing.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Rank 0's two steps on the checkpoint: open it, then read its manifest for the model (rank 0;
 no collectives).
 
-(rank 0) :func:`open_checkpoint` resolves the checkpoint (``_source``), opens its files once
-(``_files``) and reads their headers (``_headers``), before the ranks agree: headers need no
-model. :func:`read_manifest`, the one entry point for the manifest, then makes it run by run
-(``_runs``) where the checkpoint was opened for that, and otherwise, or when the runs cannot
-settle it, from all headers at once (``_manifest.build_manifest``), which words any error. Both
-return the :class:`LoadError` to share instead of raising it: ``_api`` broadcasts it so that every
-rank raises it too.
+(rank 0) :func:`open_checkpoint`, then :func:`read_manifest`, the one entry point for the
+manifest. Both return the :class:`LoadError` to share instead of raising it: ``_api`` broadcasts
+it so that every rank raises it too.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The manifest made run by run: rank 0 reads and matches a few files' headers at a time (rank 0;
 no collectives).
 
-Made at once, a MoE checkpoint's ~96,000 header entries, their matches and their entries are
-~50 MB of small Python objects on rank 0 at the peak (``tracemalloc``). Freed, they leave the
-allocator's arenas holding the few objects that outlive them, and those pages stay resident for
-the rest of the load. Measured with ``sys._debugmallocstats`` after a MiniMax-M2-count load, rank 0
-held 1,444 unused 16 KiB pools against rank 1's 269; made run by run, 1,068; with the index kept
-as an ``_index.Listing`` as well (its ~96,000 names were the rest), 376. Here each run of
-consecutive files (at least :data:`RUN_TENSORS` tensors) is read, matched and made into entries,
-then its header objects are freed before the next run reuses their memory; an entry's checkpoint
-names are kept as one string per entry.
+Why: made at once, a large checkpoint's header entries, matches and entries are many small
+Python objects on rank 0; freed, they leave allocator arenas that the few objects outliving them
+keep resident for the rest of the load. Here each run of consecutive files (at least
+:data:`RUN_TENSORS` tensors) is read, matched and made into entries, then its header objects are
+freed before the next run reuses their memory; an entry's checkpoint names are kept as one string
+per entry.
 
 (rank 0) ``_read.read_manifest`` calls :func:`manifest_by_runs` when the load has no ``key_map``
 and no adapters (see ``_read.open_checkpoint(by_runs=)``). Each file's header is checked as

@@ -6,9 +6,9 @@ and, when an index names them, its ``weight_map``. It accepts a directory (holdi
 ``.safetensors`` file, an index ``.json``, or a Hugging Face Hub repo id; with ``subfolder``, that
 folder of a directory or repo (a diffusers pipeline's ``transformer/``). Index entries are
 refused, never followed, when they leave the checkpoint directory (absolute paths, ``..``, a
-symlink pointing outside; ``_index`` reads and checks an index). A diffusers pipeline's root (``model_index.json``, its weights in one
-folder per component) is refused with the folders to pass instead. Other ranks never call anything
-here: on a multi-node job the checkpoint may not exist on their node.
+symlink pointing outside; ``_index`` reads and checks an index). A diffusers pipeline's root
+(``model_index.json``) is refused with the component folders to pass instead. Other ranks never
+call anything here: on a multi-node job the checkpoint may not exist on their node.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class Source:
 class Resolved(os.PathLike[str]):
     """(rank 0) A checkpoint path resolved already, with its :class:`Source`: ``load_pretrained``
     resolves the checkpoint to read its config, then passes this as ``load_sharded``'s path, so
-    that the index (~96,000 names for a MoE checkpoint, 0.15 s to parse) is read once, not twice.
-    :func:`resolve` hands the Source out once; after that it resolves the path again. Anywhere else it is just the path."""
+    that the index is read once, not twice. :func:`resolve` hands the Source out once; after that
+    it resolves the path again. Anywhere else it is just the path."""
 
     def __init__(self, path: str | os.PathLike[str], source: Source) -> None:
         self.path = os.fspath(path)
@@ -149,11 +149,9 @@ def _cache_repo(directory: str) -> str | None:
 
 
 def _from_dir(path: str, boundary: str | None = None) -> Source:
-    """Precedence, as transformers' ``from_pretrained`` on a local directory: ``model.safetensors``
-    first, then ``model.safetensors.index.json`` (transformers 5.23 modeling_utils.py,
-    ``_get_resolved_checkpoint_files``: ``os.path.isfile(SAFE_WEIGHTS_NAME)`` is tested before
-    ``SAFE_WEIGHTS_INDEX_NAME``; its Hub branch also asks for SAFE_WEIGHTS_NAME first). Then a
-    single other index, then every ``*.safetensors`` file."""
+    """Precedence, as transformers' ``from_pretrained`` on a local directory
+    (``_get_resolved_checkpoint_files``): ``model.safetensors`` first, then
+    ``model.safetensors.index.json``, then a single other index, then every ``*.safetensors`` file."""
     try:
         names = sorted(os.listdir(path))
     except OSError as exc:
@@ -277,8 +275,8 @@ def _from_hub(repo_id: str, revision: str | None, not_local: str, subfolder: str
     ``huggingface_hub.snapshot_download`` honours ``HF_HOME`` / ``HF_HUB_CACHE`` (where the cache
     is), ``HF_HUB_OFFLINE=1`` (cache only, no network: the ``refs/<revision>`` file names the
     snapshot) and ``HF_TOKEN``. Only :data:`HUB_PATTERNS` are fetched (those in folder ``subfolder``,
-    if given). ``not_local`` (from
-    :func:`_not_local`) starts every error: the user may have meant a local path.
+    if given). ``not_local`` (from :func:`_not_local`) starts every error: the user may have meant
+    a local path.
     """
     try:
         from huggingface_hub import snapshot_download

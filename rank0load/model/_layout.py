@@ -112,8 +112,7 @@ def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
 
 def layout_flags_of(targets: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, int]:
     """(all ranks) :func:`layout_flags` of every target, computed once per distinct layout (what
-    they depend on: placements, mesh, global and local shape, contiguity): a per-expert MoE has
-    tens of thousands of parameters in a handful of layouts, at ~0.1 ms each."""
+    they depend on: placements, mesh, global and local shape, contiguity)."""
     known: dict[tuple, int] = {}
     out = {}
     for key, target in targets.items():
@@ -139,7 +138,8 @@ def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
     """(all ranks) Which fast paths this rank's shard of ``target`` allows (``ROWS_OK | RUNS_OK``);
     0 for a plain tensor, a 0-d DTensor or a layout only ``GENERIC`` can move.
 
-    Raises LoadError (see :func:`placements_on`) for a DTensor on a mesh rank 0 cannot reach through.
+    Raises RankMismatchError (see :func:`placements_on`) for a DTensor on a mesh rank 0 cannot reach
+    through.
     """
     if not isinstance(target, DTensor) or target.ndim == 0:
         return 0
@@ -161,8 +161,7 @@ def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
 
 
 def _runs(indices: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """Maximal runs of consecutive values in a 1-D integer tensor, as (start, stop) pairs (vectorised:
-    a vocabulary dimension has tens of thousands of indices)."""
+    """Maximal runs of consecutive values in a 1-D integer tensor, as (start, stop) pairs."""
     if indices.numel() == 0:
         return ()
     indices = indices.to(torch.int64)

@@ -117,16 +117,13 @@ def _kind(func: object) -> int:
 
 
 class _MetaValuesSkipped(TorchFunctionMode):
-    """Initialisers on meta parameters return at once. torch runs some of them on meta through
-    Python reference implementations: ``normal_`` takes ~0.5 ms, ``clamp_`` 1.5 ms, so
-    transformers 4.57's ``_init_weights`` (``normal_`` on every ``nn.Linear``) spent ~80 s of a
-    48k-parameter per-expert MoE's build setting values meta tensors do not hold. Skipped only
-    for a floating meta tensor with no other tensor argument (nothing that could fail on a
-    shape), ``torch.nn.init``'s fan-based initialisers only from 2 dimensions up (below, they
-    raise); the CPU random stream is untouched either way (meta draws nothing). Whatever else runs
-    as it would, including what ``torch.nn.init`` calls inside a function this mode passes on.
-    transformers 5's guarded stand-ins for these functions (same names) are skipped alike: missed,
-    they sent MiniMax-M2's 436 ``normal_`` calls through the reference path, ~0.25 s of each build."""
+    """Value-only initialisers (:data:`_VALUE_ONLY`) on meta parameters return at once: torch runs
+    some of them on meta through slow Python reference implementations, setting values meta
+    tensors do not hold. Skipped only for a floating meta tensor with no other tensor argument
+    (nothing that could fail on a shape), ``torch.nn.init``'s fan-based initialisers only from 2
+    dimensions up (below, they raise); the CPU random stream is untouched either way (meta draws
+    nothing). Everything else runs as it would, including what ``torch.nn.init`` calls inside a
+    function this mode passes on. transformers 5's guarded stand-ins (``_HF_INIT``) are skipped alike."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -210,9 +207,9 @@ class ModelLayout:
         return stripped if stripped in self.tensors else self.aliases.get(stripped)
 
     def canonical_all(self, keys: Sequence[str]) -> list[str | None]:
-        """``[self.canonical(k) for k in keys]``, in bulk: a MoE checkpoint has ~96,000 keys. The
-        names a model answers to directly are one dictionary lookup each, in C; the keys left are
-        taken one by one only when one of them holds a wrapper segment (one search over them all)."""
+        """``[self.canonical(k) for k in keys]``, in bulk: the names a model answers to directly are
+        one dictionary lookup each, in C; the keys left are taken one by one only when one of them
+        holds a wrapper segment (one search over them all)."""
         found = list(map(self._names.get, keys))
         left = [i for i, hit in enumerate(found) if hit is None]
         if left and _WRAPPED.search("\n".join([keys[i] for i in left])) is not None:

@@ -11,21 +11,10 @@ gathers the wrong expert. Groups therefore sit only on modules that run on every
   name contains ``expert`` anywhere in the model. Nothing at or below a routed list gets a group.
 * (all ranks) :func:`routed_modules`, before any policy runs (``fully_shard`` renames the classes
   the blocks are found by): the ids of the modules at or below a routed list.
-* (all ranks) :func:`default_shard_fn` applies ``fully_shard`` to the model's blocks, innermost first,
-  then to the root. FSDP2 needs one dtype among a group's *trainable* parameters only
-  (``FSDPParamGroup._init_mp_dtypes``); so, inside each unit, a submodule whose trainable parameters
-  have another dtype than the unit's (an fp32 router gate inside a bf16 layer, an fp32 head) first gets
-  a group of its own, at any depth, if it runs every step. Frozen parameters of another dtype stay in
-  their unit's group (FSDP2 all-gathers mixed dtypes as bytes), and so do fp32 LoRA adapters on a
-  frozen bf16 body. A trainable odd-dtype parameter inside a routed list cannot be isolated: a
-  :class:`~.errors.ModelMismatchError` before any data moves.
-* (all ranks, after any policy, the caller's ``shard_fn`` too) :func:`prepare_groups`: a group inside
-  a routed list is refused; a group holding routed parameters reduce-scatters zeros for the ones a
-  rank did not use (else ranks' reduce-scatters differ in size; torch before 2.13 cannot, so there such
-  a group refuses to run forward under grad mode while those parameters are trainable); a group whose
-  trainable parameters have two dtypes is refused now, and again at the first forward
-  (``requires_grad`` can change after the load) by a one-time hook, with the same message instead of
-  FSDP's ``AssertionError``.
+* (all ranks) :func:`default_shard_fn`: the default policy. FSDP2 needs one dtype among a group's
+  *trainable* parameters only (``FSDPParamGroup._init_mp_dtypes``): frozen parameters of another
+  dtype stay in their unit's group (FSDP2 all-gathers mixed dtypes as bytes).
+* (all ranks, after any policy, the caller's ``shard_fn`` too) :func:`prepare_groups`.
 
 ``fully_shard`` on a meta model issues no collectives.
 """
@@ -270,13 +259,16 @@ def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) ->
 
 def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
     """(all ranks, after sharding by any policy) Refuse a group inside a routed list; make each group
-    that holds routed parameters reduce-scatter zeros for those a rank did not use (before torch 2.13:
-    refuse to train them, at each forward under grad mode); refuse a group
-    whose trainable parameters have two dtypes, now and again at the first forward.
+    that holds routed parameters reduce-scatter zeros for those a rank did not use, else ranks'
+    reduce-scatters differ in size (before torch 2.13: refuse to train them, at each forward under
+    grad mode); refuse a group whose trainable parameters have two dtypes, now and again at the
+    first forward (``requires_grad`` can change after the load).
+
+    Raises ModelMismatchError for a refusal (those at a forward: from the hooks installed here).
 
     ``routed``: :func:`routed_modules` of the model before it was sharded.
     """
-    named = list(model.named_modules())  # walked once for names (47,000 expert modules at the real count)
+    named = list(model.named_modules())  # walked once for names
     names = {id(m): n for n, m in named}
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     inside = sorted(names[id(m)] for m in units if id(m) in routed)
