@@ -1,22 +1,13 @@
 """Every collective rank0load issues lives here: the rank protocol.
 
-Order of calls, identical on every rank (see ``_api.load_sharded``):
+Order of calls, made by every rank (all ranks; see ``_api.load_sharded``):
 
-1. (all ranks) :func:`agree` — settle the build (any rank's failure raises the same error
-   everywhere), compare a fixed-size digest of each rank's model and options, AND the per-tensor
-   layout flags. O(model) bytes per rank, independent of the world size: details cross the wire
-   only when ranks disagree, and then only to explain how.
-2. (all ranks) :func:`share` — rank 0 broadcasts the manifest (with its offer of node-local reads,
-   see ``_local``) or the LoadError it hit; every rank returns the manifest or raises that error.
-   With an offer, :func:`gather_to_rank0` then tells rank 0 each rank's pid, uid and host (24 bytes
-   per rank, received by rank 0 alone) before the ranks on its host fetch its descriptors.
-3. (all ranks) :func:`settle` — after allocating and initialising: any rank's failure, raised on
-   every rank. Nothing moves tensor data before this returns. With an offer, :func:`ranks_where`
-   then says which ranks read their own bytes (one bit per rank).
-4. (all ranks) :func:`~._transfer.stream` — rank 0 sends, the others receive (or read their own),
-   round by round; a failure on any rank (rank 0's read error, a file changed, a receiver's cast)
-   is settled at the end of its round, so every rank stops in step and raises the failing rank's
-   error, and the process group stays usable.
+1. :func:`agree` — settle the build, check every rank built the same model with the same options.
+2. :func:`share` — rank 0's manifest (with its offer of node-local reads, ``_local``) or LoadError.
+   With an offer, :func:`gather_to_rank0` then tells rank 0 each rank's pid, uid and host.
+3. :func:`settle` — after allocating and initialising. Nothing moves tensor data before this
+   returns. With an offer, :func:`ranks_where` then says which ranks read their own bytes.
+4. :func:`~._transfer.stream` — round by round, failures settled at each round's end (``_rounds``).
 
 A collective that itself fails (a peer died, the network broke, the process-group timeout) is a
 ``_failure.peer_failure``: the only case where a rank cannot learn the real cause. How a failure is
@@ -74,8 +65,8 @@ def rank0_rng_state(device: torch.device) -> torch.Tensor | None:
 
 
 def attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
-    """Run a step whose failure every rank must learn of before raising (then :func:`settle` or
-    :func:`agree`): ``(result, None)`` or ``(None, error)``."""
+    """(any rank) Run a step whose failure every rank must learn of before raising (then
+    :func:`settle` or :func:`agree`): ``(result, None)`` or ``(None, error)``."""
     try:
         return step(), None
     except Exception as exc:
@@ -83,8 +74,9 @@ def attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
 
 
 def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
-    """Where the rounds of a transfer end: the index just past each run of items carrying at least
-    ``round_bytes``, the last one at ``len(sizes)``. At each end every rank says whether it failed."""
+    """(any rank) Where the rounds of a transfer end: the index just past each run of items carrying
+    at least ``round_bytes``, the last one at ``len(sizes)``. At each end every rank says whether it
+    failed (``_rounds.Rounds``)."""
     ends, carried = [], 0
     for index, size in enumerate(sizes):
         carried += size
@@ -97,9 +89,9 @@ def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
 
 
 class Faults:
-    """This rank's first local failure. Once it is set, the transfer skips local work and only keeps
-    the messages flowing to the end of the round (see ``_transfer``). Thread-safe: a reader or writer
-    thread may note one too."""
+    """This rank's first local failure (each rank). Once it is set, the transfer skips local work and
+    only keeps the messages flowing to the end of the round (``_rounds``). Thread-safe: a reader or
+    writer thread may note one too."""
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
@@ -121,7 +113,8 @@ class Faults:
 
 
 def mesh_device(device_type: str) -> torch.device:
-    """The one device resolver: the host for ``cpu``, else this rank's current accelerator."""
+    """(any rank) The one device resolver: the host for ``cpu``, else this rank's current
+    accelerator."""
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.accelerator.current_device_index())
@@ -165,9 +158,8 @@ def broadcast(t: torch.Tensor, src: int) -> None:
 
 
 def _broadcast_object(obj: object, src: int = 0) -> Any:
-    """``obj`` of rank ``src`` on every rank: ``src`` keeps its own (no copy of a MoE manifest, its
-    ~100,000 objects, beside the original), the others unpickle theirs. The pickle is written
-    into one writable buffer the tensor shares, not copied out of a ``bytes``."""
+    """(all ranks; two broadcasts) ``obj`` of rank ``src`` on every rank: ``src`` keeps its own (no
+    second copy of a large manifest), the others unpickle theirs."""
     device = _object_device()
     payload, written = None, None
     if dist.get_rank() == src:
@@ -189,8 +181,7 @@ def _scalar(value: int, op: Any) -> int:
 
 
 def first_failure(error: BaseException | None) -> int:
-    """(all ranks) The lowest rank whose ``error`` is set, or the world size if none (one 8-byte
-    all-reduce)."""
+    """(all ranks; one all-reduce) The lowest rank whose ``error`` is set, or the world size if none."""
     return _scalar(dist.get_rank() if error is not None else dist.get_world_size(), dist.ReduceOp.MIN)
 
 
@@ -198,10 +189,8 @@ def raise_failure(
     first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
 ) -> None:
     """(all ranks, after :func:`first_failure` returned ``first`` < world) Raise on every rank the
-    error of rank ``first``, worded once: its LoadError subclass and message; for the caller's code
-    (:class:`UserCodeFailure`) or the machine's (``OSError``, ``MemoryError``), a ``wrap`` naming the
-    stage, the rank, what failed and ``todo``; for any other exception, rank0load's own failure: an :class:`~.errors.InternalError` (``wrap``'s
-    class where that is not RankMismatchError) naming where it was raised and the versions."""
+    error of rank ``first``, worded once (``_failure.failure_of``): ``wrap`` names the stage, the rank,
+    what failed and ``todo``. Collectives may raise RuntimeError (a peer died): callers wrap it."""
     world = dist.get_world_size()
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
     mine = None
@@ -235,8 +224,8 @@ def settle(
 
 @dataclass(frozen=True)
 class Proposal:
-    """What each rank brings to the agreement. Only :meth:`digest` (32 bytes) and the flags cross
-    the wire; the rest only when the digests differ, to say how."""
+    """What each rank brings to :func:`agree`. Only :meth:`digest` and the flags cross the wire; the
+    rest only when the digests differ, to say how."""
 
     model: tuple[Any, ...]  # ModelLayout.fingerprint(): names, shapes, dtypes, ties, buffers
     options: tuple[tuple[str, str], ...]  # arguments that shape the messages or the result
@@ -267,10 +256,9 @@ class Proposal:
 
 def agree(proposal: Proposal | None, error: BaseException | None) -> tuple[int, ...]:
     """(all ranks) Settle the build, then check that every rank built the same model with the same
-    options; returns the layout flags AND-ed over the ranks. Raises the same error on every rank.
-
-    Cost per rank: two 8-byte all-reduces, two 32-byte all-reduces (min and max of the digest) and
-    one all-reduce of two bytes per tensor; none grows with the world size.
+    options; returns the layout flags AND-ed over the ranks. Raises the same error on every rank
+    (RankMismatchError when they differ; LoadError for a failed collective). No message grows with
+    the world size.
     """
     settle(error, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry.")
     assert proposal is not None  # settle raised otherwise
@@ -301,7 +289,8 @@ def agree(proposal: Proposal | None, error: BaseException | None) -> tuple[int, 
 
 
 def share(result: object | LoadError | None) -> Any:
-    """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it."""
+    """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it
+    (LoadError for a failed collective)."""
     try:
         value = _broadcast_object(result if dist.get_rank() == 0 else None)
     except RuntimeError as exc:
@@ -313,7 +302,7 @@ def share(result: object | LoadError | None) -> Any:
 
 def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:
     """(all ranks) Every rank's ``values`` (the same number of int64s everywhere), on rank 0 by rank;
-    None elsewhere. One gather: rank 0 receives O(world) bytes, every other rank none."""
+    None elsewhere. One gather; LoadError naming ``what`` for a failed collective."""
     try:
         device = _object_device()
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)
@@ -329,7 +318,8 @@ def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] |
 
 def ranks_where(flag: bool, what: str) -> frozenset[int]:
     """(all ranks) The ranks whose ``flag`` is set, on every rank: one all-reduce of one bit per rank
-    (each rank sets only its own bit, so the sum of the bytes is their OR)."""
+    (each rank sets only its own bit, so the sum of the bytes is their OR); LoadError naming ``what``
+    for a failed collective."""
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
         bits = torch.zeros((world + 7) // 8, dtype=torch.uint8)
@@ -342,5 +332,5 @@ def ranks_where(flag: bool, what: str) -> frozenset[int]:
 
 
 def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:
-    """The options a Proposal compares, as (name, repr) pairs."""
+    """(any rank) The options a Proposal compares, as (name, repr) pairs."""
     return tuple((k, repr(v)) for k, v in kwargs.items())

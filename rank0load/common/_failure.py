@@ -1,13 +1,11 @@
 """What a rank's failure is, and how every rank words it (all ranks; no collectives).
 
-A failure is the caller's code (:class:`UserCodeFailure`, from :func:`user_code`: ``model_fn``,
-``shard_fn``, the model's initialisers), the machine's (``OSError``, ``MemoryError``) or rank0load's
-own (any other exception: an :class:`~..errors.InternalError` naming where it was raised and the
-versions). :func:`failure_of` makes the :class:`Failure` that the first failing rank broadcasts, so
-that every rank raises the same error (``_distribute.settle``); :func:`rank_mismatch` is the error
-for ranks that built different models (``_distribute.agree``); a collective that itself fails is a
-:func:`peer_failure`; :func:`internal_error` words rank0load's own failure for a rank that shares it
-itself (rank 0 reading the checkpoint, ``checkpoint._read``).
+A failure is the caller's code (:class:`UserCodeFailure`, from :func:`user_code`), the machine's
+(``OSError``, ``MemoryError``) or rank0load's own (any other exception: an
+:class:`~..errors.InternalError`). :func:`failure_of` makes the :class:`Failure` the first failing
+rank broadcasts (``_distribute.settle``); :func:`rank_mismatch`, :func:`peer_failure` and
+:func:`internal_error` are the errors for ranks that built different models, a failed collective,
+and rank0load's own failure on a rank that shares it itself (``checkpoint._read``).
 """
 
 from __future__ import annotations
@@ -41,7 +39,8 @@ def peer_failure(
     cls: type[LoadError] = LoadError,
     todo: str = "No model was returned; fix the cause and load again.",
 ) -> LoadError:
-    """The error for a collective that failed: a peer died (connection reset) or stalled (timeout)."""
+    """(the rank whose collective failed) The error for it: a peer died (connection reset) or stalled
+    (timeout). Returned, not raised."""
     return cls(
         f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
         "died or stalled (see its log); the wait is bounded by the process-group timeout "
@@ -50,9 +49,9 @@ def peer_failure(
 
 
 class UserCodeFailure(Exception):
-    """An exception from the caller's code (``model_fn``, ``shard_fn``, the model's own initialisers),
-    carried through a step so that ``_distribute.settle`` blames that code. Any other exception that is not a
-    LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
+    """An exception from the caller's code (``model_fn``, ``shard_fn``, the model's own
+    initialisers), carried through a step so that ``_distribute.settle`` blames that code. Any other
+    exception that is not a LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
 
 
 # the package root (this module sits in rank0load/common/): a frame in any of its files is ours
@@ -119,10 +118,11 @@ class Failure:
 
 
 def failure_of(rank: int, error: BaseException, todo: str, wrap: type[LoadError]) -> Failure:
-    """What rank ``rank``, the first that failed, tells the others of its ``error`` (see
-    ``_distribute.raise_failure``): its LoadError subclass and message; for the caller's code
-    (:class:`UserCodeFailure`) or the machine's (``OSError``, ``MemoryError``), ``wrap`` and the
-    message; for any other exception, rank0load's own failure, where it was raised and the versions."""
+    """(the first failing rank) What it tells the others of its ``error`` (``_distribute.raise_failure``):
+    its LoadError subclass and message; for the caller's code (:class:`UserCodeFailure`) or the
+    machine's (``OSError``, ``MemoryError``), ``wrap`` and the message; for any other exception,
+    rank0load's own failure (:class:`~.errors.InternalError`, or ``wrap`` where that is not
+    RankMismatchError), where it was raised and the versions."""
     if isinstance(error, LoadError):
         return Failure(rank, type(error), str(error), is_load_error=True)
     if isinstance(error, UserCodeFailure):

@@ -1,27 +1,13 @@
-"""Fresh host memory for the local shards, faulted in before any byte lands in it.
+"""Host memory for the local shards (each rank; no collectives): staging reservations, shards faulted in.
 
-The first write to a fresh page costs a page fault, and a receive that takes those faults one page
-at a time inside the kernel's copy ran at half the speed of one into resident pages (measured on
-this project's 2-core machine, gloo). So every local shard is made resident right after it is
-allocated. ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) does that in the kernel, without a
-user-space pass over the bytes: on the benchmark's 0.84 GB checkpoint it cut the allocation phase
-from about 0.27 s to 0.21 s against ``zero_()``, which faults the pages and then writes zeros over
-the zeros the kernel already put there. Where the call is not available the shard is zero-filled.
+A receive into fresh pages takes their page faults inside the kernel's copy, so every local shard is
+made resident right after it is allocated: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), else
+``zero_()``. The stream then writes every byte of every local shard, and the bytes of a shard's
+storage outside the shard (FSDP2's padding) are zeroed, so no stale memory is reachable.
 
-Either way the stream then writes every byte of every local shard, and the bytes of a shard's
-storage outside the shard itself (FSDP2's padding) are zeroed, so no stale memory is reachable.
-
-:func:`fault_in` does it for a whole model behind other work: a background thread at the lowest
-priority faults the shards in, largest first, while rank 0 makes the manifest; what it has not
-reached when the shards are needed, the caller's thread faults in beside it. The thread does one
-``madvise`` call per shard and nothing else that needs the GIL: it needs the GIL back after each
-call, which a main thread running Python hands over only every 5 ms (the switch interval), and a
-thread running all of ``prefault`` (six torch calls) reached 13-26 of 685 shards in 1.0-1.5 s.
-On the ranks that wait for the manifest the thread does all of it. On rank 0, which makes the
-manifest meanwhile, it does about half (measured: 10-45 of 685 shards, the largest, then 0.13-0.19
-s left to the caller against 0.33 s without the thread): besides the GIL, ``MADV_POPULATE_WRITE``
-holds the process's ``mmap_lock``, which the manifest's allocations need too. A shorter switch
-interval and 1 MiB calls did no better (benchmarks/README.md, "The evening run").
+:func:`fault_in` does it behind other work: a lowest-priority thread faults the shards in, largest
+first, while rank 0 makes the manifest; :meth:`FaultIn.wait` faults in the rest on the caller's
+thread. The thread does one ``madvise`` call per shard and nothing else that needs the GIL.
 """
 
 from __future__ import annotations
@@ -66,8 +52,8 @@ def _populate(address: int, length: int) -> bool:
 
 
 def prefault(t: torch.Tensor) -> None:
-    """Make ``t``'s storage resident (CPU) or zero it (other devices, or no ``MADV_POPULATE_WRITE``);
-    zero the storage's bytes outside ``t``."""
+    """(any rank) Make ``t``'s storage resident (CPU) or zero it (other devices, or no
+    ``MADV_POPULATE_WRITE``); zero the storage's bytes outside ``t``."""
     _fill(_outside_zeroed(t), t)
 
 
@@ -95,7 +81,7 @@ def _outside_zeroed(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 class FaultIn:
-    """Tensors being faulted in by a background thread, largest first; :meth:`wait` faults in
+    """(each rank) Tensors being faulted in by a background thread, largest first; :meth:`wait` faults in
     what the thread has not reached on the caller's thread too, and returns once all are resident."""
 
     def __init__(self, todo: list[tuple[tuple[int, int] | None, torch.Tensor]]) -> None:
@@ -144,9 +130,7 @@ class FaultIn:
 
 def _lowest_priority() -> None:
     """This thread at nice 19 (Linux: a thread's own niceness): the pages it faults in are needed
-    only after the manifest, and the thread making that manifest must not share its core with it.
-    At the same priority, the two ranks' fault-in threads and rank 0's manifest were three threads
-    on this project's two cores, and the manifest ran as much slower as the fault-in had saved."""
+    only after the manifest, and the thread making that manifest must not share its core with it."""
     if sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -155,13 +139,12 @@ def _lowest_priority() -> None:
 
 
 # A CPU tensor smaller than this that is its whole storage is left to fault in where it is written:
-# nothing outside it to zero, a few pages, and ~80 us of Python each to hand to the thread (a
-# per-expert MoE's 12,000 shards at 16 layers: 1.1 s of the allocation, on the loading thread).
+# nothing outside it to zero, and handing it to the thread costs more than its few pages.
 _SMALL = 1 << 20
 
 
 def fault_in(tensors: Iterable[torch.Tensor]) -> FaultIn:
-    """:func:`prefault` each of ``tensors``, behind the caller's next work: the bytes outside each
+    """(each rank) :func:`prefault` each of ``tensors``, behind the caller's next work: the bytes outside each
     tensor are zeroed here and now, the rest by :class:`FaultIn` (on other devices than the CPU,
     each tensor is zeroed here and now: an asynchronous kernel). CPU tensors under ``_SMALL`` that
     fill their storage are skipped: their first write faults them in at the same cost."""
@@ -179,11 +162,9 @@ _malloc_trim: object = None  # glibc's malloc_trim once found; False where there
 
 
 def trim_heap() -> None:
-    """Give the free pages of the C heap back to the OS (glibc's ``malloc_trim(0)``; elsewhere
-    nothing). Once rank 0's manifest is made and shared, the ~100 MB of temporaries that made it
-    are free, but glibc keeps them resident: freeing the 10 MB index text raised its mmap
-    threshold, so the later temporaries came from the heap, whose top does not shrink past live
-    blocks. This changes no allocator setting; it only returns what is free now."""
+    """(any rank) Give the free pages of the C heap back to the OS (glibc's ``malloc_trim(0)``; elsewhere
+    nothing): glibc keeps the freed temporaries of rank 0's manifest resident. This changes no
+    allocator setting; it only returns what is free now."""
     global _malloc_trim
     if _malloc_trim is None:
         _malloc_trim = False
@@ -206,8 +187,8 @@ def reserve(
     pin: bool = False,
     error: type[LoadError] = LoadError,
 ) -> list[torch.Tensor]:
-    """``count`` staging buffers of ``nbytes`` on ``device`` (``torch.empty``: no page is touched),
-    or an ``error`` naming ``max_staging_bytes`` when they cannot be had."""
+    """(each rank) ``count`` staging buffers of ``nbytes`` on ``device`` (``torch.empty``: no page is
+    touched); raises ``error`` naming ``max_staging_bytes`` when they cannot be had."""
     try:
         return [torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(count)]
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError

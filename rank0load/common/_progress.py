@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes (``VmHWM``; ``getrusage`` where there is no /proc)."""
+    """(any rank) This process's peak resident set size in bytes (``VmHWM``; ``getrusage`` where
+    there is no /proc)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:

@@ -73,7 +73,8 @@ def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
 
 
 def format_groups(groups: tuple[FSDPGroup, ...], limit: int | None = None) -> list[str]:
-    """One line per group (the first ``limit`` of them, then how many more), indented for a listing."""
+    """(any rank) One line per group (the first ``limit`` of them, then how many more), indented for a
+    listing."""
     shown = groups if limit is None else groups[:limit]
     lines = [f"  {g}" for g in shown]
     if len(groups) > len(shown):
@@ -171,7 +172,7 @@ class LoadReport:
 
 
 class Clock:
-    """Records the seconds since the previous mark under each phase name."""
+    """(each rank) Records the seconds since the previous mark under each phase name."""
 
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}

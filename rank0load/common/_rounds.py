@@ -2,12 +2,10 @@
 
 A transfer (the load's stream, ``load._transfer``; the save's gathers and writes, ``save._write``)
 moves its items round by round. Within a round each rank keeps its non-blocking sends and receives
-in an :class:`InFlight` queue, each completed in the order it was issued, with what to do once its
-bytes are there. After a *local* failure (``_distribute.Faults``) a rank does no more local work but
-keeps the round's messages flowing. At the end of every round the ranks compare notes
-(:class:`Rounds`: one 8-byte all-reduce), and all stop there if any rank failed; :func:`settled`
-then raises that rank's error on every rank, worded once, or a peer failure when a collective
-itself failed (a rank died or stalled). The process group stays usable after a local failure.
+in an :class:`InFlight` queue. After a *local* failure (``_distribute.Faults``) a rank does no more
+local work but keeps the round's messages flowing, so every posted message is matched and the
+process group stays usable. At the end of every round the ranks compare notes (:class:`Rounds`),
+and all stop there if any rank failed; :func:`settled` then raises the same error on every rank.
 """
 
 from __future__ import annotations
@@ -65,7 +63,8 @@ def block_half(piece_bytes: int) -> int:
 
 
 class AllOf:
-    """Several operations waited for together (and the tensors they send, kept alive until then)."""
+    """(each rank) Several operations waited for together (and the tensors they send, kept alive
+    until then)."""
 
     def __init__(self, works: Iterable[Any], keep: Iterable[torch.Tensor] = ()) -> None:
         self._works, self._keep = list(works), list(keep)
@@ -77,7 +76,7 @@ class AllOf:
 
 
 class InFlight:
-    """Non-blocking operations in the order they were issued, each with what to do once it is done
+    """(each rank) Non-blocking operations in the order they were issued, each with what to do once it is done
     (hand a staging slot back, cast the bytes that arrived into place)."""
 
     def __init__(self) -> None:
@@ -105,8 +104,8 @@ class InFlight:
 class Rounds:
     """(all ranks) ``for begin, stop in Rounds(ends, faults):`` the items of each round (``begin`` to
     ``stop``, the ends in ``ends``); after each round's body the ranks compare notes, and the loop
-    ends after the round in which any rank failed. :attr:`first`: the first failing rank, or the
-    world size when none did."""
+    ends after the round in which any rank failed (every rank must run every round's check: it is a
+    collective). :attr:`first`: the first failing rank, or the world size when none did."""
 
     def __init__(self, ends: Sequence[int], faults: _distribute.Faults) -> None:
         self._ends, self._faults = ends, faults

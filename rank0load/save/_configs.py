@@ -4,7 +4,8 @@
 diffusers, any other), :func:`adapter_layout` that of a PEFT adapter: the files' names and which
 config files go with them. (rank 0) :func:`finish` has the layout's config files written
 (``config.json``, ``generation_config.json``, ``adapter_config.json``, a remote-code model's
-``*.py``) into a temporary folder of out_dir and commits them with the weights (``_outputs.commit``). No collectives here.
+``*.py``) into a temporary folder of out_dir and commits them with the weights (``_outputs.commit``).
+No collectives here.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ __all__ = ["Layout", "adapter_layout", "finish", "layout_of"]
 class Layout:
     """What a saved checkpoint looks like beside its tensors: its files' names and its config files."""
 
-    stem: str  # file names: <stem>.safetensors, <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
+    # file names: <stem>.safetensors, or <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
+    stem: str
     single_file: bool  # one file whatever max_shard_size says (a PEFT adapter's)
     # (rank 0) writes the config files into an empty temporary folder (model, folder, plan); every file
     # it leaves there is committed into out_dir with the weights. None: no config files.

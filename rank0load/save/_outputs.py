@@ -25,7 +25,7 @@ __all__ = ["Outputs", "Writer", "commit", "index_name", "open_outputs"]
 
 
 def index_name(stem: str) -> str:
-    """The index of a checkpoint whose files are named from ``stem`` (``SavePlan.stem``)."""
+    """(any rank) The index of a checkpoint whose files are named from ``stem`` (``SavePlan.stem``)."""
     return f"{stem}.safetensors.index.json"
 
 
@@ -195,7 +195,8 @@ class Writer:
         self.thread.start()
 
     def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None, keep: Any = None) -> None:
-        """Write bytes [start, start + len(data)) of ``item`` into its saved tensors (one or more)."""
+        """Queue bytes [start, start + len(data)) of ``item`` for its saved tensors (one or more);
+        ``slot`` is handed back once written, ``keep`` kept alive until then."""
         writes = [(self.fds[f], data[lo:hi], at) for f, at, lo, hi in item.writes(start, len(data))]
         self.jobs.put((writes, slot, keep))
 

@@ -7,13 +7,10 @@ for a colwise one) leaves on each rank the cross product of index runs, one list
 
 (rank 0) :func:`blocks_of` names the senders: one replica per ``Replicate`` mesh dimension, as the
 row path does, each with its runs.
-(all ranks) :func:`block_chunks` cuts the saved tensor into chunks, contiguous byte ranges made of
-whole rows of one dimension ``k``: ``k = 0`` unless a dimension-0 row is wider than half a staging
-slot; then rows of the first dimension whose rows fit, under one index of each dimension before
-it (a wide 2-D row is cut into column ranges; one expert of a 3-D tensor into its rows). The part
-of a chunk a sender holds is, under those fixed indices, a range of its local rows of dimension
-``k`` at its full local width: a contiguous range of its local shard, sent as it is (or cast into
-a staging slot). Every rank derives the same chunks and parts, so nothing more is exchanged.
+(all ranks) :func:`block_chunks` cuts the saved tensor into chunks of whole rows of one dimension
+``k`` (``k = 0`` unless a dimension-0 row is wider than half a staging slot). The part of a chunk a
+sender holds is a contiguous range of its local shard, sent as it is (or cast into a staging slot).
+Every rank derives the same chunks and parts, so nothing more is exchanged.
 (rank 0) receives the parts into the second half of one staging slot and :func:`place`s them into
 the first, laid out as the chunk's rows, which it writes as one byte range. No collectives here.
 """
@@ -87,9 +84,10 @@ def block_chunks(
     element). ``src``: only that sender's parts (a sender needs no more; ``Part.at`` is then
     meaningless), in the same order as among all parts.
 
-    Cost: the chunks plus, per index of the dimensions before ``k`` (one when ``k = 0``), the
-    senders' runs sorted once and swept along the chunks, so a chunk costs only the senders
-    holding part of it (the tensor-parallel group of a row range, not the world)."""
+    ``k``: the first dimension whose rows fit in ``half``; a chunk is rows of ``k`` under one index
+    of each dimension before it (a wide 2-D row is cut into column ranges; one expert of a 3-D
+    tensor into its rows). The senders' runs are swept along the chunks, so a chunk costs only the
+    senders holding part of it, not the world."""
     if math.prod(shape) == 0:
         return
     k = next(k for k in range(len(shape)) if math.prod(shape[k + 1 :]) * itemsize <= half)

@@ -6,11 +6,9 @@ offset and every message (``_pieces.pieces``, ``_pieces.chunks``).
 sends its own rows to rank 0 point to point, in pieces of at most ``piece_bytes``, and its block of
 each chunk of a tensor-parallel DTensor (``_saveblock``); rank 0 receives ahead into its staging
 slots (a chunk's blocks into the second half of a slot, placed into its rows in the first) while a
-writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file offset. The messages are
-fixed by the plan: after a local failure (rank 0's disk full, a cast error) a rank keeps the
-messages flowing, and at the end of each round every rank learns the first failure and raises it
-as the same :class:`SaveError`; a collective that fails (a peer died) raises at once. The rounds,
-the sends and receives in flight and that settling are ``common._rounds``', as the load's are.
+writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file offset. Failures (rank 0's
+disk full, a cast error) are settled at each round's end as the same :class:`SaveError` on every
+rank (``common._rounds``, as the load's are).
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ class Staging:
 
 
 def allocate_staging(piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
-    """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
+    """(all ranks) Reserve the staging (``_memory.reserve``); raises SaveError when it cannot be had."""
     rank0, on_cpu = dist.get_rank() == 0, comm.type == "cpu"
     where = torch.device("cpu") if rank0 else comm
     slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes, error=SaveError)
@@ -133,6 +131,7 @@ class _Collector:
         self.pending.add(work, functools.partial(self.write_received, item, piece, slot))
 
     def write_received(self, item: SaveItem, piece: Piece, slot: int) -> None:
+        """Hand a received piece to the writer (copied to the host first from a device slot)."""
         host = self.staging.slots[slot][: piece.nbytes]
         if self.staging.device:
             self.faults.run(host.copy_, self.staging.device[slot][: piece.nbytes])

@@ -10,10 +10,8 @@ the 2-D mesh). Here the arithmetic is done on local tensors instead:
    dimensions are not reduced over (HSDP replicas count once); a plain tensor, or a DTensor
    replicated over every dimension, is local only (the same on every rank);
 2. each bucket's local value is ``sum |g|^p`` over its local shards (``max |g|`` for ``p = inf``);
-3. the buckets are all-reduced (SUM, or MAX for inf) over their groups one mesh dimension at a time:
-   stage ``s`` reduces every bucket's ``s``-th group, with one all-reduce per distinct group in
-   that stage carrying all the buckets that need it. Every rank holds a shard of every DTensor,
-   so after its stages each bucket holds its full value on every rank;
+3. the buckets are all-reduced (SUM, or MAX for inf) over their groups one mesh dimension at a time
+   (:func:`_all_reduce_buckets`), so each bucket holds its full value on every rank;
 4. each rank adds (or maxes) the buckets and its local-only part: the same total on every rank.
 
 The buckets and the schedule come from the parameters' meshes and placements, which every rank
@@ -80,6 +78,7 @@ def _shard_groups(mesh: DeviceMesh, placements: tuple[object, ...], what: str) -
 
 
 def _check_norm_type(norm_type: float) -> float:
+    """``norm_type`` as a float; ValueError unless it is > 0 or inf."""
     p = float(norm_type)
     if math.isnan(p) or p <= 0:
         raise ValueError(
