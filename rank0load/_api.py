@@ -126,9 +126,7 @@ def load_sharded(
     built, error = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
     clock("build")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
-        # the collector is off from here to the stream's end: ~100k objects for a MoE checkpoint
-        # from the headers on, and the manifest, plan and per-parameter targets after them (with them
-        # alive, each collection would walk them all; see _gc_paused)
+        # the collector is off from here to the stream's end (see _gc_paused)
         opened.enter_context(_gc_paused())
         comm = _distribute.mesh_device(mesh.device_type)
         faulting, allocation_error = _allocate(built, comm, opened)
@@ -311,14 +309,10 @@ def _prepare(
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the manifest is made and shared, the plan made and
-    the bytes streamed (the collector's own thresholds apply again afterwards). Parsing 96,000 header
-    entries creates some 500,000 containers, each batch of which started a collection that walked the
-    whole heap (the model, transformers' modules): 0.4-0.9 s of the 1.0 s that json spent on a
-    MiniMax-M2 header with the collector on, 0.15 s with it off. The plan and the stream allocate
-    objects per entry too: with the collector back on after the manifest, a per-expert MoE of 24,803
-    tensors on 2 ranks spent 2.4 s planning and 11.7 s streaming, with it off 0.3 s and 6.3 s
-    (benchmarks/README.md). Nothing made here holds cycles; what it frees, refcounting frees."""
+    """(all ranks) Python's cyclic garbage collector off while the manifest is made and shared, the
+    plan made and the bytes streamed; left off if the caller had turned it off. The headers, manifest,
+    plan and targets are many small containers, each batch of which would start a collection walking
+    the whole heap (benchmarks/README.md). Nothing made here holds cycles; refcounting frees it."""
     if not gc.isenabled():  # the caller's choice, kept
         yield
         return
@@ -329,9 +323,8 @@ def _gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-# malloc_trim walks the whole heap: 12-15 ms per rank after a transformers build (a dense 0.84 GB
-# checkpoint, 74 tensors), for nothing when the manifest was small. From this many checkpoint
-# tensors on (a MoE checkpoint), making and sharing it leaves tens of MB free to give back.
+# malloc_trim walks the whole heap, for nothing when the manifest was small; from this many
+# checkpoint tensors on (a MoE checkpoint), making and sharing the manifest leaves memory to give back.
 _TRIM_FROM_TENSORS = 10_000
 
 

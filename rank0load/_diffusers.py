@@ -1,8 +1,8 @@
 """``load_pretrained`` for a diffusers model class (a ``ModelMixin`` subclass: Flux, SD3, Wan, ...).
 
-(rank 0)    ``_pretrained._read`` resolves the checkpoint (``subfolder=``: a pipeline's component folder)
-            and reads its ``config.json``, as ``ModelMixin.load_config`` reads it (the JSON object);
-            ``_distribute.share`` sends it to every rank. Then :func:`load`, on every rank:
+(rank 0)    ``_pretrained._read`` reads ``config.json`` (``subfolder=``: a pipeline's component), as
+            ``ModelMixin.load_config`` reads it; ``_distribute.share`` sends it. Then :func:`load`,
+            on every rank:
 (all ranks) :func:`configure` under ``_distribute.attempt`` / ``settle``: overrides checked against the
             class's ``__init__``, the dtype ``from_pretrained(torch_dtype=...)`` would use.
 (all ranks) ``load_sharded``, :func:`build` inside its meta build: ``from_config(config, **overrides)``, as

@@ -1,23 +1,12 @@
 """``load_pretrained``: a transformers or diffusers model built from its checkpoint's own config, then
-``load_sharded``. After the config is shared, a transformers model class takes the steps of
-``_transformers``, a diffusers model class those of ``_diffusers``.
+``load_sharded``.
 
-(all ranks) :func:`_check_arguments`: an unknown keyword argument or a ``trust_remote_code`` that
-            is not a bool is a LoadError on every rank, from its own arguments (no collective).
-(rank 0)    :func:`_read` resolves the checkpoint as ``load_sharded`` does (``_source.resolve``: a
-            directory, a file, an index or a Hub repo id) and reads ``config.json``, then
-            ``generation_config.json`` if there is one, and, when ``dtype="auto"`` finds no dtype in
-            the config, the dtype of the checkpoint's first floating tensor (one header). With
-            ``trust_remote_code=True`` and an Auto class, the code ``auto_map`` names for it
-            (``_remote_code.read``: the module files and those they import relatively).
+(all ranks) :func:`_check_arguments`: bad arguments raise on every rank, before any collective.
+(rank 0)    :func:`_read`: the checkpoint resolved, its configs (and remote code) read.
 (all ranks) ``_distribute.share``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
-(all ranks) ``_transformers.configure`` under ``_distribute.attempt`` / ``settle``: the remote code
-            installed and imported, the config class (from ``model_type``, ``auto_map``, or
-            ``model_cls.config_class``), ``config_overrides``, the dtype, the generation config, the
-            model class. Every rank computes it from the same data; a failure is raised everywhere.
-(all ranks) ``load_sharded`` with ``model_fn`` building ``model_cls`` from that config; rank 0 passes
-            what it resolved (``_source.Resolved``), so a Hub repo is looked up once and an index
-            parsed once.
+(all ranks) ``_transformers.load`` or ``_diffusers.load`` (see their module docstrings): the config
+            built on every rank, then ``load_sharded`` with the path rank 0 resolved
+            (``_source.Resolved``), so a Hub repo is looked up once and an index parsed once.
 
 Other ranks never read the checkpoint or the Hugging Face cache, and never reach the network: they
 build the model from the config (and the code) rank 0 sent.
@@ -174,8 +163,8 @@ def load_pretrained(
 
 
 def _check_arguments(trust_remote_code: object, load_sharded_kwargs: dict[str, Any]) -> None:
-    """(all ranks, each from its own arguments; no collective) A keyword argument that neither
-    ``load_pretrained`` nor ``load_sharded`` takes, or a ``trust_remote_code`` that is not a bool."""
+    """(all ranks, each from its own arguments; no collective) Raise LoadError for a keyword argument
+    that neither ``load_pretrained`` nor ``load_sharded`` takes, or a non-bool ``trust_remote_code``."""
     unknown = sorted(set(load_sharded_kwargs) - set(_LOAD_SHARDED_OPTIONS))
     if unknown:
         names = ", ".join(repr(n) for n in unknown)
@@ -197,11 +186,16 @@ def _read(
     generation: bool = True,
     code: tuple[str, ...] | None = None,
 ) -> tuple[_Checkpoint | LoadError, str | os.PathLike[str]]:
-    """(rank 0) The checkpoint's configs (``generation``: its generation config too), and with
-    ``code`` (trust_remote_code=True: the ``auto_map`` entries to read) the code they name, or the
-    LoadError to share; and the path for ``load_sharded``: the folder ``subfolder`` names, the
-    snapshot directory when ``ckpt_path`` was a Hub repo id, with its resolved Source (``Resolved``),
-    so that it is resolved once."""
+    """(rank 0) Resolve ``ckpt_path`` as ``load_sharded`` does and read ``config.json`` (with
+    ``generation``: ``generation_config.json`` too, if present; with ``dtype="auto"`` and no dtype in
+    the config: the first floating tensor's dtype, from one header; with ``code``, the ``auto_map``
+    entries to read: their code, ``_remote_code.read``).
+
+    Returns:
+        The :class:`_Checkpoint`, or the LoadError to share (never raised here); and the path for
+        ``load_sharded``: the ``subfolder`` folder, or the snapshot directory for a Hub repo id,
+        with its resolved source (``Resolved``), so that it is resolved once.
+    """
     try:
         if overrides is not None and (
             not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)

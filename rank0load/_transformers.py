@@ -1,10 +1,7 @@
 """``load_pretrained`` for a transformers model class (an Auto class or a ``PreTrainedModel`` subclass).
 
-(rank 0)    ``_pretrained._read`` resolves the checkpoint and reads ``config.json``, then
-            ``generation_config.json`` if there is one (and, for ``dtype="auto"`` with no dtype in the
-            config, the dtype of the checkpoint's first floating tensor; with ``trust_remote_code=True``,
-            the code ``auto_map`` names); ``_distribute.share`` sends it to every rank. Then
-            :func:`load`, on every rank:
+(rank 0)    ``_pretrained._read`` reads the configs (and code); ``_distribute.share`` sends them to
+            every rank. Then :func:`load`, on every rank:
 (all ranks) :func:`configure` under ``_distribute.attempt`` / ``settle``: remote code installed
             (``_remote_code.install``), the config class (from ``auto_map`` with remote code, from
             ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the

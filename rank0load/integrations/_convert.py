@@ -60,8 +60,8 @@ __all__ = [
 
 
 class ConversionMatch(NamedTuple):
-    """Where one checkpoint tensor goes. (A named tuple: one is made per converted checkpoint
-    tensor, ~96,000 in a MoE checkpoint, several times cheaper than a frozen dataclass.)"""
+    """Where one checkpoint tensor goes. (A named tuple, not a dataclass: one is made per converted
+    checkpoint tensor.)"""
 
     target: str  # model key
     expert: int | None  # index along the target's dimension 0; None: the whole target (a renaming)

@@ -45,7 +45,7 @@ class CodeFile:
     """One module file, as rank 0's transformers installed it."""
 
     path: str  # relative to HF_MODULES_CACHE: transformers_modules/<folder>[/<hash>]/modeling_x.py
-    data: bytes  # its bytes
+    data: bytes
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,8 @@
 """Which model key each checkpoint key loads into, decided once per key *pattern* (rank 0).
 
 :class:`KeyResolver` answers, for a checkpoint key, its canonical model key or, when the model does
-not have the key itself, the :class:`~._convert.Conversion` that places it. MoE checkpoints repeat a
-few key patterns tens of thousands of times; a pattern's keys differ only in their numbers, so the
-rule read off one key (``_Rule``: which of its numbers the target copies, which one is the expert
-index) is checked against the next keys and then trusted for the rest of the pattern, and
-:meth:`KeyResolver.resolve_columns` predicts a trusted pattern's keys in bulk, with one
-regular-expression pass over them all.
+not have the key itself, the :class:`~._convert.Conversion` that places it (how a pattern's rule is
+read and trusted: see its docstring).
 
 (rank 0, or one process for ``inspect``; no collectives)
 """
@@ -31,8 +27,7 @@ def _numbers_blanked(keys: list[str]) -> Iterator[str]:
     """Each key's pattern (as :class:`KeyResolver` keys its rules: every whole-segment number
     replaced by NUL), for keys without newlines or NULs: one regular-expression pass over them all,
     joined, each between dots (a literal dot lets the scan skip ahead, where ``_NUMBER``'s
-    look-behind tests every character: 50 ms instead of 150 for 96,000 keys). A generator: one
-    pattern string per key would be ~10 MiB for a MoE checkpoint, so they live a chunk at a time."""
+    look-behind tests every character). A generator, so the patterns live a chunk at a time."""
     for at in range(0, len(keys), _KEYS_AT_ONCE):
         blanked = _DOTTED_NUMBER.sub(".\0", _dotted(keys[at : at + _KEYS_AT_ONCE]))
         yield from [line[1:-1] for line in blanked.split("\n")]
@@ -92,13 +87,13 @@ class KeyResolver:
     key itself, the conversion that places it, decided once per key *pattern*.
 
     MoE checkpoints repeat a few patterns (``layers.N.….experts.E.w1.weight``) tens of thousands of
-    times, and a transformers conversion costs about a dozen regular-expression renamings per key.
-    A pattern's keys differ only in their numbers, so the rule read from one key (which of its
+    times, and a transformers conversion is a dozen regular-expression renamings per key. A
+    pattern's keys differ only in their numbers, so the rule read from one key (which of its
     numbers the target copies, which one is the expert index) holds for the others. It is taken on
     trust only after it predicted every key of the pattern exactly until each of its numbers had
-    taken a second value (within the first layer of a MoE checkpoint: a few hundred keys in all);
-    a pattern whose rule mispredicts, or whose numbers repeat within a key (``layers.0.experts.0``),
-    is computed key by key. A predicted target must still be a model key, or the key is computed.
+    taken a second value; a pattern whose rule mispredicts, or whose numbers repeat within a key
+    (``layers.0.experts.0``), is computed key by key. A predicted target must still be a model key,
+    or the key is computed. :meth:`resolve_columns` predicts a trusted pattern's keys in bulk.
     """
 
     def __init__(
@@ -145,7 +140,7 @@ class KeyResolver:
 
     def resolve_columns(self, keys: Sequence[str]) -> tuple[list[str | None], list[ConversionMatch | None]]:
         """:meth:`resolve_all`'s answers as two columns (each key's canonical model key, and its
-        conversion), without a pair per key (~96,000 in a MoE checkpoint, 5 MiB under rank 0's peak).
+        conversion), without a pair per key.
         The keys the model lacks are grouped by pattern with one regular-expression pass over them
         all; a pattern's keys go one by one until its rule is trusted, the rest are predicted
         together (their numbers found in one pass, each distinct target checked once)."""
@@ -194,7 +189,7 @@ class KeyResolver:
         if len(copied) == 1:
             which = [(w,) for w in which]
         targets: dict[tuple[str, ...], str | None] = {}
-        for numbers, row in dict(zip(which, rows)).items():  # a few hundred targets for ~96,000 keys
+        for numbers, row in dict(zip(which, rows)).items():  # each distinct target once
             predicted = rule.predict(list(row)).target  # type: ignore[union-attr]
             targets[numbers] = predicted if self._canonical(predicted) == predicted else None
         target_of = list(map(targets.__getitem__, which))
