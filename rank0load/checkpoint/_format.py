@@ -9,20 +9,16 @@ instead of mapping whole files (mapped pages count in RSS). The JSON is decoded 
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
 import operator
 import os
-import re
 import struct
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..errors import CheckpointFormatError
 from ._files import OpenFile, read_exact
-from ._json import Twice, mark_twice, parse_json, short_repr
+from ._json import Twice, parse_json, short_repr
 
 __all__ = [
     "DTYPES",
@@ -114,12 +110,6 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
     file.check()  # a header read from a file being rewritten is not evidence of corruption
     data_start = 8 + n
     data_size = size - data_start
-    written = _as_written(path, raw, data_start, data_size)
-    if written is not None:
-        tensors, metadata, tiled = written
-        if not tiled:
-            _check_coverage(path, tensors, data_start, data_size)
-        return tensors, metadata
     header = parse_json(raw, "header", lambda problem: _fail(path, problem))
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object")
@@ -135,134 +125,9 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
         raise _fail(path, f"'__metadata__' is {short_repr(metadata)}: expected an object of strings")
     if isinstance(metadata, Twice):
         raise _fail(path, f"'__metadata__' holds key {metadata.twice[0]!r} twice")
-    parsed = _parse_entries(path, header, data_start, data_size)
-    if parsed is None:  # something is wrong: entry by entry, the first bad one named
-        parsed = {key: _parse_entry(path, key, entry, data_start, data_size) for key, entry in header.items()}
+    parsed = {key: _parse_entry(path, key, entry, data_start, data_size) for key, entry in header.items()}
     _check_coverage(path, parsed, data_start, data_size)
     return parsed, {str(k): str(v) for k, v in metadata.items()}
-
-
-_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items() if name != "F4"}
-_DTYPE_NAMES = {name: name for name in _ITEMSIZE}
-
-# The header as safetensors writes it (what save_pretrained and save_file produce): compact JSON,
-# "__metadata__" first, each entry's fields in this order, no escapes, then spaces up to a multiple
-# of 8 bytes. Read with one regular-expression pass over the text instead of json.loads building a
-# dict and two lists per entry; any other layout goes through json (see read_header).
-_ENTRY = re.compile(
-    r'"([^"]*)":\{"dtype":"([A-Z0-9_]{1,16})","shape":\[([0-9,]{0,400})\],'
-    r'"data_offsets":\[([0-9]{1,18}),([0-9]{1,18})\]\}([,}])'
-)
-_ENTRY_TEXT = len('"":{"dtype":"","shape":[],"data_offsets":[,]},')  # an entry's fixed characters
-_METADATA = re.compile(r'\{"__metadata__":(\{(?:"[^"]*":"[^"]*"(?:,"[^"]*":"[^"]*")*)?\}),')
-_SHAPE = re.compile(r"(?:(?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?")  # JSON integers: no leading 0
-_NOT_WRITTEN = bytes(range(32)) + b"\\"  # control characters and escapes: json.loads's business
-
-
-def _as_written(
-    path: str, raw: bytes, data_start: int, data_size: int
-) -> tuple[dict[str, TensorHeader], dict[str, str], bool] | None:
-    """(tensors, metadata, tiled) of a header in the layout safetensors writes whose every entry
-    passes :func:`_parse_entries`'s checks (tiled: the entries, in the header's order, fill the data
-    section end to end, so :func:`_check_coverage` has nothing to find); None for anything else
-    (read_header then parses it as JSON and names the problem). The entries must tile the text
-    after the metadata exactly: matches found in order whose lengths add up to the text's cannot
-    leave a character unread."""
-    body = raw.rstrip(b" ")
-    if len(body.translate(None, _NOT_WRITTEN)) != len(body):
-        return None
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    opened = _written_metadata(text)
-    if opened is None:
-        return None
-    metadata, at = opened
-    rows = _ENTRY.findall(text, at)
-    if not rows:
-        return None
-    keys, dtypes, shapes, begins, ends, ends_with = zip(*rows)
-    written = sum(map(len, itertools.chain(keys, dtypes, shapes, begins, ends))) + _ENTRY_TEXT * len(rows)
-    if written != len(text) - at or ends_with.count("}") != 1 or ends_with[-1] != "}":
-        return None
-    if len(set(keys)) != len(keys) or "__metadata__" in keys or not set(dtypes) <= _ITEMSIZE.keys():
-        return None
-    distinct = set(shapes)
-    if not all(map(_SHAPE.fullmatch, distinct)):
-        return None
-    dims = {s: tuple(map(int, s.split(","))) if s else () for s in distinct}
-    if max(map(len, dims.values())) > 16:
-        return None
-    nbytes = {(s, d): math.prod(dims[s]) * _ITEMSIZE[d] for s, d in set(zip(shapes, dtypes))}
-    sizes = list(map(nbytes.__getitem__, zip(shapes, dtypes)))
-    stops = list(map(int, ends))
-    tiled = begins[0] == "0" and begins[1:] == ends[:-1]  # each stored right after the one before
-    starts = [0, *stops[:-1]] if tiled else list(map(int, begins))
-    if max(stops) > data_size or any(map(operator.ne, map(operator.sub, stops, starts), sizes)):
-        return None
-    digits = sum(map(len, ends)) + (0 if tiled else sum(map(len, begins)))
-    if digits != sum(map(len, map(str, stops))) + (0 if tiled else sum(map(len, map(str, starts)))):
-        return None  # a number written with a leading zero, which JSON does not allow
-    columns = zip(
-        itertools.repeat(path),
-        keys,
-        map(_DTYPE_NAMES.__getitem__, dtypes),
-        map(dims.__getitem__, shapes),
-        map(data_start.__add__, starts),
-        sizes,
-    )
-    # tuple.__new__ straight from the columns: the named tuple's own __new__ is a Python function
-    tensors = dict(zip(keys, map(tuple.__new__, itertools.repeat(TensorHeader), columns)))
-    return tensors, metadata, tiled and stops[-1] == data_size
-
-
-def _written_metadata(text: str) -> tuple[dict[str, str], int] | None:
-    """(metadata, where the entries start) of a header as safetensors writes it: ``{``, then its
-    ``__metadata__`` object of strings, if any, written first; None for anything else."""
-    if not text.startswith('{"__metadata__":'):
-        return ({}, 1) if text.startswith("{") else None
-    found = _METADATA.match(text)
-    if found is None:
-        return None
-    metadata = json.loads(found.group(1), object_pairs_hook=mark_twice)
-    if isinstance(metadata, Twice):
-        return None
-    return metadata, found.end()
-
-
-def _parse_entries(
-    path: str, header: dict[str, object], data_start: int, data_size: int
-) -> dict[str, TensorHeader] | None:
-    """Every entry at once, each check made over columns rather than entry by entry; None when any
-    check fails or the header holds what only :func:`_parse_entry` handles (F4, very many
-    dimensions), which then names the first problem."""
-    entries = list(header.values())
-    if set(map(type, entries)) - {dict}:  # Twice (a field stored twice) too
-        return None
-    fields = [(e.get("dtype"), e.get("shape"), e.get("data_offsets")) for e in entries]  # type: ignore[attr-defined]
-    dtypes, shapes, offsets = (list(c) for c in zip(*fields)) if fields else ([], [], [])
-    if not set(dtypes) <= _ITEMSIZE.keys() or set(map(type, shapes)) - {list}:
-        return None
-    if set(map(type, offsets)) - {list} or set(map(len, offsets)) - {2}:
-        return None
-    dims = list(itertools.chain.from_iterable(shapes))
-    flat = list(itertools.chain.from_iterable(offsets))
-    if len(dims) > 16 * len(entries) or set(map(type, dims)) - {int} or set(map(type, flat)) - {int}:
-        return None
-    if (dims and min(dims) < 0) or (flat and (min(flat) < 0 or max(flat) > data_size)):
-        return None
-    begins, ends = flat[0::2], flat[1::2]
-    sizes = [math.prod(shape) * _ITEMSIZE[d] for shape, d in zip(shapes, dtypes)]
-    if any(map(operator.ne, map(operator.sub, ends, begins), sizes)):
-        return None
-    # One string per dtype and one tuple per distinct shape, shared by every entry (json makes a
-    # new string and list for each).
-    shared: dict[Any, Any] = dict(_DTYPE_NAMES)
-    return {
-        key: TensorHeader(path, key, shared[d], shared.setdefault(s, s), data_start + b, n)
-        for key, d, s, b, n in zip(header, dtypes, map(tuple, shapes), begins, sizes)
-    }
 
 
 def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size: int) -> TensorHeader:
