@@ -111,7 +111,7 @@ def load_sharded(
             the transfer. Subclasses: ``CheckpointNotFoundError``, ``CheckpointFormatError``,
             ``CheckpointChangedError``, ``ModelMismatchError``, ``RankMismatchError``.
     """
-    _require_process_group()
+    _distribute.require_process_group()
     clock, rank = Clock(), dist.get_rank()
     mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
     if max_staging_bytes is None:
@@ -169,14 +169,6 @@ def load_sharded(
     return _finished(built, manifest, ready.plan, clock, local)
 
 
-def _require_process_group() -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise LoadError(
-            "torch.distributed is not initialised: call dist.init_process_group() first "
-            "(torchrun sets the environment for it)"
-        )
-
-
 def _allocate(
     built: _model.Built | None, comm: torch.device, opened: contextlib.ExitStack
 ) -> tuple[FaultIn | None, Exception | None]:
@@ -227,9 +219,7 @@ def _prepared(prepare: Callable[[], _Ready]) -> _Ready:
     """(all ranks) ``prepare`` (:func:`_prepare`) run on every rank, any rank's failure raised on
     all of them."""
     ready, error = _distribute.attempt(prepare)
-    _distribute.settle(
-        error, "allocating or initialising the model", "No data was moved; fix the cause and load again."
-    )
+    _distribute.settle(error, "allocating or initialising the model", _distribute.NO_DATA_MOVED)
     assert ready is not None  # settle() raised otherwise
     return ready
 

@@ -65,7 +65,7 @@ def load(
     _distribute.settle(
         error,
         "building the model's config",
-        "No data was moved; fix the cause and load again.",
+        _distribute.NO_DATA_MOVED,
         wrap=LoadError,
     )
     assert configured is not None  # settle() raised otherwise

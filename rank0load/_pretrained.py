@@ -141,11 +141,7 @@ def load_pretrained(
             neither ``load_pretrained`` nor ``load_sharded`` takes (before any collective).
     """
     _check_arguments(trust_remote_code, load_sharded_kwargs)
-    if not dist.is_available() or not dist.is_initialized():
-        raise LoadError(
-            "torch.distributed is not initialised: call dist.init_process_group() first "
-            "(torchrun sets the environment for it)"
-        )
+    _distribute.require_process_group()
     diffusers = _compat.is_diffusers_class(model_cls)  # the same answer on every rank
     # the auto_map entries whose code rank 0 reads: an Auto class's and its config's
     code = None

@@ -38,8 +38,6 @@ __all__ = ["Configured", "build", "configure", "load"]
 
 logger = logging.getLogger(__name__)
 
-_NO_DATA = "No data was moved; fix the cause and load again."
-
 
 @dataclass(frozen=True)
 class Configured:
@@ -65,7 +63,7 @@ def load(
     loaded from ``path`` (rank 0's; the other ranks never look at it), wrapped by ``get_peft_model``
     with a ``peft_config``, in eval mode as ``from_pretrained`` returns it, with its generation config."""
     configured, error = _distribute.attempt(lambda: configure(model_cls, checkpoint, dtype))
-    _distribute.settle(error, "building the model's config", _NO_DATA, wrap=LoadError)
+    _distribute.settle(error, "building the model's config", _distribute.NO_DATA_MOVED, wrap=LoadError)
     assert configured is not None  # settle() raised otherwise
     model = load_sharded(
         lambda: _peft_wrapped(

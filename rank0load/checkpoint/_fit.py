@@ -18,7 +18,7 @@ from ..integrations._convert import ConversionMatch
 from ..model._meta import ModelLayout
 from ._entries import Entry, Parts
 from ._format import DTYPES, TensorHeader
-from ._fp8 import FP8_WIRE
+from ._fp8 import FP8_WIRE, SCALE_SUFFIX
 from ._fp8 import scale_for as fp8_scale_for
 
 # TensorHeader and ConversionMatch fields as C-level getters, for whole columns of them
@@ -79,8 +79,8 @@ def unconsumed(
     # A header key ending in _scale_inv whose weight is quantised is consumed. Tested key by key in
     # C, each prefix freed at once: no set of names is made for it (it would raise rank 0's peak).
     unexpected = match.unexpected
-    scale = map(operator.methodcaller("endswith", "_scale_inv"), unexpected)
-    weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len("_scale_inv"))))
+    scale = map(operator.methodcaller("endswith", SCALE_SUFFIX), unexpected)
+    weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len(SCALE_SUFFIX))))
     consumed = map(operator.and_, scale, map(quantised.__contains__, weight))
     return tuple(itertools.compress(unexpected, map(operator.not_, consumed)))
 
@@ -160,7 +160,7 @@ def _with_scales(
     dtype: torch.dtype,
 ) -> Entry:
     """``entry`` (float8 parts) with each part's scale grid, checked; dequantised on arrival."""
-    scales = list(map(headers.get, map(operator.add, map(_KEY, parts), itertools.repeat("_scale_inv"))))
+    scales = list(map(headers.get, map(operator.add, map(_KEY, parts), itertools.repeat(SCALE_SUFFIX))))
     if None in scales:  # raises, naming the first weight without a scale
         fp8_scale_for(entry.key, parts[scales.index(None)], headers, block, dtype)
     # The checks depend on the shapes and the scale's dtype alone: made once for each kind of part

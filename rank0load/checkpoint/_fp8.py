@@ -27,6 +27,7 @@ from ._format import TensorHeader
 
 __all__ = [
     "FP8_WIRE",
+    "SCALE_SUFFIX",
     "block_size",
     "dequantize",
     "dequantize_at",
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
+SCALE_SUFFIX = "_scale_inv"  # a weight's block scales are stored as <weight key> + this
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -86,7 +88,7 @@ def scale_for(
     """(rank 0) The ``weight_scale_inv`` of float8 ``weight`` (checkpoint key ``weight.key``), checked
     against its shape, and the block size. Raises ModelMismatchError naming what is wrong: a float8
     weight is never loaded unscaled into a floating model."""
-    scale = headers.get(weight.key + "_scale_inv")
+    scale = headers.get(weight.key + SCALE_SUFFIX)
     if scale is None:
         where = os.path.basename(weight.file)
         raise ModelMismatchError(

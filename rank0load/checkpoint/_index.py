@@ -57,6 +57,15 @@ def _hash_sum(keys: Iterable[str]) -> int:
     return sum(map(hash, keys)) & 0xFFFF_FFFF_FFFF_FFFF
 
 
+def escapes(name: str) -> bool:
+    """Whether a relative name could leave its folder: an absolute path, a drive or a ``..`` part."""
+    return (
+        os.path.isabs(name)
+        or bool(re.match(r"^[A-Za-z]:", name))
+        or ".." in name.replace("\\", "/").split("/")
+    )
+
+
 def inside(root: str, name: object, where: str, boundary: str | None = None) -> str:
     """Absolute path of ``name`` under ``root``, a regular file; refuse anything that escapes
     ``boundary`` (default ``root``; a Hub cache's repo folder, whose snapshots link into its blobs)."""
@@ -64,8 +73,7 @@ def inside(root: str, name: object, where: str, boundary: str | None = None) -> 
         raise CheckpointFormatError(
             f"{where}: file name {name!r} is not a non-empty string. Re-download or re-save the checkpoint."
         )
-    parts = name.replace("\\", "/").split("/")
-    if os.path.isabs(name) or re.match(r"^[A-Za-z]:", name) or ".." in parts:
+    if escapes(name):
         raise CheckpointFormatError(
             f"{where}: refusing file {name!r}: index entries must be relative paths inside the "
             "checkpoint directory (no absolute paths, drives or '..')"

@@ -34,6 +34,7 @@ from ._entries import Entry
 from ._files import OpenFile
 from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
+from ._fp8 import SCALE_SUFFIX
 from ._fp8 import block_size as fp8_block_size
 from ._headers import file_tensors
 from ._manifest import Manifest, manifest_of
@@ -45,8 +46,6 @@ __all__ = ["RUN_TENSORS", "manifest_by_runs"]
 logger = logging.getLogger(__name__)
 
 RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
-
-_SCALE = "_scale_inv"
 
 
 class _AtOnce(Exception):
@@ -133,7 +132,7 @@ def _share(
     quantised = quantised_keys(match, layout)
 
     def lacks_scale(t: TensorHeader) -> bool:
-        return t.key in quantised and t.key + _SCALE not in headers
+        return t.key in quantised and t.key + SCALE_SUFFIX not in headers
 
     stacked = {
         k: list(members)
@@ -150,8 +149,10 @@ def _share(
     entries = [_compact(e) for e in build_entries(whole, layout, headers, block, quantised=quantised)]
     unexpected = unconsumed(match, layout, quantised)
     pending = itertools.chain((t for m in stacked.values() for _, t in m), (f[0] for f in single.values()))
-    scales = [headers[k] for k in (t.key + _SCALE for t in pending if t.key in quantised) if k in headers]
-    scales += [headers[k] for k in unexpected if k.endswith(_SCALE)]  # perhaps another run's weight's
+    scales = [
+        headers[k] for k in (t.key + SCALE_SUFFIX for t in pending if t.key in quantised) if k in headers
+    ]
+    scales += [headers[k] for k in unexpected if k.endswith(SCALE_SUFFIX)]  # perhaps another run's weight's
     return _Share(entries, stacked, single, scales, unexpected, match.ignored, tuple(match.unsupported))
 
 
@@ -197,7 +198,7 @@ def _merge(
         entries += [_compact(e) for e in build_entries(pending, layout, pool, block, quantised=quantised)]
     except ModelMismatchError as exc:
         raise _AtOnce(str(exc)) from None
-    consumed = {k + _SCALE for k in quantised}
+    consumed = {k + SCALE_SUFFIX for k in quantised}
     unexpected = tuple(sorted(k for s in shares for k in s.unexpected if k not in consumed))
     found |= stacked.keys() | single.keys()
     absent = [k for k in layout.tensors if k not in found]

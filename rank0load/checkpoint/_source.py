@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ._files import not_regular
-from ._index import Listing, inside, read_index
+from ._index import Listing, escapes, inside, read_index
 
 __all__ = ["Resolved", "Source", "resolve"]
 
@@ -193,14 +193,7 @@ def _from_dir(path: str, boundary: str | None = None) -> Source:
 
 def _check_subfolder(path: str, subfolder: object) -> None:
     """``subfolder`` must name a folder inside the checkpoint: no absolute path, drive or ``..``."""
-    parts = subfolder.replace("\\", "/").split("/") if isinstance(subfolder, str) else []
-    if (
-        not isinstance(subfolder, str)
-        or not subfolder.strip("/")
-        or os.path.isabs(subfolder)
-        or re.match(r"^[A-Za-z]:", subfolder)
-        or ".." in parts
-    ):
+    if not isinstance(subfolder, str) or not subfolder.strip("/") or escapes(subfolder):
         raise CheckpointNotFoundError(
             f"subfolder={subfolder!r} for checkpoint {path!r}: expected the name of a folder inside it, "
             "such as 'transformer' (no absolute path, drive or '..')"

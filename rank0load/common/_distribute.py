@@ -33,6 +33,7 @@ from ..integrations._compat import host_bytes
 from ._failure import Failure, failure_of, peer_failure, rank_mismatch
 
 __all__ = [
+    "NO_DATA_MOVED",
     "broadcast",
     "Faults",
     "attempt",
@@ -45,6 +46,7 @@ __all__ = [
     "mesh_device",
     "raise_failure",
     "ranks_where",
+    "require_process_group",
     "settle",
     "share",
     "traffic",
@@ -54,6 +56,18 @@ logger = logging.getLogger(__name__)
 
 
 R = TypeVar("R")
+
+
+NO_DATA_MOVED = "No data was moved; fix the cause and load again."
+
+
+def require_process_group(error: type[LoadError] = LoadError) -> None:
+    """(each rank, before anything else) Raise ``error`` unless torch.distributed is initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise error(
+            "torch.distributed is not initialised: call dist.init_process_group() first "
+            "(torchrun sets the environment for it)"
+        )
 
 
 def rank0_rng_state(device: torch.device) -> torch.Tensor | None:

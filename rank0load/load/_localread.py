@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..checkpoint._format import DTYPES
 from ..common._rounds import block_half
-from ..errors import CheckpointChangedError, InternalError, LoadError
+from ..errors import CheckpointChangedError, InternalError
 from . import _reads
 from ._blocks import deliveries
 from ._messages import Message
@@ -238,14 +238,8 @@ class LocalReader:
         extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
         for path, offset, views in _reads.runs(extents, data):
             self.touched.add(path)
-            try:
-                _reads.read_vectored(self.files.fd(path), views, offset, path)
-            except OSError as exc:
-                via, how = "", ""
-                if self.me != 0:
-                    via = " through rank 0's descriptor"
-                    how = " (local_reads=False makes rank 0 send this rank its bytes instead)"
-                raise LoadError(
-                    f"rank {self.me} could not read {path} at byte {offset}{via}: {exc.strerror or exc}. "
-                    f"Check the disk and the file (was it moved or changed during the load?) and retry{how}."
-                ) from None
+            if self.me == 0:
+                _reads.read_into(self.files.fd(path), views, offset, path)
+            else:
+                hint = " (it reads through rank 0's descriptor; local_reads=False has rank 0 send its bytes)"
+                _reads.read_into(self.files.fd(path), views, offset, path, f"rank {self.me}", hint)

@@ -15,12 +15,26 @@ import os
 
 import torch
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, LoadError
 from ..integrations._compat import host_bytes
 
-__all__ = ["read_vectored", "runs", "split_runs"]
+__all__ = ["read_into", "read_vectored", "runs", "split_runs"]
 
 _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
+
+
+def read_into(
+    fd: int, views: list[memoryview], offset: int, path: str, reader: str = "rank 0", hint: str = ""
+) -> None:
+    """:func:`read_vectored`, its OSError a LoadError naming ``reader`` (``hint``: how else that
+    rank could get the bytes)."""
+    try:
+        read_vectored(fd, views, offset, path)
+    except OSError as exc:
+        raise LoadError(
+            f"{reader} could not read {path} at byte {offset}: {exc.strerror or exc}. Check the disk "
+            f"and the file (was it moved or changed during the load?) and retry{hint}."
+        ) from None
 
 
 def read_vectored(fd: int, views: list[memoryview], offset: int, path: str) -> None:

@@ -24,7 +24,6 @@ import torch
 
 from ..checkpoint._entries import Entry
 from ..checkpoint._files import opened
-from ..errors import LoadError
 from . import _reads
 from ._messages import Message
 from ._pieces import Route
@@ -211,13 +210,7 @@ class Reader:
 
     def _read_run(self, path: str, offset: int, views: list[memoryview]) -> None:
         fd = opened(self._files, path).fd
-        try:
-            _reads.read_vectored(fd, views, offset, path)
-        except OSError as exc:
-            raise LoadError(
-                f"rank 0 could not read {path} at byte {offset}: {exc.strerror or exc}. "
-                "Check the disk and the file (was it moved or changed during the load?) and retry."
-            ) from None
+        _reads.read_into(fd, views, offset, path)
 
     def _check(self, path: str | None) -> None:
         file = self._files.get(path) if path is not None else None

@@ -137,8 +137,7 @@ def save_sharded(
             writable, disk full, a cast error, a rank that died); other LoadErrors for models that
             differ between ranks (``RankMismatchError``).
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise SaveError("torch.distributed is not initialised: call dist.init_process_group() first")
+    _distribute.require_process_group(SaveError)
     if adapter is not None:
         return _save_adapter(model, out_dir, adapter, dtype, max_staging_bytes, key_map)
     return _save(

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..errors import SaveError
 from ..model._layout import Runs, rank_coordinates, runs_at
 
-__all__ = ["Blocks", "Chunk", "Part", "block_chunks", "blocks_of", "place"]
+__all__ = ["Blocks", "Chunk", "Part", "block_chunks", "blocks_of", "place", "senders"]
 
 Blocks = tuple[tuple[int, Runs], ...]  # (global rank, the global indices it holds per dimension, as runs)
 
@@ -59,20 +59,27 @@ class Part:
         return (self.rows[1] - self.rows[0], *(sum(b - a for a, b in r) for r in self.inner))
 
 
-def blocks_of(t: DTensor) -> Blocks:
-    """(rank 0) Who sends which block of ``t``: the replica at coordinate 0 of every ``Replicate``
-    mesh dimension, with the cross product of index runs it holds; ranks holding nothing left out.
-    On a sub-mesh (``mesh["dp"]``) the ranks of rank 0's slice send; the other slices are replicas."""
-    mesh, placements = t.device_mesh, t.placements
-    replicated = [d for d, p in enumerate(placements) if type(p) is Replicate]
-    out = []
-    for rank, coord in rank_coordinates(mesh):
+def senders(t: DTensor) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(rank 0) The ranks that send ``t``'s bytes, with their mesh coordinates: the replica at
+    coordinate 0 of every ``Replicate`` mesh dimension. On a sub-mesh (``mesh["dp"]``) the ranks of
+    rank 0's slice send; the other slices are replicas."""
+    replicated = [d for d, p in enumerate(t.placements) if type(p) is Replicate]
+    for rank, coord in rank_coordinates(t.device_mesh):
         if all(coord[d] == 0 for d in replicated):
-            runs = runs_at(placements, tuple(mesh.shape), coord, tuple(t.shape))
-            if runs is None:  # every rank reported RUNS_OK for it: a bug, not a user error
-                raise SaveError(f"no block layout for placements {placements} of shape {tuple(t.shape)}")
-            if all(runs):
-                out.append((rank, runs))
+            yield rank, coord
+
+
+def blocks_of(t: DTensor) -> Blocks:
+    """(rank 0) Who sends which block of ``t`` (:func:`senders`), with the cross product of index
+    runs it holds; ranks holding nothing left out."""
+    mesh, placements = t.device_mesh, t.placements
+    out = []
+    for rank, coord in senders(t):
+        runs = runs_at(placements, tuple(mesh.shape), coord, tuple(t.shape))
+        if runs is None:  # every rank reported RUNS_OK for it: a bug, not a user error
+            raise SaveError(f"no block layout for placements {placements} of shape {tuple(t.shape)}")
+        if all(runs):
+            out.append((rank, runs))
     return tuple(out)
 
 

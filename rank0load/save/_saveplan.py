@@ -21,15 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
 from ..common._distribute import round_ends
 from ..common._rounds import ROUND_PIECES, slot_bytes
 from ..errors import LoadError, SaveError
-from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of
+from ..model._layout import ROWS_OK, RUNS_OK, rows_of
 from ..model._meta import ModelLayout, strip_wrappers
 from ._saveblock import Blocks, blocks_of
+from ._saveblock import senders as replica_senders
 
 __all__ = [
     "SaveItem",
@@ -222,16 +223,13 @@ def _kind(t: torch.Tensor, flags: int) -> SaveKind:
 
 
 def _senders(t: DTensor) -> _Senders:
-    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor: the replica at coordinate 0 of
-    every Replicate mesh dimension, each its own row range."""
-    mesh, placements = t.device_mesh, t.placements
-    replicated = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor (``_saveblock.senders``), each
+    its own row range."""
     out = []
-    for rank, coord in rank_coordinates(mesh):
-        if all(coord[d] == 0 for d in replicated):
-            lo, hi = rows_of(tuple(mesh.shape), placements, t.shape[0], coord)
-            if hi > lo:
-                out.append((rank, lo, hi))
+    for rank, coord in replica_senders(t):
+        lo, hi = rows_of(tuple(t.device_mesh.shape), t.placements, t.shape[0], coord)
+        if hi > lo:
+            out.append((rank, lo, hi))
     return tuple(sorted(out, key=lambda s: s[1]))
 
 
