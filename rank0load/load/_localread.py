@@ -36,6 +36,8 @@ from ._sink import Arrival, Sink, Staging
 
 __all__ = ["LocalFiles", "LocalReader", "LocalReads"]
 
+_THROUGH_RANK0 = " (it reads through rank 0's descriptor; local_reads=False has rank 0 send its bytes)"
+
 
 class LocalFiles:
     """(a local reader) Rank 0's descriptors, by checkpoint path, with the identity of each file."""
@@ -238,8 +240,5 @@ class LocalReader:
         extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
         for path, offset, views in _reads.runs(extents, data):
             self.touched.add(path)
-            if self.me == 0:
-                _reads.read_into(self.files.fd(path), views, offset, path)
-            else:
-                hint = " (it reads through rank 0's descriptor; local_reads=False has rank 0 send its bytes)"
-                _reads.read_into(self.files.fd(path), views, offset, path, f"rank {self.me}", hint)
+            hint = "" if self.me == 0 else _THROUGH_RANK0
+            _reads.read_into(self.files.fd(path), views, offset, path, f"rank {self.me}", hint)

@@ -270,7 +270,7 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
     """
     named = list(model.named_modules())  # walked once for names
     names = {id(m): n for n, m in named}
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [m for _, m in named if _is_unit(m)]
     inside = sorted(names[id(m)] for m in units if id(m) in routed)
     if inside:
         raise ModelMismatchError(
@@ -297,6 +297,11 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
         _refuse_training_routed(model, names, groups, routed_groups, routed_names)
     check_dtype_groups(model, groups, names)
     _check_at_first_forward(model, units)
+
+
+def _is_unit(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` (a bool, so a filter keeps ``nn.Module``)."""
+    return isinstance(module, FSDPModule)
 
 
 def _refuse_training_routed(
