@@ -2,10 +2,13 @@
 --key-map too), the FSDP groups of the default policy, and the exit codes (0 fits / readable, 1
 mismatches, 2 unreadable checkpoint or bad command line, 3 model factory or key map failed).
 
-The subprocesses start together from one fixture (each spends seconds importing torch)."""
+One command runs as ``python -m rank0load`` in a fresh process (the entry point itself); the others
+call the same ``main()`` in this process (a fresh one costs seconds of importing torch each)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -64,6 +67,14 @@ def _sharded_checkpoint(path) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def _in_process(argv: list[str]) -> tuple[int, str, str]:
+    """``main(argv)`` here, as the subprocess would run it: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
@@ -88,20 +99,17 @@ def cli(tmp_path_factory):
         "absent": [str(tmp / "absent")],
         "no_module": [str(tmp / "toy.safetensors"), "--model", "tests.no_such_module:build"],
     }
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "rank0load", "inspect", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, args in commands.items()
-    }
-    results = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=180)
-        results[name] = (proc.returncode, out, err)
+    # the entry point, in a fresh process
+    summary = subprocess.Popen(
+        [sys.executable, "-m", "rank0load", "inspect", *commands.pop("summary")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    results = {name: _in_process(["inspect", *args]) for name, args in commands.items()}
+    out, err = summary.communicate(timeout=180)
+    results["summary"] = (summary.returncode, out, err)
     return tmp, results
 
 
