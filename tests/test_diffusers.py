@@ -34,7 +34,7 @@ import torch
 from tests import _dist
 from tests.models import assert_same, gather, reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.diffusers]
+pytestmark = [pytest.mark.slow, pytest.mark.torch_range, pytest.mark.diffusers]
 
 BF16 = torch.bfloat16
 

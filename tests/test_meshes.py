@@ -15,7 +15,7 @@ from tests import _dist, hf
 from tests.models import assert_same, gather, reference, toy, trained_toy
 
 # Slow: one 4-rank spawn that imports transformers, 25-30 s on 2 cores.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torch_range]
 
 IDS = torch.tensor([[1, 2, 3, 6], [0, 5, 4, 4]])
 

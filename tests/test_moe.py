@@ -35,7 +35,8 @@ from tests import moe_models as mm
 from tests.fakes import hide
 from tests.models import assert_same, gather, reference
 
-pytestmark = pytest.mark.slow  # two spawns (2 and 3 ranks) of 27 loads each: about a minute
+# two spawns (2 and 3 ranks) of 27 loads each: about a minute
+pytestmark = [pytest.mark.slow, pytest.mark.torch_range]
 
 FP8_FAMILIES = ("minimax_m2", "deepseek_v3")
 BLOCKS = {"b128": (128, 128), "b16": (16, 16)}

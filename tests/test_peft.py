@@ -30,7 +30,7 @@ import torch
 from tests import _dist, hf
 from tests.models import assert_same, gather, reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.peft]
+pytestmark = [pytest.mark.slow, pytest.mark.torch_range, pytest.mark.peft]
 
 BF16 = torch.bfloat16
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 60, 33], [4, 4, 8, 1, 0, 6, 57, 17]])

@@ -29,7 +29,7 @@ from tests.fakes import MAIN, add_snapshot
 from tests.models import assert_same, gather, reference
 
 # Slow: two spawns of 2-3 ranks that import transformers and load about twenty tiny models.
-pytestmark = [pytest.mark.slow, pytest.mark.transformers]
+pytestmark = [pytest.mark.slow, pytest.mark.torch_range, pytest.mark.transformers]
 
 BLOCK = (16, 16)  # FP8 blocks: partial blocks on every tiny Llama weight (24, 12, 37 rows)
 CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000

@@ -19,6 +19,8 @@ from torch import nn
 from tests import _dist
 from tests.models import assert_same, gather, reference, save_state, toy, trained_toy
 
+pytestmark = pytest.mark.torch_range  # its slow tests run on the torch-range CI legs too
+
 CASE_LIMIT = 15.0  # seconds; the process-group timeout is 60 s, so a hang cannot pass
 
 

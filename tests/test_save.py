@@ -16,6 +16,8 @@ import torch
 from tests import _dist, hf
 from tests.models import Toy, assert_same, gather, read_checkpoint
 
+pytestmark = pytest.mark.torch_range  # its slow tests run on the torch-range CI legs too
+
 SAVED_SUFFIXES = (".safetensors", ".json")
 
 

@@ -45,7 +45,7 @@ from rank0load.integrations._compat import can_reduce_scatter_unused_params
 from tests import _dist, hf, moe_models
 from tests.models import assert_same, gather, reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.transformers, pytest.mark.peft]
+pytestmark = [pytest.mark.slow, pytest.mark.torch_range, pytest.mark.transformers, pytest.mark.peft]
 
 BF16 = torch.bfloat16
 SEED = 1234
