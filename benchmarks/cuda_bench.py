@@ -543,7 +543,7 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     divided by the stream's time, the reads' mean concurrency). ``process_cpu_s``: all threads."""
     import threading
 
-    from rank0load.load import _sink, _stream, _transfer
+    from rank0load.load import _readahead, _sink, _transfer
 
     try:  # the byte sources (8cdf6ff on): rank 0's loop is _in_rounds, its local work Sink.take
         from rank0load.load import _sources
@@ -551,9 +551,13 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
         _sources = None
     spent: dict = {}
     busy: list[float] = []
-    iterate = _stream.Reader.__iter__
+    iterate = _readahead.Reader.__iter__
     scatter = _sink.Sink.take if _sources is not None else _transfer._scatter
-    get_slot, submit, read_part = _stream.Reader._get_slot, _stream.Reader._submit, _stream.Reader._read_part
+    get_slot, submit, read_part = (
+        _readahead.Reader._get_slot,
+        _readahead.Reader._submit,
+        _readahead.Reader._read_part,
+    )
     send = _transfer._in_rounds if _sources is not None else _transfer._send
     own_together = getattr(_sources, "own_together", None)
 
@@ -595,12 +599,12 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
             spent["send_cpu_s"] = time.thread_time() - cpu
             spent["process_cpu_s"] = time.process_time() - process
 
-    _stream.Reader.__iter__ = timed_iter  # type: ignore[method-assign]
-    _stream.Reader._get_slot = timed("slot_wait_s", get_slot)  # type: ignore[method-assign]
-    if hasattr(_stream, "_Ring"):  # the ring's wait for released bytes counts as the slot's
-        _stream._Ring.take = timed("slot_wait_s", _stream._Ring.take)  # type: ignore[method-assign]
-    _stream.Reader._submit = timed("submit_s", submit)  # type: ignore[method-assign]
-    _stream.Reader._read_part = timed_read_part  # type: ignore[method-assign]
+    _readahead.Reader.__iter__ = timed_iter  # type: ignore[method-assign]
+    _readahead.Reader._get_slot = timed("slot_wait_s", get_slot)  # type: ignore[method-assign]
+    if hasattr(_readahead, "_Ring"):  # the ring's wait for released bytes counts as the slot's
+        _readahead._Ring.take = timed("slot_wait_s", _readahead._Ring.take)  # type: ignore[method-assign]
+    _readahead.Reader._submit = timed("submit_s", submit)  # type: ignore[method-assign]
+    _readahead.Reader._read_part = timed_read_part  # type: ignore[method-assign]
     if _sources is not None:
         _sink.Sink.take = timed("scatter_s", scatter)  # type: ignore[method-assign]
         _transfer._in_rounds = timed_send
@@ -612,10 +616,10 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     interval = sys.getswitchinterval()
     for variant in os.environ.get("CUDA_BENCH_SWEEP", SWEEP).split(","):
         staging_mib, threads, part_mib, *flags = variant.split(":")
-        _stream.ACCELERATOR_READ_THREADS = int(threads)
-        _stream._PART_BYTES = int(float(part_mib) * (1 << 20))
+        _readahead.ACCELERATOR_READ_THREADS = int(threads)
+        _readahead._PART_BYTES = int(float(part_mib) * (1 << 20))
         sys.setswitchinterval(1e-4 if "si" in flags else interval)
-        _stream.RING_ON_ACCELERATORS = "slots" not in flags  # type: ignore[attr-defined]
+        _readahead.RING_ON_ACCELERATORS = "slots" not in flags  # type: ignore[attr-defined]
         if own_together is not None:  # "apart": rank 0's own pieces one message each, as before 8cdf6ff
             _sources.own_together = (lambda device: False) if "apart" in flags else own_together
         spent.clear()
@@ -706,10 +710,10 @@ def worker(method: str, ckpt: str, cfg: BenchConfig, warm: bool, tuned: tuple[in
 
     options: dict = {}
     if tuned is not None and method == "rank0load":
-        from rank0load.load import _stream
+        from rank0load.load import _readahead
 
         options["max_staging_bytes"] = tuned[0] << 20
-        _stream.ACCELERATOR_READ_THREADS = tuned[1]
+        _readahead.ACCELERATOR_READ_THREADS = tuned[1]
     try:
         runner = RUNNERS[method]
         result = {"cold": runner(ckpt, cfg, options), "options": {k: str(v) for k, v in options.items()}}

@@ -5,12 +5,13 @@ all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _pef
 all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
 rank 0     resolve the checkpoint, open its files         -> _source, _files, _read.open_checkpoint
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
-rank 0     read and match the headers (run by run), validate -> _read.read_manifest (_runs, _manifest, _fit)
-all ranks  share the manifest, or raise rank 0's error    -> _distribute.share
-all ranks  ranks on rank 0's host fetch its descriptors   -> _local.hand_over
-all ranks  shards resident; init what's missing, put adapters in, staging, plan -> _model, _plan
-all ranks  settle: any rank's failure raised everywhere   -> _distribute.settle
-all ranks  agree on which ranks read locally              -> _local.Handover.decide
+rank 0     read and match the headers (run by run), validate; offer its descriptors
+                                                          -> _read.read_manifest (_runs, _manifest, _fit), _handover.listen
+all ranks  rank 0's manifest and offer, or its error      -> _distribute.from_rank0
+all ranks  ranks on rank 0's host fetch its descriptors   -> _handover.hand_over
+all ranks  shards resident; init what's missing, put adapters in, staging, plan; any rank's failure
+           raised everywhere                              -> _distribute.run (_model, _plan)
+all ranks  agree on which ranks read locally              -> _handover.Handover.decide
 all ranks  stream: each rank's bytes from its source, into its sink -> _transfer (_sources, _sink)
 all ranks  re-tie, verify nothing is left on meta         -> _model.finish
 all ranks  the report, with the model's FSDP groups       -> _report.LoadReport, fsdp_plan
@@ -31,15 +32,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .checkpoint._manifest import Manifest, adapters_of
-from .checkpoint._read import Checkpoint, open_checkpoint, read_manifest
+from .checkpoint._read import Checkpoint, open_checkpoint, read_manifest, unforeseen
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._progress import peak_rss_bytes, progress_bar
 from .common._report import Clock, FSDPGroup, LoadReport, fsdp_plan, log_summary
 from .common._rounds import DEFAULT_STAGING_BYTES, SLOTS
-from .errors import LoadError
 from .integrations._convert import StackExperts
-from .load import _local, _model, _options, _sink, _transfer
+from .load import _handover, _model, _options, _sink, _transfer
 from .load._plan import Plan, build_plan
 
 __all__ = ["load_sharded", "LoadReport", "FSDPGroup", "DEFAULT_STAGING_BYTES"]
@@ -123,65 +123,72 @@ def load_sharded(
         "local_reads": local_reads,
     }
     rng = _distribute.rank0_rng_state(_distribute.mesh_device(mesh.device_type))  # PEFT's draws
-    built, error = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
+    building = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
     clock("build")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
         # the collector is off from here to the stream's end (see _gc_paused)
         opened.enter_context(_gc_paused())
-        comm = _distribute.mesh_device(mesh.device_type)
-        faulting, allocation_error = _allocate(built, comm, opened)
+        mesh_device = _distribute.mesh_device(mesh.device_type)
+        allocating = _allocate(building.value, mesh_device, opened)
         clock("allocate")
         # rank 0 opens the checkpoint (and, with key_map or adapters, reads the headers: they need no
-        # model) while slower ranks still build
-        checkpoint = None
-        if rank == 0 and built is not None:
-            checkpoint = _open(built, ckpt_path, revision, opened, adapter, by_runs=key_map is None)
+        # model) while slower ranks still build; a failure is raised with the manifest's
+        checkpoint = _distribute.Outcome[Checkpoint]()
+        if rank == 0 and building.value is not None:
+            checkpoint = _open(building.value, ckpt_path, revision, opened, adapter, by_runs=key_map is None)
         clock("headers")
-        flags = _distribute.agree(built.proposal if built else None, error)
-        assert built is not None  # agree() raised otherwise
+        built, flags = _distribute.agree(building)
         clock("agree")
-        result = (
-            read_manifest(checkpoint, ckpt_path, built.layout, strict, key_map, built.conversions)
-            if checkpoint is not None
-            else None
+        server: _handover.Server | None = None  # rank 0's, when it offers its descriptors
+
+        def manifest_and_offer() -> tuple[Manifest, _handover.Offer | None]:  # rank 0
+            nonlocal server
+            opened_checkpoint = checkpoint.get()
+            manifest = read_manifest(opened_checkpoint, built.layout, strict, key_map, built.conversions)
+            server = _handover.listen(manifest, opened_checkpoint.files) if local_reads else None
+            if server is None:
+                return manifest, None
+            opened.callback(server.close)
+            return manifest, server.offer
+
+        manifest, offer = _distribute.from_rank0(
+            manifest_and_offer, lambda exc: unforeseen(ckpt_path, exc, ours=True)
         )
-        files = checkpoint.files if isinstance(checkpoint, Checkpoint) else {}  # what the stream reads
-        del checkpoint  # its headers are freed with the manifest's making
-        manifest, offer, server = _share(result, files, local_reads, opened)
+        files = checkpoint.value.files if checkpoint.value is not None else {}  # what the stream reads
         if _many_tensors(manifest):
             trim_heap()  # what making and sharing a MoE manifest used, back to the OS
         clock("manifest")
         # a local reader on an accelerator reads one piece at a time through a pinned host buffer:
         # one staging slot's size (pieces are at most max_staging_bytes / SLOTS)
         slot = max_staging_bytes // SLOTS
-        handover = _local.hand_over(offer, server, manifest.files, comm, slot, local_reads)
+        handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
         opened.callback(handover.close)
-        ready = _prepared(
-            lambda: _prepare(
-                built, manifest, flags, mesh, comm, max_staging_bytes, faulting, allocation_error
-            )
+        ready = _distribute.run(
+            lambda: _prepare(built, manifest, flags, mesh, mesh_device, max_staging_bytes, allocating),
+            "allocating or initialising the model",
+            _distribute.NO_DATA_MOVED,
         )
         local = handover.decide()
         clock("plan")
         with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
-            _transfer.stream(ready.plan, ready.targets, ready.staging, comm, files, on_bytes, local)
+            _transfer.stream(ready.plan, ready.targets, ready.staging, mesh_device, files, on_bytes, local)
         clock("stream")
     return _finished(built, manifest, ready.plan, clock, local)
 
 
 def _allocate(
-    built: _model.Built | None, comm: torch.device, opened: contextlib.ExitStack
-) -> tuple[FaultIn | None, Exception | None]:
+    built: _model.Built | None, mesh_device: torch.device, opened: contextlib.ExitStack
+) -> _distribute.Outcome[FaultIn]:
     """(all ranks) The shards allocated now, and a thread faulting their pages in while the ranks
     agree and rank 0 makes the manifest (stopped when ``opened`` closes). An allocation failure is
-    returned, to be raised inside ``_prepare`` where every rank learns of it; a build failure
-    anywhere is raised by ``agree()``, and the shards freed."""
+    raised inside ``_prepare``, where every rank learns of it; a build failure anywhere is raised by
+    ``agree()``, and the shards freed."""
     if built is None:
-        return None, None
-    faulting, allocation_error = _distribute.attempt(lambda: _model.materialise(built.model, comm))
-    if faulting is not None:
-        opened.callback(faulting.close)
-    return faulting, allocation_error
+        return _distribute.Outcome()
+    faulting = _distribute.attempt(lambda: _model.materialise(built.model, mesh_device))
+    if faulting.value is not None:
+        opened.callback(faulting.value.close)
+    return faulting
 
 
 def _open(
@@ -191,41 +198,23 @@ def _open(
     opened: contextlib.ExitStack,
     adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None,
     by_runs: bool,
-) -> Checkpoint | LoadError:
+) -> _distribute.Outcome[Checkpoint]:
     """(rank 0) The checkpoint resolved and its files opened (kept open by ``opened``), with the
-    adapters of ``adapter``; ``by_runs``: no ``key_map`` (the caller's code sees its keys all at once)."""
-    return open_checkpoint(
-        ckpt_path,
-        revision,
-        opened,
-        lambda: adapters_of(built.model, adapter) if adapter is not None else (),
-        by_runs=by_runs,
+    adapters of ``adapter``, or the error to raise on every rank with the manifest's; ``by_runs``: no
+    ``key_map`` (the caller's code sees its keys all at once)."""
+    return _distribute.attempt(
+        lambda: open_checkpoint(
+            ckpt_path,
+            revision,
+            opened,
+            lambda: adapters_of(built.model, adapter) if adapter is not None else (),
+            by_runs=by_runs,
+        )
     )
 
 
-def _share(
-    result: object, files: dict[str, Any], local_reads: bool, opened: contextlib.ExitStack
-) -> tuple[Manifest, Any, _local.Server | None]:
-    """(all ranks) Rank 0's manifest (or its error, raised on every rank) shared, with the offer of
-    its descriptors to the ranks on its host (rank 0 listens for them from now on)."""
-    server = _local.listen(result, files) if local_reads else None  # rank 0, for its host's ranks
-    if server is not None:
-        opened.callback(server.close)
-    shared = _distribute.share(_local.with_offer(result, server))  # (manifest, offer)
-    return shared[0], shared[1], server
-
-
-def _prepared(prepare: Callable[[], _Ready]) -> _Ready:
-    """(all ranks) ``prepare`` (:func:`_prepare`) run on every rank, any rank's failure raised on
-    all of them."""
-    ready, error = _distribute.attempt(prepare)
-    _distribute.settle(error, "allocating or initialising the model", _distribute.NO_DATA_MOVED)
-    assert ready is not None  # settle() raised otherwise
-    return ready
-
-
 def _finished(
-    built: _model.Built, manifest: Manifest, plan: Plan, clock: Clock, local: _local.LocalReads
+    built: _model.Built, manifest: Manifest, plan: Plan, clock: Clock, local: _handover.LocalReads
 ) -> nn.Module:
     """(all ranks) Ties restored and nothing left on meta; the report (with the FSDP groups)
     attached and summarised."""
@@ -270,19 +259,15 @@ def _prepare(
     manifest: Manifest,
     flags: tuple[int, ...],
     mesh: DeviceMesh,
-    comm: torch.device,
+    mesh_device: torch.device,
     max_staging_bytes: int,
-    faulting: FaultIn | None,
-    allocation_error: Exception | None,
+    allocating: _distribute.Outcome[FaultIn],
 ) -> _Ready:
     """(all ranks) Once the shards are resident (or raising why they could not be allocated):
     initialise what the checkpoint lacks, allocate the staging, plan."""
-    if allocation_error is not None:
-        raise allocation_error
-    assert faulting is not None
-    faulting.wait()
+    allocating.get().wait()
     _model.init_missing(built.model, built.layout, manifest.missing)
-    _model.apply_built(built.model, built.built, manifest.kept)
+    _model.apply_built(built.model, built.real_values, manifest.kept)
     found = _model.targets(built.model, built.layout)
     agreed = dict(zip(built.flags, flags))
     entries = manifest.entries
@@ -293,7 +278,7 @@ def _prepare(
         mesh,
         max_staging_bytes // SLOTS,
     )
-    staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, comm, max_staging_bytes)
+    staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, mesh_device, max_staging_bytes)
     return _Ready(plan, [_sink.target_of(found[e.key]) for e in entries], staging)
 
 

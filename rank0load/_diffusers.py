@@ -1,9 +1,9 @@
 """``load_pretrained`` for a diffusers model class (a ``ModelMixin`` subclass: Flux, SD3, Wan, ...).
 
 (rank 0)    ``_pretrained._read`` reads ``config.json`` (``subfolder=``: a pipeline's component), as
-            ``ModelMixin.load_config`` reads it; ``_distribute.share`` sends it. Then :func:`load`,
+            ``ModelMixin.load_config`` reads it; ``_distribute.from_rank0`` sends it. Then :func:`load`,
             on every rank:
-(all ranks) :func:`configure` under ``_distribute.attempt`` / ``settle``: overrides checked against the
+(all ranks) :func:`configure` under ``_distribute.run``: overrides checked against the
             class's ``__init__``, the dtype ``from_pretrained(torch_dtype=...)`` would use.
 (all ranks) ``load_sharded``, :func:`build` inside its meta build: ``from_config(config, **overrides)``, as
             ``from_pretrained`` builds the model; ``load_sharded(dtype=...)`` builds it with ``dtype``
@@ -59,16 +59,12 @@ def load(
     loaded from ``path`` (rank 0's; the other ranks never look at it), in eval mode as
     ``from_pretrained`` returns it."""
     c = checkpoint
-    configured, error = _distribute.attempt(
-        lambda: configure(model_cls, c.config, c.overrides, c.where, c.name, dtype)
-    )
-    _distribute.settle(
-        error,
+    configured = _distribute.run(
+        lambda: configure(model_cls, c.config, c.overrides, c.where, c.name, dtype),
         "building the model's config",
         _distribute.NO_DATA_MOVED,
         wrap=LoadError,
     )
-    assert configured is not None  # settle() raised otherwise
     model = load_sharded(
         lambda: build(model_cls, configured), path, mesh, dtype=configured.dtype, **load_sharded_kwargs
     )

@@ -3,7 +3,7 @@
 
 (all ranks) :func:`_check_arguments`: bad arguments raise on every rank, before any collective.
 (rank 0)    :func:`_read`: the checkpoint resolved, its configs (and remote code) read.
-(all ranks) ``_distribute.share``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
+(all ranks) ``_distribute.from_rank0``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
 (all ranks) ``_transformers.load`` or ``_diffusers.load`` (see their module docstrings): the config
             built on every rank, then ``load_sharded`` with the path rank 0 resolved
             (``_source.Resolved``), so a Hub repo is looked up once and an index parsed once.
@@ -17,12 +17,10 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -148,11 +146,19 @@ def load_pretrained(
     if trust_remote_code and not diffusers:
         auto = hasattr(model_cls, "from_config") and hasattr(model_cls, "_model_mapping")
         code = ("AutoConfig", model_cls.__name__) if auto else ()
-    if dist.get_rank() == 0:
-        read, path = _read(ckpt_path, revision, dtype, config_overrides, subfolder, not diffusers, code)
-    else:
-        read, path = None, ckpt_path  # other ranks never look at ckpt_path
-    checkpoint: _Checkpoint = _distribute.share(read)
+    path: str | os.PathLike[str] = ckpt_path  # rank 0 resolves it; the other ranks never look at it
+
+    def read() -> _Checkpoint:  # rank 0
+        nonlocal path
+        checkpoint, path = _read(ckpt_path, revision, dtype, config_overrides, subfolder, not diffusers, code)
+        return checkpoint
+
+    checkpoint = _distribute.from_rank0(
+        read,
+        lambda exc: LoadError(
+            f"rank 0 could not read the config of {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
+        ),
+    )
     if diffusers:
         return _diffusers.load(model_cls, checkpoint, path, mesh, dtype, load_sharded_kwargs)
     return _transformers.load(model_cls, checkpoint, path, mesh, dtype, peft_config, load_sharded_kwargs)
@@ -181,57 +187,49 @@ def _read(
     subfolder: str | None = None,
     generation: bool = True,
     code: tuple[str, ...] | None = None,
-) -> tuple[_Checkpoint | LoadError, str | os.PathLike[str]]:
+) -> tuple[_Checkpoint, str | os.PathLike[str]]:
     """(rank 0) Resolve ``ckpt_path`` as ``load_sharded`` does and read ``config.json`` (with
     ``generation``: ``generation_config.json`` too, if present; with ``dtype="auto"`` and no dtype in
     the config: the first floating tensor's dtype, from one header; with ``code``, the ``auto_map``
     entries to read: their code, ``_remote_code.read``).
 
     Returns:
-        The :class:`_Checkpoint`, or the LoadError to share (never raised here); and the path for
-        ``load_sharded``: the ``subfolder`` folder, or the snapshot directory for a Hub repo id,
-        with its resolved source (``Resolved``), so that it is resolved once.
+        The :class:`_Checkpoint`, and the path for ``load_sharded``: the ``subfolder`` folder, or
+        the snapshot directory for a Hub repo id, with its resolved source (``Resolved``), so that
+        it is resolved once. Raises LoadError.
     """
-    try:
-        if overrides is not None and (
-            not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)
-        ):
-            raise LoadError(
-                f"config_overrides={overrides!r}: expected a dict of config attribute names to values"
-            )
-        source = resolve(ckpt_path, revision, subfolder)
-        hub = not os.path.exists(ckpt_path)  # resolve() tries the Hub only for a path that is not here
-        where = os.path.join(source.root, "config.json")
-        config = _json(where, required=True)
-        assert config is not None  # required: _json raised otherwise
-        stored = None
-        if dtype == "auto" and config.get("dtype") is None and config.get("torch_dtype") is None:
-            headers, _ = read_header(source.files[0])
-            stored = next((headers[k].dtype for k in sorted(headers) if headers[k].dtype in FLOAT_WIRE), None)
-        read = _Checkpoint(
-            name=os.fspath(ckpt_path),
-            where=where,
-            config=config,
-            generation=_json(os.path.join(source.root, "generation_config.json"), required=False)
-            if generation
-            else None,
-            overrides=dict(overrides or {}),
-            stored_dtype=stored,
-            code=None
-            if code is None
-            else _remote_code.read(
-                os.fspath(ckpt_path), source.root, hub, subfolder, config.get("auto_map", {}), code, where
-            ),
+    if overrides is not None and (
+        not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)
+    ):
+        raise LoadError(
+            f"config_overrides={overrides!r}: expected a dict of config attribute names to values"
         )
-        pickle.dumps(read)  # what share() sends: a failure here must not leave the other ranks waiting
-        path = source.root if hub else ckpt_path if subfolder is None else os.path.join(ckpt_path, subfolder)
-        return read, Resolved(path, source)  # load_sharded takes the source as it is
-    except LoadError as exc:
-        return exc, ckpt_path
-    except Exception as exc:  # anything unforeseen must still reach every rank
-        return LoadError(
-            f"rank 0 could not read the config of {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
-        ), ckpt_path
+    source = resolve(ckpt_path, revision, subfolder)
+    hub = not os.path.exists(ckpt_path)  # resolve() tries the Hub only for a path that is not here
+    where = os.path.join(source.root, "config.json")
+    config = _json(where, required=True)
+    assert config is not None  # required: _json raised otherwise
+    stored = None
+    if dtype == "auto" and config.get("dtype") is None and config.get("torch_dtype") is None:
+        headers, _ = read_header(source.files[0])
+        stored = next((headers[k].dtype for k in sorted(headers) if headers[k].dtype in FLOAT_WIRE), None)
+    read = _Checkpoint(
+        name=os.fspath(ckpt_path),
+        where=where,
+        config=config,
+        generation=_json(os.path.join(source.root, "generation_config.json"), required=False)
+        if generation
+        else None,
+        overrides=dict(overrides or {}),
+        stored_dtype=stored,
+        code=None
+        if code is None
+        else _remote_code.read(
+            os.fspath(ckpt_path), source.root, hub, subfolder, config.get("auto_map", {}), code, where
+        ),
+    )
+    path = source.root if hub else ckpt_path if subfolder is None else os.path.join(ckpt_path, subfolder)
+    return read, Resolved(path, source)  # load_sharded takes the source as it is
 
 
 def _json(path: str, required: bool) -> dict[str, Any] | None:

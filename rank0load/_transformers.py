@@ -1,8 +1,8 @@
 """``load_pretrained`` for a transformers model class (an Auto class or a ``PreTrainedModel`` subclass).
 
-(rank 0)    ``_pretrained._read`` reads the configs (and code); ``_distribute.share`` sends them to
+(rank 0)    ``_pretrained._read`` reads the configs (and code); ``_distribute.from_rank0`` sends them to
             every rank. Then :func:`load`, on every rank:
-(all ranks) :func:`configure` under ``_distribute.attempt`` / ``settle``: remote code installed
+(all ranks) :func:`configure` under ``_distribute.run``: remote code installed
             (``_remote_code.install``), the config class (from ``auto_map`` with remote code, from
             ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
             generation config, the model class (an Auto class's remote class, registered as
@@ -11,7 +11,7 @@
 (all ranks) ``load_sharded``, :func:`build` inside its meta build: ``from_config`` in that dtype (then
             ``get_peft_model`` with a ``peft_config``); the generation config set on the loaded model.
 
-Only ``load``'s ``settle`` and ``load_sharded`` are collectives. transformers is imported inside the
+Only ``load``'s ``run`` and ``load_sharded`` are collectives. transformers is imported inside the
 functions that need it.
 """
 
@@ -62,9 +62,12 @@ def load(
     """(all ranks) The model from ``checkpoint`` (``_pretrained._Checkpoint``, rank 0's, shared),
     loaded from ``path`` (rank 0's; the other ranks never look at it), wrapped by ``get_peft_model``
     with a ``peft_config``, in eval mode as ``from_pretrained`` returns it, with its generation config."""
-    configured, error = _distribute.attempt(lambda: configure(model_cls, checkpoint, dtype))
-    _distribute.settle(error, "building the model's config", _distribute.NO_DATA_MOVED, wrap=LoadError)
-    assert configured is not None  # settle() raised otherwise
+    configured = _distribute.run(
+        lambda: configure(model_cls, checkpoint, dtype),
+        "building the model's config",
+        _distribute.NO_DATA_MOVED,
+        wrap=LoadError,
+    )
     model = load_sharded(
         lambda: _peft_wrapped(
             build(configured.model_cls or model_cls, configured.config, configured.dtype, configured.record),

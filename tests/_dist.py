@@ -3,16 +3,19 @@
 ``run(fn, world, *args)`` returns one result per rank: whatever ``fn(rank, world, *args)``
 returned, or a :class:`Raised` describing the exception it raised. A rank that hangs or dies
 fails the test (after ``timeout`` seconds) instead of hanging the suite. ``backend="nccl"`` (or
-``"cpu:gloo,cuda:nccl"``) puts each rank on its own GPU, ``cuda:rank``, first (tests/test_cuda.py).
+``"cpu:gloo,cuda:nccl"``) puts each rank on its own GPU, ``cuda:rank``, first (tests/api/test_cuda.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -21,7 +24,21 @@ from typing import Any
 
 import pytest
 
-from benchmarks.bench._exit import exit_without_teardown
+
+def exit_without_teardown(code: int) -> None:
+    """End this rank's process as interpreter shutdown would, less its last step: wait for the threads
+    that are not daemons and run the atexit handlers, then leave without tearing down every module.
+    That teardown only frees memory, costs about a second of CPU per process once torch is imported,
+    and on torch 2.13 on the CPU sometimes aborts or hangs after the ranks are done. (The benchmark's
+    workers end the same way, with their own copy: the tests do not import the benchmark's
+    internals.)"""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
@@ -51,7 +68,7 @@ def _entry(
     import rank0load.checkpoint._runs
 
     # Every file its own run (rank0load's runs hold 4096 tensors, more than most tests' whole
-    # checkpoints): the suite's multi-file checkpoints test the merge of runs (tests/test_runs.py).
+    # checkpoints): the suite's multi-file checkpoints test the merge of runs (tests/checkpoint/test_runs.py).
     rank0load.checkpoint._runs.RUN_TENSORS = int(env.get("RANK0LOAD_TEST_RUN_TENSORS", "1"))
 
     torch.set_num_threads(1)

@@ -12,8 +12,6 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture(scope="session")
 def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -17,7 +17,7 @@ class FakeTTY(io.StringIO):
         return True
 
 
-# Commits of the snapshots in a hand-built Hub cache (tests/test_hub.py, tests/test_pretrained.py).
+# Commits of the snapshots in a hand-built Hub cache (tests/checkpoint/test_hub.py, tests/api/test_pretrained.py).
 MAIN = "a" * 40
 V1 = "b" * 40
 SHARDED = "c" * 40

@@ -1,4 +1,4 @@
-"""Machinery of the fault corpus, shared by tests/test_faults_{format,model,ranks}.py.
+"""Machinery of the fault corpus, shared by tests/checkpoint/test_faults_format.py and tests/load/test_faults_{model,ranks}.py.
 
 Each family file lists its cases; a ``Case`` builds a broken checkpoint (or names a broken model_fn /
 shard_fn / key_map) from a good toy checkpoint in its own directory. ``run_corpus`` runs all of a

@@ -4,7 +4,7 @@
 256 experts, FP8 weights in 128 x 128 blocks — with every width small (hidden 128, expert width 128,
 4 heads of 32, 2 kv heads, vocab 1024), so the checkpoint holds the real model's ~96,100 tensors in
 ~0.78 GB: what it measures is the cost per tensor, not per byte. :func:`write_checkpoint` writes it
-in the Hub's layout, as transformers' ``save_pretrained`` names the keys (tests/test_bench.py
+in the Hub's layout, as transformers' ``save_pretrained`` names the keys (tests/project/test_bench.py
 compares them with the FP8 layout of a tiny real MiniMax-M2): one safetensors file per layer plus
 one for the embedding, final norm and head, ``model.safetensors.index.json`` and ``config.json``
 (``quantization_config``: FP8 e4m3, ``weight_block_size`` [128, 128]). Per layer ``l``:

@@ -7,7 +7,7 @@ fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H,
 The checkpoint is written directly with safetensors, one shard's tensors in RAM at a time, in the
 layout ``save_pretrained`` writes for that model and the Hub stores: one tensor per expert,
 ``model.layers.{l}.mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj.weight`` [I, H],
-``down_proj.weight`` [H, I] — the same keys, shapes and dtype (tests/test_bench.py compares them with
+``down_proj.weight`` [H, I] — the same keys, shapes and dtype (tests/project/test_bench.py compares them with
 ``save_pretrained``'s), plus ``config.json``. Values are :func:`~.model._generate`'s (deterministic per
 key). :func:`write_checkpoint` records, per *model parameter*, the SHA-256 of the full tensor the model
 must hold after loading: the tensor's own bytes, and for the fused experts the per-expert tensors'

@@ -1,7 +1,7 @@
 """``python -m benchmarks.bench.nodes``: two nodes on one machine, a rate-limited link between them,
 the checkpoint on node 0 only.
 
-Two network namespaces joined by a veth pair stand for two nodes (as ``tests/test_nodes.py``); a
+Two network namespaces joined by a veth pair stand for two nodes (as ``tests/load/test_nodes.py``); a
 token-bucket filter (``tc qdisc ... tbf``) on both ends of the veth limits the link to ``--rate``
 (default 1 Gbit/s). Ranks ``0 .. n-1`` run in node 0's namespace, ranks ``n .. 2n-1`` in node 1's,
 each in its own mount namespace with an empty tmpfs over the checkpoint's directory: node 1 has no

@@ -2,9 +2,9 @@
 
 (rank 0) :func:`open_files` / :meth:`OpenFile.open` refuse anything but a regular file before
 opening it (see ``_OPEN_FLAGS``), open it once read-only and record its :class:`FileIdentity`.
-Every later read goes through that descriptor (:func:`read_exact`, ``_stream``, ``_localread``),
+Every later read goes through that descriptor (:func:`read_exact`, ``_readahead``, ``_localread``),
 never by re-opening the path; :meth:`OpenFile.check` tells a changed file from a corrupt one.
-(ranks on rank 0's host) ``_local`` and ``_localread`` compare the descriptors rank 0 lends them
+(ranks on rank 0's host) ``_handover`` and ``_localread`` compare the descriptors rank 0 lends them
 with the :class:`FileIdentity` it recorded. No collectives here.
 """
 

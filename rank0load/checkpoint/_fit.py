@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
@@ -17,6 +17,7 @@ from ..errors import ModelMismatchError
 from ..integrations._convert import ConversionMatch
 from ..model._meta import ModelLayout
 from ._entries import Entry, Parts
+from ._files import OpenFile, read_exact
 from ._format import DTYPES, TensorHeader
 from ._fp8 import FP8_WIRE, SCALE_SUFFIX
 from ._fp8 import scale_for as fp8_scale_for
@@ -93,13 +94,16 @@ def build_entries(
     *,
     errors: list[str] | None = None,
     quantised: AbstractSet[str] | None = None,
+    files: Mapping[str, OpenFile] | None = None,
 ) -> list[Entry]:
     """(rank 0, for all headers at once or one run of files, see ``_runs``; or ``inspect``) One
     entry per model tensor found: shapes and dtypes checked, stacked experts assembled, float8
     tensors given their scales. Raises the first ModelMismatchError, or, with ``errors``
     (``inspect``: headers only), collects every message there and reads no data (tied names stored
     twice are then not compared). ``block``: the float8 block size the checkpoint's config.json
-    gives (``_fp8.block_size``; read by the caller, once for all of ``_runs``' runs)."""
+    gives (``_fp8.block_size``; read by the caller, once for all of ``_runs``' runs). ``files``: the
+    checkpoint's files, opened once (``_files.open_files``): tied names stored twice are compared
+    through them."""
     quantised = quantised_keys(match, layout) if quantised is None else quantised
     entries: list[Entry] = []
 
@@ -121,7 +125,8 @@ def build_entries(
         for t in found:
             _check_fits(t, model_key, info.shape, info.dtype)
         if len(found) > 1 and errors is None:
-            _check_tied_equal(model_key, found)
+            assert files is not None, "tied names stored twice are compared through the open files"
+            _check_tied_equal(model_key, found, files)
         return _single(model_key, found[0])
 
     for model_key in [*match.by_model_key, *match.stacked]:
@@ -291,20 +296,23 @@ def _check_stacks(
         )
 
 
-def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], chunk: int = 8 << 20) -> None:
-    """Several names of one tied parameter are stored: they must hold the same bytes."""
+def _check_tied_equal(
+    model_key: str, found: tuple[TensorHeader, ...], files: Mapping[str, OpenFile], chunk: int = 8 << 20
+) -> None:
+    """Several names of one tied parameter are stored: they must hold the same bytes (read through
+    the descriptors the checkpoint was opened with)."""
     first = found[0]
+    fa = files[first.file].fd
     for other in found[1:]:
         same = first.dtype == other.dtype and first.nbytes == other.nbytes
-        if same:
-            with open(first.file, "rb", buffering=0) as fa, open(other.file, "rb", buffering=0) as fb:
-                for pos in range(0, first.nbytes, chunk):
-                    n = min(chunk, first.nbytes - pos)
-                    if os.pread(fa.fileno(), n, first.offset + pos) != os.pread(
-                        fb.fileno(), n, other.offset + pos
-                    ):
-                        same = False
-                        break
+        fb = files[other.file].fd
+        for pos in range(0, first.nbytes if same else 0, chunk):
+            n = min(chunk, first.nbytes - pos)
+            if read_exact(fa, n, first.offset + pos, first.file) != read_exact(
+                fb, n, other.offset + pos, other.file
+            ):
+                same = False
+                break
         if not same:
             raise ModelMismatchError(
                 f"tied parameter {model_key!r} is stored twice with different values: "

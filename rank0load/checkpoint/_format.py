@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CheckpointFormatError
 from ._files import OpenFile, read_exact
-from ._json import Twice, parse_json, short_repr
+from ._json import RepeatedKeys, parse_json, short_repr
 
 __all__ = [
     "DTYPES",
@@ -113,7 +113,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
     header = parse_json(raw, "header", lambda problem: _fail(path, problem))
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object")
-    if isinstance(header, Twice):
+    if isinstance(header, RepeatedKeys):
         raise CheckpointFormatError(
             f"key {header.twice[0]!r} is stored twice in the header of {path}: a JSON reader keeps "
             "only one of the two entries, so which tensor is meant is ambiguous. Re-save the "
@@ -123,7 +123,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _fail(path, f"'__metadata__' is {short_repr(metadata)}: expected an object of strings")
-    if isinstance(metadata, Twice):
+    if isinstance(metadata, RepeatedKeys):
         raise _fail(path, f"'__metadata__' holds key {metadata.twice[0]!r} twice")
     parsed = {key: _parse_entry(path, key, entry, data_start, data_size) for key, entry in header.items()}
     _check_coverage(path, parsed, data_start, data_size)
@@ -133,7 +133,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
 def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size: int) -> TensorHeader:
     if not isinstance(entry, dict):
         raise _fail(path, f"entry for key {key!r} is not an object")
-    if isinstance(entry, Twice):
+    if isinstance(entry, RepeatedKeys):
         raise _fail(path, f"entry for key {key!r} holds field {entry.twice[0]!r} twice")
     dtype = entry.get("dtype")
     shape = entry.get("shape")

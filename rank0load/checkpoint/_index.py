@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ._files import OpenFile, not_regular, read_exact
-from ._json import Twice, parse_json, short_repr
+from ._json import RepeatedKeys, parse_json, short_repr
 
 __all__ = ["Listing", "inside", "read_index"]
 
@@ -126,7 +126,7 @@ def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ..
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise _index_error(index_path, "index has no 'weight_map' object mapping tensor names to files")
-    if isinstance(weight_map, Twice):
+    if isinstance(weight_map, RepeatedKeys):
         raise _index_error(
             index_path,
             f"key {weight_map.twice[0]!r} is listed twice in 'weight_map' (a JSON reader keeps only the "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-__all__ = ["Twice", "mark_twice", "parse_json", "short_repr"]
+__all__ = ["RepeatedKeys", "mark_repeated_keys", "parse_json", "short_repr"]
 
 
 def short_repr(value: object, limit: int = 60) -> str:
@@ -17,7 +17,7 @@ def short_repr(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class Twice(dict[str, object]):
+class RepeatedKeys(dict[str, object]):
     """A JSON object in which some key occurs more than once (``twice`` lists them, in order).
 
     ``json.loads`` would silently keep the last value; :func:`parse_json` returns this instead so
@@ -27,20 +27,20 @@ class Twice(dict[str, object]):
     twice: tuple[str, ...] = ()
 
 
-def mark_twice(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """``json.loads``' ``object_pairs_hook``: the object, a :class:`Twice` when a key repeats."""
+def mark_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``' ``object_pairs_hook``: the object, a :class:`RepeatedKeys` when a key repeats."""
     obj = dict(pairs)  # once per JSON object: the common case in C
     if len(obj) == len(pairs):
         return obj
     seen: set[str] = set()
     twice = [key for key, _ in pairs if key in seen or seen.add(key)]  # type: ignore[func-returns-value]
-    marked = Twice(obj)
+    marked = RepeatedKeys(obj)
     marked.twice = tuple(twice)
     return marked
 
 
 def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> object:
-    """Decode untrusted JSON; objects with a repeated key come back as :class:`Twice`.
+    """Decode untrusted JSON; objects with a repeated key come back as :class:`RepeatedKeys`.
 
     Invalid UTF-8 or JSON, a number too long to convert, or nesting too deep for the parser raise
     ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index").
@@ -54,7 +54,7 @@ def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> objec
         # as the text's colons, no string holds a ':', no deeper object exists and no key occurs
         # twice; otherwise parse again, marking repeated keys (the hook is slower).
         if _keys_two_deep(found) != text.count(":"):
-            found = json.loads(text, object_pairs_hook=mark_twice)
+            found = json.loads(text, object_pairs_hook=mark_repeated_keys)
         return found
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         problem = f"{what} is not valid JSON ({exc})"

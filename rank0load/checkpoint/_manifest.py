@@ -140,7 +140,7 @@ def build_manifest(
         )
 
     block = fp8_block_size(source.root) if quantised else None
-    entries = build_entries(match, layout, headers, block, quantised=quantised)
+    entries = build_entries(match, layout, headers, block, quantised=quantised, files=files)
     every = [*source.files, *(f for a in adapters for f in a.source.files)]
     order = {path: i for i, path in enumerate(every)}
     entries.sort(key=lambda e: (order[e.file], e.offset))

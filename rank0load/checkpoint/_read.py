@@ -2,8 +2,8 @@
 no collectives).
 
 (rank 0) :func:`open_checkpoint`, then :func:`read_manifest`, the one entry point for the
-manifest. Both return the :class:`LoadError` to share instead of raising it: ``_api`` broadcasts
-it so that every rank raises it too.
+manifest. Both raise a LoadError (``_api`` runs them through ``_distribute.from_rank0``, which
+raises it on every rank); :func:`unforeseen` words any other exception.
 """
 
 from __future__ import annotations
@@ -46,12 +46,11 @@ def open_checkpoint(
     stack: contextlib.ExitStack,
     adapters: Callable[[], Sequence[Adapter]] = lambda: (),
     by_runs: bool = False,
-) -> Checkpoint | LoadError:
+) -> Checkpoint:
     """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
     (closed by ``stack``) and read the checkpoint's headers. Returns them with the open files the
-    stream reads, or the LoadError to share with every rank (anything unforeseen is wrapped in one).
-    ``by_runs``: without adapters, leave the headers unread (:func:`read_manifest` reads them
-    run by run)."""
+    stream reads; raises a LoadError (anything unforeseen is wrapped in one). ``by_runs``: without
+    adapters, leave the headers unread (:func:`read_manifest` reads them run by run)."""
     try:
         source = resolve(ckpt_path, revision)
         found = adapters()
@@ -61,54 +60,41 @@ def open_checkpoint(
         if by_runs and not found:
             return Checkpoint(source, found, files, {}, by_runs=True)
         return Checkpoint(source, found, files, read_headers(source, files))
-    except LoadError as exc:
-        return exc
-    except Exception as exc:  # anything unforeseen must still reach every rank
-        return unforeseen(ckpt_path, exc)
+    except LoadError:
+        raise
+    except Exception as exc:  # the Hub client's, PEFT's config reader's: the plain wording
+        raise unforeseen(ckpt_path, exc) from exc
 
 
 def read_manifest(
-    checkpoint: Checkpoint | LoadError,
-    ckpt_path: str | os.PathLike[str],
+    checkpoint: Checkpoint,
     layout: ModelLayout,
     strict: bool,
     key_map: Callable[[str], str | None] | None,
     conversions: Sequence[Conversion] = (),
-) -> Manifest | LoadError:
-    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model, or the
-    LoadError to share with every rank: its own, or any problem found matching its headers. Made
-    run by run where ``checkpoint.by_runs`` (``_runs.manifest_by_runs``); where the runs cannot
-    make it, every header is read again and the manifest made at once, which words the error."""
-    if isinstance(checkpoint, LoadError):
-        return checkpoint
+) -> Manifest:
+    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model; raises a
+    LoadError for any problem found matching its headers. Made run by run where
+    ``checkpoint.by_runs`` (``_runs.manifest_by_runs``); where the runs cannot make it, every header
+    is read again and the manifest made at once, which words the error."""
     if checkpoint.by_runs:
         assert key_map is None  # _api asks for runs only without it
         manifest = manifest_by_runs(checkpoint.source, checkpoint.files, layout, strict, conversions)
         if manifest is not None:
             return manifest
-        try:
-            checkpoint.by_runs = False
-            checkpoint.headers = read_headers(checkpoint.source, checkpoint.files)
-        except LoadError as exc:
-            return exc
-        except Exception as exc:  # anything unforeseen must still reach every rank
-            return unforeseen(ckpt_path, exc, ours=True)
+        checkpoint.by_runs = False
+        checkpoint.headers = read_headers(checkpoint.source, checkpoint.files)
     headers, checkpoint.headers = checkpoint.headers, {}  # held here only: freed when this returns
-    try:
-        return build_manifest(
-            checkpoint.source,
-            layout,
-            strict=strict,
-            key_map=key_map,
-            files=checkpoint.files,
-            conversions=conversions,
-            adapters=checkpoint.adapters,
-            headers=headers,
-        )
-    except LoadError as exc:
-        return exc
-    except Exception as exc:  # anything unforeseen must still reach every rank
-        return unforeseen(ckpt_path, exc, ours=True)
+    return build_manifest(
+        checkpoint.source,
+        layout,
+        strict=strict,
+        key_map=key_map,
+        files=checkpoint.files,
+        conversions=conversions,
+        adapters=checkpoint.adapters,
+        headers=headers,
+    )
 
 
 def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception, ours: bool = False) -> LoadError:

@@ -1,14 +1,19 @@
 """Every collective rank0load issues lives here: the rank protocol.
 
-Order of calls, made by every rank (all ranks; see ``_api.load_sharded``):
+A step is one of four kinds; each is one call, made by every rank in the same order:
 
-1. :func:`agree` — settle the build, check every rank built the same model with the same options.
-2. :func:`share` — rank 0's manifest (with its offer of node-local reads, ``_local``) or LoadError.
-   With an offer, :func:`gather_to_rank0` then tells rank 0 each rank's pid, uid and host.
-3. :func:`settle` — after allocating and initialising. Nothing moves tensor data before this
-   returns. With an offer, :func:`ranks_where` then says which ranks read their own bytes.
-4. :func:`~._transfer.stream` — round by round, failures settled at each round's end (``_rounds``).
+* :func:`run` — a step every rank runs; if it fails on any rank, every rank raises that rank's
+  error. :func:`attempt` and :func:`settle` are its two halves, for a step whose failure is raised
+  later (the build, settled by :func:`agree`; the shards' allocation, raised inside the next step).
+* :func:`from_rank0` — a value rank 0 computes alone (a manifest, a plan, the configs), on every
+  rank, or its error raised on every rank.
+* :func:`agree` — settle the build, and check every rank built the same model with the same options
+  (a digest; the models compared only when the digests differ).
+* rounds of transfers (``_rounds.Rounds``, ``_rounds.settled``): each rank notes its first local
+  failure (:class:`Faults`) and keeps the messages flowing; every round's end says whether any rank
+  failed, and the transfer raises the same error on every rank once.
 
+:func:`gather_to_rank0` and :func:`ranks_where` carry the node-local reads' hand-over (``_handover``).
 A collective that itself fails (a peer died, the network broke, the process-group timeout) is a
 ``_failure.peer_failure``: the only case where a rank cannot learn the real cause. How a failure is
 told apart and worded (the caller's code, the machine's, rank0load's own) is ``_failure``'s.
@@ -23,7 +28,7 @@ import pickle
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -34,9 +39,11 @@ from ._failure import Failure, failure_of, peer_failure, rank_mismatch
 
 __all__ = [
     "NO_DATA_MOVED",
+    "Outcome",
     "broadcast",
     "Faults",
     "attempt",
+    "from_rank0",
     "round_ends",
     "Proposal",
     "Traffic",
@@ -47,8 +54,8 @@ __all__ = [
     "raise_failure",
     "ranks_where",
     "require_process_group",
+    "run",
     "settle",
-    "share",
     "traffic",
 ]
 
@@ -78,13 +85,35 @@ def rank0_rng_state(device: torch.device) -> torch.Tensor | None:
     return None if dist.get_rank() == 0 else wire.cpu()
 
 
-def attempt(step: Callable[[], R]) -> tuple[R | None, Exception | None]:
-    """(any rank) Run a step whose failure every rank must learn of before raising (then
-    :func:`settle` or :func:`agree`): ``(result, None)`` or ``(None, error)``."""
+@dataclass(frozen=True)
+class Outcome(Generic[R]):
+    """A step's result on this rank, or its error, until every rank has learnt of any rank's error
+    (:func:`settle`, :func:`agree`)."""
+
+    value: R | None = None
+    error: Exception | None = None
+
+    def get(self) -> R:
+        """(this rank) The value, or this rank's error raised: for a step whose error is settled by
+        a later one (rank 0's checkpoint, opened before the ranks agree, read after)."""
+        if self.error is not None:
+            raise self.error
+        return cast(R, self.value)
+
+
+def attempt(step: Callable[[], R]) -> Outcome[R]:
+    """(any rank) Run a step whose failure every rank must learn of before raising; then
+    :func:`settle` (or :func:`agree`) it on every rank."""
     try:
-        return step(), None
+        return Outcome(step())
     except Exception as exc:
-        return None, exc
+        return Outcome(error=exc)
+
+
+def run(step: Callable[[], R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
+    """(all ranks) ``step()`` on every rank, its value; if it failed on any rank, every rank raises
+    the first failing rank's error (:func:`settle`)."""
+    return settle(attempt(step), stage, todo, wrap)
 
 
 def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
@@ -171,21 +200,25 @@ def broadcast(t: torch.Tensor, src: int) -> None:
 # tensor.numpy(), and neither torch nor rank0load requires numpy.
 
 
-def _broadcast_object(obj: object, src: int = 0) -> Any:
-    """(all ranks; two broadcasts) ``obj`` of rank ``src`` on every rank: ``src`` keeps its own (no
-    second copy of a large manifest), the others unpickle theirs."""
+def _pickled(obj: object) -> memoryview:
+    written = io.BytesIO()
+    pickle.Pickler(written, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return written.getbuffer()
+
+
+def _broadcast_object(obj: object, src: int = 0, sent: memoryview | None = None) -> Any:
+    """(all ranks; two broadcasts) ``obj`` of rank ``src`` on every rank (``sent``: ``obj`` already
+    pickled): ``src`` keeps its own (no second copy of a large manifest), the others unpickle theirs."""
     device = _object_device()
-    payload, written = None, None
+    payload = None
     if dist.get_rank() == src:
-        written = io.BytesIO()
-        pickle.Pickler(written, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        payload = torch.frombuffer(written.getbuffer(), dtype=torch.uint8).to(device)
+        payload = torch.frombuffer(sent if sent is not None else _pickled(obj), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
     broadcast(size, src)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     broadcast(payload, src)
-    if written is not None:
+    if dist.get_rank() == src:
         return obj
     return pickle.loads(host_bytes(payload.cpu().contiguous()))
 
@@ -219,12 +252,12 @@ def raise_failure(
     raise failure.cls(f"{stage} failed on {where}: rank {first}: {failure.message}. {failure.todo or todo}")
 
 
-def settle(
-    error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
-) -> None:
-    """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's (see
-    :func:`raise_failure`); a collective that fails is a :func:`peer_failure` of class ``wrap``'s
-    family (LoadError, or ``wrap`` itself when it is not a RankMismatchError)."""
+def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
+    """(all ranks) ``outcome``'s value, once every rank has said whether its step failed: if any
+    rank's did, every rank raises the first failing rank's error (see :func:`raise_failure`); a
+    collective that fails is a :func:`peer_failure` of class ``wrap``'s family (LoadError, or
+    ``wrap`` itself when it is not a RankMismatchError)."""
+    error = outcome.error
     try:
         first = first_failure(error)
         if first < dist.get_world_size():
@@ -234,6 +267,7 @@ def settle(
     except RuntimeError as exc:
         cls = LoadError if wrap is RankMismatchError else wrap
         raise peer_failure(f"agreeing with the other ranks after {stage}", exc, cls, todo) from exc
+    return cast(R, outcome.value)
 
 
 @dataclass(frozen=True)
@@ -268,14 +302,26 @@ class Proposal:
         return "ties or non-persistent buffers differ"
 
 
-def agree(proposal: Proposal | None, error: BaseException | None) -> tuple[int, ...]:
-    """(all ranks) Settle the build, then check that every rank built the same model with the same
-    options; returns the layout flags AND-ed over the ranks. Raises the same error on every rank
-    (RankMismatchError when they differ; LoadError for a failed collective). No message grows with
-    the world size.
+class Proposing(Protocol):
+    """What a build step makes (``_model.Built``, the save's description): this rank's proposal."""
+
+    @property
+    def proposal(self) -> Proposal: ...
+
+
+P = TypeVar("P", bound=Proposing)
+
+
+def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
+    """(all ranks) Settle the build step, then check that every rank built the same model with the
+    same options; returns the build and the layout flags AND-ed over the ranks. Raises the same
+    error on every rank (RankMismatchError when they differ; LoadError for a failed collective). No
+    message grows with the world size.
     """
-    settle(error, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry.")
-    assert proposal is not None  # settle raised otherwise
+    value = settle(
+        built, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry."
+    )
+    proposal = value.proposal
     try:
         device = _object_device()
         digest = torch.frombuffer(bytearray(proposal.digest()), dtype=torch.int64).to(device)
@@ -299,19 +345,39 @@ def agree(proposal: Proposal | None, error: BaseException | None) -> tuple[int, 
         raise
     except RuntimeError as exc:
         raise peer_failure("agreeing with the other ranks", exc) from exc
-    return tuple(both[i] | (both[n + i] << 1) for i in range(n))
+    return value, tuple(both[i] | (both[n + i] << 1) for i in range(n))
 
 
-def share(result: object | LoadError | None) -> Any:
-    """(all ranks) Rank 0 passes the manifest or its LoadError; every rank gets it or raises it
-    (LoadError for a failed collective)."""
+@dataclass(frozen=True)
+class _Raised:
+    """Rank 0's failed step, as :func:`from_rank0` sends it."""
+
+    error: LoadError
+
+
+def from_rank0(step: Callable[[], R], unforeseen: Callable[[Exception], LoadError]) -> R:
+    """(all ranks) ``step()``, run on rank 0 alone, and its value on every rank (rank 0 keeps its
+    own). If it raises, every rank raises its LoadError, or ``unforeseen(exc)`` for any other
+    exception (a value that cannot be pickled included); LoadError for a failed collective."""
+    value: Any = None
+    sent: memoryview | None = None
+    if dist.get_rank() == 0:
+        try:
+            value = step()
+            sent = _pickled(value)
+        except LoadError as exc:
+            value = _Raised(exc)
+        except Exception as exc:
+            value = _Raised(unforeseen(exc))
+        if isinstance(value, _Raised):
+            sent = _pickled(value)
     try:
-        value = _broadcast_object(result if dist.get_rank() == 0 else None)
+        value = _broadcast_object(value, sent=sent)
     except RuntimeError as exc:
-        raise peer_failure("receiving rank 0's manifest or result", exc) from exc
-    if isinstance(value, LoadError):
-        raise type(value)(*value.args)
-    return value
+        raise peer_failure("receiving rank 0's result", exc) from exc
+    if isinstance(value, _Raised):
+        raise type(value.error)(*value.error.args)
+    return cast(R, value)
 
 
 def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:

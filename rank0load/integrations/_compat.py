@@ -1,9 +1,9 @@
 """The one place rank0load leans on private torch, transformers and diffusers behaviour that could change.
 
 Every name here wraps something that is not a public API of torch or transformers (or a
-public method rank0load patches). ``tests/test_compat.py`` checks each of them and fails loudly
+public method rank0load patches). ``tests/integrations/test_compat.py`` checks each of them and fails loudly
 when a release changes it; the diffusers ones are checked against diffusers' own ``from_pretrained``
-and ``save_config`` in ``tests/test_diffusers.py``. transformers' checkpoint conversions (its
+and ``save_config`` in ``tests/api/test_diffusers.py``. transformers' checkpoint conversions (its
 ``conversion_mapping`` and ``core_model_loading``) are ``_compat_convert``'s.
 
 (all ranks, no collectives)

@@ -5,8 +5,8 @@ transformers 5 converts checkpoint keys and tensors on load (``conversion_mappin
 a conversion on save); transformers 4.57 only renames keys (``_fix_state_dict_key_on_load``).
 ``_convert`` reads and reverts conversions through these functions alone, so that a release that
 changes them changes only this module (as ``_compat`` does for the rest of torch's and
-transformers' private behaviour); ``tests/test_moe.py``, ``tests/test_hf_range.py`` (transformers
-5 and 4.57) and ``tests/test_save.py`` (``original_format=True``) load and save through them.
+transformers' private behaviour); ``tests/load/test_moe.py``, ``tests/integrations/test_hf_range.py`` (transformers
+5 and 4.57) and ``tests/save/test_save.py`` (``original_format=True``) load and save through them.
 
 (all ranks read the conversions before sharding; rank 0 alone reverts them when saving; no collectives)
 """

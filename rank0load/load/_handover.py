@@ -36,10 +36,9 @@ import torch.distributed as dist
 from ..checkpoint._files import FileIdentity, OpenFile
 from ..checkpoint._manifest import Manifest
 from ..common import _distribute
-from ..errors import LoadError
 from ._localread import LocalFiles, LocalReads
 
-__all__ = ["Handover", "Offer", "Server", "fetch", "hand_over", "host_id", "listen", "with_offer"]
+__all__ = ["Handover", "Offer", "Server", "fetch", "hand_over", "host_id", "listen"]
 
 logger = logging.getLogger(__name__)
 
@@ -232,18 +231,12 @@ def _flags(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
-def listen(result: object, files: Mapping[str, OpenFile]) -> Server | None:
-    """(rank 0) A server lending ``files`` for the manifest ``result`` to the ranks on this host;
-    None when there is no manifest (its error is shared instead) or no other rank."""
-    if not isinstance(result, Manifest) or dist.get_world_size() == 1:
+def listen(manifest: Manifest, files: Mapping[str, OpenFile]) -> Server | None:
+    """(rank 0) A server lending ``files`` for ``manifest`` to the ranks on this host; None when
+    there is no other rank."""
+    if dist.get_world_size() == 1:
         return None
-    return Server.listen([files[path] for path in result.files])
-
-
-def with_offer(result: object, server: Server | None) -> object:
-    """(rank 0) What the manifest's broadcast carries: rank 0's LoadError as it is, else the
-    manifest and the offer (None: local reads off). Other ranks' value is not sent."""
-    return result if isinstance(result, LoadError) else (result, server.offer if server else None)
+    return Server.listen([files[path] for path in manifest.files])
 
 
 @dataclass
@@ -286,7 +279,7 @@ def hand_over(
     offer: Offer | None,
     server: Server | None,
     paths: Sequence[str],
-    comm: torch.device,
+    mesh_device: torch.device,
     host_bytes: int,
     enabled: bool = True,
 ) -> Handover:
@@ -316,7 +309,7 @@ def hand_over(
         return Handover(offer, status=f"stream: the hand-over failed ({type(exc).__name__}: {exc})")
     try:
         files = LocalFiles(
-            dict(zip(paths, fds, strict=True)), dict(zip(paths, offer.identities)), comm, host_bytes
+            dict(zip(paths, fds, strict=True)), dict(zip(paths, offer.identities)), mesh_device, host_bytes
         )
     except Exception as exc:  # a pinned buffer that cannot be had: take the stream
         for fd in fds:

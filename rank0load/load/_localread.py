@@ -1,12 +1,12 @@
 """A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives).
 
-(a local reader: a rank other than 0 that ``_local.hand_over`` gave rank 0's descriptors)
+(a local reader: a rank other than 0 that ``_handover.hand_over`` gave rank 0's descriptors)
 :class:`LocalReader` is a source of bytes (``_sources``) in place of the receives for this rank's
 own pieces: its rows of SHARDED entries, and the rows of BLOCK chunks that hold its blocks, which it
 cuts as rank 0 would (``_sink.fan_out``, with no one to send to). Broadcast pieces still arrive by
 broadcast while some rank takes the stream; when every rank but 0 reads locally
 (:attr:`LocalReads.everyone`), each reads those too, and with CPU shards rank 0 reads its own share
-through a LocalReader as well (:class:`_Rank0Files`): no message moves (``_transfer._quietly``).
+through a LocalReader as well (:class:`_Rank0Files`): no message moves (``_transfer._each_reads_its_own``).
 
 A failure (a read error, a file that changed) is the sink's local failure, settled like any other:
 the same LoadError on every rank. At each round's end the files read in it are checked against the
@@ -46,11 +46,11 @@ class LocalFiles:
         self,
         fds: dict[str, int],
         identities: dict[str, FileIdentity],
-        comm: torch.device,
+        mesh_device: torch.device,
         host_bytes: int,
     ) -> None:
         self.fds, self.identities = fds, identities
-        on_cpu = comm.type == "cpu"
+        on_cpu = mesh_device.type == "cpu"
         self.host = None if on_cpu else torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
 
     def fd(self, path: str) -> int:
@@ -79,7 +79,7 @@ class LocalFiles:
 
 @dataclass(frozen=True)
 class LocalReads:
-    """(all ranks) The outcome of the hand-over (``_local.Handover.decide``)."""
+    """(all ranks) The outcome of the hand-over (``_handover.Handover.decide``)."""
 
     readers: frozenset[int]  # the ranks that read their own bytes (the same on every rank)
     files: LocalFiles | None  # this rank's descriptors, when it is one of them
@@ -184,14 +184,14 @@ class LocalReader:
         if piece.route is Route.FAN_OUT:
             return self._chunk(piece, message)
         if piece.route in (Route.BROADCAST, Route.SCALES):
-            into = self.sink.landing(piece)
+            into = self.sink.direct_view(piece)
             on_cpu = into is not None and into.device.type == "cpu"
         else:  # TO_RANK
             on_cpu = self.sink.targets[piece.index].tensor.device.type == "cpu"
-            into = self.sink.landing(piece) if on_cpu else None
+            into = self.sink.direct_view(piece) if on_cpu else None
         if into is not None and on_cpu:
             self._read(piece, into)
-            return Arrival(message, into, landed=True)
+            return Arrival(message, into, in_target=True)
         return Arrival(message, self._staged(piece))
 
     def layouts(self, index: int) -> dict[int, tuple[tuple[tuple[int, int], ...], ...]]:
@@ -226,8 +226,8 @@ class LocalReader:
         rows = replace(
             piece, start=piece.start + lo * row, nbytes=(hi - lo) * row, local_offset=piece.local_offset + lo
         )
-        spare = self.slot[block_half(self.plan.piece_bytes) :]
-        return Arrival(message, self._staged(rows), spare=spare, rows=rows)
+        pack_buffer = self.slot[block_half(self.plan.piece_bytes) :]
+        return Arrival(message, self._staged(rows), pack_buffer=pack_buffer, rows=rows)
 
     def _staged(self, piece: Piece) -> torch.Tensor:
         """``piece``'s bytes in the staging slot (through the pinned host buffer, on an accelerator)."""

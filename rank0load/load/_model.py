@@ -61,7 +61,7 @@ class Built:
     proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
     conversions: list[Any] = field(default_factory=list)  # _convert: for rank 0's manifest
     # canonical key -> the value model_fn built it with (PEFT adapters), full size, on the CPU
-    built: dict[str, torch.Tensor] = field(default_factory=dict)
+    real_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def build_sharded(
@@ -102,7 +102,7 @@ def build_sharded(
     found = targets(model, layout)
     flags = layout_flags_of(found, mesh)
     built = {layout.canonical(k) or k: v for k, v in values.items()}
-    return Built(model, layout, flags, conversions=found_conversions, built=built)
+    return Built(model, layout, flags, conversions=found_conversions, real_values=built)
 
 
 def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 # On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: more staging
-# lets its reader threads (_stream.ACCELERATOR_READ_THREADS) keep up with the copy.
+# lets its reader threads (_readahead.ACCELERATOR_READ_THREADS) keep up with the copy.
 ACCELERATOR_STAGING_BYTES = 256 << 20
 
 

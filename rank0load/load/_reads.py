@@ -3,7 +3,7 @@
 :func:`runs` turns a piece's extents (``Entry.extents``: where its bytes lie in the files) into runs
 of nearby file bytes, each filled with one ``preadv`` (:func:`read_vectored`, short reads retried)
 scattering into the destination buffer; :func:`split_runs` cuts runs into parts that threads read
-side by side. Rank 0's reader thread (``_stream``) and a local reader (``_localread``) both read
+side by side. Rank 0's reader thread (``_readahead``) and a local reader (``_localread``) both read
 through here, so a test or a benchmark patches :func:`read_vectored` once for both. No file is
 mapped: page-cache pages never count in a rank's RSS.
 """

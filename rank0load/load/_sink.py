@@ -37,7 +37,7 @@ __all__ = [
     "allocate_staging",
     "deliver",
     "fan_out",
-    "landing",
+    "direct_view",
     "target_of",
 ]
 
@@ -67,8 +67,8 @@ class Arrival:
     message: Message
     data: torch.Tensor  # its bytes: uint8, message.nbytes (a BLOCK chunk's: those of ``rows``)
     slot: int | None = None  # the staging slot (or ring token) to give back; None: nothing to give back
-    landed: bool = False  # the bytes were read or received straight into their target
-    spare: torch.Tensor | None = None  # a FAN_OUT chunk's: where its non-contiguous blocks are packed
+    in_target: bool = False  # the bytes were read or received straight into their target
+    pack_buffer: torch.Tensor | None = None  # a FAN_OUT chunk's: where its non-contiguous blocks are packed
     rows: Piece | None = None  # a FAN_OUT chunk of which only these rows were read (a local reader)
 
 
@@ -78,27 +78,29 @@ class Staging:
     mesh-device (others) buffers, and on rank 0 of an accelerator mesh one device buffer."""
 
     slots: list[torch.Tensor]
-    device: torch.Tensor | None
+    device_buffer: torch.Tensor | None
     # rank 0 of an accelerator mesh: the one pinned buffer that ``slots`` are views of (a ring)
     host: torch.Tensor | None = None
 
 
-def allocate_staging(rank: int, piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
+def allocate_staging(
+    rank: int, piece_bytes: int, mesh_device: torch.device, max_staging_bytes: int
+) -> Staging:
     """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
-    on_cpu = comm.type == "cpu"
-    where = torch.device("cpu") if rank == 0 else comm
+    on_cpu = mesh_device.type == "cpu"
+    where = torch.device("cpu") if rank == 0 else mesh_device
     pin = rank == 0 and not on_cpu
     if not pin:
         slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes)
         return Staging(slots, None)
     # rank 0 of an accelerator mesh: one pinned buffer, which its reader uses as a ring (see
-    # _stream.RING_ON_ACCELERATORS), and the device buffer
+    # _readahead.RING_ON_ACCELERATORS), and the device buffer
     host = reserve(1, SLOTS * piece_bytes, where, max_staging_bytes, pin)[0]
-    device = reserve(1, piece_bytes, comm, max_staging_bytes)[0]
+    device = reserve(1, piece_bytes, mesh_device, max_staging_bytes)[0]
     return Staging(list(host.split(piece_bytes)), device, host)
 
 
-def landing(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
+def direct_view(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
     """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
     t = target.tensor
     if t.dtype != wire or not t.is_contiguous():
@@ -148,22 +150,22 @@ class Sink:
         )
 
     def take(
-        self, message: Message, data: torch.Tensor, landed: bool = False, non_blocking: bool = False
+        self, message: Message, data: torch.Tensor, in_target: bool = False, non_blocking: bool = False
     ) -> None:
         """(all ranks) The local work of every piece of ``message``, whose bytes are in ``data``
-        (``landed``: straight in the target already; a point-to-point piece then needs nothing;
+        (``in_target``: straight in the target already; a point-to-point piece then needs nothing;
         ``non_blocking``: see :meth:`write`)."""
         parts = list(message.parts())
         i = 0
         while i < len(parts):
-            pairs = 0 if landed or len(parts) == 1 else self._same_pairs(parts, i)
+            pairs = 0 if in_target or len(parts) == 1 else self._same_pairs(parts, i)
             if pairs:
                 self.faults.run(self._dequantize_pairs, parts[i : i + 2 * pairs], data)
                 i += 2 * pairs
                 continue
             piece, at = parts[i]
-            if not (landed and piece.route is Route.TO_RANK):
-                self.broadcast(piece, data[at : at + piece.nbytes], landed, non_blocking)
+            if not (in_target and piece.route is Route.TO_RANK):
+                self.broadcast(piece, data[at : at + piece.nbytes], in_target, non_blocking)
             i += 1
 
     def pair_key(self, scales: Piece, rows: Piece) -> tuple[object, ...] | None:
@@ -278,7 +280,7 @@ class Sink:
             for j, (piece, _) in enumerate(parts[2 * at + 1 : 2 * (at + per) : 2]):
                 self.targets[piece.index].tensor.view(k, cols).copy_(out[j])
 
-    def landing(self, piece: Piece) -> torch.Tensor | None:
+    def direct_view(self, piece: Piece) -> torch.Tensor | None:
         """(receivers) Where a broadcast piece can land without staging; None: stage it."""
         if self.faults.error is not None:
             return None
@@ -292,17 +294,21 @@ class Sink:
             self.faults.note(exc)
             return None
         return (
-            landing(target, piece, self.wires[piece.index]) if target.tensor.device == self.device else None
+            direct_view(target, piece, self.wires[piece.index])
+            if target.tensor.device == self.device
+            else None
         )
 
-    def broadcast(self, piece: Piece, data: torch.Tensor, landed: bool, non_blocking: bool = False) -> None:
-        """(all ranks) The local work of a broadcast piece (``landed``: it arrived where it belongs;
+    def broadcast(
+        self, piece: Piece, data: torch.Tensor, in_target: bool, non_blocking: bool = False
+    ) -> None:
+        """(all ranks) The local work of a broadcast piece (``in_target``: it arrived where it belongs;
         ``non_blocking``: see :meth:`write`)."""
         entry = self.entries[piece.index]
         if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
             into = self.scales if piece.route is Route.SCALES else self.whole
             size = entry.scale_nbytes if piece.route is Route.SCALES else entry.nbytes
-            if not landed:
+            if not in_target:
                 self.faults.run(lambda: into.land(piece, size).copy_(data, non_blocking=non_blocking))
             if piece.route is not Route.SCALES and piece.start + piece.nbytes == entry.nbytes:
                 self.faults.run(self._cut_whole, piece.index)
@@ -392,19 +398,19 @@ def deliver(arrival: Arrival, sink: Sink, layouts: Callable[[int], dict[int, Any
     to wait for, if any), anything else through :meth:`Sink.take`."""
     piece = arrival.message.first
     if piece.route is Route.FAN_OUT:
-        assert arrival.spare is not None
-        return fan_out(arrival.rows or piece, arrival.data, arrival.spare, layouts(piece.index), sink)
-    sink.take(arrival.message, arrival.data, arrival.landed)
+        assert arrival.pack_buffer is not None
+        return fan_out(arrival.rows or piece, arrival.data, arrival.pack_buffer, layouts(piece.index), sink)
+    sink.take(arrival.message, arrival.data, arrival.in_target)
     return None
 
 
 def fan_out(
-    piece: Piece, data: torch.Tensor, spare: torch.Tensor, per_rank: dict[int, Any], sink: Sink
+    piece: Piece, data: torch.Tensor, pack_buffer: torch.Tensor, per_rank: dict[int, Any], sink: Sink
 ) -> AllOf:
     """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
     into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
     others are sent (returned: the sends to wait for). A block that is not a contiguous part of the
-    chunk is packed into ``spare`` (the rest of the staging slot); ranks holding the same block
+    chunk is packed into ``pack_buffer`` (the rest of the staging slot); ranks holding the same block
     (replicas) share one copy, so the packed blocks never exceed the chunk. After a local failure
     the blocks still go out, as scratch bytes of the right size."""
     entry, wire = sink.entries[piece.index], sink.wires[piece.index]
@@ -423,7 +429,7 @@ def fan_out(
                     chunk = data.view(wire).view(-1, *shape)
                     block = cut(chunk, d)
                     if not block.is_contiguous():
-                        packed = spare[used : used + d.nbytes].view(wire).view(block.shape)
+                        packed = pack_buffer[used : used + d.nbytes].view(wire).view(block.shape)
                         packed.copy_(block)
                         used += d.nbytes
                         block = packed

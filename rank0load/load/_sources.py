@@ -23,8 +23,8 @@ from ..common._rounds import InFlight
 from ._messages import Message, messages
 from ._pieces import Piece, Route
 from ._plan import Plan
-from ._sink import Arrival, Sink, Staging, landing
-from ._stream import Reader, read_threads
+from ._readahead import Reader, read_threads
+from ._sink import Arrival, Sink, Staging, direct_view
 
 if TYPE_CHECKING:
     from ._localread import LocalReader
@@ -62,8 +62,8 @@ def own_together(device: torch.device) -> bool:
 
 class FileSource:
     """(rank 0) Its messages (``pieces``: those it reads; local readers read theirs) read by its
-    reader thread (``_stream.Reader``), one arrival each, in order. On an accelerator mesh each
-    arrival must be released before the next is asked for (``_stream._Ring``)."""
+    reader thread (``_readahead.Reader``), one arrival each, in order. On an accelerator mesh each
+    arrival must be released before the next is asked for (``_readahead._Ring``)."""
 
     def __init__(
         self, plan: Plan, staging: Staging, files: Mapping[str, Any], sink: Sink, pieces: Iterator[Piece]
@@ -86,7 +86,7 @@ class FileSource:
         if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or piece.dst != 0:
             return None
         return (
-            landing(target, piece, self.sink.wires[piece.index])
+            direct_view(target, piece, self.sink.wires[piece.index])
             if target.tensor.device.type == "cpu"
             else None
         )
@@ -94,10 +94,10 @@ class FileSource:
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop``."""
         for staged in self._by_round.until(stop):
-            yield Arrival(staged.message, staged.data, staged.slot, landed=staged.slot is None)
+            yield Arrival(staged.message, staged.data, staged.slot, in_target=staged.slot is None)
 
     def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
-        """Hand ``slot`` back to the reader (``copied``: see ``_stream.Reader.release``)."""
+        """Hand ``slot`` back to the reader (``copied``: see ``_readahead.Reader.release``)."""
         self.reader.release(slot, copied)
 
     def round_end(self, stop: int) -> None:
@@ -150,12 +150,12 @@ class ReceiveSource:
     def _broadcast(self, message: Message) -> Generator[Arrival, None, Arrival]:
         """Receive a broadcast message (yielding earlier arrivals while no slot is free); returns its
         arrival."""
-        into = self.sink.landing(message.first) if len(message.pieces) == 1 else None
+        into = self.sink.direct_view(message.first) if len(message.pieces) == 1 else None
         slot = None
         if into is None:
             into, slot = yield from self._stage(message)
         _distribute.broadcast(into, 0)
-        return Arrival(message, into, slot, landed=slot is None)
+        return Arrival(message, into, slot, in_target=slot is None)
 
     def _receive(self, message: Message) -> Generator[Arrival, None, None]:
         """Post a point-to-point receive (yielding earlier arrivals while no slot is free)."""
@@ -163,7 +163,7 @@ class ReceiveSource:
         slot = None
         if view is None:
             view, slot = yield from self._stage(message)
-        arrival = Arrival(message, view, slot, landed=slot is None)
+        arrival = Arrival(message, view, slot, in_target=slot is None)
         self._pending.add(dist.irecv(view, src=0), functools.partial(self._done.append, arrival))
 
     def _in_place(self, message: Message) -> torch.Tensor | None:
@@ -174,7 +174,7 @@ class ReceiveSource:
             return None
         if target.tensor.device != self.sink.device:
             return None
-        return landing(target, piece, self.sink.wires[piece.index])
+        return direct_view(target, piece, self.sink.wires[piece.index])
 
     def _stage(self, message: Message) -> Generator[Arrival, None, tuple[torch.Tensor, int]]:
         """A free staging slot for ``message``: the oldest receives completed and handed on until

@@ -13,7 +13,7 @@ any rank failed, all stop there and raise that rank's error, and the process gro
 Only a collective that itself fails (a peer is gone) raises at once, as a peer failure. The rounds
 and that settling are ``common._rounds``', shared with the save.
 
-When every rank reads its own bytes (one host, CPU shards) there are no messages (:func:`_quietly`).
+When every rank reads its own bytes (one host, CPU shards) there are no messages (:func:`_each_reads_its_own`).
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ def stream(
     plan: Plan,
     targets: list[Target],
     staging: Staging,
-    comm: torch.device,
+    mesh_device: torch.device,
     files: Mapping[str, Any] | None = None,
     on_bytes: Callable[[int], None] | None = None,
     local: LocalReads | None = None,
 ) -> None:
     """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``
     (path -> ``_files.OpenFile``). ``local``: the ranks that read their own bytes through rank 0's
-    descriptors (``_local``); rank 0 sends them nothing but the broadcasts, and not even those when
+    descriptors (``_handover``); rank 0 sends them nothing but the broadcasts, and not even those when
     every rank reads its own. Raises the same error on every rank if any rank failed."""
-    sink = Sink(plan, targets, comm)
+    sink = Sink(plan, targets, mesh_device)
     with settled(
         sink.faults,
         "moving tensor data",
@@ -62,13 +62,15 @@ def stream(
         "No model was returned; fix the cause and load again.",
     ) as outcome:
         own = local.reader(plan, staging, sink, files) if local is not None else None
-        if own is not None and own.everything and comm.type == "cpu":  # the same on every rank
-            outcome.first = _quietly(plan, sink, own, on_bytes)
+        if own is not None and own.everything and mesh_device.type == "cpu":  # the same on every rank
+            outcome.first = _each_reads_its_own(plan, sink, own, on_bytes)
         else:
             outcome.first = _in_rounds(plan, staging, sink, files or {}, on_bytes, local, own)
 
 
-def _quietly(plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None) -> int:
+def _each_reads_its_own(
+    plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None
+) -> int:
     """(all ranks, when every rank but 0 reads its own bytes and the shards are on the CPU) No
     message at all: each rank, rank 0 too, reads its own pieces in order, checks the files it read
     at each round's end and every file after its last read, and the ranks compare notes once, at
@@ -108,7 +110,7 @@ def _in_rounds(
     else:
         source = ReceiveSource(plan, staging, sink, own)
         layouts = own.layouts if own is not None else _no_blocks
-        handle = functools.partial(_keep, sink, source, layouts)
+        handle = functools.partial(_into_sink, sink, source, layouts)
     try:
         rounds = Rounds(plan.rounds, sink.faults)
         for _, stop in rounds:
@@ -122,7 +124,7 @@ def _in_rounds(
         source.close()
 
 
-def _keep(sink: Sink, source: ReceiveSource, layouts: Callable[[int], Any], arrival: Arrival) -> None:
+def _into_sink(sink: Sink, source: ReceiveSource, layouts: Callable[[int], Any], arrival: Arrival) -> None:
     """(ranks other than 0) An arrival into this rank's sink; its slot back to the source."""
     _wait(deliver(arrival, sink, layouts))
     source.release(arrival.slot)
@@ -155,29 +157,29 @@ class _Sender:
     ) -> None:
         self.plan, self.staging, self.sink, self.source, self.on_bytes = plan, staging, sink, source, on_bytes
         self.on_cpu = sink.device.type == "cpu"
-        self.alone = len(readers) == dist.get_world_size() - 1  # no one to send anything to
+        self.sends_nothing = len(readers) == dist.get_world_size() - 1  # no one to send anything to
         self.pending = InFlight()  # sends, each handing its slot back to the reader once done
         fan_to = [r for r, _ in plan.coords if r not in readers]
         self.layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, fan_to))
 
     def __call__(self, arrival: Arrival) -> None:
-        message, data, held = arrival.message, arrival.data, arrival.slot
+        message, data, slot_to_free = arrival.message, arrival.data, arrival.slot
         piece, own = message.first, message.dst == 0
         if not self.on_cpu and (not own or self.sink.converts(message)):
-            data, held = self._on_device(arrival), None
+            data, slot_to_free = self._on_device(arrival), None
         if piece.route is Route.FAN_OUT:
-            self._fan_out(arrival, data, held)
+            self._fan_out(arrival, data, slot_to_free)
         elif own:
-            if not arrival.landed:
+            if not arrival.in_target:
                 self.sink.take(message, data, non_blocking=not self.on_cpu)
-            self._done_with(held)
+            self._done_with(slot_to_free)
         elif message.dst > 0:
-            self._sent(dist.isend(data, dst=message.dst), held)
+            self._sent(dist.isend(data, dst=message.dst), slot_to_free)
         else:  # BROADCAST, SCALES
-            if not self.alone:
+            if not self.sends_nothing:
                 _distribute.broadcast(data, 0)
             self.sink.take(message, data)
-            self._done_with(held)
+            self._done_with(slot_to_free)
         self.pending.drain(keep=max(1, len(self.staging.slots) - 1))
         if self.on_bytes is not None:
             self.on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
@@ -188,28 +190,32 @@ class _Sender:
         host). Everything after reads the device buffer on the same stream: the slot is free once
         this copy is."""
         self.pending.drain()
-        assert self.staging.device is not None
-        data = self.staging.device[: arrival.message.nbytes]
+        assert self.staging.device_buffer is not None
+        data = self.staging.device_buffer[: arrival.message.nbytes]
         data.copy_(arrival.data, non_blocking=True)
         self._done_with(arrival.slot)
         return data
 
-    def _fan_out(self, arrival: Arrival, data: torch.Tensor, held: int | None) -> None:
+    def _fan_out(self, arrival: Arrival, data: torch.Tensor, slot_to_free: int | None) -> None:
         """A BLOCK chunk cut into each served rank's block: its own written, the others sent."""
         slot, piece = arrival.slot, arrival.message.first
-        spare = self.staging.slots[slot] if self.on_cpu and slot is not None else self.staging.device
-        assert spare is not None
+        pack_buffer = (
+            self.staging.slots[slot] if self.on_cpu and slot is not None else self.staging.device_buffer
+        )
+        assert pack_buffer is not None
         half = block_half(self.plan.piece_bytes)
-        self._sent(fan_out(piece, data, spare[half:], self.layouts(piece.index), self.sink), held)
+        self._sent(
+            fan_out(piece, data, pack_buffer[half:], self.layouts(piece.index), self.sink), slot_to_free
+        )
 
     def _sent(self, work: Any, slot: int | None) -> None:
         self.pending.add(work, functools.partial(self.source.release, slot))
 
     def _done_with(self, slot: int | None) -> None:
         """``slot``'s bytes are used: on the CPU, hand it back; on an accelerator its copies to the
-        device are only queued, so it goes back with an event recorded now (``_stream.Reader.release``).
+        device are only queued, so it goes back with an event recorded now (``_readahead.Reader.release``).
         On an accelerator every message's slot is handed back here before the next message is asked
-        for, as the ring needs (``_stream._Ring``): sends go from the device buffer, not the slot."""
+        for, as the ring needs (``_readahead._Ring``): sends go from the device buffer, not the slot."""
         if self.on_cpu or slot is None:
             self.source.release(slot)
             return

@@ -2,9 +2,9 @@
 
 all ranks  describe the model, layout flags, agree (same model, same options)  -> _meta, _layout, _distribute
 rank 0     plan: saved names, dtypes, files split like huggingface_hub, headers -> _saveplan.plan_save
-all ranks  share the plan, or rank 0's error                                  -> _distribute.share
-rank 0     create out_dir, open the temporary files, write the headers         -> _outputs.open_outputs
-all ranks  allocate staging; settle                                           -> _write.settle
+all ranks  rank 0's plan, or its error                                       -> _distribute.from_rank0
+all ranks  allocate staging; rank 0 creates out_dir, the temporary files and
+           their headers; settle                                               -> _outputs.open_outputs
 all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
 rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _configs.finish
 
@@ -40,7 +40,7 @@ from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
 from ._configs import Layout, adapter_layout, finish, layout_of
-from ._saveplan import Revert, SavePlan, parse_size, plan_or_error, plan_save
+from ._saveplan import Revert, SavePlan, parse_size, plan_save
 
 __all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
 
@@ -196,43 +196,40 @@ def _save(
     as ``save_sharded``'s (``original_format`` applies to a transformers model and a PeftModel only)."""
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
-    described, error = _distribute.attempt(lambda: _describe(model, options))
-    flags = _distribute.agree(described[2] if described else None, error)
-    assert described is not None  # agree() raised otherwise
-    model_layout, tensors, _ = described
+    described, flags = _distribute.agree(_distribute.attempt(lambda: _describe(model, options)))
+    tensors = described.tensors
     clock("agree")
-    revert = functools.partial(_reversal, model, original_format)  # built by rank 0 in plan_or_error
-    planned = None
-    if rank == 0:
-        planned = plan_or_error(
-            model_layout,
+    plan = _distribute.from_rank0(
+        lambda: plan_save(
+            described.layout,
             tensors,
             flags,
             key_map,
             options,
-            revert,
+            _reversal(model, original_format),
             stem=layout.stem,
             single_file=layout.single_file,
-        )
-    plan: SavePlan = _distribute.share(planned)
+        ),
+        lambda exc: SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}"),
+    )
     clock("plan")
-    outputs: _outputs.Outputs | None = None
+    mesh_device = _mesh_device(tensors)
+
+    def prepare() -> tuple[_write.Staging, _outputs.Outputs | None]:
+        staging = _write.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
+        return staging, _outputs.open_outputs(out, plan) if rank == 0 else None
+
+    prepared = _distribute.attempt(prepare)
+    outputs = prepared.value[1] if prepared.value is not None else None  # rank 0's, discarded below
     try:
-        comm = _comm_device(tensors)
-        staging, error = _distribute.attempt(
-            lambda: _write.allocate_staging(plan.piece_bytes, comm, max_staging_bytes)
-        )
-        if rank == 0 and error is None:
-            outputs, error = _distribute.attempt(lambda: _outputs.open_outputs(out, plan))
-        _write.settle(error, "creating the output files")
-        assert staging is not None
+        staging, _ = _write.settle(prepared, "creating the output files")
         with progress_bar(plan.total_size) if rank == 0 else contextlib.nullcontext() as on_bytes:
             gathered = _write.stream(plan, tensors, outputs, staging, on_bytes)
         clock("stream")
-        if rank == 0:
-            assert outputs is not None
-            _, error = _distribute.attempt(lambda: finish(model, outputs, plan, layout.write_configs))
-        _write.settle(error, "committing the checkpoint")
+        committing = _distribute.attempt(
+            lambda: finish(model, outputs, plan, layout.write_configs) if outputs is not None else None
+        )
+        _write.settle(committing, "committing the checkpoint")
         clock("commit")
     finally:
         if outputs is not None:
@@ -243,9 +240,16 @@ def _save(
     return report
 
 
-def _describe(
-    model: nn.Module, options: dict[str, Any]
-) -> tuple[ModelLayout, dict[str, torch.Tensor], _distribute.Proposal]:
+@dataclass(frozen=True)
+class _Described:
+    """(each rank) The model as this rank describes it, and its proposal to the other ranks."""
+
+    layout: ModelLayout
+    tensors: dict[str, torch.Tensor]
+    proposal: _distribute.Proposal
+
+
+def _describe(model: nn.Module, options: dict[str, Any]) -> _Described:
     """(all ranks) Check the options, describe the model, and make this rank's proposal."""
     dtype, staging = options["dtype"], options["max_staging_bytes"]
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -258,7 +262,7 @@ def _describe(
     tensors = {k: params[k] if t.is_param else buffers[k] for k, t in layout.tensors.items()}
     flags = tuple(_flags(tensors[k]) for k in layout.tensors)
     proposal = _distribute.Proposal(layout.fingerprint(), _distribute.options_of(**options), flags)
-    return layout, tensors, proposal
+    return _Described(layout, tensors, proposal)
 
 
 def _flags(t: torch.Tensor) -> int:
@@ -269,7 +273,7 @@ def _flags(t: torch.Tensor) -> int:
     return layout_flags(t, t.device_mesh) & (ROWS_OK | RUNS_OK)
 
 
-def _comm_device(tensors: dict[str, torch.Tensor]) -> torch.device:
+def _mesh_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     for t in tensors.values():
         if isinstance(t, DTensor):
             return _distribute.mesh_device(t.device_mesh.device_type)

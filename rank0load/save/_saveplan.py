@@ -2,8 +2,8 @@
 
 (rank 0) :func:`plan_save` maps every model tensor to its saved name and dtype, splits the tensors
 into files the way huggingface_hub splits them, lays out each file's header and offsets, and names
-the senders of every sharded DTensor's elements (rows, or tensor-parallel blocks); :func:`plan_or_error`
-turns a failure into the error every rank raises. (all ranks) :class:`SavePlan` is shared as it is;
+the senders of every sharded DTensor's elements (rows, or tensor-parallel blocks); ``_save`` runs
+it through ``_distribute.from_rank0``. (all ranks) :class:`SavePlan` is shared as it is;
 ``_pieces`` cuts an item into the messages every rank derives identically from the plan, so
 nothing else is exchanged. No collectives here.
 
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint._format import DTYPES
 from ..common._distribute import round_ends
 from ..common._rounds import ROUND_PIECES, slot_bytes
-from ..errors import LoadError, SaveError
+from ..errors import SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rows_of
 from ..model._meta import ModelLayout, strip_wrappers
 from ._saveblock import Blocks, blocks_of
@@ -40,7 +40,6 @@ __all__ = [
     "Saved",
     "file_names",
     "parse_size",
-    "plan_or_error",
     "plan_save",
 ]
 
@@ -146,28 +145,6 @@ def parse_size(size: int | str) -> int:
         if value > 0:
             return value
     raise SaveError(f"max_shard_size={size!r} is not a positive number of bytes nor a size like '5GB'")
-
-
-def plan_or_error(
-    layout: ModelLayout,
-    tensors: dict[str, torch.Tensor],
-    flags: tuple[int, ...],
-    key_map: Callable[[str], str | None] | None,
-    options: dict[str, Any],
-    revert: Callable[[], Revert | None] = lambda: None,
-    *,
-    stem: str = "model",
-    single_file: bool = False,
-) -> SavePlan | LoadError:
-    """(rank 0) The plan, or the error every rank will raise (``revert`` builds plan_save's)."""
-    try:
-        return plan_save(
-            layout, tensors, flags, key_map, options, revert(), stem=stem, single_file=single_file
-        )
-    except LoadError as exc:
-        return exc
-    except Exception as exc:
-        return SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}")
 
 
 def plan_save(

@@ -19,6 +19,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,31 +40,35 @@ __all__ = ["Staging", "allocate_staging", "settle", "stream"]
 
 logger = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
 _TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
 
 
-def settle(error: BaseException | None, stage: str) -> None:
-    """(all ranks) If any rank's ``error`` is set, every rank raises the first failing rank's, as a
-    :class:`SaveError` (or that rank's own LoadError class)."""
-    _distribute.settle(error, stage, _TODO, wrap=SaveError)
+def settle(outcome: _distribute.Outcome[R], stage: str) -> R:
+    """(all ranks) ``outcome``'s value; if any rank's step failed, every rank raises the first
+    failing rank's error, as a :class:`SaveError` (or that rank's own LoadError class)."""
+    return _distribute.settle(outcome, stage, _TODO, wrap=SaveError)
 
 
 @dataclass
 class Staging:
-    """A rank's staging slots (host on rank 0, the comm device elsewhere); on rank 0 of an
+    """A rank's staging slots (host on rank 0, the mesh device elsewhere); on rank 0 of an
     accelerator mesh, device slots that receive before the copy to the host."""
 
     slots: list[torch.Tensor]
-    device: list[torch.Tensor]
+    device_slots: list[torch.Tensor]
 
 
-def allocate_staging(piece_bytes: int, comm: torch.device, max_staging_bytes: int) -> Staging:
+def allocate_staging(piece_bytes: int, mesh_device: torch.device, max_staging_bytes: int) -> Staging:
     """(all ranks) Reserve the staging (``_memory.reserve``); raises SaveError when it cannot be had."""
-    rank0, on_cpu = dist.get_rank() == 0, comm.type == "cpu"
-    where = torch.device("cpu") if rank0 else comm
+    rank0, on_cpu = dist.get_rank() == 0, mesh_device.type == "cpu"
+    where = torch.device("cpu") if rank0 else mesh_device
     slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes, error=SaveError)
     device = (
-        [] if on_cpu or not rank0 else reserve(SLOTS, piece_bytes, comm, max_staging_bytes, error=SaveError)
+        []
+        if on_cpu or not rank0
+        else reserve(SLOTS, piece_bytes, mesh_device, max_staging_bytes, error=SaveError)
     )
     return Staging(slots, device)
 
@@ -126,15 +131,15 @@ class _Collector:
     def receive(self, item: SaveItem, piece: Piece) -> None:
         """Post the receive of another rank's ``piece`` into a slot; written once it is in."""
         slot = self.take()
-        into = (self.staging.device or self.staging.slots)[slot][: piece.nbytes]
+        into = (self.staging.device_slots or self.staging.slots)[slot][: piece.nbytes]
         work = dist.irecv(into, src=piece.src)
         self.pending.add(work, functools.partial(self.write_received, item, piece, slot))
 
     def write_received(self, item: SaveItem, piece: Piece, slot: int) -> None:
         """Hand a received piece to the writer (copied to the host first from a device slot)."""
         host = self.staging.slots[slot][: piece.nbytes]
-        if self.staging.device:
-            self.faults.run(host.copy_, self.staging.device[slot][: piece.nbytes])
+        if self.staging.device_slots:
+            self.faults.run(host.copy_, self.staging.device_slots[slot][: piece.nbytes])
         self.writer.put(item, piece.start, host_bytes(host), slot)
 
     def own(self, piece: Piece, source: torch.Tensor, item: SaveItem) -> None:
@@ -163,14 +168,16 @@ class _Collector:
                 mine = source[part.local : part.local + math.prod(part.shape)].view(part.shape)
                 faults.run(place, rows, mine, part)
             else:
-                into = (staging.device or staging.slots)[slot][half + part.at : half + part.at + part.nbytes]
+                into = (staging.device_slots or staging.slots)[slot][
+                    half + part.at : half + part.at + part.nbytes
+                ]
                 works.append(dist.irecv(into, src=part.src))
                 received.append(part)
 
         def then() -> None:
-            if staging.device and received:
+            if staging.device_slots and received:
                 end = half + received[-1].at + received[-1].nbytes
-                faults.run(host[half:end].copy_, staging.device[slot][half:end])
+                faults.run(host[half:end].copy_, staging.device_slots[slot][half:end])
             for part in received:
                 block = host[half + part.at : half + part.at + part.nbytes].view(wire).view(part.shape)
                 faults.run(place, rows, block, part)

@@ -20,7 +20,7 @@ import torch
 from rank0load.__main__ import main
 from tests.models import HEAD_TOY_GROUPS, head_toy, own_mixed, save_state, trained_toy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _mismatched_checkpoint(path: str) -> None:
@@ -92,7 +92,7 @@ def cli(tmp_path_factory):
             "--model",
             "tests.models:toy",
             "--key-map",
-            "tests.test_cli:from_prefixed",
+            "tests.api.test_cli:from_prefixed",
             "--json",
         ],
         "groups": [str(tmp / "head.safetensors"), "--model", "tests.models:head_toy", "--json"],
@@ -280,15 +280,19 @@ def test_key_map_failures(cli, capsys):
     ckpt = str(tmp / "prefixed.safetensors")
     # The same ModelMismatchError load_sharded raises, as a key-map failure (exit 3).
     assert (
-        main(["inspect", ckpt, "--model", "tests.models:toy", "--key-map", "tests.test_cli:broken_key_map"])
+        main(
+            ["inspect", ckpt, "--model", "tests.models:toy", "--key-map", "tests.api.test_cli:broken_key_map"]
+        )
         == 3
     )
     err = capsys.readouterr().err
-    assert "--key-map tests.test_cli:broken_key_map: key_map('model." in err and "raised KeyError" in err
-    assert main(["inspect", ckpt, "--model", "tests.models:toy", "--key-map", "tests.test_cli:absent"]) == 3
-    assert "cannot load --key-map 'tests.test_cli:absent': AttributeError" in capsys.readouterr().err
+    assert "--key-map tests.api.test_cli:broken_key_map: key_map('model." in err and "raised KeyError" in err
+    assert (
+        main(["inspect", ckpt, "--model", "tests.models:toy", "--key-map", "tests.api.test_cli:absent"]) == 3
+    )
+    assert "cannot load --key-map 'tests.api.test_cli:absent': AttributeError" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
-        main(["inspect", ckpt, "--key-map", "tests.test_cli:from_prefixed"])
+        main(["inspect", ckpt, "--key-map", "tests.api.test_cli:from_prefixed"])
     assert exc.value.code == 2 and "--key-map needs --model" in capsys.readouterr().err
 
 

@@ -65,7 +65,7 @@ def trained_wide_toy() -> Toy:
 
 
 def mixtral_model():
-    """model_fn: the tiny Mixtral from its config, as tests/test_hf_range.py builds it."""
+    """model_fn: the tiny Mixtral from its config, as tests/integrations/test_hf_range.py builds it."""
     from transformers import AutoModelForCausalLM
 
     from tests import moe_models as mm
@@ -292,7 +292,7 @@ def test_fp8_dequantize_on_cuda_matches_the_cpu(case):
 @pytest.mark.transformers
 def test_fp8_mixtral_into_bf16_matches_the_cpu(tmp_path):
     """The FP8 per-expert Mixtral (16x16 blocks, partial ones: 24 rows) into a bf16 model on the GPU:
-    the CPU load's bits and from_pretrained's of the dequantised copy (as tests/test_hf_range.py)."""
+    the CPU load's bits and from_pretrained's of the dequantised copy (as tests/integrations/test_hf_range.py)."""
     from transformers import AutoModelForCausalLM
 
     from tests import moe_models as mm

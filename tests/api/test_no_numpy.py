@@ -11,7 +11,7 @@ import torch
 
 from tests.models import assert_same
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = """
 import sys

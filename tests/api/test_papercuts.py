@@ -18,7 +18,7 @@ from rank0load.errors import CheckpointNotFoundError
 from tests import _dist
 from tests.models import assert_same, gather, reference, toy, trained_toy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ class without a model for the config, another quantisation, a revision with a lo
 same on every rank.
 
 Rank 1 runs in its own mount namespace with an empty tmpfs over the directory holding every
-checkpoint and the Hugging Face cache (as tests/test_nodes.py hides node 0's disk; needs root), and
+checkpoint and the Hugging Face cache (as tests/load/test_nodes.py hides node 0's disk; needs root), and
 an audit hook records every file it opens or lists there: it must see nothing and open nothing, and
 still end with the same tensors as rank 0.
 """

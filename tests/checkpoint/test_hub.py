@@ -96,7 +96,7 @@ def hub_results(tmp_path_factory):
     # `inspect` on the repo id, in a subprocess running alongside the spawn.
     cli = subprocess.Popen(
         [sys.executable, "-m", "rank0load", "inspect", "org/tiny", "--revision", "v1", "--json"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         env={**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -124,7 +124,7 @@ def test_repo_id_from_offline_cache_on_rank0_only(hub_results):
 @pytest.mark.slow
 def test_progress_bar_disabled_by_environment(hub_results):
     """HF_HUB_DISABLE_PROGRESS_BARS=1 turns rank 0's bar off although stderr is a terminal (this
-    spawn sets it; tests/test_progress.py shows the bar appearing without it)."""
+    spawn sets it; tests/common/test_progress.py shows the bar appearing without it)."""
     _, results, _ = hub_results
     assert [r["stderr"] for r in results] == ["", ""]
 

@@ -5,7 +5,7 @@ that were missing or unexpected, and the model's FSDP groups (a bf16 model's fp3
 its own, frozen blocks' dtypes apart).
 
 HF_HUB_DISABLE_PROGRESS_BARS is read when huggingface_hub is imported, so it needs a fresh process
-group: tests/test_hub.py's spawn, which sets it, checks that no bar appears on a terminal."""
+group: tests/checkpoint/test_hub.py's spawn, which sets it, checks that no bar appears on a terminal."""
 
 from __future__ import annotations
 

@@ -256,7 +256,7 @@ def test_inspect_shows_transformers_conversions(tmp_path):
     stdout = sys.stdout
     try:
         with open(out, "w") as sys.stdout:
-            code = main(["inspect", str(directory), "--model", "tests.test_convert:mixtral"])
+            code = main(["inspect", str(directory), "--model", "tests.integrations.test_convert:mixtral"])
     finally:
         sys.stdout = stdout
     text = out.read_text()

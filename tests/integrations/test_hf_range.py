@@ -284,7 +284,7 @@ def test_inspect_model_on_this_transformers(setup):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(
         [
             sys.executable,
@@ -293,7 +293,7 @@ def test_inspect_model_on_this_transformers(setup):
             "inspect",
             f"{setup['root']}/mixtral",
             "--model",
-            "tests.test_hf_range:mixtral_model",
+            "tests.integrations.test_hf_range:mixtral_model",
         ],
         capture_output=True,
         text=True,

@@ -38,7 +38,7 @@ SEED = 1234
 STEPS = 2
 LR = 0.5
 # Large enough that neither rank0load's nor torch's clipping scales (both multiply by exactly 1.0):
-# tests/test_clip.py checks the clipping itself.
+# tests/train/test_clip.py checks the clipping itself.
 MAX_NORM = 1e6
 
 

@@ -16,7 +16,7 @@ saves' out_dir hidden from ranks other than 0, compared bit for bit with single-
 - an adapter whose ``target_parameters`` differ from the model's: the same ModelMismatchError on every rank.
 
 transformers 4.57 keeps per-expert modules (no fused experts, no ``target_parameters`` to aim at): the
-module is skipped there; tests/test_peft.py covers PEFT on 4.57.
+module is skipped there; tests/integrations/test_peft.py covers PEFT on 4.57.
 """
 
 from __future__ import annotations

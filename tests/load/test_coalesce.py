@@ -92,7 +92,7 @@ def _loads(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     import rank0load
-    from tests.test_protocol import _attempt, _changer
+    from tests.load.test_protocol import _attempt, _changer
 
     calls = _counted()
     out: dict = {}
@@ -124,10 +124,10 @@ def _loads(rank: int, world: int, root: str) -> dict:
     loads("default", "small")
     # Rank 0's reader with 4 threads, the messages' runs cut into parts of at most 64 bytes, every
     # free slot's read at once (as on an accelerator mesh); with the default staging, and with 2 KiB
-    from rank0load.load import _sources, _stream
+    from rank0load.load import _readahead, _sources
 
-    threads, size = _sources.read_threads, _stream._PART_BYTES
-    _sources.read_threads, _stream._PART_BYTES = (lambda device: 4), 64
+    threads, size = _sources.read_threads, _readahead._PART_BYTES
+    _sources.read_threads, _readahead._PART_BYTES = (lambda device: 4), 64
     try:
         loads("parallel", "parallel-small")
         # ... and rank 0's own consecutive pieces grouped into messages, read into its staging and
@@ -139,7 +139,7 @@ def _loads(rank: int, world: int, root: str) -> dict:
             _sources.own_together = own_together
         rewritten("rewritten-parallel", "b.safetensors")  # the file's bytes change: loads come before
     finally:
-        _sources.read_threads, _stream._PART_BYTES = threads, size
+        _sources.read_threads, _readahead._PART_BYTES = threads, size
     rewritten("rewritten", "a.safetensors")
     return out
 
@@ -247,16 +247,16 @@ def test_runs_split_between_threads_read_the_same_bytes(tmp_path, size):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_ring_staging_hands_out_disjoint_bytes(seed):
-    """``_stream._Ring`` (rank 0's pinned staging on an accelerator, one ring): messages of any size
+    """``_readahead._Ring`` (rank 0's pinned staging on an accelerator, one ring): messages of any size
     up to a slot's, released in any order, each get bytes inside the ring, aligned, that no message
     still holding bytes shares; a message waits only for bytes not yet released."""
     import random
 
-    from rank0load.load import _stream
+    from rank0load.load import _readahead
 
     rng = random.Random(seed)
     slot = 16 << 10
-    ring = _stream._Ring(torch.empty(4 * slot, dtype=torch.uint8))
+    ring = _readahead._Ring(torch.empty(4 * slot, dtype=torch.uint8))
     held: dict[int, tuple[int, int]] = {}  # token -> (start, end), not released yet
     released: list[tuple[int, None]] = []  # what the sender handed back, in its order
 
@@ -271,7 +271,7 @@ def test_ring_staging_hands_out_disjoint_bytes(seed):
         nbytes = rng.choice([0, 1, 100, 4096, 5000, slot // 2, slot - 64, slot, rng.randrange(1, slot + 1)])
         token, data = ring.take(nbytes, next_release)  # type: ignore[misc]
         start = data.storage_offset()
-        assert data.numel() == nbytes and start % _stream._RING_ALIGN == 0
+        assert data.numel() == nbytes and start % _readahead._RING_ALIGN == 0
         assert 0 <= start and start + nbytes <= 4 * slot
         for other, (lo, hi) in held.items():
             assert start + nbytes <= lo or hi <= start or nbytes == 0 or lo == hi, (token, other)

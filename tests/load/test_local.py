@@ -20,7 +20,7 @@ says how its bytes came: ``LoadReport.local_status`` and the point-to-point call
 - a local read error and a file changed under a local reader: the same LoadError on every rank; a
   local reader, or rank 0, that dies while the others read: the others fail at once, not at the timeout;
 - ranks disagreeing on ``local_reads``: the same RankMismatchError on every rank.
-The two-node test (tests/test_nodes.py) shows node 0's second rank reading locally and node 1's streaming.
+The two-node test (tests/load/test_nodes.py) shows node 0's second rank reading locally and node 1's streaming.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
     """What ``case`` changes on ``rank`` (``seen``: what the case observed, returned to the test)."""
     import rank0load.checkpoint._files as fileio
     import rank0load.common._distribute as distribute
-    import rank0load.load._local as local
+    import rank0load.load._handover as local
     import rank0load.load._reads as reads
 
     server_serve = local.Server.serve
@@ -371,12 +371,12 @@ def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
     """Rank 0's server hands its descriptors to the pid and uid a rank reported, with the token;
     a process that is not that rank gets nothing, token or not, and no rank gets them twice."""
     from rank0load.checkpoint import _files
-    from rank0load.load import _local
+    from rank0load.load import _handover
 
     path = tmp_path / "f.safetensors"
     save_state(trained_toy(), str(path))
     opened = _files.OpenFile.open(path)
-    server = _local.Server.listen([opened])
+    server = _handover.Server.listen([opened])
     assert server is not None
     name, token = server.offer.name, server.offer.token
     outs = []
@@ -386,13 +386,13 @@ def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
         outs.append(rank1.communicate(timeout=60)[0].strip())
         for claimed, with_token in ((1, token), (2, token), (2, b"x" * 16)):  # one after the other
             outs.append(_peer(name, with_token, claimed).communicate(timeout=60)[0].strip())
-        fds = _local.fetch(server.offer, 2, 10.0)  # this process is "rank 2": it gets them, checked
+        fds = _handover.fetch(server.offer, 2, 10.0)  # this process is "rank 2": it gets them, checked
         try:
             assert os.pread(fds[0], 64, 0) == os.pread(opened.fd, 64, 0)
         finally:
             os.close(fds[0])
-        with pytest.raises(_local.HandoverError, match="sent nothing"):
-            _local.fetch(server.offer, 2, 10.0)
+        with pytest.raises(_handover.HandoverError, match="sent nothing"):
+            _handover.fetch(server.offer, 2, 10.0)
     finally:
         server.close()
         opened.close()

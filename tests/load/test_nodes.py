@@ -27,7 +27,7 @@ from tests.models import assert_same, reference
 # Slow: two torchrun launches of 2 ranks each, with transformers, half a minute at best.
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WORKER = r"""
 import json, os, sys
@@ -57,7 +57,7 @@ dist.destroy_process_group()
 open(os.path.join(out, f"rank{{rank}}.done"), "w").close()  # all its work done, every group destroyed
 # as tests/_dist.py's ranks end: without the interpreter's module teardown, where torch 2.13 on the
 # CPU aborts or, about one run in five, hangs after all four ranks are done
-from benchmarks.bench._exit import exit_without_teardown
+from tests._dist import exit_without_teardown
 exit_without_teardown(0)
 """
 

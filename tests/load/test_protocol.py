@@ -26,7 +26,7 @@ CASE_LIMIT = 15.0  # seconds; the process-group timeout is 60 s, so a hang canno
 
 def _changer(path: str, how: str):
     """A read_vectored for rank 0 that changes ``path`` (as another writer would) before its 3rd read,
-    for its reader thread (``_stream``) and for its own reads when every rank reads locally
+    for its reader thread (``_readahead``) and for its own reads when every rank reads locally
     (``_localread``)."""
     import rank0load.load._reads as reads_mod
 

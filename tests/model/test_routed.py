@@ -2,7 +2,7 @@
 model's structure alone: the experts of a per-expert MoE are routed; a block's ``[Linear, Dropout]``
 output list, PEFT's one-adapter ``ModuleDict``s and the model's list of layers are not. Built on meta, no
 process group. The multi-rank consequences (one group per MoE layer, a shard_fn that gives an expert a
-group refused on every rank) are tests/test_policy.py's and tests/test_train_dp.py's.
+group refused on every rank) are tests/model/test_policy.py's and tests/train/test_train_dp.py's.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ here, and do what they print; the README's recipes are excerpts of them (so they
 Losses and gradient norms are compared with the same steps on one process (transformers'
 ``from_pretrained``, ``torch.nn.utils.clip_grad_norm_``): the example's loop is the loop it claims.
 (AdamW's step barely depends on a constant scaling of the gradient, so the losses do not show the
-clipping itself: tests/test_clip.py checks every clipped gradient against torch's.)
+clipping itself: tests/train/test_clip.py checks every clipped gradient against torch's.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 RANKS = 2  # the training examples' data-parallel ranks (each its own batch)
 REGION = re.compile(
@@ -378,7 +378,7 @@ def test_remote_fp8_moe(fp8_moe, tmp_path, hf_modules_cache):
     attention and on every expert, a new fp32 head on the model's mesh, a different batch on every rank;
     trained as one process trains it (the dequantised copy through transformers and PEFT), the adapter
     and head saved, read back by PeftModel.from_pretrained and safetensors, and resumed equal. On 3
-    ranks (8 experts split unevenly); the 2-rank split of the same model is tests/test_remote_code.py's.
+    ranks (8 experts split unevenly); the 2-rank split of the same model is tests/integrations/test_remote_code.py's.
 
     Tolerances: on both transformers legs (4.57, 5.24), on 2 and 3 ranks, the example printed the
     reference's numbers to every digit (6 decimals, ~1e-7 relative); rel=1e-5 leaves room for summation

@@ -8,7 +8,7 @@ import ast
 import os
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "rank0load"
+PACKAGE = Path(__file__).resolve().parents[2] / "rank0load"
 
 # lowest first; a module may import from its own layer's folder or any layer before it
 LAYERS = [

@@ -156,7 +156,7 @@ def test_hsdp_replicas_sent_once(tmp_path) -> None:
 
 def _tp(rank: int, world: int, out: str) -> dict:
     """fc rowwise-parallel over "tp" then FSDP2 over "dp": fc.weight is (Shard(0), Shard(1)), sent
-    as blocks (tests/test_save_tp.py); the rest lives on the "dp" sub-mesh and is sent row by row."""
+    as blocks (tests/save/test_save_tp.py); the rest lives on the "dp" sub-mesh and is sent row by row."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module

@@ -397,7 +397,9 @@ def _reference(kind: str, ckpt: str, loaded: dict[str, torch.Tensor]):
         model = WithHead()
         model.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=BF16).model
         model.model.requires_grad_(False)
-        with torch.no_grad():  # the new head as rank0load initialised it (tests/test_pretrained checks how)
+        with (
+            torch.no_grad()
+        ):  # the new head as rank0load initialised it (tests/api/test_pretrained checks how)
             model.value_head.weight.copy_(loaded["value_head.weight"])
             model.value_head.bias.copy_(loaded["value_head.bias"])
         return model
