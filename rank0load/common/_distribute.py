@@ -9,7 +9,7 @@ A step is one of four kinds; each is one call, made by every rank in the same or
   rank, or its error raised on every rank.
 * :func:`agree` — settle the build, and check every rank built the same model with the same options
   (a digest; the models compared only when the digests differ).
-* rounds of transfers (``_rounds.Rounds``, ``_rounds.settled``): each rank notes its first local
+* rounds of transfers (:class:`Rounds`, :func:`settled`): each rank notes its first local
   failure (:class:`Faults`) and keeps the messages flowing; every round's end says whether any rank
   failed, and the transfer raises the same error on every rank once.
 
@@ -21,12 +21,13 @@ told apart and worded (the caller's code, the machine's, rank0load's own) is ``_
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
 import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -40,6 +41,8 @@ from ._failure import Failure, failure_of, peer_failure, rank_mismatch
 __all__ = [
     "NO_DATA_MOVED",
     "Outcome",
+    "Rounds",
+    "TransferEnd",
     "broadcast",
     "Faults",
     "attempt",
@@ -48,14 +51,13 @@ __all__ = [
     "Proposal",
     "Traffic",
     "agree",
-    "first_failure",
     "gather_to_rank0",
     "mesh_device",
-    "raise_failure",
     "ranks_where",
     "require_process_group",
     "run",
     "settle",
+    "settled",
     "traffic",
 ]
 
@@ -119,7 +121,7 @@ def run(step: Callable[[], R], stage: str, todo: str, wrap: type[LoadError] = Ra
 def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
     """(any rank) Where the rounds of a transfer end: the index just past each run of items carrying
     at least ``round_bytes``, the last one at ``len(sizes)``. At each end every rank says whether it
-    failed (``_rounds.Rounds``)."""
+    failed (:class:`Rounds`)."""
     ends, carried = [], 0
     for index, size in enumerate(sizes):
         carried += size
@@ -133,7 +135,7 @@ def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
 
 class Faults:
     """This rank's first local failure (each rank). Once it is set, the transfer skips local work and
-    only keeps the messages flowing to the end of the round (``_rounds``). Thread-safe: a reader or
+    only keeps the messages flowing to the end of the round (:class:`Rounds`). Thread-safe: a reader or
     writer thread may note one too."""
 
     def __init__(self) -> None:
@@ -227,15 +229,15 @@ def _scalar(value: int, op: Any) -> int:
     return int(_all_reduce(torch.tensor([value], dtype=torch.int64, device=_object_device()), op).item())
 
 
-def first_failure(error: BaseException | None) -> int:
+def _first_failure(error: BaseException | None) -> int:
     """(all ranks; one all-reduce) The lowest rank whose ``error`` is set, or the world size if none."""
     return _scalar(dist.get_rank() if error is not None else dist.get_world_size(), dist.ReduceOp.MIN)
 
 
-def raise_failure(
+def _raise_failure(
     first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
 ) -> None:
-    """(all ranks, after :func:`first_failure` returned ``first`` < world) Raise on every rank the
+    """(all ranks, after :func:`_first_failure` returned ``first`` < world) Raise on every rank the
     error of rank ``first``, worded once (``_failure.failure_of``): ``wrap`` names the stage, the rank,
     what failed and ``todo``. Collectives may raise RuntimeError (a peer died): callers wrap it."""
     world = dist.get_world_size()
@@ -254,14 +256,14 @@ def raise_failure(
 
 def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
     """(all ranks) ``outcome``'s value, once every rank has said whether its step failed: if any
-    rank's did, every rank raises the first failing rank's error (see :func:`raise_failure`); a
+    rank's did, every rank raises the first failing rank's error (see :func:`_raise_failure`); a
     collective that fails is a :func:`peer_failure` of class ``wrap``'s family (LoadError, or
     ``wrap`` itself when it is not a RankMismatchError)."""
     error = outcome.error
     try:
-        first = first_failure(error)
+        first = _first_failure(error)
         if first < dist.get_world_size():
-            raise_failure(first, error, stage, todo, wrap=wrap)
+            _raise_failure(first, error, stage, todo, wrap=wrap)
     except LoadError:
         raise
     except RuntimeError as exc:
@@ -330,7 +332,7 @@ def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
         if not torch.equal(low, high):
             reference: Proposal = _broadcast_object(proposal if dist.get_rank() == 0 else None)
             differs = proposal.digest() != reference.digest()
-            first = first_failure(RankMismatchError() if differs else None)
+            first = _first_failure(RankMismatchError() if differs else None)
             count = _scalar(int(differs), dist.ReduceOp.SUM)
             explained = _broadcast_object(
                 proposal.explain(reference) if differs and dist.get_rank() == first else None, src=first
@@ -414,3 +416,48 @@ def ranks_where(flag: bool, what: str) -> frozenset[int]:
 def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:
     """(any rank) The options a Proposal compares, as (name, repr) pairs."""
     return tuple((k, repr(v)) for k, v in kwargs.items())
+
+
+class Rounds:
+    """(all ranks) ``for begin, stop in Rounds(ends, faults):`` the items of each round (``begin`` to
+    ``stop``, the ends in ``ends``); after each round's body the ranks compare notes, and the loop
+    ends after the round in which any rank failed (every rank must run every round's check: it is a
+    collective). :attr:`first`: the first failing rank, or the world size when none did."""
+
+    def __init__(self, ends: Sequence[int], faults: Faults) -> None:
+        self._ends, self._faults = ends, faults
+        self.first = dist.get_world_size()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        begin = 0
+        for stop in self._ends:
+            yield begin, stop
+            self.first = _first_failure(self._faults.error)
+            if self.first < dist.get_world_size():
+                return
+            begin = stop
+
+
+@dataclass
+class TransferEnd:
+    """What a transfer under :func:`settled` sets: the first failing rank, or the world size."""
+
+    first: int
+
+
+@contextlib.contextmanager
+def settled(
+    faults: Faults, stage: str, todo: str, wrap: type[LoadError], peer_todo: str
+) -> Iterator[TransferEnd]:
+    """(all ranks) ``with settled(...) as outcome:`` run a transfer that sets ``outcome.first``; then
+    raise that rank's error on every rank (``_raise_failure``, ``todo`` its advice), or,
+    when a collective itself fails, this rank's peer failure (``peer_todo``)."""
+    outcome = TransferEnd(dist.get_world_size())
+    try:
+        yield outcome
+        if outcome.first < dist.get_world_size():
+            _raise_failure(outcome.first, faults.error, stage, todo, wrap=wrap)
+    except LoadError:
+        raise
+    except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
+        raise peer_failure(stage, exc, wrap, peer_todo) from exc

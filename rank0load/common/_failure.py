@@ -118,7 +118,7 @@ class Failure:
 
 
 def failure_of(rank: int, error: BaseException, todo: str, wrap: type[LoadError]) -> Failure:
-    """(the first failing rank) What it tells the others of its ``error`` (``_distribute.raise_failure``):
+    """(the first failing rank) What it tells the others of its ``error`` (``_distribute.settle``, ``settled``):
     its LoadError subclass and message; for the caller's code (:class:`UserCodeFailure`) or the
     machine's (``OSError``, ``MemoryError``), ``wrap`` and the message; for any other exception,
     rank0load's own failure (:class:`~.errors.InternalError`, or ``wrap`` where that is not

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..checkpoint._entries import Entry
-from ..common._rounds import block_half
+from ..common._staging import block_half
 from ..model._layout import Runs
 from ._pieces import Kind, Piece, Route
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..checkpoint._format import DTYPES
-from ..common._rounds import block_half
+from ..common._staging import block_half
 from ..errors import CheckpointChangedError, InternalError
 from . import _reads
 from ._blocks import deliveries

@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ..common._rounds import aligned
+from ..common._staging import aligned
 from ._pieces import Kind, Piece, Route
 from ._plan import Plan
 

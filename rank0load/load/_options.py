@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..common._rounds import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
+from ..common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
 from ..errors import LoadError
 from ..model._layout import rank_coordinates
 

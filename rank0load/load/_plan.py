@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Placement
 from ..checkpoint._entries import Entry
 from ..checkpoint._fp8 import scale_span
 from ..common._distribute import round_ends
-from ..common._rounds import ALIGN, ROUND_PIECES
+from ..common._staging import ALIGN, ROUND_PIECES
 from ..model._layout import Runs, placements_on, rank_coordinates, rows_of, runs_at
 from ._blocks import block_chunks, deliveries, fits_block, row_bytes
 from ._pieces import Kind, Piece, Route, kind_of

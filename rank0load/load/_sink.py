@@ -20,7 +20,7 @@ from ..checkpoint._format import DTYPES
 from ..checkpoint._fp8 import dequantize, dequantize_at, dequantize_stacked
 from ..common import _distribute
 from ..common._memory import reserve
-from ..common._rounds import SLOTS, AllOf, aligned
+from ..common._staging import SLOTS, AllOf, aligned
 from ..errors import InternalError
 from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices

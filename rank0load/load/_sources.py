@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..common import _distribute
-from ..common._rounds import InFlight
+from ..common._staging import InFlight
 from ._messages import Message, messages
 from ._pieces import Piece, Route
 from ._plan import Plan

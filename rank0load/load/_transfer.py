@@ -11,7 +11,7 @@ or copy error anywhere) a rank keeps sending and receiving the round's remaining
 into scratch, and does no more local work. At the end of every round the ranks compare notes; if
 any rank failed, all stop there and raise that rank's error, and the process group stays usable.
 Only a collective that itself fails (a peer is gone) raises at once, as a peer failure. The rounds
-and that settling are ``common._rounds``', shared with the save.
+and that settling are ``common._distribute``'s, shared with the save.
 
 When every rank reads its own bytes (one host, CPU shards) there are no messages (:func:`_each_reads_its_own`).
 """
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..common import _distribute
-from ..common._rounds import InFlight, Rounds, block_half, settled
+from ..common._distribute import Rounds, settled
+from ..common._staging import InFlight, block_half
 from ..errors import LoadError
 from ._messages import Message
 from ._pieces import Route
@@ -77,17 +78,19 @@ def _each_reads_its_own(
     the end. A failing rank stops reading; the others finish their own share before they learn of
     it. Returns the first failing rank (world: none)."""
     by_round = ByRound(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
-    for stop in plan.rounds:
-        # Float8 scales-and-rows pairs are read as one message and dequantised together (Sink.runs).
-        for item in sink.runs(by_round.until(stop), plan.piece_bytes):
-            for arrival in reader.arrivals(item):
-                _wait(deliver(arrival, sink, reader.layouts))
-            if on_bytes is not None:
-                pieces = item.pieces if isinstance(item, Message) else (item,)
-                on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
-        reader.round_end()
-    reader.finish()
-    return _distribute.first_failure(sink.faults.error)
+    once = Rounds((len(plan.entries),), sink.faults)  # one round: the notes compared at the end
+    for _ in once:
+        for stop in plan.rounds:
+            # Float8 scales-and-rows pairs are read as one message and dequantised together (Sink.runs).
+            for item in sink.runs(by_round.until(stop), plan.piece_bytes):
+                for arrival in reader.arrivals(item):
+                    _wait(deliver(arrival, sink, reader.layouts))
+                if on_bytes is not None:
+                    pieces = item.pieces if isinstance(item, Message) else (item,)
+                    on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
+            reader.round_end()
+        reader.finish()
+    return once.first
 
 
 def _in_rounds(

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..checkpoint._format import DTYPES
-from ..common._rounds import block_half
+from ..common._staging import block_half
 from ._saveblock import Chunk, Part, block_chunks
 from ._saveplan import SaveKind, SavePlan
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from ..common import _distribute
 from ..common._progress import peak_rss_bytes, progress_bar
 from ..common._report import Clock
-from ..common._rounds import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
+from ..common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
 from ..errors import SaveError
 from ..integrations import _peft
 from ..integrations._compat import local_tensor

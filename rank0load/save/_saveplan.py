@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
 from ..common._distribute import round_ends
-from ..common._rounds import ROUND_PIECES, slot_bytes
+from ..common._staging import ROUND_PIECES, slot_bytes
 from ..errors import SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rows_of
 from ..model._meta import ModelLayout, strip_wrappers

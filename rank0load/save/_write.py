@@ -8,7 +8,7 @@ each chunk of a tensor-parallel DTensor (``_saveblock``); rank 0 receives ahead 
 slots (a chunk's blocks into the second half of a slot, placed into its rows in the first) while a
 writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file offset. Failures (rank 0's
 disk full, a cast error) are settled at each round's end as the same :class:`SaveError` on every
-rank (``common._rounds``, as the load's are).
+rank (``common._distribute``, as the load's are).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
 from ..common import _distribute
+from ..common._distribute import Rounds, settled
 from ..common._memory import reserve
-from ..common._rounds import SLOTS, AllOf, InFlight, Rounds, block_half, settled
+from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from rank0load.checkpoint._entries import Entry, Parts
 from rank0load.checkpoint._format import TensorHeader
 from rank0load.common._distribute import round_ends
-from rank0load.common._rounds import ALIGN
+from rank0load.common._staging import ALIGN
 from rank0load.load import _blocks, _plan
 from rank0load.load._messages import Message, messages
 from rank0load.load._pieces import Kind, Route

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 from rank0load.checkpoint._entries import Entry
-from rank0load.common import _rounds
+from rank0load.common import _staging
 from rank0load.integrations._compat import StridedShard
 from rank0load.load import _blocks, _pieces, _plan
 from rank0load.model import _layout
@@ -49,7 +49,7 @@ def layouts(draw):
             )
             for n in shape
         )
-    piece_bytes = draw(st.integers(2, 40)) * _rounds.ALIGN
+    piece_bytes = draw(st.integers(2, 40)) * _staging.ALIGN
     return shape, per_rank, piece_bytes
 
 
@@ -74,7 +74,7 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     entry = Entry("w", "f", "w", "F32", shape, 4096, numel * 4)
     full = torch.arange(numel, dtype=torch.float32).reshape(shape)
     if not _blocks.fits_block(entry, piece_bytes):  # even one dimension-1 row is too wide: GENERIC
-        assert math.prod(shape[1:]) * 4 > _rounds.block_half(piece_bytes)
+        assert math.prod(shape[1:]) * 4 > _staging.block_half(piece_bytes)
         return
 
     def indices(runs):
@@ -88,7 +88,7 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     row_bytes = entry.nbytes // shape[0]
     assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
     for c in chunks:
-        assert c.route is _pieces.Route.FAN_OUT and c.nbytes <= _rounds.block_half(piece_bytes)
+        assert c.route is _pieces.Route.FAN_OUT and c.nbytes <= _staging.block_half(piece_bytes)
         if c.outer < 0:  # whole dimension-0 rows
             first = c.start // row_bytes
             chunk = full[first : first + c.nbytes // row_bytes]

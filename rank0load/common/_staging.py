@@ -1,26 +1,16 @@
-"""The rounds of a transfer and the settling of failures, once for the load and the save (all ranks).
-
-A transfer (the load's stream, ``load._transfer``; the save's gathers and writes, ``save._write``)
-moves its items round by round. Within a round each rank keeps its non-blocking sends and receives
-in an :class:`InFlight` queue. After a *local* failure (``_distribute.Faults``) a rank does no more
-local work but keeps the round's messages flowing, so every posted message is matched and the
-process group stays usable. At the end of every round the ranks compare notes (:class:`Rounds`),
-and all stop there if any rank failed; :func:`settled` then raises the same error on every rank.
+"""The staging both transfers use, the load's stream (``load._transfer``) and the save's gathers and
+writes (``save._write``): its geometry (slots, alignment, a round's size), and the queues of a
+round's non-blocking work (:class:`InFlight`, :class:`AllOf`). Local to each rank, no collectives:
+the rounds themselves and their settling are ``_distribute``'s (``Rounds``, ``settled``).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
-from ..errors import LoadError
-from . import _distribute, _failure
 
 __all__ = [
     "ALIGN",
@@ -30,12 +20,9 @@ __all__ = [
     "SLOTS",
     "AllOf",
     "InFlight",
-    "Outcome",
-    "Rounds",
     "aligned",
     "block_half",
     "slot_bytes",
-    "settled",
 ]
 
 # The staging geometry the load and the save share.
@@ -99,46 +86,3 @@ class InFlight:
 
     def __len__(self) -> int:
         return len(self._queue)
-
-
-class Rounds:
-    """(all ranks) ``for begin, stop in Rounds(ends, faults):`` the items of each round (``begin`` to
-    ``stop``, the ends in ``ends``); after each round's body the ranks compare notes, and the loop
-    ends after the round in which any rank failed (every rank must run every round's check: it is a
-    collective). :attr:`first`: the first failing rank, or the world size when none did."""
-
-    def __init__(self, ends: Sequence[int], faults: _distribute.Faults) -> None:
-        self._ends, self._faults = ends, faults
-        self.first = dist.get_world_size()
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        begin = 0
-        for stop in self._ends:
-            yield begin, stop
-            self.first = _distribute.first_failure(self._faults.error)
-            if self.first < dist.get_world_size():
-                return
-            begin = stop
-
-
-@dataclass
-class Outcome:
-    first: int  # the first failing rank of a transfer, or the world size
-
-
-@contextlib.contextmanager
-def settled(
-    faults: _distribute.Faults, stage: str, todo: str, wrap: type[LoadError], peer_todo: str
-) -> Iterator[Outcome]:
-    """(all ranks) ``with settled(...) as outcome:`` run a transfer that sets ``outcome.first``; then
-    raise that rank's error on every rank (``_distribute.raise_failure``, ``todo`` its advice), or,
-    when a collective itself fails, this rank's peer failure (``peer_todo``)."""
-    outcome = Outcome(dist.get_world_size())
-    try:
-        yield outcome
-        if outcome.first < dist.get_world_size():
-            _distribute.raise_failure(outcome.first, faults.error, stage, todo, wrap=wrap)
-    except LoadError:
-        raise
-    except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
-        raise _failure.peer_failure(stage, exc, wrap, peer_todo) from exc
