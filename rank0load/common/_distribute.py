@@ -202,19 +202,21 @@ def broadcast(t: torch.Tensor, src: int) -> None:
 # tensor.numpy(), and neither torch nor rank0load requires numpy.
 
 
-def _pickled(obj: object) -> memoryview:
+def _pickled(obj: object) -> io.BytesIO:
     written = io.BytesIO()
     pickle.Pickler(written, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return written.getbuffer()
+    return written
 
 
-def _broadcast_object(obj: object, src: int = 0, sent: memoryview | None = None) -> Any:
-    """(all ranks; two broadcasts) ``obj`` of rank ``src`` on every rank (``sent``: ``obj`` already
-    pickled): ``src`` keeps its own (no second copy of a large manifest), the others unpickle theirs."""
+def _broadcast_object(obj: object, src: int = 0, written: io.BytesIO | None = None) -> Any:
+    """(all ranks; two broadcasts) ``obj`` of rank ``src`` on every rank (``written``: ``obj`` already
+    pickled): ``src`` keeps its own (no second copy of a large manifest), the others unpickle theirs.
+    The sent tensor shares the pickle's buffer; both live only in this call."""
     device = _object_device()
     payload = None
     if dist.get_rank() == src:
-        payload = torch.frombuffer(sent if sent is not None else _pickled(obj), dtype=torch.uint8).to(device)
+        written = written if written is not None else _pickled(obj)
+        payload = torch.frombuffer(written.getbuffer(), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
     broadcast(size, src)
     if payload is None:
@@ -361,25 +363,29 @@ def from_rank0(step: Callable[[], R], unforeseen: Callable[[Exception], LoadErro
     """(all ranks) ``step()``, run on rank 0 alone, and its value on every rank (rank 0 keeps its
     own). If it raises, every rank raises its LoadError, or ``unforeseen(exc)`` for any other
     exception (a value that cannot be pickled included); LoadError for a failed collective."""
-    value: Any = None
-    sent: memoryview | None = None
-    if dist.get_rank() == 0:
-        try:
-            value = step()
-            sent = _pickled(value)
-        except LoadError as exc:
-            value = _Raised(exc)
-        except Exception as exc:
-            value = _Raised(unforeseen(exc))
-        if isinstance(value, _Raised):
-            sent = _pickled(value)
+    value, written = _rank0_result(step, unforeseen) if dist.get_rank() == 0 else (None, None)
     try:
-        value = _broadcast_object(value, sent=sent)
+        value = _broadcast_object(value, written=written)
     except RuntimeError as exc:
         raise peer_failure("receiving rank 0's result", exc) from exc
     if isinstance(value, _Raised):
         raise type(value.error)(*value.error.args)
     return cast(R, value)
+
+
+def _rank0_result(
+    step: Callable[[], R], unforeseen: Callable[[Exception], LoadError]
+) -> tuple[R | _Raised, io.BytesIO]:
+    """(rank 0) ``step()``'s value, or the :class:`_Raised` to send instead, and what is sent: it
+    pickled (so a value that cannot be pickled is an error every rank raises, not a hang)."""
+    try:
+        value = step()
+        return value, _pickled(value)
+    except LoadError as exc:
+        raised = _Raised(exc)
+    except Exception as exc:
+        raised = _Raised(unforeseen(exc))
+    return raised, _pickled(raised)
 
 
 def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:
