@@ -6,7 +6,7 @@ all ranks  allocate shards; a thread faults them in       -> _model.materialise 
 rank 0     resolve the checkpoint, open its files         -> _source, _files, _read.open_checkpoint
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
 rank 0     read and match the headers (run by run), validate; offer its descriptors
-                                                          -> _read.read_manifest (_runs, _manifest, _fit), _handover.listen
+                                                          -> _read.read_manifest (_manifest, _fit), _handover.listen
 all ranks  rank 0's manifest and offer, or its error      -> _distribute.from_rank0
 all ranks  ranks on rank 0's host fetch its descriptors   -> _handover.hand_over
 all ranks  shards resident; init what's missing, put adapters in, staging, plan; any rank's failure
@@ -131,11 +131,11 @@ def load_sharded(
         mesh_device = _distribute.mesh_device(mesh.device_type)
         allocating = _allocate(building.value, mesh_device, opened)
         clock("allocate")
-        # rank 0 opens the checkpoint (and, with key_map or adapters, reads the headers: they need no
-        # model) while slower ranks still build; a failure is raised with the manifest's
+        # rank 0 opens the checkpoint while slower ranks still build; a failure is raised with the
+        # manifest's
         checkpoint = _distribute.Outcome[Checkpoint]()
         if rank == 0 and building.value is not None:
-            checkpoint = _open(building.value, ckpt_path, revision, opened, adapter, by_runs=key_map is None)
+            checkpoint = _open(building.value, ckpt_path, revision, opened, adapter)
         clock("headers")
         built, flags = _distribute.agree(building)
         clock("agree")
@@ -197,18 +197,15 @@ def _open(
     revision: str | None,
     opened: contextlib.ExitStack,
     adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None,
-    by_runs: bool,
 ) -> _distribute.Outcome[Checkpoint]:
     """(rank 0) The checkpoint resolved and its files opened (kept open by ``opened``), with the
-    adapters of ``adapter``, or the error to raise on every rank with the manifest's; ``by_runs``: no
-    ``key_map`` (the caller's code sees its keys all at once)."""
+    adapters of ``adapter``, or the error to raise on every rank with the manifest's."""
     return _distribute.attempt(
         lambda: open_checkpoint(
             ckpt_path,
             revision,
             opened,
             lambda: adapters_of(built.model, adapter) if adapter is not None else (),
-            by_runs=by_runs,
         )
     )
 

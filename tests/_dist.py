@@ -65,11 +65,11 @@ def _entry(
     import torch
     import torch.distributed as dist
 
-    import rank0load.checkpoint._runs
+    import rank0load.checkpoint._manifest
 
     # Every file its own run (rank0load's runs hold 4096 tensors, more than most tests' whole
     # checkpoints): the suite's multi-file checkpoints test the merge of runs (tests/checkpoint/test_runs.py).
-    rank0load.checkpoint._runs.RUN_TENSORS = int(env.get("RANK0LOAD_TEST_RUN_TENSORS", "1"))
+    rank0load.checkpoint._manifest.RUN_TENSORS = int(env.get("RANK0LOAD_TEST_RUN_TENSORS", "1"))
 
     torch.set_num_threads(1)
     result: Any

@@ -96,12 +96,12 @@ def build_entries(
     quantised: AbstractSet[str] | None = None,
     files: Mapping[str, OpenFile] | None = None,
 ) -> list[Entry]:
-    """(rank 0, for all headers at once or one run of files, see ``_runs``; or ``inspect``) One
+    """(rank 0, for one run of files, see ``_manifest``; or ``inspect``) One
     entry per model tensor found: shapes and dtypes checked, stacked experts assembled, float8
     tensors given their scales. Raises the first ModelMismatchError, or, with ``errors``
     (``inspect``: headers only), collects every message there and reads no data (tied names stored
     twice are then not compared). ``block``: the float8 block size the checkpoint's config.json
-    gives (``_fp8.block_size``; read by the caller, once for all of ``_runs``' runs). ``files``: the
+    gives (``_fp8.block_size``; read by the caller, once for all of the manifest's runs). ``files``: the
     checkpoint's files, opened once (``_files.open_files``): tied names stored twice are compared
     through them."""
     quantised = quantised_keys(match, layout) if quantised is None else quantised

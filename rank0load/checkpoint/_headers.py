@@ -2,7 +2,7 @@
 ``inspect`` in one process; no collectives).
 
 (rank 0) :func:`read_headers` reads every file's header and checks the files together;
-:func:`file_tensors` is one file's part of that, which ``_runs`` shares.
+:func:`file_tensors` is one file's part of that, which ``_manifest`` reads run by run.
 """
 
 from __future__ import annotations

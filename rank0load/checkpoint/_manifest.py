@@ -1,35 +1,46 @@
-"""Match the checkpoint's headers to the model and produce the manifest (rank 0; no collectives).
+"""The manifest: the checkpoint's headers matched to the model, checked, and made into the entry
+list every rank streams, in file order (rank 0; no collectives).
 
-(rank 0) :func:`build_manifest` takes all the checkpoint's headers at once, with those of the PEFT
-adapters loaded with it (:func:`adapters_of`), maps checkpoint keys to model keys
-(``_match.match_keys``), checks them, and returns a :class:`Manifest` (:func:`manifest_of`, which
-``_runs`` shares): the ordered :class:`Entry` list every rank iterates while streaming. Any problem
-raises a :class:`LoadError`, which ``_api`` broadcasts so every rank raises it too.
+(rank 0) :func:`build_manifest` reads the headers run by run: the files in order, a run ending with
+the file that brings it to :data:`RUN_TENSORS` tensors; the PEFT adapters loaded with the checkpoint
+(:func:`adapters_of`) are one run more. Each run is matched (``_match.match_keys``) and made into
+entries (``_fit.build_entries``), and its header objects are freed before the next run's are read:
+rank 0 never holds every header of a 96k-tensor checkpoint as Python objects at once. What spans
+runs (an expert group or a float8 weight and its scale grid in two files, a tied parameter stored
+under two names) is settled after the last run (:func:`_merge`). Every problem raises a
+:class:`~..errors.LoadError` (``_api`` raises it on every rank).
 """
 
 from __future__ import annotations
 
+import collections
+import heapq
+import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from ..errors import CheckpointFormatError, LoadError, ModelMismatchError, format_keys
+from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 from ..integrations import _peft
-from ..integrations._convert import Conversion
+from ..integrations._convert import Conversion, ConversionMatch
+from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._entries import Entry
 from ._files import OpenFile
-from ._fit import build_entries, quantised_keys, unconsumed
+from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
+from ._fp8 import SCALE_SUFFIX
 from ._fp8 import block_size as fp8_block_size
-from ._headers import read_headers
-from ._match import match_keys, nothing_matched
+from ._headers import file_tensors, read_headers
+from ._match import both_layouts, key_map_collision, match_keys, nothing_matched
 from ._source import Source, resolve
 
-__all__ = ["Adapter", "Manifest", "adapters_of", "build_manifest", "manifest_of"]
+__all__ = ["RUN_TENSORS", "Adapter", "Manifest", "adapters_of", "build_manifest"]
+
+RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
 
 
 @dataclass(frozen=True)
@@ -44,8 +55,7 @@ class Manifest:
     total_bytes: int = 0
     # (elements of the parameters initialised rather than loaded, elements of all parameters)
     initialised: tuple[int, int] = (0, 0)
-    # runs of files whose headers were matched one run at a time (see _runs); 0: all at once
-    runs: int = 0
+    runs: int = 0  # runs of files whose headers were matched together
 
 
 @dataclass(frozen=True)
@@ -85,30 +95,250 @@ def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
     return found
 
 
+@dataclass
+class _Run:
+    """One run's part of the manifest, and what only :func:`_merge` can settle."""
+
+    entries: list[Entry]
+    # model key -> checkpoint tensors, for what the run cannot settle alone: stacked experts not
+    # all in it; float8 weights whose scale grid is not in it; tied parameters (perhaps stored
+    # under another name in another run)
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]]
+    single: dict[str, tuple[TensorHeader, ...]]
+    scales: list[TensorHeader]  # grids those may need
+    unexpected: tuple[str, ...]  # grids consumed within the run left out
+    ignored: tuple[str, ...]
+    unsupported: dict[str, tuple[str, str, str]]  # as KeyMatch.unsupported
+    names: tuple[int, list[str]]  # how many checkpoint keys, and the first few (nothing_matched)
+
+
+@dataclass(frozen=True)
+class _Load:
+    """What every run of one load shares."""
+
+    layout: ModelLayout
+    resolver: KeyResolver  # one for all runs: its rules, learnt from the first keys, hold for the rest
+    block: tuple[int, int] | None  # the float8 block size config.json gives
+    tied: frozenset[str]  # canonical keys of tied parameters
+    files: dict[str, OpenFile]
+
+
 def build_manifest(
     source: Source,
+    files: dict[str, OpenFile],
     layout: ModelLayout,
     *,
     strict: bool,
-    key_map: Callable[[str], str | None] | None,
-    files: dict[str, OpenFile] | None = None,
+    key_map: Callable[[str], str | None] | None = None,
     conversions: Sequence[Conversion] = (),
     adapters: Sequence[Adapter] = (),
-    headers: dict[str, TensorHeader] | None = None,
 ) -> Manifest:
     """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
-    list what to move, in file order. ``files``: the files, opened once (see
-    ``_read.open_checkpoint``). ``headers``: the source's headers, read already (there)."""
-    if headers is None:
-        headers = read_headers(source, files)
-    headers, key_map = _with_adapters(headers, key_map, adapters, files)
-    match = match_keys(headers, layout, key_map, conversions)
-    quantised = quantised_keys(match, layout)
-    missing, unexpected = match.missing, unconsumed(match, layout, quantised)
+    list what to move, in file order. ``files``: the source's and the adapters' files, opened once
+    (``_read.open_checkpoint``); every header is read through them. ``key_map`` renames the
+    checkpoint's keys (not the adapters'). Raises CheckpointFormatError / CheckpointChangedError
+    (the files and the index disagree, a key stored twice) or ModelMismatchError (the keys, shapes
+    or dtypes do not fit the model; the message says which and what to do)."""
+    load = _Load(
+        layout,
+        KeyResolver(layout.canonical, conversions, layout.canonical_all),
+        fp8_block_size(source.root),
+        frozenset(layout.aliases.values()),
+        files,
+    )
+    own = _adapter_headers(adapters, files)
+    runs: list[_Run] = []
+    listing = source.listing
+    every: list[str] | None = [] if listing is None and len(source.files) > 1 else None
+    count, headers = 0, dict[str, TensorHeader]()
+    for i, path in enumerate(source.files):
+        tensors = file_tensors(source, path, files[path], headers)  # checked within the run
+        count += len(tensors)
+        if every is not None:  # no index: a key stored in files of two runs is found at the end
+            every.append("\n".join(tensors))
+        if own and not own.keys().isdisjoint(tensors):
+            key = next(k for k in tensors if k in own)
+            raise CheckpointFormatError(
+                f"{key!r} is stored both in {os.path.basename(path)} and in adapter "
+                f"{own[key][0].source.description} ({own[key][1].key!r}); keep one copy."
+            )
+        headers.update(tensors)
+        del tensors
+        if len(headers) >= RUN_TENSORS or i == len(source.files) - 1:
+            runs.append(_run(headers, load, key_map))
+            headers = {}  # the run's header objects freed before the next run's are made
+    if listing is not None and count != listing.total or every is not None and _stored_twice(every, count):
+        read_headers(source, files)  # raises, naming the key (the files read again, as a whole)
+        raise CheckpointChangedError(
+            f"{source.description}: the checkpoint changed while it was loaded. Load again once it is written."
+        )
+    if own:
+        runs.append(_run({key: t for key, (_, t) in own.items()}, load, None))
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
-    if layout.tensors and not match.by_model_key and not match.stacked:
-        raise ModelMismatchError(nothing_matched(description, headers, layout, match))
-    cannot = {k: v for k, v in match.unsupported.items() if k in missing}
+    every_file = (*source.files, *(f for a in adapters for f in a.source.files))
+    return _merge(runs, load, strict, key_map, description, every_file)
+
+
+def _adapter_headers(
+    adapters: Sequence[Adapter], files: dict[str, OpenFile]
+) -> dict[str, tuple[Adapter, TensorHeader]]:
+    """The adapters' tensors under the model keys PEFT's names stand for."""
+    own: dict[str, tuple[Adapter, TensorHeader]] = {}
+    for adapter in adapters:
+        for name, t in read_headers(adapter.source, files).items():
+            own[adapter.model_keys.get(name, name)] = (adapter, t)
+    return own
+
+
+def _stored_twice(every: list[str], count: int) -> bool:
+    """Whether a key is in two files' ``every`` (each file's keys joined by newlines)."""
+    keys = list(itertools.chain.from_iterable(k.split("\n") for k in every if k))
+    return len(set(keys)) != len(keys) or len(keys) != count
+
+
+def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str], str | None] | None) -> _Run:
+    """One run's entries, and what it leaves to :func:`_merge`."""
+    layout = load.layout
+    match = match_keys(headers, layout, key_map, resolver=load.resolver)
+    quantised = quantised_keys(match, layout)
+
+    def lacks_scale(t: TensorHeader) -> bool:
+        return t.key in quantised and t.key + SCALE_SUFFIX not in headers
+
+    stacked = {
+        k: list(members)
+        for k, members in match.stacked.items()
+        if len(members) < (layout.tensors[k].shape or (0,))[0] * members[0][0].sources
+        or any(lacks_scale(t) for _, t in members)
+    }
+    single = {k: found for k, found in match.by_model_key.items() if k in load.tied or lacks_scale(found[0])}
+    whole = replace(
+        match,
+        by_model_key={k: v for k, v in match.by_model_key.items() if k not in single},
+        stacked={k: v for k, v in match.stacked.items() if k not in stacked},
+    )
+    built = build_entries(whole, layout, headers, load.block, quantised=quantised, files=load.files)
+    unexpected = unconsumed(match, layout, quantised)
+    pending = itertools.chain((t for m in stacked.values() for _, t in m), (f[0] for f in single.values()))
+    scales = [
+        headers[k] for k in (t.key + SCALE_SUFFIX for t in pending if t.key in quantised) if k in headers
+    ]
+    scales += [headers[k] for k in unexpected if k.endswith(SCALE_SUFFIX)]  # perhaps another run's weight's
+    names = (len(headers), heapq.nsmallest(50, headers))
+    entries = [_compact(e) for e in built]
+    return _Run(entries, stacked, single, scales, unexpected, match.ignored, match.unsupported, names)
+
+
+def _compact(entry: Entry) -> Entry:
+    """``entry`` with its checkpoint names in one string each (as they travel to the other ranks):
+    the run's name objects are then freed with its headers."""
+    if not entry.parts and not entry.scales:
+        return entry
+    return replace(entry, parts=entry.parts.compacted(), scales=entry.scales.compacted())
+
+
+def _merge(
+    runs: Sequence[_Run],
+    load: _Load,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    description: str,
+    every_file: tuple[str, ...],
+) -> Manifest:
+    """(rank 0) The runs' parts as one manifest: what spans runs settled, the keys checked."""
+    layout = load.layout
+    entries = [e for r in runs for e in r.entries]
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
+    single: dict[str, tuple[TensorHeader, ...]] = {}
+    for r in runs:
+        for k, members in r.stacked.items():
+            stacked.setdefault(k, []).extend(members)
+        for k, tensors in r.single.items():
+            single[k] = single.get(k, ()) + tensors  # a tied parameter's names, compared below
+    found = _check_stored_once(entries, stacked, single, key_map)
+    count = sum(r.names[0] for r in runs)
+    if layout.tensors and not found:
+        first = heapq.nsmallest(50, itertools.chain.from_iterable(r.names[1] for r in runs))
+        ignored = sum(len(r.ignored) for r in runs)
+        raise ModelMismatchError(nothing_matched(description, count, first, ignored, layout))
+    absent = [k for k in layout.tensors if k not in found]
+    missing = tuple(sorted(k for k in absent if k not in layout.built))
+    unsupported: dict[str, tuple[str, str, str]] = {}
+    for r in runs:
+        for k, why in r.unsupported.items():
+            unsupported.setdefault(k, why)
+    pending = KeyMatch(single, (), (), (), stacked={k: tuple(v) for k, v in stacked.items()})
+    quantised = quantised_keys(pending, layout)
+    consumed = {k + SCALE_SUFFIX for k in quantised}
+    unexpected = tuple(sorted(k for r in runs for k in r.unexpected if k not in consumed))
+    _check_keys(description, layout, strict, missing, unexpected, unsupported)
+    pool = {t.key: t for tensors in single.values() for t in tensors}
+    pool.update((t.key, t) for members in stacked.values() for _, t in members)
+    pool.update((t.key, t) for r in runs for t in r.scales)
+    built = build_entries(pending, layout, pool, load.block, quantised=quantised, files=load.files)
+    entries += [_compact(e) for e in built]
+    order = {path: i for i, path in enumerate(every_file)}
+    entries.sort(key=lambda e: (order[e.file], e.offset))
+    params = [t for t in layout.tensors.values() if t.is_param]
+    return Manifest(
+        entries=tuple(entries),
+        missing=missing,
+        kept=tuple(sorted(k for k in absent if k in layout.built)),
+        unexpected=unexpected,
+        ignored=tuple(sorted(k for r in runs for k in r.ignored)),
+        files=every_file,
+        total_bytes=sum(e.nbytes for e in entries),
+        initialised=(
+            sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
+            sum(math.prod(t.shape) for t in params),
+        ),
+        runs=len(runs),
+    )
+
+
+def _check_stored_once(
+    entries: list[Entry],
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]],
+    single: dict[str, tuple[TensorHeader, ...]],
+    key_map: Callable[[str], str | None] | None,
+) -> set[str]:
+    """The model keys the runs found. Raises ModelMismatchError for one found under different
+    checkpoint keys in different runs (tied parameters aside: ``single`` gathers their names, and
+    ``build_entries`` compares them)."""
+    found = {e.key for e in entries}
+    both = sorted(stacked.keys() & (found | single.keys()))
+    if both:
+        raise ModelMismatchError(both_layouts(both))
+    if len(found) != len(entries) or not found.isdisjoint(single):
+        counts = collections.Counter(e.key for e in entries)
+        key = min(k for k in counts if counts[k] > 1 or k in single)
+        keys = [e.ckpt_key for e in entries if e.key == key] + [t.key for t in single.get(key, ())]
+        if key_map is not None:  # the same model key from two checkpoint keys in two runs
+            mapped_from: dict[str | None, str] = {}
+            for ckpt_key in keys:
+                mapped = key_map(ckpt_key)
+                if mapped in mapped_from:
+                    raise ModelMismatchError(key_map_collision(mapped_from[mapped], ckpt_key, str(mapped)))
+                mapped_from[mapped] = ckpt_key
+        raise ModelMismatchError(
+            f"model tensor {key!r} is stored under several checkpoint keys in different files: "
+            f"{format_keys(keys)}. Keep one (or drop the others with key_map)."
+        )
+    return found | stacked.keys() | single.keys()
+
+
+def _check_keys(
+    description: str,
+    layout: ModelLayout,
+    strict: bool,
+    missing: tuple[str, ...],
+    unexpected: tuple[str, ...],
+    unsupported: dict[str, tuple[str, str, str]],
+) -> None:
+    """Raise ModelMismatchError where the keys do not fit the model: a missing tensor only an
+    unsupported conversion would fill; with ``strict``, any key missing or unexpected; a missing
+    parameter the model cannot initialise."""
+    cannot = {k: v for k, v in unsupported.items() if k in missing}
     if cannot:
         target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
         raise ModelMismatchError(
@@ -138,65 +368,3 @@ def build_manifest(
             "so strict=False would leave them uninitialised. Add them to the checkpoint or give the "
             "module a reset_parameters()."
         )
-
-    block = fp8_block_size(source.root) if quantised else None
-    entries = build_entries(match, layout, headers, block, quantised=quantised, files=files)
-    every = [*source.files, *(f for a in adapters for f in a.source.files)]
-    order = {path: i for i, path in enumerate(every)}
-    entries.sort(key=lambda e: (order[e.file], e.offset))
-    return manifest_of(entries, layout, missing, unexpected, match.ignored, match.kept, tuple(every))
-
-
-def manifest_of(
-    entries: list[Entry],
-    layout: ModelLayout,
-    missing: tuple[str, ...],
-    unexpected: tuple[str, ...],
-    ignored: tuple[str, ...],
-    kept: tuple[str, ...],
-    files: tuple[str, ...],
-    runs: int = 0,
-) -> Manifest:
-    """(rank 0) The manifest of checked ``entries`` (in file order) and the keys' verdicts."""
-    params = [t for t in layout.tensors.values() if t.is_param]
-    return Manifest(
-        entries=tuple(entries),
-        missing=missing,
-        unexpected=unexpected,
-        ignored=ignored,
-        files=files,
-        total_bytes=sum(e.nbytes for e in entries),
-        kept=kept,
-        initialised=(
-            sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
-            sum(math.prod(t.shape) for t in params),
-        ),
-        runs=runs,
-    )
-
-
-def _with_adapters(
-    headers: dict[str, TensorHeader],
-    key_map: Callable[[str], str | None] | None,
-    adapters: Sequence[Adapter],
-    files: dict[str, OpenFile] | None,
-) -> tuple[dict[str, TensorHeader], Callable[[str], str | None] | None]:
-    """The base checkpoint's headers with each adapter's added under the model keys PEFT's names
-    stand for; key_map is then applied to the base checkpoint's keys only."""
-    if not adapters:
-        return headers, key_map
-    merged, own = dict(headers), set()
-    for adapter in adapters:
-        for name, t in read_headers(adapter.source, files).items():
-            key = adapter.model_keys.get(name, name)
-            if key in merged:
-                raise CheckpointFormatError(
-                    f"{key!r} is stored both in {os.path.basename(merged[key].file)} and in adapter "
-                    f"{adapter.source.description} ({name!r}); keep one copy."
-                )
-            merged[key] = t
-            own.add(key)
-    if key_map is None:
-        return merged, None
-    user_map = key_map
-    return merged, lambda k: k if k in own else user_map(k)

@@ -1,9 +1,9 @@
 """Which model key each checkpoint key loads into (rank 0, or one process for ``inspect``; no
 collectives).
 
-:func:`match_keys` is the one key matcher: ``_manifest`` (all headers at once), ``_runs`` (run by
-run) and ``_inspect`` (the dry run) all use it, so they agree exactly. :func:`nothing_matched`
-words the error for a load that would load nothing.
+:func:`match_keys` is the one key matcher: ``_manifest`` (run by run) and ``_inspect`` (the dry
+run) both use it, so they agree exactly. The errors of a load that would load nothing, of two
+layouts of one tensor and of a ``key_map`` that maps two keys to one are worded here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..model._meta import ModelLayout
 from ._fit import KeyMatch
 from ._format import TensorHeader
 
-__all__ = ["match_keys", "nothing_matched"]
+__all__ = ["both_layouts", "key_map_collision", "match_keys", "nothing_matched"]
 
 
 def match_keys(
@@ -35,8 +35,8 @@ def match_keys(
     (renamed, or one of the parts of a stacked parameter). Keys the model has win: a checkpoint
     already in the model's layout loads as it is. Shapes and dtypes are not checked here.
 
-    ``resolver``: a KeyResolver for ``layout`` and ``conversions`` that earlier calls used (see
-    ``_runs``: the headers matched file by file); None: a new one.
+    ``resolver``: a KeyResolver for ``layout`` and ``conversions`` that earlier calls used (the
+    manifest's runs); None: a new one.
 
     Raises:
         ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
@@ -66,10 +66,7 @@ def match_keys(
             by_model_key.setdefault(canonical, []).append(headers[ckpt_key])
     both = sorted(set(stacked) & set(by_model_key))
     if both:
-        raise ModelMismatchError(
-            f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
-            "layout (re-save it, or drop one set of keys with key_map)."
-        )
+        raise ModelMismatchError(both_layouts(both))
     absent = [k for k in layout.tensors if k not in by_model_key and k not in stacked]
     return KeyMatch(
         by_model_key={k: tuple(found) for k, found in by_model_key.items()},
@@ -112,10 +109,7 @@ def _mapped(
                 "to drop the key. Fix key_map."
             )
         if model_key in mapped_from:
-            raise ModelMismatchError(
-                f"key_map maps both {mapped_from[model_key]!r} and {ckpt_key!r} to model key "
-                f"{model_key!r}. Each model key may come from one checkpoint key only."
-            )
+            raise ModelMismatchError(key_map_collision(mapped_from[model_key], ckpt_key, model_key))
         mapped_from[model_key] = ckpt_key
         if model_key in non_persistent:
             ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
@@ -125,19 +119,36 @@ def _mapped(
     return ckpt_keys, model_keys
 
 
-def nothing_matched(
-    description: str, headers: dict[str, TensorHeader], layout: ModelLayout, match: KeyMatch
-) -> str:
-    """The error for a load that would load nothing: a few names from each side, and a guess."""
-    ckpt = sorted(headers)
+def both_layouts(keys: list[str]) -> str:
+    """The error for model tensors stored both whole and per expert."""
+    return (
+        f"{format_keys(keys)} are stored both whole and per expert in the checkpoint; keep one "
+        "layout (re-save it, or drop one set of keys with key_map)."
+    )
+
+
+def key_map_collision(first: str, second: str, model_key: str) -> str:
+    """The error for ``key_map`` mapping checkpoint keys ``first`` and ``second`` to one model key."""
+    return (
+        f"key_map maps both {first!r} and {second!r} to model key {model_key!r}. Each model key may "
+        "come from one checkpoint key only."
+    )
+
+
+def nothing_matched(description: str, count: int, first: list[str], ignored: int, layout: ModelLayout) -> str:
+    """The error for a load that would load nothing: a few names from each side, and a guess.
+    ``count``: the checkpoint's keys; ``first``: the first 50 of them, sorted; ``ignored``: how
+    many of them key_map dropped or are the model's non-persistent buffers."""
     model = sorted(k for k in layout.tensors if layout.tensors[k].is_param) or sorted(layout.tensors)
-    hint = _prefix_hint(ckpt, model)
-    if not ckpt:
+    hint = _prefix_hint(first, model)
+    if not count:
         found = "The checkpoint holds no tensors."
-    elif len(match.ignored) == len(ckpt):
-        found = f"key_map dropped all {len(ckpt)} checkpoint keys (or they are the model's non-persistent buffers)."
+    elif ignored == count:
+        found = (
+            f"key_map dropped all {count} checkpoint keys (or they are the model's non-persistent buffers)."
+        )
     else:
-        found = f"The checkpoint holds {len(ckpt)} keys, e.g. {format_keys(ckpt[:3])}."
+        found = f"The checkpoint holds {count} keys, e.g. {format_keys(first[:3])}."
     return (
         f"{description}: no checkpoint key matched any model key, so nothing would be loaded (whatever "
         f"strict is). {found} The model has {len(layout.tensors)}, e.g. {format_keys(model[:3])}. "

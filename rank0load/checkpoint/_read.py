@@ -18,10 +18,7 @@ from ..errors import LoadError
 from ..integrations._convert import Conversion
 from ..model._meta import ModelLayout
 from ._files import OpenFile, open_files
-from ._format import TensorHeader
-from ._headers import read_headers
 from ._manifest import Adapter, Manifest, build_manifest
-from ._runs import manifest_by_runs
 from ._source import Source, resolve
 
 __all__ = ["Checkpoint", "open_checkpoint", "read_manifest", "unforeseen"]
@@ -29,15 +26,13 @@ __all__ = ["Checkpoint", "open_checkpoint", "read_manifest", "unforeseen"]
 
 @dataclass
 class Checkpoint:
-    """(rank 0) The checkpoint resolved, its files open and its headers read and checked: what
-    :func:`read_manifest` matches against the model. Read before the ranks agree on their models,
-    while the slower ranks still build (the headers need no model)."""
+    """(rank 0) The checkpoint resolved, with the adapters loaded with it, and their files open: what
+    :func:`read_manifest` matches against the model. Opened before the ranks agree on their models,
+    while the slower ranks still build."""
 
     source: Source
     adapters: Sequence[Adapter]
     files: dict[str, OpenFile]
-    headers: dict[str, TensorHeader]
-    by_runs: bool = False  # headers left unread: read and matched run by run (see _runs)
 
 
 def open_checkpoint(
@@ -45,21 +40,17 @@ def open_checkpoint(
     revision: str | None,
     stack: contextlib.ExitStack,
     adapters: Callable[[], Sequence[Adapter]] = lambda: (),
-    by_runs: bool = False,
 ) -> Checkpoint:
-    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too), open their files once
-    (closed by ``stack``) and read the checkpoint's headers. Returns them with the open files the
-    stream reads; raises a LoadError (anything unforeseen is wrapped in one). ``by_runs``: without
-    adapters, leave the headers unread (:func:`read_manifest` reads them run by run)."""
+    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too) and open their files
+    once (closed by ``stack``): the files the manifest's headers and the stream are read through.
+    Raises a LoadError (anything unforeseen is wrapped in one)."""
     try:
         source = resolve(ckpt_path, revision)
         found = adapters()
         files = open_files((*source.files, *(f for a in found for f in a.source.files)))
         for opened in files.values():
             stack.callback(opened.close)
-        if by_runs and not found:
-            return Checkpoint(source, found, files, {}, by_runs=True)
-        return Checkpoint(source, found, files, read_headers(source, files))
+        return Checkpoint(source, found, files)
     except LoadError:
         raise
     except Exception as exc:  # the Hub client's, PEFT's config reader's: the plain wording
@@ -73,27 +64,16 @@ def read_manifest(
     key_map: Callable[[str], str | None] | None,
     conversions: Sequence[Conversion] = (),
 ) -> Manifest:
-    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model; raises a
-    LoadError for any problem found matching its headers. Made run by run where
-    ``checkpoint.by_runs`` (``_runs.manifest_by_runs``); where the runs cannot make it, every header
-    is read again and the manifest made at once, which words the error."""
-    if checkpoint.by_runs:
-        assert key_map is None  # _api asks for runs only without it
-        manifest = manifest_by_runs(checkpoint.source, checkpoint.files, layout, strict, conversions)
-        if manifest is not None:
-            return manifest
-        checkpoint.by_runs = False
-        checkpoint.headers = read_headers(checkpoint.source, checkpoint.files)
-    headers, checkpoint.headers = checkpoint.headers, {}  # held here only: freed when this returns
+    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model
+    (``_manifest.build_manifest``); raises a LoadError for any problem found matching its headers."""
     return build_manifest(
         checkpoint.source,
+        checkpoint.files,
         layout,
         strict=strict,
         key_map=key_map,
-        files=checkpoint.files,
         conversions=conversions,
         adapters=checkpoint.adapters,
-        headers=headers,
     )
 
 

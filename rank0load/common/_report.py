@@ -119,7 +119,7 @@ class LoadReport:
     local_readers: tuple[int, ...] = ()
     local_status: str = ""
     # runs of checkpoint files whose headers rank 0 read and matched one run at a time, holding
-    # one run's header objects at once (see _runs); 0: all headers at once
+    # one run's header objects at once (see checkpoint/_manifest)
     manifest_runs: int = 0
     # The model's FSDP2 parameter groups as sharded (the default policy's or shard_fn's), the root's
     # first: the collectives a training step makes (see FSDPGroup). The same on every rank.

@@ -1,13 +1,13 @@
-"""The manifest made run by run (``rank0load.checkpoint._runs``) gives what the manifest made at once gives.
+"""The manifest made run by run (``rank0load.checkpoint._manifest``) settles what spans runs.
 
 On 2 and 3 gloo ranks, a Mixtral checkpoint in MiniMax-M2's FP8 layout (16x16 blocks), re-sharded
 so that what the runs must settle between them is there: one layer's expert group split across two
 files (transformers 5 fuses it), an expert's ``weight_scale_inv`` in another file than its weight,
 and an attention weight's likewise. Each file
 is its own run (``RUN_TENSORS = 1``, as in the whole suite). The load must equal transformers'
-``from_pretrained`` of the dequantised checkpoint bit for bit, and must have been made by runs
-(``LoadReport.manifest_runs`` = the files), not by the fallback. A checkpoint whose keys do not
-match raises, with runs, the very error the load made at once raises (``key_map`` forces that).
+``from_pretrained`` of the dequantised checkpoint bit for bit, in one run per file
+(``LoadReport.manifest_runs``). A checkpoint whose keys do not match raises the same error with
+and without a ``key_map``, on every rank.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _loads(rank: int, world: int, path: str) -> dict:
     errors = {}
     short = mm.config(FAMILY)
     short.num_hidden_layers = 1  # the checkpoint's layer 1 is then unexpected
-    for name, key_map in (("runs", None), ("at once", lambda k: k)):
+    for name, key_map in (("plain", None), ("key_map", lambda k: k)):
         try:
             rank0load.load_sharded(lambda: AutoModelForCausalLM.from_config(short), path, key_map=key_map)
             errors[name] = None
@@ -95,18 +95,18 @@ def _loads(rank: int, world: int, path: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_runs_equal_the_manifest_made_at_once(ckpt, world):
+def test_runs_settle_what_spans_files(ckpt, world):
     from transformers import AutoModelForCausalLM
 
     mm._quiet()
     want = reference(AutoModelForCausalLM.from_pretrained(ckpt["ref"], dtype=torch.float32))
     results = _dist.ok(_dist.run(_loads, world, ckpt["path"], timeout=300))
     for res in results:
-        assert res["runs"] == 3, "made at once: the runs fell back"
+        assert res["runs"] == 3, "one run per file"
         assert_same(res["tensors"], want)
-        assert res["errors"]["runs"] is not None and res["errors"]["runs"] == res["errors"]["at once"]
-        assert "unexpected in the checkpoint" in res["errors"]["runs"]
-    assert len({res["errors"]["runs"] for res in results}) == 1
+        assert res["errors"]["plain"] is not None and res["errors"]["plain"] == res["errors"]["key_map"]
+        assert "unexpected in the checkpoint" in res["errors"]["plain"]
+    assert len({res["errors"]["plain"] for res in results}) == 1
 
 
 def test_listing_checks_each_file(tmp_path):
