@@ -4,7 +4,8 @@
 computes, the agreement on the model, the rounds of a transfer and their settling: every rank
 raises the same error); ``_failure``: what a rank's failure is (the caller's code, the machine's,
 rank0load's own) and how every rank words it; ``_staging``: the staging geometry both transfers use
-and the queues of a round's sends and receives in flight; ``_memory``: host memory (staging
+and the queues of a round's sends and receives in flight; ``_blocks``: a tensor-parallel tensor's
+chunks of whole rows and each rank's part of one; ``_memory``: host memory (staging
 reservations, shards faulted in); ``_progress``: the progress bar and peak RSS; ``_report``: the
 phase clock, :class:`~rank0load.LoadReport` and the model's FSDP groups
 (:class:`~rank0load.FSDPGroup`).

@@ -2,7 +2,7 @@
 
 (a local reader: a rank other than 0 that ``_handover.hand_over`` gave rank 0's descriptors)
 :class:`LocalReader` is a source of bytes (``_sources``) in place of the receives for this rank's
-own pieces: its rows of SHARDED entries, and the rows of BLOCK chunks that hold its blocks, which it
+own pieces: its rows of SHARDED entries, and the rows of BLOCK chunks that hold its parts, which it
 cuts as rank 0 would (``_sink.fan_out``, with no one to send to). Broadcast pieces still arrive by
 broadcast while some rank takes the stream; when every rank but 0 reads locally
 (:attr:`LocalReads.everyone`), each reads those too, and with CPU shards rank 0 reads its own share
@@ -15,7 +15,6 @@ identity rank 0 recorded when it opened them.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -24,11 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint._files import FileIdentity, OpenFile, opened
-from ..checkpoint._format import DTYPES
 from ..common._staging import block_half
 from ..errors import CheckpointChangedError, InternalError
 from . import _reads
-from ._blocks import deliveries
 from ._messages import Message
 from ._pieces import Piece, Route
 from ._plan import Plan
@@ -86,9 +83,10 @@ class LocalReads:
     status: str  # which path this rank took, and why (LoadReport.local_status)
 
     def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None] | None) -> Iterator[Piece]:
-        """(rank 0) Its pieces less those the readers read themselves; their bytes are counted on
-        ``on_bytes`` (the progress bar) as they are passed over."""
-        for piece in plan.pieces(0):
+        """(rank 0) Its pieces less those the readers read themselves (its BLOCK chunks cut for the
+        other ranks only); their bytes are counted on ``on_bytes`` (the progress bar) as they are
+        passed over."""
+        for piece in plan.pieces(0, cut_for=[r for r, _ in plan.coords if r not in self.readers]):
             if piece.dst in self.readers:  # its rows, and the scale grid rows they need
                 if on_bytes is not None and piece.route is Route.TO_RANK:
                     on_bytes(piece.nbytes)
@@ -148,7 +146,6 @@ class LocalReader:
         self.slot = staging.slots[0]  # reads are synchronous: one slot, free again once delivered
         self.host = files.host if files.host is not None else self.slot
         self.touched: set[str] = set()
-        self._layouts: dict[int, dict[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
 
     def arrivals(self, piece: Piece | Message) -> Iterator[Arrival]:
         """``piece`` read: straight into this rank's tensor where it can land there (on the CPU, of
@@ -194,14 +191,6 @@ class LocalReader:
             return Arrival(message, into, in_target=True)
         return Arrival(message, self._staged(piece))
 
-    def layouts(self, index: int) -> dict[int, tuple[tuple[tuple[int, int], ...], ...]]:
-        """This rank's blocks of BLOCK entry ``index`` (the one entry read last, kept)."""
-        runs = self._layouts.get(index)
-        if runs is None:
-            self._layouts = {index: self.plan.block_layouts(index, [self.me])}
-            runs = self._layouts[index]
-        return runs
-
     def round_end(self) -> None:
         """Check every file read since the last round's end (its descriptor's fstat)."""
         touched, self.touched = self.touched, set()
@@ -215,19 +204,16 @@ class LocalReader:
         self.round_end()
 
     def _chunk(self, piece: Piece, message: Message) -> Arrival | None:
-        """The rows of a BLOCK chunk that hold this rank's blocks, read (None: it holds none)."""
-        entry = self.plan.entries[piece.index]
-        mine = list(deliveries(piece, entry, self.layouts(piece.index)))
-        if not mine:
+        """The rows of a BLOCK chunk that hold this rank's parts (``piece.parts``: its own alone),
+        read (None: it holds none)."""
+        chunk, mine = piece.chunk, piece.parts
+        if chunk is None or not mine:
             return None
-        shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
-        row = math.prod(shape) * DTYPES[entry.dtype].itemsize
-        lo, hi = min(d.row_lo for d in mine), max(d.row_hi for d in mine)
-        rows = replace(
-            piece, start=piece.start + lo * row, nbytes=(hi - lo) * row, local_offset=piece.local_offset + lo
-        )
+        row = chunk.nbytes // chunk.shape[0]
+        lo, hi = min(p.rows[0] for p in mine), max(p.rows[1] for p in mine)
+        rows = replace(piece, start=piece.start + lo * row, nbytes=(hi - lo) * row)
         pack_buffer = self.slot[block_half(self.plan.piece_bytes) :]
-        return Arrival(message, self._staged(rows), pack_buffer=pack_buffer, rows=rows)
+        return Arrival(message, self._staged(rows), pack_buffer=pack_buffer, first_row=lo)
 
     def _staged(self, piece: Piece) -> torch.Tensor:
         """``piece``'s bytes in the staging slot (through the pinned host buffer, on an accelerator)."""

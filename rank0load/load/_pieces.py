@@ -1,7 +1,8 @@
 """The plan's vocabulary: how an entry travels, where a piece goes, and the piece itself (all ranks).
 
 A :class:`Piece` is a contiguous byte range of a checkpoint entry and its place in the
-destination's local tensor. Pure data, no collectives.
+destination's local tensor; a BLOCK entry's chunks and each rank's part of one are
+``common._blocks``'s, as the save's are. Pure data, no collectives.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..common._blocks import Chunk, Part
 from ..model._layout import ROWS_OK, RUNS_OK
 
 __all__ = ["Kind", "Piece", "Route", "kind_of"]
@@ -31,7 +33,7 @@ class Route(enum.Enum):
 
     TO_RANK = "to_rank"  # point to point to ``Piece.dst`` (rank 0 itself: read in place)
     BROADCAST = "broadcast"  # to every rank
-    FAN_OUT = "fan_out"  # (rank 0 only) a BLOCK chunk, read once and cut into Deliveries
+    FAN_OUT = "fan_out"  # a BLOCK chunk, read once and cut into its parts (rank 0, or a local reader)
     SCALES = "scales"  # to every rank: a float8 entry's scale grids, before its data (see _fp8)
 
 
@@ -44,12 +46,10 @@ class Piece:
     dst: int  # global rank for Route.TO_RANK; -1 otherwise
     start: int  # offset in the entry's bytes (``Entry.extents`` says where they are in the files)
     nbytes: int
-    local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor
+    local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor; FAN_OUT: 0
     kind: Kind
-    # A BLOCK chunk of rows of dimension 1 inside one index of dimension 0 (a 3-D tensor whose
-    # dimension-0 slices are wider than half a staging slot, e.g. one expert): that index. -1:
-    # a chunk of whole dimension-0 rows.
-    outer: int = -1
+    chunk: Chunk | None = None  # FAN_OUT: the chunk it reads
+    parts: tuple[Part, ...] = ()  # FAN_OUT: the parts this rank cuts from it, by rank, then row
 
 
 def kind_of(target: torch.Tensor, flags: int) -> Kind:

@@ -13,12 +13,13 @@ exchanging anything more. The kinds:
 * ``BLOCK`` (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``: tensor-parallel
   ``Shard(1)``, the ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): each rank's local
   tensor is the cross product of index runs, one list per dimension (``_layout.runs_at``). Rank 0
-  reads it in chunks and sends each rank its block (``_blocks``); no rank ever holds the full
-  tensor. A float8 block travels as float8 and its owner dequantises it
-  (``_layout.global_indices``).
+  reads it in chunks of whole rows and sends each rank its part of each (``common._blocks``, the
+  save's geometry too); no rank ever holds the full tensor. A float8 block travels as float8 and
+  its owner dequantises it (``_layout.global_indices``).
 * ``GENERIC`` (placements that are none of the above, a non-contiguous local shard, rows wider than
-  half a staging slot): broadcast in pieces into a full-size tensor on every rank, which then cuts
-  its own shard locally (outside the staging budget; reported in ``LoadReport.broadcast_whole``).
+  half a staging slot: :func:`fits_block`): broadcast in pieces into a full-size tensor on every
+  rank, which then cuts its own shard locally (outside the staging budget; reported in
+  ``LoadReport.broadcast_whole``).
 
 The stream is cut into *rounds* of whole entries (at least :data:`ROUND_PIECES` staging pieces of
 bytes each): at the end of each round every rank says whether it failed, so a failure reaches every
@@ -30,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,13 @@ from torch.distributed.tensor import DTensor, Placement
 
 from ..checkpoint._entries import Entry
 from ..checkpoint._fp8 import scale_span
+from ..common._blocks import Runs, block_chunks, chunk_dim
 from ..common._distribute import round_ends
-from ..common._staging import ALIGN, ROUND_PIECES
-from ..model._layout import Runs, placements_on, rank_coordinates, rows_of, runs_at
-from ._blocks import block_chunks, deliveries, fits_block, row_bytes
+from ..common._staging import ALIGN, ROUND_PIECES, block_half
+from ..model._layout import placements_on, rank_coordinates, rows_of, runs_at
 from ._pieces import Kind, Piece, Route, kind_of
 
-__all__ = ["Plan", "build_plan"]
+__all__ = ["Plan", "build_plan", "fits_block"]
 
 
 @dataclass(frozen=True)
@@ -83,17 +84,22 @@ class Plan:
             out[r] = runs
         return out
 
-    def pieces(self, me: int, chunks: bool = False) -> Iterator[Piece]:
+    def pieces(self, me: int, cut_for: Collection[int] | None = None) -> Iterator[Piece]:
         """(all ranks) The agreed messages as rank ``me`` sees them, in manifest order.
 
-        Rank 0 gets a BLOCK entry as FAN_OUT chunks; another rank gets the pieces its own deliveries
-        become (``dst`` = ``me``), so it receives them like row pieces. ``chunks``: FAN_OUT chunks
-        for any ``me`` (a rank reading its own bytes cuts its own blocks from them, see _localread).
+        A BLOCK entry comes as FAN_OUT chunks, each with the parts this rank cuts from it: those of
+        the ranks in ``cut_for``, on rank 0 by default every rank's (a rank reading its own bytes cuts
+        its own: ``cut_for=(me,)``, see _localread). Another rank without ``cut_for`` gets the pieces
+        its own parts become (``dst`` = ``me``), so it receives them like row pieces.
         """
+        if cut_for is None and me == 0:
+            cut_for = [rank for rank, _ in self.coords]
         for index, kind in enumerate(self.kinds):
-            yield from self._entry_pieces(index, kind, me, chunks)
+            yield from self._entry_pieces(index, kind, me, cut_for)
 
-    def _entry_pieces(self, index: int, kind: Kind, me: int, chunks: bool = False) -> Iterator[Piece]:
+    def _entry_pieces(
+        self, index: int, kind: Kind, me: int, cut_for: Collection[int] | None
+    ) -> Iterator[Piece]:
         entry = self.entries[index]
         if entry.nbytes == 0:
             return
@@ -102,13 +108,7 @@ class Plan:
         for start in range(0, shared, step):  # every rank needs the scales first
             yield Piece(index, Route.SCALES, -1, start, min(step, entry.scale_nbytes - start), start, kind)
         if kind is Kind.BLOCK:
-            mine = None if me == 0 or chunks else self.block_layouts(index, [me])
-            for chunk in block_chunks(index, entry, step):
-                if mine is None:
-                    yield chunk
-                    continue
-                for d in deliveries(chunk, entry, mine):
-                    yield Piece(index, Route.TO_RANK, me, chunk.start, d.nbytes, d.local_offset, kind)
+            yield from self._block_pieces(index, me, cut_for)
             return
         if kind in (Kind.PLAIN, Kind.GENERIC):
             for start in range(0, entry.nbytes, step):
@@ -117,7 +117,7 @@ class Plan:
             return
         placements = self.placements[index]
         assert placements is not None  # SHARDED entries are DTensors
-        row = row_bytes(entry)
+        row = entry.nbytes // entry.shape[0]
         per_rank = []
         # Rank 0 sends every rank's pieces; another rank needs only its own.
         for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
@@ -139,6 +139,36 @@ class Plan:
         # sees its own pieces in order.
         for round_ in itertools.zip_longest(*per_rank):
             yield from (p for p in round_ if p is not None)
+
+    def _block_pieces(self, index: int, me: int, cut_for: Collection[int] | None) -> Iterator[Piece]:
+        """BLOCK entry ``index``'s chunks, in file order: FAN_OUT pieces with the parts of the ranks
+        in ``cut_for`` (by rank, then row: the order rank 0 sends them in and each rank receives its
+        own in), or, without ``cut_for``, ``me``'s parts as its TO_RANK pieces."""
+        entry, kind = self.entries[index], Kind.BLOCK
+        layouts = self.block_layouts(index, [me] if cut_for is None else sorted(cut_for))
+        half = block_half(self.piece_bytes)
+        for chunk, parts in block_chunks(entry.shape, _itemsize(entry), layouts.items(), half):
+            parts = tuple(sorted(parts, key=lambda p: (p.rank, p.local_offset)))
+            if cut_for is not None:
+                yield Piece(index, Route.FAN_OUT, -1, chunk.start, chunk.nbytes, 0, kind, chunk, parts)
+                continue
+            for part in parts:
+                yield Piece(index, Route.TO_RANK, me, chunk.start, part.nbytes, part.local_offset, kind)
+
+
+def _itemsize(entry: Entry) -> int:
+    return entry.nbytes // math.prod(entry.shape)
+
+
+def fits_block(entry: Entry, piece_bytes: int) -> bool:
+    """Whether BLOCK ``entry`` can move in chunks of at most half a staging slot of whole dimension-0
+    rows, or of dimension-1 rows under one dimension-0 index (one expert of [E, 2I, H]). Otherwise
+    (narrower chunks, which the save also cuts: columns of a 2-D row; an entry without bytes) it
+    goes GENERIC."""
+    if not entry.nbytes:
+        return False
+    dim = chunk_dim(entry.shape, _itemsize(entry), block_half(piece_bytes))
+    return dim == 0 or dim == 1 and len(entry.shape) >= 3
 
 
 def _scale_rows(entry: Entry, lo: int, hi: int) -> tuple[int, int]:

@@ -1,14 +1,15 @@
 """Where the tensor data lands on this rank (all ranks; no collectives).
 
 :func:`allocate_staging` reserves every staging buffer before the last agreement; :class:`Sink`
-does the local work on arriving bytes; :func:`fan_out` cuts a BLOCK chunk into each rank's block.
+does the local work on arriving bytes; :func:`fan_out` cuts a BLOCK chunk into its parts, each
+rank's block of it (``common._blocks``).
 ``_transfer`` and ``_localread`` both hand their bytes to a Sink (a BLOCK chunk to ``fan_out``), so
 neither imports the other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +20,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..checkpoint._format import DTYPES
 from ..checkpoint._fp8 import dequantize, dequantize_at, dequantize_stacked
 from ..common import _distribute
+from ..common._blocks import Part
 from ..common._memory import reserve
 from ..common._staging import SLOTS, AllOf, aligned
 from ..errors import InternalError
 from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
-from ._blocks import cut, deliveries
 from ._messages import Message
 from ._pieces import Kind, Piece, Route
 from ._plan import Plan
@@ -35,6 +36,7 @@ __all__ = [
     "Staging",
     "Target",
     "allocate_staging",
+    "cut",
     "deliver",
     "fan_out",
     "direct_view",
@@ -65,11 +67,11 @@ class Arrival:
     """A message whose bytes are in memory on this rank, from whichever source (``_sources``)."""
 
     message: Message
-    data: torch.Tensor  # its bytes: uint8, message.nbytes (a BLOCK chunk's: those of ``rows``)
+    data: torch.Tensor  # its bytes: uint8, message.nbytes (a BLOCK chunk's: its rows from ``first_row``)
     slot: int | None = None  # the staging slot (or ring token) to give back; None: nothing to give back
     in_target: bool = False  # the bytes were read or received straight into their target
     pack_buffer: torch.Tensor | None = None  # a FAN_OUT chunk's: where its non-contiguous blocks are packed
-    rows: Piece | None = None  # a FAN_OUT chunk of which only these rows were read (a local reader)
+    first_row: int = 0  # a FAN_OUT chunk read from this row of it on (a local reader: its own rows)
 
 
 @dataclass
@@ -392,57 +394,69 @@ class Sink:
         self.whole.buffer = None
 
 
-def deliver(arrival: Arrival, sink: Sink, layouts: Callable[[int], dict[int, Any]]) -> AllOf | None:
+def deliver(arrival: Arrival, sink: Sink) -> AllOf | None:
     """(a rank that receives or reads its own bytes) ``arrival`` into ``sink``: a BLOCK chunk cut
-    into blocks (``layouts``: each entry's blocks of the ranks this rank cuts for; the returned sends
-    to wait for, if any), anything else through :meth:`Sink.take`."""
+    into its parts (:func:`fan_out`; the returned sends to wait for, if any), anything else through
+    :meth:`Sink.take`."""
     piece = arrival.message.first
     if piece.route is Route.FAN_OUT:
         assert arrival.pack_buffer is not None
-        return fan_out(arrival.rows or piece, arrival.data, arrival.pack_buffer, layouts(piece.index), sink)
+        return fan_out(piece, arrival.data, arrival.pack_buffer, sink, arrival.first_row)
     sink.take(arrival.message, arrival.data, arrival.in_target)
     return None
 
 
+def cut(rows: torch.Tensor, part: Part, first_row: int = 0) -> torch.Tensor:
+    """``part``'s block of a chunk whose rows from ``first_row`` on are ``rows`` (full shape
+    otherwise): a view where the rank's indices on each dimension are one run, a copy
+    (``torch.cat``) where they are several."""
+    block = rows[part.rows[0] - first_row : part.rows[1] - first_row]
+    for dim, dim_runs in enumerate(part.inner, start=1):
+        if dim_runs == ((0, rows.shape[dim]),):
+            continue
+        pieces = [block.narrow(dim, a, b - a) for a, b in dim_runs]
+        block = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    return block
+
+
 def fan_out(
-    piece: Piece, data: torch.Tensor, pack_buffer: torch.Tensor, per_rank: dict[int, Any], sink: Sink
+    piece: Piece, data: torch.Tensor, pack_buffer: torch.Tensor, sink: Sink, first_row: int = 0
 ) -> AllOf:
-    """(rank 0, or a local reader for its own blocks) Cut a BLOCK chunk (whole rows, in ``data``)
-    into the block of each rank in ``per_rank``: this rank's own is written into its shard, the
-    others are sent (returned: the sends to wait for). A block that is not a contiguous part of the
-    chunk is packed into ``pack_buffer`` (the rest of the staging slot); ranks holding the same block
-    (replicas) share one copy, so the packed blocks never exceed the chunk. After a local failure
-    the blocks still go out, as scratch bytes of the right size."""
-    entry, wire = sink.entries[piece.index], sink.wires[piece.index]
+    """(rank 0, or a local reader for its own parts) Cut the FAN_OUT ``piece``'s chunk (whole rows,
+    in ``data`` from its row ``first_row`` on) into ``piece.parts``, in order: this rank's own are
+    written into its shard, the others are sent (returned: the sends to wait for). A block that is
+    not a contiguous part of the chunk is packed into ``pack_buffer`` (the rest of the staging slot);
+    ranks holding the same block (replicas) share one copy, so the packed blocks never exceed the
+    chunk. After a local failure the parts still go out, as scratch bytes of the right size."""
+    wire, chunk = sink.wires[piece.index], piece.chunk
+    assert chunk is not None  # every FAN_OUT piece has its chunk
     made: dict[tuple[Any, ...], torch.Tensor] = {}
     works: list[Any] = []
     keep: list[torch.Tensor] = []
     used, me = 0, dist.get_rank()
-    for d in deliveries(piece, entry, per_rank):
+    for part in piece.parts:
         payload: torch.Tensor | None = None
         if sink.faults.error is None:
             try:
-                key = (d.row_lo, d.row_hi, d.inner)
+                key = (part.rows, part.inner)
                 block = made.get(key)
                 if block is None:
-                    shape = entry.shape[1:] if piece.outer < 0 else entry.shape[2:]  # see Piece.outer
-                    chunk = data.view(wire).view(-1, *shape)
-                    block = cut(chunk, d)
+                    block = cut(data.view(wire).view(-1, *chunk.shape[1:]), part, first_row)
                     if not block.is_contiguous():
-                        packed = pack_buffer[used : used + d.nbytes].view(wire).view(block.shape)
+                        packed = pack_buffer[used : used + part.nbytes].view(wire).view(block.shape)
                         packed.copy_(block)
-                        used += d.nbytes
+                        used += part.nbytes
                         block = packed
                     made[key] = block
                 payload = block.reshape(-1).view(torch.uint8)
             except Exception as exc:
                 sink.faults.note(exc)
-        if d.dst == me:
+        if part.rank == me:
             if payload is not None:
-                sink.write(piece, payload, local_offset=d.local_offset)
+                sink.write(piece, payload, local_offset=part.local_offset)
             continue
         if payload is None:
-            payload = data[: d.nbytes]  # scratch: the receiver discards it
-        works.append(dist.isend(payload, dst=d.dst))
+            payload = data[: part.nbytes]  # scratch: the receiver discards it
+        works.append(dist.isend(payload, dst=part.rank))
         keep.append(payload)
     return AllOf(works, keep)

@@ -125,8 +125,8 @@ class ReceiveSource:
         self._free = collections.deque(range(len(staging.slots)))
         self._pending = InFlight()  # receives, each adding its arrival to _done once complete
         self._done: collections.deque[Arrival] = collections.deque()
-        chunks = local is not None
-        self._by_round = ByRound(messages(plan, plan.pieces(self.me, chunks=chunks)), lambda m: m.index)
+        cut_for = (self.me,) if local is not None else None  # a local reader cuts its own parts
+        self._by_round = ByRound(messages(plan, plan.pieces(self.me, cut_for)), lambda m: m.index)
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop``, in the order of its messages;

@@ -77,14 +77,15 @@ def _each_reads_its_own(
     at each round's end and every file after its last read, and the ranks compare notes once, at
     the end. A failing rank stops reading; the others finish their own share before they learn of
     it. Returns the first failing rank (world: none)."""
-    by_round = ByRound(plan.pieces(dist.get_rank(), chunks=True), lambda p: p.index)
+    me = dist.get_rank()
+    by_round = ByRound(plan.pieces(me, cut_for=(me,)), lambda p: p.index)
     once = Rounds((len(plan.entries),), sink.faults)  # one round: the notes compared at the end
     for _ in once:
         for stop in plan.rounds:
             # Float8 scales-and-rows pairs are read as one message and dequantised together (Sink.runs).
             for item in sink.runs(by_round.until(stop), plan.piece_bytes):
                 for arrival in reader.arrivals(item):
-                    _wait(deliver(arrival, sink, reader.layouts))
+                    _wait(deliver(arrival, sink))
                 if on_bytes is not None:
                     pieces = item.pieces if isinstance(item, Message) else (item,)
                     on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
@@ -112,8 +113,7 @@ def _in_rounds(
         handle: Callable[[Arrival], None] = _Sender(plan, staging, sink, source, readers, on_bytes)
     else:
         source = ReceiveSource(plan, staging, sink, own)
-        layouts = own.layouts if own is not None else _no_blocks
-        handle = functools.partial(_into_sink, sink, source, layouts)
+        handle = functools.partial(_into_sink, sink, source)
     try:
         rounds = Rounds(plan.rounds, sink.faults)
         for _, stop in rounds:
@@ -127,14 +127,10 @@ def _in_rounds(
         source.close()
 
 
-def _into_sink(sink: Sink, source: ReceiveSource, layouts: Callable[[int], Any], arrival: Arrival) -> None:
+def _into_sink(sink: Sink, source: ReceiveSource, arrival: Arrival) -> None:
     """(ranks other than 0) An arrival into this rank's sink; its slot back to the source."""
-    _wait(deliver(arrival, sink, layouts))
+    _wait(deliver(arrival, sink))
     source.release(arrival.slot)
-
-
-def _no_blocks(index: int) -> Any:
-    raise AssertionError("a BLOCK chunk arrived at a rank that does not read its own")  # pragma: no cover
 
 
 def _wait(work: Any) -> None:
@@ -162,8 +158,6 @@ class _Sender:
         self.on_cpu = sink.device.type == "cpu"
         self.sends_nothing = len(readers) == dist.get_world_size() - 1  # no one to send anything to
         self.pending = InFlight()  # sends, each handing its slot back to the reader once done
-        fan_to = [r for r, _ in plan.coords if r not in readers]
-        self.layouts = functools.lru_cache(maxsize=1)(lambda i: plan.block_layouts(i, fan_to))
 
     def __call__(self, arrival: Arrival) -> None:
         message, data, slot_to_free = arrival.message, arrival.data, arrival.slot
@@ -200,16 +194,15 @@ class _Sender:
         return data
 
     def _fan_out(self, arrival: Arrival, data: torch.Tensor, slot_to_free: int | None) -> None:
-        """A BLOCK chunk cut into each served rank's block: its own written, the others sent."""
+        """A BLOCK chunk cut into the served ranks' parts (``LocalReads.rank0_pieces`` leaves the
+        readers' out): its own written, the others sent."""
         slot, piece = arrival.slot, arrival.message.first
         pack_buffer = (
             self.staging.slots[slot] if self.on_cpu and slot is not None else self.staging.device_buffer
         )
         assert pack_buffer is not None
         half = block_half(self.plan.piece_bytes)
-        self._sent(
-            fan_out(piece, data, pack_buffer[half:], self.layouts(piece.index), self.sink), slot_to_free
-        )
+        self._sent(fan_out(piece, data, pack_buffer[half:], self.sink), slot_to_free)
 
     def _sent(self, work: Any, slot: int | None) -> None:
         self.pending.add(work, functools.partial(self.source.release, slot))

@@ -26,13 +26,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from ..common._blocks import Runs
 from ..errors import RankMismatchError
 from ..integrations._compat import local_tensor, one_dim_placement, split_chunks
 
 __all__ = [
     "ROWS_OK",
     "RUNS_OK",
-    "Runs",
     "block_runs",
     "global_indices",
     "held_indices",
@@ -42,8 +42,6 @@ __all__ = [
     "rows_of",
     "runs_at",
 ]
-
-Runs = tuple[tuple[tuple[int, int], ...], ...]  # per tensor dimension: [start, stop) runs of global indices
 
 # Bits of layout_flags, AND-ed over the ranks at agreement.
 ROWS_OK = 1  # this rank's shard is the row range rows_of() computes

@@ -2,8 +2,9 @@
 
 (all ranks) :func:`pieces` cuts an item of the plan (``_saveplan.SavePlan``, rank 0's, shared) into
 the messages every rank derives identically, in one order; :func:`chunks` cuts a ``BLOCK`` item
-(tensor parallel) into chunks of whole rows and the senders' parts of each (``_saveblock``). Nothing
-but the plan is exchanged to agree on them. No collectives here.
+(tensor parallel) into chunks of whole rows and the senders' parts of each (``common._blocks``, the
+load's geometry too; ``_saveblock``). Nothing but the plan is exchanged to agree on them. No
+collectives here.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..checkpoint._format import DTYPES
+from ..common._blocks import Chunk, Part, block_chunks
 from ..common._staging import block_half
-from ._saveblock import Chunk, Part, block_chunks
 from ._saveplan import SaveKind, SavePlan
 
 __all__ = ["Piece", "chunks", "pieces"]
@@ -28,7 +29,7 @@ class Piece:
     src: int  # 0: rank 0 writes it from its own tensor
     start: int  # byte offset within the item
     nbytes: int
-    local: int  # element offset in the sender's local tensor (the piece is contiguous there)
+    local_offset: int  # byte offset (wire dtype) in the sender's flat local tensor; contiguous there
 
 
 def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece]:
@@ -37,23 +38,22 @@ def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece
     item = plan.items[index]
     if item.kind is SaveKind.BLOCK:
         for chunk, parts in chunks(plan, index, src):
-            yield from (Piece(index, p.src, chunk.start, p.nbytes, p.local) for p in parts)
+            yield from (Piece(index, p.rank, chunk.start, p.nbytes, p.local_offset) for p in parts)
         return
     if item.kind is SaveKind.ROWS:
         row = item.nbytes // item.shape[0] if item.shape[0] else 0
         ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
     else:
         ranges = [(0, 0, item.nbytes)]
-    size = DTYPES[item.dtype].itemsize
     for rank, begin, end in ranges:
         if src is None or rank == src:
             for at in range(begin, end, plan.piece_bytes):
-                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), (at - begin) // size)
+                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), at - begin)
 
 
 def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
-    """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each (``src``: only that
-    rank's), see ``_saveblock.block_chunks``."""
+    """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each, by first row, then
+    sender (``src``: only that rank's, in the same order), see ``common._blocks.block_chunks``."""
     item = plan.items[index]
-    size, half = DTYPES[item.dtype].itemsize, block_half(plan.piece_bytes)
-    return block_chunks(item.shape, size, item.blocks, half, src)
+    blocks = item.blocks if src is None else [b for b in item.blocks if b[0] == src]
+    return block_chunks(item.shape, DTYPES[item.dtype].itemsize, blocks, block_half(plan.piece_bytes))

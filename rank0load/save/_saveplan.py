@@ -24,12 +24,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
+from ..common._blocks import Blocks
 from ..common._distribute import round_ends
 from ..common._staging import ROUND_PIECES, slot_bytes
 from ..errors import SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rows_of
 from ..model._meta import ModelLayout, strip_wrappers
-from ._saveblock import Blocks, blocks_of
+from ._saveblock import blocks_of
 from ._saveblock import senders as replica_senders
 
 __all__ = [

@@ -3,12 +3,12 @@
 (all ranks) The plan (``_saveplan.SavePlan``, rank 0's, shared) fixes every saved tensor's file and
 offset and every message (``_pieces.pieces``, ``_pieces.chunks``).
 (all ranks) :func:`allocate_staging` reserves the slots; :func:`stream` moves the bytes: each rank
-sends its own rows to rank 0 point to point, in pieces of at most ``piece_bytes``, and its block of
-each chunk of a tensor-parallel DTensor (``_saveblock``); rank 0 receives ahead into its staging
-slots (a chunk's blocks into the second half of a slot, placed into its rows in the first) while a
-writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file offset. Failures (rank 0's
-disk full, a cast error) are settled at each round's end as the same :class:`SaveError` on every
-rank (``common._distribute``, as the load's are).
+sends its own rows to rank 0 point to point, in pieces of at most ``piece_bytes``, and its block
+of each chunk of a tensor-parallel DTensor (``common._blocks``, ``_saveblock``); rank 0 receives
+ahead into its staging slots (a chunk's blocks into the second half of a slot, placed into its rows
+in the first) while a writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file
+offset. Failures (rank 0's disk full, a cast error) are settled at each round's end as the same
+:class:`SaveError` on every rank (``common._distribute``, as the load's are).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
 from ..common import _distribute
+from ..common._blocks import Chunk, Part
 from ..common._distribute import Rounds, settled
 from ..common._memory import reserve
 from ..common._staging import SLOTS, AllOf, InFlight, block_half
@@ -34,7 +34,7 @@ from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
 from ._pieces import Piece, chunks, pieces
-from ._saveblock import Chunk, Part, place
+from ._saveblock import place, receive_offsets
 from ._saveplan import SaveItem, SaveKind, SavePlan
 
 __all__ = ["Staging", "allocate_staging", "settle", "stream"]
@@ -105,8 +105,10 @@ def _source(item: SaveItem, tensor: torch.Tensor, gathered: list[str]) -> torch.
     return local_tensor(tensor).detach().reshape(-1)
 
 
-def _elements(piece: Piece, wire: torch.dtype) -> slice:
-    return slice(piece.local, piece.local + piece.nbytes // wire.itemsize)
+def _elements(piece: Piece | Part, wire: torch.dtype) -> slice:
+    """The elements of a piece (or a part) of the sender's flat local tensor."""
+    first = piece.local_offset // wire.itemsize
+    return slice(first, first + piece.nbytes // wire.itemsize)
 
 
 class _Collector:
@@ -156,33 +158,35 @@ class _Collector:
         self.faults.run(buffer.view(wire).copy_, values)
         self.writer.put(item, piece.start, host_bytes(buffer), slot)
 
-    def chunk(self, item: SaveItem, source: torch.Tensor, at: Chunk, parts: tuple[Part, ...]) -> None:
+    def chunk(self, item: SaveItem, source: torch.Tensor, chunk: Chunk, parts: tuple[Part, ...]) -> None:
         """A BLOCK chunk: rank 0's own parts placed at once, the others' received into the slot's
-        second half and placed once in; then the chunk's rows are written as one byte range."""
+        second half (:func:`~._saveblock.receive_offsets`) and placed once in; then the chunk's rows
+        are written as one byte range."""
         staging, faults, half = self.staging, self.faults, self.half
         wire, slot = DTYPES[item.dtype], self.take()
         host = staging.slots[slot]
-        rows = host[: at.nbytes].view(wire).view(at.shape)
-        received, works = [], []
-        for part in parts:
-            if part.src == 0:
-                mine = source[part.local : part.local + math.prod(part.shape)].view(part.shape)
+        rows = host[: chunk.nbytes].view(wire).view(chunk.shape)
+        received = []  # (part, where it lands in the slot)
+        works = []
+        for part, offset in zip(parts, receive_offsets(parts)):
+            if part.rank == 0:
+                mine = source[_elements(part, wire)].view(part.shape)
                 faults.run(place, rows, mine, part)
             else:
-                into = (staging.device_slots or staging.slots)[slot][
-                    half + part.at : half + part.at + part.nbytes
-                ]
-                works.append(dist.irecv(into, src=part.src))
-                received.append(part)
+                at = half + offset
+                into = (staging.device_slots or staging.slots)[slot][at : at + part.nbytes]
+                works.append(dist.irecv(into, src=part.rank))
+                received.append((part, at))
 
         def then() -> None:
             if staging.device_slots and received:
-                end = half + received[-1].at + received[-1].nbytes
+                last, at = received[-1]
+                end = at + last.nbytes
                 faults.run(host[half:end].copy_, staging.device_slots[slot][half:end])
-            for part in received:
-                block = host[half + part.at : half + part.at + part.nbytes].view(wire).view(part.shape)
+            for part, at in received:
+                block = host[at : at + part.nbytes].view(wire).view(part.shape)
                 faults.run(place, rows, block, part)
-            self.writer.put(item, at.start, host_bytes(host[: at.nbytes]), slot)
+            self.writer.put(item, chunk.start, host_bytes(host[: chunk.nbytes]), slot)
 
         self.pending.add(AllOf(works), then)
 
@@ -208,10 +212,10 @@ def _rank0(
                     collector.pending.drain()
                 source = _source(item, tensors[item.key], gathered)
                 if item.kind is SaveKind.BLOCK:
-                    for at, parts in chunks(plan, index):
-                        collector.chunk(item, source, at, parts)
+                    for chunk, parts in chunks(plan, index):
+                        collector.chunk(item, source, chunk, parts)
                         if on_bytes is not None:
-                            on_bytes(at.nbytes)
+                            on_bytes(chunk.nbytes)
                     continue
                 for piece in pieces(plan, index):
                     if piece.src == 0:

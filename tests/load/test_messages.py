@@ -22,7 +22,7 @@ from rank0load.checkpoint._entries import Entry, Parts
 from rank0load.checkpoint._format import TensorHeader
 from rank0load.common._distribute import round_ends
 from rank0load.common._staging import ALIGN
-from rank0load.load import _blocks, _plan
+from rank0load.load import _plan
 from rank0load.load._messages import Message, messages
 from rank0load.load._pieces import Kind, Route
 
@@ -59,7 +59,7 @@ def make_plan(specs: list[tuple[Kind, tuple[int, ...], bool]], world: int, piece
     entries = tuple(_entry(i, shape, scaled) for i, (_, shape, scaled) in enumerate(specs))
     kinds = [k for k, _, _ in specs]
     kinds = [  # as build_plan: blocks whose rows do not fit half a slot go whole
-        Kind.GENERIC if k is Kind.BLOCK and not _blocks.fits_block(e, piece_bytes) else k
+        Kind.GENERIC if k is Kind.BLOCK and not _plan.fits_block(e, piece_bytes) else k
         for k, e in zip(kinds, entries)
     ]
     return _plan.Plan(
@@ -87,10 +87,9 @@ def plans(draw):
 
 def _seen_by(plan: _plan.Plan, message: Message, rank: int) -> tuple | None:
     """What ``rank`` takes part in for one of rank 0's messages, as the receiver's own messages say it."""
-    if message.first.route is Route.FAN_OUT:  # one delivery per block, one message each
-        layouts = plan.block_layouts(message.index, [rank])
-        blocks = _blocks.deliveries(message.first, plan.entries[message.index], layouts)
-        return tuple(("p", ((message.index, d.local_offset, d.nbytes, False),)) for d in blocks) or None
+    if message.first.route is Route.FAN_OUT:  # one message per part, the rank's own in order
+        parts = [p for p in message.first.parts if p.rank == rank]
+        return tuple(("p", ((message.index, p.local_offset, p.nbytes, False),)) for p in parts) or None
     if message.dst >= 0 and message.dst != rank:
         return None
     return (_key(message),)

@@ -1,5 +1,5 @@
 """Property: for any block layout (each rank's indices per dimension, as runs) and any staging size,
-rank 0's chunks, cut into deliveries, rebuild every rank's local shard exactly, each byte written
+rank 0's chunks, cut into each rank's parts, rebuild every rank's local shard exactly, each byte written
 once; and each receiver's own piece sequence is exactly what rank 0 sends it, in the same order.
 Pure planning, no process group: the multi-rank tests in test_blocks and test_meshes move the bytes.
 """
@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from rank0load.checkpoint._entries import Entry
 from rank0load.common import _staging
 from rank0load.integrations._compat import StridedShard
-from rank0load.load import _blocks, _pieces, _plan
+from rank0load.load import _pieces, _plan, _sink
 from rank0load.model import _layout
 
 
@@ -68,12 +68,12 @@ def test_runs_are_the_maximal_runs_of_consecutive_indices(values):
 
 
 @given(layouts())
-def test_chunks_and_deliveries_rebuild_every_shard(layout):
+def test_chunks_and_parts_rebuild_every_shard(layout):
     shape, per_rank, piece_bytes = layout
     numel = math.prod(shape)
     entry = Entry("w", "f", "w", "F32", shape, 4096, numel * 4)
     full = torch.arange(numel, dtype=torch.float32).reshape(shape)
-    if not _blocks.fits_block(entry, piece_bytes):  # even one dimension-1 row is too wide: GENERIC
+    if not _plan.fits_block(entry, piece_bytes):  # even one dimension-1 row is too wide: GENERIC
         assert math.prod(shape[1:]) * 4 > _staging.block_half(piece_bytes)
         return
 
@@ -89,21 +89,27 @@ def test_chunks_and_deliveries_rebuild_every_shard(layout):
     assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
     for c in chunks:
         assert c.route is _pieces.Route.FAN_OUT and c.nbytes <= _staging.block_half(piece_bytes)
-        if c.outer < 0:  # whole dimension-0 rows
-            first = c.start // row_bytes
-            chunk = full[first : first + c.nbytes // row_bytes]
+        assert c.chunk is not None and (c.chunk.start, c.chunk.nbytes) == (c.start, c.nbytes)
+        outer, first, rows = c.chunk.outer, c.chunk.first, c.chunk.shape[0]
+        if not outer:  # whole dimension-0 rows
+            assert c.start == first * row_bytes
+            chunk = full[first : first + rows]
         else:  # dimension-1 rows of one dimension-0 index (one expert)
             sub_bytes = row_bytes // shape[1]
-            assert c.start == c.outer * row_bytes + c.local_offset * sub_bytes
-            chunk = full[c.outer, c.local_offset : c.local_offset + c.nbytes // sub_bytes]
-        for d in _blocks.deliveries(c, entry, per_rank):
-            block = _blocks.cut(chunk, d).reshape(-1)
+            assert len(outer) == 1 and c.start == outer[0] * row_bytes + first * sub_bytes
+            chunk = full[outer[0], first : first + rows]
+        assert chunk.shape == c.chunk.shape and chunk.numel() * 4 == c.nbytes
+        assert [(p.rank, p.local_offset) for p in c.parts] == sorted(
+            (p.rank, p.local_offset) for p in c.parts
+        )
+        for d in c.parts:
+            block = _sink.cut(chunk, d).reshape(-1)
             assert block.numel() * 4 == d.nbytes
             lo = d.local_offset // 4
-            target = got[d.dst][lo : lo + block.numel()]
+            target = got[d.rank][lo : lo + block.numel()]
             assert torch.all(target == -1), "a byte was delivered twice"
             target.copy_(block)
-            sent[d.dst].append((d.local_offset, d.nbytes))
+            sent[d.rank].append((d.local_offset, d.nbytes))
     for r in per_rank:
         assert torch.equal(got[r], want[r]), r
         if r == 0:

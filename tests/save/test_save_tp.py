@@ -55,7 +55,8 @@ def test_chunks_rebuild_the_tensor_from_every_rank_shard(shape, placements, mesh
     each at most half a slot, their parts (each a contiguous range of its sender's real local shard,
     cut here with DTensor's split) fill the chunk's receive area exactly once, and placing them
     gives the tensor bit for bit; for half-slots from one element to the whole tensor, and a cast."""
-    from rank0load.save._saveblock import block_chunks, blocks_of, place
+    from rank0load.common._blocks import block_chunks
+    from rank0load.save._saveblock import blocks_of, place, receive_offsets
 
     # What blocks_of reads of a DTensor, for a mesh no process group backs.
     mesh = SimpleNamespace(mesh=torch.arange(math.prod(mesh_shape)).reshape(mesh_shape), shape=mesh_shape)
@@ -71,24 +72,26 @@ def test_chunks_rebuild_the_tensor_from_every_rank_shard(shape, placements, mesh
             assert chunk.start == at and 0 < chunk.nbytes <= half
             at += chunk.nbytes
             assert sum(p.nbytes for p in parts) == chunk.nbytes
-            assert [p.at for p in parts] == list(itertools.accumulate([0] + [p.nbytes for p in parts[:-1]]))
+            offsets = receive_offsets(parts)
+            assert list(offsets) == list(itertools.accumulate([0] + [p.nbytes for p in parts[:-1]]))
             first = chunk.start // full.element_size()
             rows = out[first : first + chunk.nbytes // full.element_size()].view(chunk.shape)
             for p in parts:
-                place(rows, shards[p.src][p.local : p.local + math.prod(p.shape)].view(p.shape), p)
+                local = p.local_offset // full.element_size()
+                place(rows, shards[p.rank][local : local + math.prod(p.shape)].view(p.shape), p)
         assert at == full.numel() * full.element_size()
         assert torch.equal(out.view(shape), full.double()), (dtype, half)
         # A sender derives its own parts alone, in the order rank 0 receives them.
         size = full.element_size()
         every = [
-            (c, p.src, p.local, p.nbytes, p.rows)
+            (c, p.rank, p.local_offset, p.nbytes, p.rows)
             for c, ps in block_chunks(shape, size, blocks, half)
             for p in ps
         ]
-        for rank, _ in blocks:
+        for rank, runs in blocks:
             alone = [
-                (c, p.src, p.local, p.nbytes, p.rows)
-                for c, ps in block_chunks(shape, size, blocks, half, rank)
+                (c, p.rank, p.local_offset, p.nbytes, p.rows)
+                for c, ps in block_chunks(shape, size, [(rank, runs)], half)
                 for p in ps
             ]
             assert alone == [e for e in every if e[1] == rank]
