@@ -3,10 +3,10 @@
 all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
 all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
 all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
-rank 0     resolve the checkpoint, open its files         -> _source, _files, _read.open_checkpoint
+rank 0     resolve the checkpoint, open its files         -> _source, _files, _manifest.open_checkpoint
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
 rank 0     read and match the headers (run by run), validate; offer its descriptors
-                                                          -> _read.read_manifest (_manifest, _fit), _handover.listen
+                                                          -> _manifest.read_manifest (_fit), _handover.listen
 all ranks  rank 0's manifest and offer, or its error      -> _distribute.from_rank0
 all ranks  ranks on rank 0's host fetch its descriptors   -> _handover.hand_over
 all ranks  shards resident; init what's missing, put adapters in, staging, plan; any rank's failure
@@ -31,8 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .checkpoint._manifest import Manifest, adapters_of
-from .checkpoint._read import Checkpoint, open_checkpoint, read_manifest, unforeseen
+from .checkpoint._manifest import (
+    Checkpoint,
+    Manifest,
+    adapters_of,
+    open_checkpoint,
+    read_manifest,
+    unforeseen,
+)
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._progress import peak_rss_bytes, progress_bar

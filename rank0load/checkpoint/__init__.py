@@ -7,6 +7,6 @@ repeated keys found; ``_format``: safetensors headers parsed and validated; ``_h
 them read, checked against each other and the index; ``_fp8``: float8 block scales; ``_entries``:
 one entry per model tensor, the data every rank reads; ``_fit``: the matched headers checked
 against the model and made into entries; ``_match``: which model key each checkpoint key loads
-into; ``_manifest``: the manifest every rank receives, made run by run; ``_read``: rank 0 opens
-the checkpoint and reads its manifest (the entry points); ``_inspect``: the dry run behind ``python -m rank0load``.
+into; ``_manifest``: rank 0 opens the checkpoint and makes the manifest every rank receives, run
+by run (the entry points); ``_inspect``: the dry run behind ``python -m rank0load``.
 """

@@ -1,19 +1,23 @@
-"""The manifest: the checkpoint's headers matched to the model, checked, and made into the entry
-list every rank streams, in file order (rank 0; no collectives).
+"""Rank 0's steps on the checkpoint: open it, then make its manifest, the checkpoint's headers matched
+to the model, checked, and made into the entry list every rank streams, in file order (rank 0; no
+collectives).
 
-(rank 0) :func:`build_manifest` reads the headers run by run: the files in order, a run ending with
+(rank 0) :func:`open_checkpoint` resolves the checkpoint and opens its files once.
+:func:`read_manifest` (:func:`build_manifest`) reads the headers run by run: the files in order, a run ending with
 the file that brings it to :data:`RUN_TENSORS` tensors; the PEFT adapters loaded with the checkpoint
 (:func:`adapters_of`) are one run more. Each run is matched (``_match.match_keys``) and made into
 entries (``_fit.build_entries``), and its header objects are freed before the next run's are read:
 rank 0 never holds every header of a 96k-tensor checkpoint as Python objects at once. What spans
 runs (an expert group or a float8 weight and its scale grid in two files, a tied parameter stored
 under two names) is settled after the last run (:func:`_merge`). Every problem raises a
-:class:`~..errors.LoadError` (``_api`` raises it on every rank).
+:class:`~..errors.LoadError` (``_api`` runs both steps through ``_distribute.from_rank0``, which
+raises it on every rank); :func:`unforeseen` words any other exception.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import math
@@ -23,13 +27,14 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from ..common._failure import internal_error
 from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 from ..integrations import _peft
 from ..integrations._convert import Conversion, ConversionMatch
 from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._entries import Entry
-from ._files import OpenFile
+from ._files import OpenFile, open_files
 from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import SCALE_SUFFIX
@@ -38,7 +43,17 @@ from ._headers import file_tensors, read_headers
 from ._match import both_layouts, key_map_collision, match_keys, nothing_matched
 from ._source import Source, resolve
 
-__all__ = ["RUN_TENSORS", "Adapter", "Manifest", "adapters_of", "build_manifest"]
+__all__ = [
+    "RUN_TENSORS",
+    "Adapter",
+    "Checkpoint",
+    "Manifest",
+    "adapters_of",
+    "build_manifest",
+    "open_checkpoint",
+    "read_manifest",
+    "unforeseen",
+]
 
 RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
 
@@ -96,6 +111,72 @@ def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
 
 
 @dataclass
+class Checkpoint:
+    """(rank 0) The checkpoint resolved, with the adapters loaded with it, and their files open: what
+    :func:`read_manifest` matches against the model. Opened before the ranks agree on their models,
+    while the slower ranks still build."""
+
+    source: Source
+    adapters: Sequence[Adapter]
+    files: dict[str, OpenFile]
+
+
+def open_checkpoint(
+    ckpt_path: str | os.PathLike[str],
+    revision: str | None,
+    stack: contextlib.ExitStack,
+    adapters: Callable[[], Sequence[Adapter]] = lambda: (),
+) -> Checkpoint:
+    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too) and open their files
+    once (closed by ``stack``): the files the manifest's headers and the stream are read through.
+    Raises a LoadError (anything unforeseen is wrapped in one)."""
+    try:
+        source = resolve(ckpt_path, revision)
+        found = adapters()
+        files = open_files((*source.files, *(f for a in found for f in a.source.files)))
+        for opened in files.values():
+            stack.callback(opened.close)
+        return Checkpoint(source, found, files)
+    except LoadError:
+        raise
+    except Exception as exc:  # the Hub client's, PEFT's config reader's: the plain wording
+        raise unforeseen(ckpt_path, exc) from exc
+
+
+def read_manifest(
+    checkpoint: Checkpoint,
+    layout: ModelLayout,
+    strict: bool,
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion] = (),
+) -> Manifest:
+    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model
+    (``_manifest.build_manifest``); raises a LoadError for any problem found matching its headers."""
+    return build_manifest(
+        checkpoint.source,
+        checkpoint.files,
+        layout,
+        strict=strict,
+        key_map=key_map,
+        conversions=conversions,
+        adapters=checkpoint.adapters,
+    )
+
+
+def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception, ours: bool = False) -> LoadError:
+    """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading.
+    ``ours``: raised while matching the headers to the model, where only rank0load's code (and the
+    transformers conversions it drives) runs: unless the machine's (``OSError``, ``MemoryError``),
+    an :class:`~..errors.InternalError` naming where it was raised and the versions. Resolving and
+    opening the checkpoint also runs the Hub client and PEFT's config reader: their failures keep
+    the plain wording."""
+    what = f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}"
+    if ours and not isinstance(exc, (OSError, MemoryError)):
+        return internal_error(what, exc)
+    return LoadError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+@dataclass
 class _Run:
     """One run's part of the manifest, and what only :func:`_merge` can settle."""
 
@@ -135,7 +216,7 @@ def build_manifest(
 ) -> Manifest:
     """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
     list what to move, in file order. ``files``: the source's and the adapters' files, opened once
-    (``_read.open_checkpoint``); every header is read through them. ``key_map`` renames the
+    (:func:`open_checkpoint`); every header is read through them. ``key_map`` renames the
     checkpoint's keys (not the adapters'). Raises CheckpointFormatError / CheckpointChangedError
     (the files and the index disagree, a key stored twice) or ModelMismatchError (the keys, shapes
     or dtypes do not fit the model; the message says which and what to do)."""

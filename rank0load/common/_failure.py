@@ -5,7 +5,7 @@ A failure is the caller's code (:class:`UserCodeFailure`, from :func:`user_code`
 :class:`~..errors.InternalError`). :func:`failure_of` makes the :class:`Failure` the first failing
 rank broadcasts (``_distribute.settle``); :func:`rank_mismatch`, :func:`peer_failure` and
 :func:`internal_error` are the errors for ranks that built different models, a failed collective,
-and rank0load's own failure on a rank that shares it itself (``checkpoint._read``).
+and rank0load's own failure on a rank that shares it itself (``checkpoint._manifest``).
 """
 
 from __future__ import annotations

@@ -150,19 +150,19 @@ def _fails_matching_on_rank0(rank: int, good: str) -> None:
     """A load in which rank 0's own code raises while it matches the headers to the model (the
     manifest's builder raises TypeError): rank 0 alone fails."""
     import rank0load
-    from rank0load.checkpoint import _read
+    from rank0load.checkpoint import _manifest
 
-    original = _read.build_manifest
+    original = _manifest.build_manifest
 
     def broken(*args, **kwargs):
         raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
 
     if rank == 0:
-        _read.build_manifest = broken
+        _manifest.build_manifest = broken
     try:
         rank0load.load_sharded(mixed_net, good)
     finally:
-        _read.build_manifest = original
+        _manifest.build_manifest = original
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
