@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from ..checkpoint._entries import Entry
+from ..checkpoint._format import DTYPES
 from ..checkpoint._fp8 import scale_span
 from ..common._blocks import Runs, block_chunks, chunk_dim
 from ..common._distribute import round_ends
@@ -147,17 +148,13 @@ class Plan:
         entry, kind = self.entries[index], Kind.BLOCK
         layouts = self.block_layouts(index, [me] if cut_for is None else sorted(cut_for))
         half = block_half(self.piece_bytes)
-        for chunk, parts in block_chunks(entry.shape, _itemsize(entry), layouts.items(), half):
+        for chunk, parts in block_chunks(entry.shape, DTYPES[entry.dtype].itemsize, layouts.items(), half):
             parts = tuple(sorted(parts, key=lambda p: (p.rank, p.local_offset)))
             if cut_for is not None:
                 yield Piece(index, Route.FAN_OUT, -1, chunk.start, chunk.nbytes, 0, kind, chunk, parts)
                 continue
             for part in parts:
                 yield Piece(index, Route.TO_RANK, me, chunk.start, part.nbytes, part.local_offset, kind)
-
-
-def _itemsize(entry: Entry) -> int:
-    return entry.nbytes // math.prod(entry.shape)
 
 
 def fits_block(entry: Entry, piece_bytes: int) -> bool:
@@ -167,7 +164,7 @@ def fits_block(entry: Entry, piece_bytes: int) -> bool:
     goes GENERIC."""
     if not entry.nbytes:
         return False
-    dim = chunk_dim(entry.shape, _itemsize(entry), block_half(piece_bytes))
+    dim = chunk_dim(entry.shape, DTYPES[entry.dtype].itemsize, block_half(piece_bytes))
     return dim == 0 or dim == 1 and len(entry.shape) >= 3
 
 
