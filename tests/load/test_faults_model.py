@@ -1,6 +1,8 @@
 """Fault corpus, checkpoint against model: missing and unexpected keys, shapes, dtypes, tied weights
 that differ, a key_map that collides, raises or returns a non-string, and strict=False with a
-reset_parameters() that writes nothing.
+reset_parameters() that writes nothing. The cases that span files (tied weights, a key_map
+collision, one tensor under two names) are also written as two files: the suite makes every file
+its own run of the manifest, so these are settled where the runs merge.
 
 Every case raises the same LoadError on every rank before any data moves; all cases run in one pair
 of gloo ranks (see tests/faults_common.py).
@@ -8,10 +10,12 @@ of gloo ranks (see tests/faults_common.py).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.faults_common import (
     Case,
@@ -70,6 +74,34 @@ def _tied_differ(d: str) -> str:
     return single(d, sd)
 
 
+def _two_files(d: str, sd: dict[str, torch.Tensor], second: set[str]) -> str:
+    """``sd`` as two files with an index, the keys in ``second`` in the second file."""
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    parts = ({k: v for k, v in sd.items() if k not in second}, {k: v for k, v in sd.items() if k in second})
+    for name, part in zip(names, parts):
+        save_file(part, os.path.join(d, name))
+    weight_map = {k: names[k in second] for k in sd}
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return d
+
+
+def _tied_differ_two_files(d: str) -> str:
+    sd = good_state()
+    sd["head.weight"] = sd["emb.weight"] + 1
+    return _two_files(d, sd, {"head.weight"})
+
+
+def _collide_two_files(d: str) -> str:
+    return _two_files(d, good_state(), {"blocks.1.fc.bias"})
+
+
+def _twice_two_files(d: str) -> str:
+    sd = good_state()
+    sd["_orig_mod.bn.bias"] = sd["bn.bias"].clone()  # the same tensor under a compiled model's name
+    return _two_files(d, sd, {"_orig_mod.bn.bias"})
+
+
 def _wider(d: str) -> str:
     torch.manual_seed(0)
     path = os.path.join(d, "model.safetensors")
@@ -120,6 +152,28 @@ CASES = [
         ("'blocks.0.fc.bias'", "'blocks.1.fc.bias'"),
         ("one checkpoint key only",),
         kwargs={"key_map": collide_biases},
+    ),
+    Case(
+        "tied_differ_two_files",
+        _tied_differ_two_files,
+        "ModelMismatchError",
+        ("'emb.weight'", "'head.weight'", "different values"),
+        ("keep one",),
+    ),
+    Case(
+        "key_map_collision_two_files",
+        _collide_two_files,
+        "ModelMismatchError",
+        ("'blocks.0.fc.bias'", "'blocks.1.fc.bias'"),
+        ("one checkpoint key only",),
+        kwargs={"key_map": collide_biases},
+    ),
+    Case(
+        "stored_twice_two_files",
+        _twice_two_files,
+        "ModelMismatchError",
+        ("'bn.bias'", "'_orig_mod.bn.bias'", "several checkpoint keys"),
+        ("Keep one",),
     ),
     Case(
         "key_map_raises",
