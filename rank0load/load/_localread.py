@@ -6,7 +6,7 @@ own pieces: its rows of SHARDED entries, and the rows of BLOCK chunks that hold 
 cuts as rank 0 would (``_sink.fan_out``, with no one to send to). Broadcast pieces still arrive by
 broadcast while some rank takes the stream; when every rank but 0 reads locally
 (:attr:`LocalReads.everyone`), each reads those too, and with CPU shards rank 0 reads its own share
-through a LocalReader as well (:class:`_Rank0Files`): no message moves (``_transfer._each_reads_its_own``).
+through a LocalReader as well (:class:`_Rank0Files`): no message moves (``_sources.OwnSource``).
 
 A failure (a read error, a file that changed) is the sink's local failure, settled like any other:
 the same LoadError on every rank. At each round's end the files read in it are checked against the

@@ -3,7 +3,7 @@
 Every rank walks its view of the plan's messages (``_messages``) round by round, and a *source* puts
 each one's bytes in memory as an :class:`~._sink.Arrival`: :class:`FileSource` on rank 0,
 :class:`ReceiveSource` on the others (with ``_localread.LocalReader`` for a local reader's own
-pieces). ``_transfer`` hands every arrival on, then gives its buffer back with ``release``. A
+pieces), :class:`OwnSource` on every rank when each reads its own bytes into CPU shards. ``_transfer`` hands every arrival on, then gives its buffer back with ``release``. A
 source's failures are the sink's local failures (``_distribute.Faults``): the round's messages
 still flow, unread.
 """
@@ -29,7 +29,7 @@ from ._sink import Arrival, Sink, Staging, direct_view
 if TYPE_CHECKING:
     from ._localread import LocalReader
 
-__all__ = ["ByRound", "FileSource", "ReceiveSource"]
+__all__ = ["ByRound", "FileSource", "OwnSource", "ReceiveSource"]
 
 T = TypeVar("T")
 
@@ -200,6 +200,40 @@ class ReceiveSource:
         """The identity checks of the files this rank read itself in the round."""
         if self.local is not None:
             self.local.round_end()
+
+    def close(self) -> None:
+        pass
+
+
+class OwnSource:
+    """(every rank, when each reads its own bytes and the shards are on the CPU) No message: this
+    rank's pieces read in order by ``reader``, each float8 scales-and-rows pair as one message,
+    dequantised together (``Sink.runs``); the files read in a round checked at its end, and every
+    file after the last round. A failing rank stops reading."""
+
+    def __init__(
+        self, plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None
+    ) -> None:
+        self.plan, self.sink, self.reader, self.on_bytes = plan, sink, reader, on_bytes
+        me, self._last = dist.get_rank(), len(plan.entries)
+        self._by_round = ByRound(plan.pieces(me, cut_for=(me,)), lambda p: p.index)
+
+    def until(self, stop: int) -> Iterator[Arrival]:
+        """The arrivals of the round that ends before entry ``stop`` (rank 0's view has every
+        rank's pieces: the others' are counted on ``on_bytes``, not read)."""
+        for item in self.sink.runs(self._by_round.until(stop), self.plan.piece_bytes):
+            yield from self.reader.arrivals(item)
+            if self.on_bytes is not None:
+                pieces = item.pieces if isinstance(item, Message) else (item,)
+                self.on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
+
+    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
+        pass  # reads are synchronous: the reader's one slot is free once an arrival is delivered
+
+    def round_end(self, stop: int) -> None:
+        self.reader.round_end()
+        if stop == self._last:
+            self.reader.finish()
 
     def close(self) -> None:
         pass

@@ -13,7 +13,8 @@ any rank failed, all stop there and raise that rank's error, and the process gro
 Only a collective that itself fails (a peer is gone) raises at once, as a peer failure. The rounds
 and that settling are ``common._distribute``'s, shared with the save.
 
-When every rank reads its own bytes (one host, CPU shards) there are no messages (:func:`_each_reads_its_own`).
+When every rank reads its own bytes (one host, CPU shards) there are no messages: each rank, rank 0
+too, reads its own pieces (``_sources.OwnSource``), and the rounds only compare notes.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ from ..common import _distribute
 from ..common._distribute import Rounds, settled
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
-from ._messages import Message
 from ._pieces import Route
 from ._plan import Plan
 from ._sink import Arrival, Sink, Staging, Target, deliver, fan_out
-from ._sources import ByRound, FileSource, ReceiveSource
+from ._sources import FileSource, OwnSource, ReceiveSource
 
 if TYPE_CHECKING:
-    from ._localread import LocalReader, LocalReads
+    from ._localread import LocalReads
 
 __all__ = ["stream"]
 
@@ -50,10 +50,11 @@ def stream(
     on_bytes: Callable[[int], None] | None = None,
     local: LocalReads | None = None,
 ) -> None:
-    """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``
-    (path -> ``_files.OpenFile``). ``local``: the ranks that read their own bytes through rank 0's
-    descriptors (``_handover``); rank 0 sends them nothing but the broadcasts, and not even those when
-    every rank reads its own. Raises the same error on every rank if any rank failed."""
+    """(all ranks) Move every piece of ``plan`` to its destination, round by round, the ranks
+    comparing notes after each round; rank 0 reads from ``files`` (path -> ``_files.OpenFile``).
+    ``local``: the ranks that read their own bytes through rank 0's descriptors (``_handover``);
+    rank 0 sends them nothing but the broadcasts, and not even those when every rank reads its own.
+    Raises the same error on every rank if any rank failed."""
     sink = Sink(plan, targets, mesh_device)
     with settled(
         sink.faults,
@@ -62,73 +63,48 @@ def stream(
         LoadError,
         "No model was returned; fix the cause and load again.",
     ) as outcome:
-        own = local.reader(plan, staging, sink, files) if local is not None else None
-        if own is not None and own.everything and mesh_device.type == "cpu":  # the same on every rank
-            outcome.first = _each_reads_its_own(plan, sink, own, on_bytes)
-        else:
-            outcome.first = _in_rounds(plan, staging, sink, files or {}, on_bytes, local, own)
+        source, handle = _endpoints(plan, staging, sink, files or {}, on_bytes, local)
+        try:
+            rounds = Rounds(plan.rounds, sink.faults)
+            for _, stop in rounds:
+                for arrival in source.until(stop):
+                    handle(arrival)
+                if isinstance(handle, _Sender):
+                    handle.round_end(last=stop == len(plan.entries))
+                source.round_end(stop)
+            outcome.first = rounds.first
+        finally:
+            source.close()
 
 
-def _each_reads_its_own(
-    plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None
-) -> int:
-    """(all ranks, when every rank but 0 reads its own bytes and the shards are on the CPU) No
-    message at all: each rank, rank 0 too, reads its own pieces in order, checks the files it read
-    at each round's end and every file after its last read, and the ranks compare notes once, at
-    the end. A failing rank stops reading; the others finish their own share before they learn of
-    it. Returns the first failing rank (world: none)."""
-    me = dist.get_rank()
-    by_round = ByRound(plan.pieces(me, cut_for=(me,)), lambda p: p.index)
-    once = Rounds((len(plan.entries),), sink.faults)  # one round: the notes compared at the end
-    for _ in once:
-        for stop in plan.rounds:
-            # Float8 scales-and-rows pairs are read as one message and dequantised together (Sink.runs).
-            for item in sink.runs(by_round.until(stop), plan.piece_bytes):
-                for arrival in reader.arrivals(item):
-                    _wait(deliver(arrival, sink))
-                if on_bytes is not None:
-                    pieces = item.pieces if isinstance(item, Message) else (item,)
-                    on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
-            reader.round_end()
-        reader.finish()
-    return once.first
-
-
-def _in_rounds(
+def _endpoints(
     plan: Plan,
     staging: Staging,
     sink: Sink,
     files: Mapping[str, Any],
     on_bytes: Callable[[int], None] | None,
     local: LocalReads | None,
-    own: LocalReader | None,
-) -> int:
-    """(all ranks) Rank 0 reads and sends, the others receive (or read their own), round by round,
-    with the ranks comparing notes after each round. Returns the first failing rank (world: none)."""
-    source: FileSource | ReceiveSource
-    if dist.get_rank() == 0:
+) -> tuple[FileSource | ReceiveSource | OwnSource, Callable[[Arrival], None]]:
+    """(all ranks) Where this rank's bytes come from, and what takes each arrival: when every rank
+    reads its own bytes and the shards are on the CPU, no message at all (:class:`OwnSource` on
+    every rank, rank 0 too); otherwise rank 0 reads and sends (:class:`_Sender`) and the others
+    receive, or read their own pieces."""
+    own = local.reader(plan, staging, sink, files) if local is not None else None
+    source: FileSource | ReceiveSource | OwnSource
+    if own is not None and own.everything and sink.device.type == "cpu":  # the same on every rank
+        source = OwnSource(plan, sink, own, on_bytes)
+    elif dist.get_rank() == 0:
         pieces = local.rank0_pieces(plan, on_bytes) if local is not None else plan.pieces(0)
         source = FileSource(plan, staging, files, sink, pieces)
         readers = local.readers if local is not None else frozenset()
-        handle: Callable[[Arrival], None] = _Sender(plan, staging, sink, source, readers, on_bytes)
+        return source, _Sender(plan, staging, sink, source, readers, on_bytes)
     else:
         source = ReceiveSource(plan, staging, sink, own)
-        handle = functools.partial(_into_sink, sink, source)
-    try:
-        rounds = Rounds(plan.rounds, sink.faults)
-        for _, stop in rounds:
-            for arrival in source.until(stop):
-                handle(arrival)
-            if isinstance(handle, _Sender):
-                handle.round_end(last=stop == len(plan.entries))
-            source.round_end(stop)
-        return rounds.first
-    finally:
-        source.close()
+    return source, functools.partial(_into_sink, sink, source)
 
 
-def _into_sink(sink: Sink, source: ReceiveSource, arrival: Arrival) -> None:
-    """(ranks other than 0) An arrival into this rank's sink; its slot back to the source."""
+def _into_sink(sink: Sink, source: ReceiveSource | OwnSource, arrival: Arrival) -> None:
+    """An arrival into this rank's sink; its slot back to the source."""
     _wait(deliver(arrival, sink))
     source.release(arrival.slot)
 
