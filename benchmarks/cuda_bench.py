@@ -528,8 +528,7 @@ def m_read_copy(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
 
 
 # (staging MiB, reader threads, read part MiB; "si": the interpreter's switch interval at 0.1 ms;
-# "slots": rank 0's staging as 4 slots, not a ring; "apart": rank 0's own pieces one message each,
-# not grouped); CUDA_BENCH_SWEEP="64:8:4,64:8:1:si" picks others
+# "apart": rank 0's own pieces one message each, not grouped); CUDA_BENCH_SWEEP="64:8:4,64:8:1:si" picks others
 SWEEP = "64:1:4,16:8:4,64:8:4,64:16:4,128:8:4,128:16:4,256:16:4"
 
 
@@ -545,7 +544,7 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
 
     from rank0load.load import _readahead, _sink, _transfer
 
-    try:  # the byte sources (8cdf6ff on): rank 0's loop is _in_rounds, its local work Sink.take
+    try:  # the byte sources (8cdf6ff on): rank 0's loop is stream (_in_rounds before), its local work Sink.take
         from rank0load.load import _sources
     except ImportError:  # an older tree (CUDA_BENCH_LIB): _send, and _scatter for its own pieces
         _sources = None
@@ -558,7 +557,8 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
         _readahead.Reader._submit,
         _readahead.Reader._read_part,
     )
-    send = _transfer._in_rounds if _sources is not None else _transfer._send
+    loop = "_send" if _sources is None else "_in_rounds" if hasattr(_transfer, "_in_rounds") else "stream"
+    send = getattr(_transfer, loop)
     own_together = getattr(_sources, "own_together", None)
 
     def add(key: str, started: float) -> None:
@@ -607,10 +607,9 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
     _readahead.Reader._read_part = timed_read_part  # type: ignore[method-assign]
     if _sources is not None:
         _sink.Sink.take = timed("scatter_s", scatter)  # type: ignore[method-assign]
-        _transfer._in_rounds = timed_send
     else:
         _transfer._scatter = timed("scatter_s", scatter)
-        _transfer._send = timed_send
+    setattr(_transfer, loop, timed_send)
     m_rank0load(ckpt, cfg, {})  # warm-up
     out: dict = {}
     interval = sys.getswitchinterval()
@@ -619,7 +618,6 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
         _readahead.ACCELERATOR_READ_THREADS = int(threads)
         _readahead._PART_BYTES = int(float(part_mib) * (1 << 20))
         sys.setswitchinterval(1e-4 if "si" in flags else interval)
-        _readahead.RING_ON_ACCELERATORS = "slots" not in flags  # type: ignore[attr-defined]
         if own_together is not None:  # "apart": rank 0's own pieces one message each, as before 8cdf6ff
             _sources.own_together = (lambda device: False) if "apart" in flags else own_together
         spent.clear()

@@ -38,9 +38,7 @@ __all__ = ["Reader", "Staged", "read_threads"]
 ACCELERATOR_READ_THREADS = 16
 _PART_BYTES = 8 << 20
 # On an accelerator mesh rank 0's pinned staging is one ring rather than SLOTS fixed slots, so many
-# small messages are read at once where a slot each would leave most of the staging idle. False:
-# the fixed slots (for benchmarks/cuda_bench.py's same-run comparison).
-RING_ON_ACCELERATORS = True
+# small messages are read at once where a slot each would leave most of the staging idle.
 _RING_ALIGN = 4096
 _RING_MESSAGES = 64  # messages read ahead at most, in the ring
 
@@ -148,7 +146,7 @@ class Reader:
         self._buffers = buffers
         # free slots, each with the event after which its last copy to the device is done (or None)
         self._free: queue.Queue[tuple[int, torch.Event | None]] = queue.Queue()
-        self._ring = _Ring(ring) if ring is not None and RING_ON_ACCELERATORS and threads > 1 else None
+        self._ring = _Ring(ring) if ring is not None and threads > 1 else None
         if self._ring is None:
             for i in range(len(buffers)):
                 self._free.put((i, None))

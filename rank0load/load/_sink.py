@@ -95,8 +95,8 @@ def allocate_staging(
     if not pin:
         slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes)
         return Staging(slots, None)
-    # rank 0 of an accelerator mesh: one pinned buffer, which its reader uses as a ring (see
-    # _readahead.RING_ON_ACCELERATORS), and the device buffer
+    # rank 0 of an accelerator mesh: one pinned buffer, which its reader uses as a ring
+    # (_readahead._Ring), and the device buffer
     host = reserve(1, SLOTS * piece_bytes, where, max_staging_bytes, pin)[0]
     device = reserve(1, piece_bytes, mesh_device, max_staging_bytes)[0]
     return Staging(list(host.split(piece_bytes)), device, host)
