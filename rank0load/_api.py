@@ -1,20 +1,13 @@
 """``load_sharded``: the pipeline, one step per line, each step one call into the module that owns it.
 
-all ranks  rank 0's random state, for PEFT's adapters      -> _distribute.rank0_rng_state
-all ranks  build model_fn() on meta, cast, shard          -> _model (_meta, _peft, _shard)
-all ranks  allocate shards; a thread faults them in       -> _model.materialise (_memory.fault_in)
-rank 0     resolve the checkpoint, open its files         -> _source, _files, _manifest.open_checkpoint
+all ranks  build model_fn() on meta (rank 0's random state), shard, allocate -> _model
+rank 0     resolve the checkpoint, open its files         -> _manifest.open_checkpoint
 all ranks  agree: same model, same options, or all raise  -> _distribute.agree
-rank 0     read and match the headers (run by run), validate; offer its descriptors
-                                                          -> _manifest.read_manifest (_fit), _handover.listen
+rank 0     read, match and validate the headers; offer its descriptors -> _manifest.read_manifest, _handover
 all ranks  rank 0's manifest and offer, or its error      -> _distribute.from_rank0
-all ranks  ranks on rank 0's host fetch its descriptors   -> _handover.hand_over
-all ranks  shards resident; init what's missing, put adapters in, staging, plan; any rank's failure
-           raised everywhere                              -> _distribute.run (_model, _plan)
-all ranks  agree on which ranks read locally              -> _handover.Handover.decide
-all ranks  stream: each rank's bytes from its source, into its sink -> _transfer (_sources, _sink)
-all ranks  re-tie, verify nothing is left on meta         -> _model.finish
-all ranks  the report, with the model's FSDP groups       -> _report.LoadReport, fsdp_plan
+all ranks  init what's missing, adapters, staging, plan; any rank's failure raised everywhere
+                                                          -> _distribute.run (_model, _plan)
+all ranks  agree on local readers, stream, re-tie, report -> _handover, _transfer, _model.finish, _report
 """
 
 from __future__ import annotations
@@ -68,9 +61,8 @@ def load_sharded(
 ) -> nn.Module:
     """Build ``model_fn()`` sharded with FSDP2 over ``mesh`` and load a safetensors checkpoint into it.
 
-    Every rank calls this with the same arguments. Only rank 0 opens the checkpoint: it validates
-    it against the model, broadcasts a manifest, then streams each tensor so that every rank
-    receives just its own shard, with host RAM bounded by ``max_staging_bytes`` on every rank.
+    Every rank calls this with the same arguments; only rank 0 reads the checkpoint, and each rank
+    receives just its own shard.
 
     Args:
         model_fn: zero-argument callable returning the model; called on every rank with
@@ -79,8 +71,7 @@ def load_sharded(
             ``.safetensors`` file, an index ``.json``, or a Hugging Face Hub repo id. Read on rank 0 only.
         mesh: the device mesh. ``None``: a 1-D mesh over the world on ``cuda`` if available, else ``cpu``.
         shard_fn: ``shard_fn(model, mesh)`` applies the caller's own ``fully_shard`` / parallelisation.
-            ``None``: ``fully_shard`` on each block (``model._no_split_modules`` or the largest
-            ``nn.ModuleList``), on top-level pieces of another dtype, then on the root.
+            ``None``: :func:`default_shard_fn`.
         dtype: ``None`` keeps the dtypes ``model_fn`` gave; a floating dtype casts the model's floating
             tensors to it (like ``model.to(dtype)``) before sharding.
         strict: raise on missing or unexpected keys. ``False``: skip unexpected keys and give missing
@@ -91,21 +82,17 @@ def load_sharded(
             mesh: rank 0's pinned host slots, the other ranks' device slots). ``None``:
             ``DEFAULT_STAGING_BYTES`` (16 MiB) on a CPU mesh, 256 MiB on an accelerator mesh.
         conversions: checkpoint tensors assembled into model tensors (:class:`StackExperts`), tried
-            for keys the model does not have, before transformers' own conversions (applied
-            automatically to a transformers model: per-expert Hub checkpoints into fused experts).
+            for keys the model lacks, before transformers' own (applied automatically to its models).
         local_reads: ranks on rank 0's host read their own bytes through the files rank 0 opened
             (handed over a Unix socket) instead of receiving them; ``False``: rank 0 sends them.
-        adapter: a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``, as
-            PEFT's ``save_pretrained`` or ``save_sharded(..., adapter=)`` writes it) or Hub repo id,
-            loaded into the ``PeftModel``'s active adapter together with ``ckpt_path`` (the base
-            model), in one load, read on rank 0 only; or a dict of adapter name -> folder.
+        adapter: a PEFT adapter folder (as PEFT's ``save_pretrained`` or ``save_sharded(...,
+            adapter=)`` writes it) or Hub repo id, loaded into the ``PeftModel``'s active adapter
+            with ``ckpt_path`` in one load, read on rank 0 only; or a dict of adapter name -> folder.
 
-    A ``PeftModel`` built in ``model_fn`` (``get_peft_model(base, config)``) takes its base model's
-    checkpoint as it is (PEFT's ``base_model.model.`` and ``.base_layer`` are matched like
-    ``_orig_mod.``). Its adapters are built for real, as PEFT draws them, from rank 0's random
-    state on every rank; those the checkpoint lacks keep those values (``LoadReport.kept``), also
-    with ``strict=True``. Build the PeftModel in model_fn: ``get_peft_model`` on a model that
-    ``load_sharded`` returned adds plain, unsharded adapters that differ between ranks.
+    A ``PeftModel`` built in ``model_fn`` loads its base model's checkpoint as it is. Its adapters are
+    drawn from rank 0's random state on every rank; those the checkpoint lacks keep those values
+    (``LoadReport.kept``), also with ``strict=True``. Call ``get_peft_model`` inside ``model_fn``:
+    on the returned model it adds unsharded adapters that differ between ranks.
 
     Returns:
         The sharded model, its parameters DTensors on the mesh device, ready for training.
@@ -132,13 +119,11 @@ def load_sharded(
     building = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
     clock("build")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
-        # the collector is off from here to the stream's end (see _gc_paused)
         opened.enter_context(_gc_paused())
         mesh_device = _distribute.mesh_device(mesh.device_type)
         allocating = _allocate(building.value, mesh_device, opened)
         clock("allocate")
-        # rank 0 opens the checkpoint while slower ranks still build; a failure is raised with the
-        # manifest's
+        # rank 0 opens the checkpoint while slower ranks build; a failure is raised with the manifest's
         checkpoint = _distribute.Outcome[Checkpoint]()
         if rank == 0 and building.value is not None:
             checkpoint = _open(building.value, ckpt_path, revision, opened, adapter)
@@ -164,8 +149,7 @@ def load_sharded(
         if _many_tensors(manifest):
             trim_heap()  # what making and sharing a MoE manifest used, back to the OS
         clock("manifest")
-        # a local reader on an accelerator reads one piece at a time through a pinned host buffer:
-        # one staging slot's size (pieces are at most max_staging_bytes / SLOTS)
+        # a local reader's pinned host buffer: one staging slot (pieces are at most max_staging_bytes / SLOTS)
         slot = max_staging_bytes // SLOTS
         handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
         opened.callback(handover.close)
@@ -185,10 +169,7 @@ def load_sharded(
 def _allocate(
     built: _model.Built | None, mesh_device: torch.device, opened: contextlib.ExitStack
 ) -> _distribute.Outcome[FaultIn]:
-    """(all ranks) The shards allocated now, and a thread faulting their pages in while the ranks
-    agree and rank 0 makes the manifest (stopped when ``opened`` closes). An allocation failure is
-    raised inside ``_prepare``, where every rank learns of it; a build failure anywhere is raised by
-    ``agree()``, and the shards freed."""
+    """(all ranks) The shards allocated, a thread faulting them in; a failure is raised in ``_prepare``."""
     if built is None:
         return _distribute.Outcome()
     faulting = _distribute.attempt(lambda: _model.materialise(built.model, mesh_device))
@@ -204,8 +185,7 @@ def _open(
     opened: contextlib.ExitStack,
     adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None,
 ) -> _distribute.Outcome[Checkpoint]:
-    """(rank 0) The checkpoint resolved and its files opened (kept open by ``opened``), with the
-    adapters of ``adapter``, or the error to raise on every rank with the manifest's."""
+    """(rank 0) The checkpoint and ``adapter``'s files opened (kept open by ``opened``), or the error."""
     return _distribute.attempt(
         lambda: open_checkpoint(
             ckpt_path,
@@ -219,8 +199,7 @@ def _open(
 def _finished(
     built: _model.Built, manifest: Manifest, plan: Plan, clock: Clock, local: _handover.LocalReads
 ) -> nn.Module:
-    """(all ranks) Ties restored and nothing left on meta; the report (with the FSDP groups)
-    attached and summarised."""
+    """(all ranks) Ties restored, nothing left on meta; the report attached and summarised."""
     _model.finish(built.model, built.layout)
     _model.guard_added_parameters(built.model, built.layout)
     clock("finish")
@@ -266,8 +245,7 @@ def _prepare(
     max_staging_bytes: int,
     allocating: _distribute.Outcome[FaultIn],
 ) -> _Ready:
-    """(all ranks) Once the shards are resident (or raising why they could not be allocated):
-    initialise what the checkpoint lacks, allocate the staging, plan."""
+    """(all ranks) Once the shards are resident: initialise what the checkpoint lacks, stage, plan."""
     allocating.get().wait()
     _model.init_missing(built.model, built.layout, manifest.missing)
     _model.apply_built(built.model, built.real_values, manifest.kept)
@@ -287,10 +265,8 @@ def _prepare(
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """(all ranks) Python's cyclic garbage collector off while the manifest is made and shared, the
-    plan made and the bytes streamed; left off if the caller had turned it off. The headers, manifest,
-    plan and targets are many small containers, each batch of which would start a collection walking
-    the whole heap (benchmarks/README.md). Nothing made here holds cycles; refcounting frees it."""
+    """(all ranks) The cyclic garbage collector off (left off if the caller turned it off): the many
+    small containers made inside would trigger whole-heap collections, and none holds cycles."""
     if not gc.isenabled():  # the caller's choice, kept
         yield
         return
@@ -301,8 +277,7 @@ def _gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-# malloc_trim walks the whole heap, for nothing when the manifest was small; from this many
-# checkpoint tensors on (a MoE checkpoint), making and sharing the manifest leaves memory to give back.
+# from this many checkpoint tensors on, the manifest leaves enough memory to be worth malloc_trim's heap walk
 _TRIM_FROM_TENSORS = 10_000
 
 

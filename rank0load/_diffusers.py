@@ -1,17 +1,10 @@
 """``load_pretrained`` for a diffusers model class (a ``ModelMixin`` subclass: Flux, SD3, Wan, ...).
 
-(rank 0)    ``_pretrained._read`` reads ``config.json`` (``subfolder=``: a pipeline's component), as
-            ``ModelMixin.load_config`` reads it; ``_distribute.from_rank0`` sends it. Then :func:`load`,
-            on every rank:
-(all ranks) :func:`configure` under ``_distribute.run``: overrides checked against the
-            class's ``__init__``, the dtype ``from_pretrained(torch_dtype=...)`` would use.
-(all ranks) ``load_sharded``, :func:`build` inside its meta build: ``from_config(config, **overrides)``, as
-            ``from_pretrained`` builds the model; ``load_sharded(dtype=...)`` builds it with ``dtype``
-            as torch's default and casts it as ``from_pretrained`` loads it (``_model.cast``: the
-            class's ``_keep_in_fp32_modules`` in float32).
-
-Only ``load``'s ``settle`` and ``load_sharded`` are collectives. Nothing here imports diffusers: the
-caller passes a class that ``_compat.is_diffusers_class`` recognised.
+(all ranks) :func:`load`, from rank 0's ``config.json`` (``_pretrained._read``): :func:`configure`
+            under ``_distribute.run`` (overrides checked against the class's ``__init__``, the
+            dtype), then ``load_sharded(dtype=...)`` with :func:`build` as its meta build
+            (``_keep_in_fp32_modules`` kept in float32). These two are the only collectives.
+Nothing here imports diffusers.
 """
 
 from __future__ import annotations
@@ -55,9 +48,7 @@ def load(
     dtype: object,
     load_sharded_kwargs: dict[str, Any],
 ) -> nn.Module:
-    """(all ranks) The model from ``checkpoint`` (``_pretrained._Checkpoint``, rank 0's, shared),
-    loaded from ``path`` (rank 0's; the other ranks never look at it), in eval mode as
-    ``from_pretrained`` returns it."""
+    """(all ranks) The model from rank 0's ``checkpoint``, loaded from ``path`` (rank 0's), in eval mode."""
     c = checkpoint
     configured = _distribute.run(
         lambda: configure(model_cls, c.config, c.overrides, c.where, c.name, dtype),
@@ -111,8 +102,7 @@ def _dtype(dtype: object) -> torch.dtype | None:
 
 
 def build(model_cls: Any, configured: Configured) -> nn.Module:
-    """(all ranks, inside ``load_sharded``'s meta build) ``from_config``, then ``_name_or_path``
-    recorded in the config, as ``from_pretrained`` does."""
+    """(all ranks, in the meta build) ``from_config``, recording ``_name_or_path`` as ``from_pretrained``."""
     model: Any = user_code(
         f"{model_cls.__name__}.from_config",
         model_cls.from_config,

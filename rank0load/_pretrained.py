@@ -4,12 +4,9 @@
 (all ranks) :func:`_check_arguments`: bad arguments raise on every rank, before any collective.
 (rank 0)    :func:`_read`: the checkpoint resolved, its configs (and remote code) read.
 (all ranks) ``_distribute.from_rank0``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
-(all ranks) ``_transformers.load`` or ``_diffusers.load`` (see their module docstrings): the config
-            built on every rank, then ``load_sharded`` with the path rank 0 resolved
-            (``_source.Resolved``), so a Hub repo is looked up once and an index parsed once.
-
-Other ranks never read the checkpoint or the Hugging Face cache, and never reach the network: they
-build the model from the config (and the code) rank 0 sent.
+(all ranks) ``_transformers.load`` or ``_diffusers.load``, then ``load_sharded`` with the path rank 0
+            resolved (``_source.Resolved``: the Hub and the index are read once).
+Other ranks never read the checkpoint, the Hugging Face cache or the network.
 """
 
 from __future__ import annotations
@@ -72,71 +69,54 @@ def load_pretrained(
     trust_remote_code: bool = False,
     **load_sharded_kwargs: Any,
 ) -> nn.Module:
-    """Build a transformers or diffusers model from the checkpoint's ``config.json`` and load it
-    sharded, reading the checkpoint on rank 0 only: ``from_pretrained`` for FSDP2.
+    """``from_pretrained`` for FSDP2: build a transformers or diffusers model from the checkpoint's
+    ``config.json`` and load it with :func:`~rank0load.load_sharded`.
 
-    Every rank calls this with the same arguments. Rank 0 reads the config and sends it; every rank
-    builds ``model_cls`` from it on meta, and :func:`~rank0load.load_sharded` streams the weights.
+    Every rank calls this with the same arguments; only rank 0 reads the checkpoint.
 
     Args:
-        model_cls: a transformers Auto class (``AutoModelForCausalLM``,
-            ``AutoModelForSequenceClassification``, ...), whose model the config's ``model_type``
-            picks, or a model class (``LlamaForCausalLM``, or your own ``PreTrainedModel`` subclass),
-            whose ``config_class`` reads the config. Or a diffusers model class (``ModelMixin``
-            subclass: ``FluxTransformer2DModel``, ``WanTransformer3DModel``, ...), built with
-            ``from_config`` as diffusers' ``from_pretrained`` builds it.
+        model_cls: a transformers Auto class (``AutoModelForCausalLM``, ...; the config's
+            ``model_type`` picks the model), a ``PreTrainedModel`` subclass (its ``config_class``
+            reads the config), or a diffusers ``ModelMixin`` subclass (built with ``from_config``).
         ckpt_path: as for ``load_sharded``: a directory saved with ``save_pretrained``, a
             ``.safetensors`` file or an index beside a ``config.json``, or a Hub repo id. Read on rank 0.
         mesh: as for ``load_sharded``.
-        dtype: ``None``: what ``from_pretrained`` without ``dtype`` gives: in transformers 5 the
-            config's ``dtype`` (``torch_dtype`` in older files), else torch's default (float32); in
-            transformers 4.57 torch's default (float32). ``"auto"``:
-            the config's dtype, else the dtype of the checkpoint's first floating tensor, as
-            ``from_pretrained(dtype="auto")`` does. A floating ``torch.dtype`` (or its name, e.g.
-            ``"bfloat16"``): that dtype. The model is built in it, so buffers such as ``inv_freq`` and
-            the modules transformers keeps in float32 come out as ``from_pretrained`` makes them.
-            A diffusers model: ``None`` is torch's default dtype (``from_pretrained`` without
-            ``torch_dtype``); a floating dtype, as ``from_pretrained(torch_dtype=...)``, the class's
-            ``_keep_in_fp32_modules`` kept in float32; no ``"auto"``.
+        dtype: ``None``: as ``from_pretrained`` without ``dtype`` (transformers 5: the config's
+            ``dtype`` or ``torch_dtype``, else torch's default; 4.57: torch's default). ``"auto"``: the
+            config's dtype, else the checkpoint's first floating tensor's. A floating ``torch.dtype``
+            (or its name, ``"bfloat16"``): that dtype. The model is built in it, float32-kept modules
+            as ``from_pretrained`` keeps them. A diffusers model: ``None`` is torch's default dtype, a
+            floating dtype keeps ``_keep_in_fp32_modules`` in float32; no ``"auto"``.
         revision: the Hub revision when ``ckpt_path`` is a repo id; with a local path, an error.
-        config_overrides: config attributes to set, as ``from_pretrained(path, **kwargs)`` sets them,
-            e.g. ``{"num_labels": 3}`` or ``{"attn_implementation": "sdpa"}``; for a diffusers model,
-            arguments of its ``__init__`` (``from_config``'s keyword arguments). Rank 0's are used.
+        config_overrides: config attributes to set, as ``from_pretrained(path, **kwargs)`` sets them
+            (``{"num_labels": 3}``); for a diffusers model, ``from_config``'s keyword arguments.
+            Rank 0's are used.
         subfolder: the folder of ``ckpt_path`` that holds the model's config and weights, as for
             ``from_pretrained``: a pipeline's component (``"transformer"``, ``"text_encoder"``).
         peft_config: a PEFT config (``LoraConfig(...)``): the model is ``get_peft_model(model,
-            peft_config)``, built in the meta build, its adapters initialised as PEFT draws them (rank 0's
-            random state) and the base weights loaded into it; with ``adapter=`` (a PEFT adapter folder,
-            passed to ``load_sharded``) a trained adapter is loaded too.
-        trust_remote_code: as for ``from_pretrained``: run the checkpoint's own code. With an Auto
-            class, the classes ``config.json``'s ``auto_map`` names for ``AutoConfig`` and for the Auto
-            class are used (over transformers' own, as ``from_pretrained`` does). Rank 0 reads their
-            module files and those they import relatively (from the checkpoint's folder, or the Hub
-            repo at the weights' commit) and sends them with the config; every rank installs them
-            under its ``HF_MODULES_CACHE`` as transformers' loader does, with the same module names,
-            and imports them. Other ranks need neither the checkpoint nor the Hub. ``save_sharded``
-            of the model then writes the code files and ``auto_map`` as ``save_pretrained`` does.
-            Only for code you trust: it runs on every rank. A model class passed as ``model_cls``
-            is used as it is; a diffusers model class is always its own code.
+            peft_config)``, its adapters drawn from rank 0's random state, the base weights loaded
+            into it; with ``adapter=`` a trained adapter is loaded too.
+        trust_remote_code: as for ``from_pretrained``: with an Auto class, use the classes
+            ``auto_map`` names for ``AutoConfig`` and the Auto class. Rank 0 reads their code and
+            sends it; every rank installs it under its ``HF_MODULES_CACHE`` and imports it, so it runs
+            on every rank: only for code you trust. ``save_sharded`` then writes the code and
+            ``auto_map``. A class passed as ``model_cls`` (or a diffusers class) is used as it is.
         **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``, ``local_reads``,
             ``conversions``, ``adapter``, passed to ``load_sharded``.
 
     Returns:
-        The sharded model, in eval mode as ``from_pretrained`` returns it (call ``model.train()`` to
-        train). ``model.config`` is the config every rank received, without ``quantization_config``
-        (an FP8 block checkpoint is dequantised into ``dtype``); ``model.generation_config`` comes from
-        ``generation_config.json`` when the checkpoint has one and the model can generate.
+        The sharded model, in eval mode as ``from_pretrained`` returns it. ``model.config`` lacks
+        ``quantization_config`` (FP8 blocks are dequantised into ``dtype``); ``model.generation_config``
+        comes from ``generation_config.json`` when present and the model can generate.
         ``model.rank0load_report`` holds a ``LoadReport``.
 
     Raises:
         LoadError: on every rank, with the same message: everything ``load_sharded`` raises, and a
             missing or malformed ``config.json`` (``CheckpointNotFoundError``,
-            ``CheckpointFormatError``), a ``model_type`` transformers does not know (with an
-            ``auto_map`` and without ``trust_remote_code=True``: ``ModelMismatchError`` naming the
-            flag), a code file ``auto_map`` names that is missing (``CheckpointNotFoundError``) or
-            fails to import, a quantisation other than FP8 blocks, an Auto class without a model for
-            this config, ``config_overrides`` naming no config attribute, or a keyword argument
-            neither ``load_pretrained`` nor ``load_sharded`` takes (before any collective).
+            ``CheckpointFormatError``), an unknown ``model_type`` (``ModelMismatchError``), a missing
+            (``CheckpointNotFoundError``) or failing ``auto_map`` code file, a quantisation other than
+            FP8 blocks, an Auto class without a model for this config, ``config_overrides`` naming no
+            config attribute, or an unknown keyword argument (before any collective).
     """
     _check_arguments(trust_remote_code, load_sharded_kwargs)
     _distribute.require_process_group()
@@ -188,16 +168,11 @@ def _read(
     generation: bool = True,
     code: tuple[str, ...] | None = None,
 ) -> tuple[_Checkpoint, str | os.PathLike[str]]:
-    """(rank 0) Resolve ``ckpt_path`` as ``load_sharded`` does and read ``config.json`` (with
-    ``generation``: ``generation_config.json`` too, if present; with ``dtype="auto"`` and no dtype in
-    the config: the first floating tensor's dtype, from one header; with ``code``, the ``auto_map``
-    entries to read: their code, ``_remote_code.read``).
-
-    Returns:
-        The :class:`_Checkpoint`, and the path for ``load_sharded``: the ``subfolder`` folder, or
-        the snapshot directory for a Hub repo id, with its resolved source (``Resolved``), so that
-        it is resolved once. Raises LoadError.
-    """
+    """(rank 0) Resolve ``ckpt_path`` as ``load_sharded`` does and read ``config.json``; with
+    ``generation``, ``generation_config.json``; with ``dtype="auto"`` and no config dtype, the first
+    floating tensor's dtype; with ``code``, those ``auto_map`` entries' code. Returns the
+    :class:`_Checkpoint` and the path for ``load_sharded``, with its ``Resolved`` source (resolved
+    once). Raises LoadError."""
     if overrides is not None and (
         not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)
     ):
@@ -233,8 +208,7 @@ def _read(
 
 
 def _json(path: str, required: bool) -> dict[str, Any] | None:
-    """(rank 0) A JSON object from ``path`` (through one descriptor of a regular file), or None when
-    it is absent and not ``required``."""
+    """(rank 0) A JSON object from the regular file ``path``, or None when absent and not ``required``."""
     if not required and not os.path.lexists(path):
         return None
     try:

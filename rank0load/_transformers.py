@@ -1,18 +1,10 @@
 """``load_pretrained`` for a transformers model class (an Auto class or a ``PreTrainedModel`` subclass).
 
-(rank 0)    ``_pretrained._read`` reads the configs (and code); ``_distribute.from_rank0`` sends them to
-            every rank. Then :func:`load`, on every rank:
-(all ranks) :func:`configure` under ``_distribute.run``: remote code installed
-            (``_remote_code.install``), the config class (from ``auto_map`` with remote code, from
-            ``model_type``, or ``model_cls.config_class``), ``config_overrides``, the dtype, the
-            generation config, the model class (an Auto class's remote class, registered as
-            ``from_pretrained`` registers it). Every rank computes it from the same data; a failure is
-            raised everywhere.
-(all ranks) ``load_sharded``, :func:`build` inside its meta build: ``from_config`` in that dtype (then
-            ``get_peft_model`` with a ``peft_config``); the generation config set on the loaded model.
-
-Only ``load``'s ``run`` and ``load_sharded`` are collectives. transformers is imported inside the
-functions that need it.
+(all ranks) :func:`load`, from rank 0's configs (``_pretrained._read``): :func:`configure` under
+            ``_distribute.run`` (remote code installed, config class, ``config_overrides``, dtype,
+            generation config, model class; a failure on any rank raised everywhere), then
+            ``load_sharded`` with :func:`build` as its meta build. These two are the only collectives.
+transformers is imported inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -59,9 +51,8 @@ def load(
     peft_config: Any,
     load_sharded_kwargs: dict[str, Any],
 ) -> nn.Module:
-    """(all ranks) The model from ``checkpoint`` (``_pretrained._Checkpoint``, rank 0's, shared),
-    loaded from ``path`` (rank 0's; the other ranks never look at it), wrapped by ``get_peft_model``
-    with a ``peft_config``, in eval mode as ``from_pretrained`` returns it, with its generation config."""
+    """(all ranks) The model from rank 0's ``checkpoint`` (``_pretrained._Checkpoint``), loaded from
+    ``path`` (used on rank 0), ``get_peft_model``-wrapped with a ``peft_config``, in eval mode."""
     configured = _distribute.run(
         lambda: configure(model_cls, checkpoint, dtype),
         "building the model's config",
@@ -84,8 +75,7 @@ def load(
 
 
 def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
-    """(all ranks, from the same ``checkpoint``: ``_pretrained._Checkpoint``) The config, the dtype and
-    the generation config."""
+    """(all ranks, from the same ``checkpoint``) The config, the dtype and the generation config."""
     from transformers import GenerationConfig
 
     raw = dict(checkpoint.config)
@@ -138,8 +128,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
 
 
 def _check_quantization(quant: object, where: str) -> None:
-    """FP8 block checkpoints load dequantised (``load_sharded`` reads the block size from
-    ``config.json`` itself); the model is built without ``quantization_config``. Others are refused."""
+    """Refuse any quantisation but FP8 blocks (loaded dequantised, without ``quantization_config``)."""
     if quant is None:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -153,9 +142,7 @@ def _check_quantization(quant: object, where: str) -> None:
 
 def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = None) -> Any:
     """The config class: ``model_cls.config_class`` for a model class; for an Auto class, with
-    ``code`` (``_remote_code.RemoteCode``, trust_remote_code=True), the class ``auto_map`` names for
-    ``AutoConfig``, registered for it (as ``AutoConfig.from_pretrained`` picks and registers it);
-    else the one ``model_type`` names."""
+    ``code``, the registered ``auto_map`` ``AutoConfig`` class, else the one ``model_type`` names."""
     from transformers import PretrainedConfig, PreTrainedModel
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -210,11 +197,9 @@ def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = N
 
 
 def _remote_model_class(model_cls: Any, config: Any, code: Any, where: str) -> Any:
-    """For an Auto class with ``code`` (``_remote_code.RemoteCode``) naming a class for it in
-    ``auto_map``: that class, as ``AutoModel*.from_pretrained`` with ``trust_remote_code=True`` takes
-    it (registered for the config's class when transformers has no model for it, registered for the
-    Auto class so that saving copies its code, ``GenerationMixin`` added where it generates), unless
-    a class registered by the caller wins (``_compat.hf_registered_class_wins``). Else None."""
+    """The remote class ``code`` names for the Auto class ``model_cls``, registered and given
+    ``GenerationMixin`` as ``from_pretrained(trust_remote_code=True)`` does; None when there is none
+    or a caller-registered class wins (``_compat.hf_registered_class_wins``)."""
     from transformers import PreTrainedModel
 
     remote = code.get(model_cls.__name__) if code is not None else None
@@ -253,9 +238,8 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
 
 
 def build(model_cls: Any, config: Any, dtype: torch.dtype, record: bool = True) -> nn.Module:
-    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, then the
-    dtypes ``from_pretrained(dtype=...)`` gives (``_model.cast``: what transformers keeps in float32
-    in float32), and ``config.dtype`` (this config is load_pretrained's own)."""
+    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, cast as
+    ``from_pretrained(dtype=...)`` casts (``_model.cast``), ``config.dtype`` set with ``record``."""
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
     name = getattr(model_cls, "__name__", repr(model_cls))
     model: nn.Module = _failure.user_code(f"{name}.from_config", make, config, dtype=dtype)

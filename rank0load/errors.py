@@ -1,11 +1,7 @@
-"""Exceptions raised by rank0load.
-
-Every failure the loader can detect is raised as :class:`LoadError` (or a subclass) on **every**
-rank with the same message. Subclasses also derive from the matching builtin so that existing
-``except FileNotFoundError`` / ``except ValueError`` handlers keep working.
-
-Each exception is built from a single message string so it pickles cleanly: rank 0 broadcasts the
-instance it caught and the other ranks re-raise an identical one.
+"""Exceptions raised by rank0load: every detected failure is a :class:`LoadError` (or subclass),
+raised on every rank with the same message. Subclasses also derive from the matching builtin
+(``FileNotFoundError``, ``ValueError``). Each is built from one message string, so rank 0's instance
+pickles for the other ranks to re-raise.
 """
 
 from __future__ import annotations

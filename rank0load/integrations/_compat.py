@@ -1,12 +1,6 @@
-"""The one place rank0load leans on private torch, transformers and diffusers behaviour that could change.
-
-Every name here wraps something that is not a public API of torch or transformers (or a
-public method rank0load patches). ``tests/integrations/test_compat.py`` checks each of them and fails loudly
-when a release changes it; the diffusers ones are checked against diffusers' own ``from_pretrained``
-and ``save_config`` in ``tests/api/test_diffusers.py``. transformers' checkpoint conversions (its
-``conversion_mapping`` and ``core_model_loading``) are ``_compat_convert``'s.
-
-(all ranks, no collectives)
+"""The one place rank0load leans on private torch, transformers and diffusers behaviour that could change
+(transformers' checkpoint conversions: ``_compat_convert``). ``tests/integrations/test_compat.py`` and
+``tests/api/test_diffusers.py`` fail loudly when a release changes any of it. (all ranks, no collectives)
 """
 
 from __future__ import annotations
@@ -60,9 +54,8 @@ __all__ = [
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous uint8 CPU tensor's bytes, without numpy (``Tensor.numpy()``
-    needs it, and neither torch nor rank0load requires it). The caller keeps ``t`` alive while the
-    view is in use."""
+    """A writable memoryview of a contiguous uint8 CPU tensor's bytes, without numpy (else ValueError).
+    The caller keeps ``t`` alive while the view is in use."""
     if not (t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()):
         raise ValueError(f"host_bytes needs a contiguous uint8 CPU tensor, got {t.dtype} on {t.device}")
     if t.numel() == 0:
@@ -71,32 +64,25 @@ def host_bytes(t: torch.Tensor) -> memoryview:
 
 
 def foreach_supported(device: torch.device) -> bool:
-    """Whether torch's fused ``_foreach_*`` kernels run on ``device`` (what ``torch.nn.utils.clip_grad_norm_``
-    asks before using them). Private: ``torch.utils._foreach_utils._device_has_foreach_support``."""
+    """Whether ``_foreach_*`` kernels run on ``device``. Private: ``_device_has_foreach_support``."""
     from torch.utils._foreach_utils import _device_has_foreach_support
 
     return bool(_device_has_foreach_support(device))
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
-    """One ``ord``-norm per tensor, each computed in ``dtype``, in one fused kernel
-    (``torch._foreach_norm``, an underscore op). The tensors must be non-empty for ``ord=inf``."""
+    """One ``ord``-norm per tensor in ``dtype``: ``torch._foreach_norm`` (non-empty tensors for ``inf``)."""
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
 
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every tensor in place by the one-element tensor ``factor`` (on their device), in one
-    fused kernel (``torch._foreach_mul_``, an underscore op)."""
+    """Multiply every tensor in place by the one-element ``factor`` (on their device): ``_foreach_mul_``."""
     torch._foreach_mul_(tensors, factor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this rank's data: a DTensor's local shard (the storage FSDP2 keeps, so
-    writing into it loads the parameter), or ``t`` itself for a plain tensor.
-
-    ``DTensor.to_local()`` under ``no_grad`` returns the local tensor itself rather than an
-    autograd view.
-    """
+    """This rank's data: a DTensor's local shard itself (FSDP2's storage, not an autograd view: writing
+    into it loads the parameter), or ``t`` itself for a plain tensor."""
     if not isinstance(t, DTensor):
         return t
     with torch.no_grad():
@@ -116,9 +102,8 @@ def one_dim_placement(placement: object, dim: int) -> Placement | None:
 
 
 def split_chunks(placement: Placement, t: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """The ``parts`` pieces DTensor's own split gives dimension 0 of ``t`` under ``placement``
-    (``Shard(0)`` or ``_StridedShard(0)``), one per mesh coordinate, without padding: what
-    ``distribute_tensor(..., src_data_rank=None)`` keeps on the rank at each coordinate.
+    """The ``parts`` unpadded pieces of dimension 0 of ``t`` under ``placement`` (``Shard(0)`` or
+    ``_StridedShard(0)``), one per mesh coordinate, as ``distribute_tensor`` splits it.
     Private: ``Placement._split_tensor``."""
     chunks, _ = placement._split_tensor(t, parts, with_padding=False, contiguous=False)  # type: ignore[attr-defined]
     return list(chunks)
@@ -127,10 +112,9 @@ def split_chunks(placement: Placement, t: torch.Tensor, parts: int) -> list[torc
 def fsdp_groups(
     model: nn.Module, names: dict[int, str] | None = None
 ) -> list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]]:
-    """Every FSDP2 parameter group in ``model``: the module ``fully_shard`` was applied to, and each of
-    its parameters' qualified name, dtype and ``requires_grad``. ``names``: each module's name by
-    ``id``, where the caller has walked the modules already. Private: see :func:`fsdp_group_params`
-    and ``FSDPParam._module_info``."""
+    """Every FSDP2 group in ``model``: its module, and each parameter's qualified name, dtype and
+    ``requires_grad``. ``names``: module names by ``id``, if the caller has them. Private: as
+    :func:`fsdp_group_params`, and ``FSDPParam._module_info``."""
     if names is None:
         names = {id(m): n for n, m in model.named_modules()}
     out: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] = []
@@ -145,11 +129,9 @@ def fsdp_groups(
 
 
 def fsdp_group_params(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """Every FSDP2 parameter group in ``model``, in ``named_modules()`` order, from one walk over the
-    modules: the qualified name of the module ``fully_shard`` was applied to ("" for the root), the
-    module, and its group's sharded parameters (the DTensors the modules hold, shaped as the whole
-    parameters), unnamed. Private: ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``
-    (``_fsdp_param_group`` before per-parameter meshes), ``FSDPParam.sharded_param``."""
+    """Every FSDP2 group in ``model``, in ``named_modules()`` order: (qualified name, module, sharded
+    DTensor parameters). Private: ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``
+    (or older ``_fsdp_param_group``), ``FSDPParam.sharded_param``."""
     return [
         (name, module, [fp.sharded_param for fp in params])
         for name, module, params in _fsdp_param_groups(model)
@@ -173,23 +155,20 @@ def _fsdp_param_groups(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[
 
 
 def can_reduce_scatter_unused_params() -> bool:
-    """Whether this torch's FSDP2 can reduce-scatter zeros for parameters a rank did not use
-    (``FSDPModule.set_reduce_scatter_unused_params``, new in torch 2.13)."""
+    """Whether FSDP2 has ``FSDPModule.set_reduce_scatter_unused_params`` (torch 2.13 and later)."""
     from torch.distributed.fsdp import FSDPModule
 
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 
 
 def reduce_scatter_unused_params(module: nn.Module) -> None:
-    """Make ``module``'s own FSDP2 groups reduce-scatter zeros for trainable parameters that got no
-    gradient on this rank (an expert no token of its batch reached), so that every rank's
-    reduce-scatter has the same size. Needs :func:`can_reduce_scatter_unused_params`."""
+    """Make ``module``'s own FSDP2 groups reduce-scatter zeros for trainable parameters with no gradient
+    on this rank, so every rank's reduce-scatter has one size (torch 2.13 and later)."""
     module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
 
 
 def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """The device and dtype a ``Tensor.to(*args, **kwargs)`` call names (None where it names none).
-    Private: ``torch._C._nn._parse_to``, the parser ``Tensor.to`` itself uses."""
+    """The (device, dtype) a ``Tensor.to(*args, **kwargs)`` call names. Private: ``_C._nn._parse_to``."""
     device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
     return device, dtype
 
@@ -206,8 +185,7 @@ def no_split_modules(model: nn.Module) -> set[str]:
 
 
 def hf_init_weights(model: nn.Module, module_name: str) -> Callable[[nn.Module], object] | None:
-    """The nearest ancestor's (or the module's own) ``_init_weights`` (transformers' per-module
-    initialiser, the one ``from_pretrained`` gives new heads), or None."""
+    """The nearest ancestor's (or the module's own) transformers ``_init_weights``, or None."""
     parts = module_name.split(".") if module_name else []
     for depth in range(len(parts), -1, -1):
         ancestor = model.get_submodule(".".join(parts[:depth])) if depth else model
@@ -218,8 +196,7 @@ def hf_init_weights(model: nn.Module, module_name: str) -> Callable[[nn.Module],
 
 
 def clear_hf_initialized(module: nn.Module, tensors: list[torch.Tensor]) -> None:
-    """Drop transformers' ``_is_hf_initialized`` flags, with which ``_init_weights`` skips tensors
-    it believes a checkpoint already filled."""
+    """Drop transformers' ``_is_hf_initialized`` flags, so that ``_init_weights`` skips nothing."""
     module.__dict__.pop("_is_hf_initialized", None)
     for t in tensors:
         if hasattr(t, "_is_hf_initialized"):
@@ -231,14 +208,9 @@ _patch_lock = threading.Lock()
 
 @contextlib.contextmanager
 def parameters_on_meta(keep_real: Callable[[], bool] = lambda: False) -> Iterator[None]:
-    """Patch ``nn.Module.register_parameter`` so every registered parameter lives on meta.
-
-    Parameters registered while ``keep_real()`` is true stay real (a PEFT tuner's new adapters:
-    ``_peft.building_adapters``).
-    A parameter object registered twice (a tie made by assigning one ``Parameter`` to two modules)
-    maps to one meta parameter, so ties made during construction survive. (accelerate's
-    ``init_empty_weights`` patches the same method.)
-    """
+    """Patch ``nn.Module.register_parameter`` so every registered parameter lives on meta, except
+    while ``keep_real()`` is true (PEFT's new adapters). A ``Parameter`` registered twice (a tie)
+    maps to one meta parameter, so ties survive."""
     original = nn.Module.register_parameter
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
@@ -273,8 +245,7 @@ def to_meta(param: nn.Parameter) -> nn.Parameter:
 
 
 def peft_base_model(model: nn.Module) -> nn.Module:
-    """The model a PEFT wrapper holds (``PeftModel`` -> its tuner -> the base model), or ``model``
-    itself; never imports peft for a model that is not one."""
+    """The base model a PEFT wrapper holds, or ``model``; never imports peft for another model."""
     if "peft" not in sys.modules:
         return model
     from peft.tuners.tuners_utils import BaseTuner
@@ -288,8 +259,7 @@ def peft_base_model(model: nn.Module) -> nn.Module:
 
 
 def is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers ``PreTrainedModel``, without importing transformers for
-    a model that is not one."""
+    """Whether ``model`` is a ``PreTrainedModel``, without importing transformers for another model."""
     if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
         return False
     from transformers import PreTrainedModel
@@ -304,17 +274,14 @@ def _transformers_major() -> int:
 
 
 def hf_none_means_config_dtype() -> bool:
-    """Whether ``from_pretrained`` without ``dtype`` builds in the config's dtype (transformers 5) or
-    in torch's default dtype (4.57, whose default is ``torch_dtype=None``)."""
+    """Whether ``from_pretrained`` without ``dtype`` uses the config's dtype (transformers 5, not 4.57)."""
     return _transformers_major() >= 5
 
 
 def hf_registered_class_wins(cls: object) -> bool:
-    """Whether transformers' Auto classes take ``cls`` (the class registered for a model type, or for
-    a config class) over the checkpoint's remote code even with ``trust_remote_code=True``:
-    transformers 5 does when ``cls`` is defined outside transformers (``explicit_local_code`` in
-    ``AutoConfig.from_pretrained`` and ``_BaseAutoModelClass.from_pretrained``); 4.57 always runs the
-    remote code. None (nothing registered): False."""
+    """Whether transformers' Auto classes take the registered ``cls`` over the checkpoint's remote code
+    even with ``trust_remote_code=True``: transformers 5 does for a ``cls`` defined outside
+    transformers (``explicit_local_code``); 4.57 never. None (nothing registered): False."""
     return (
         cls is not None
         and _transformers_major() >= 5
@@ -323,25 +290,20 @@ def hf_registered_class_wins(cls: object) -> bool:
 
 
 def hf_remote_auto_class(has_local_code: bool) -> bool:
-    """Whether ``AutoModel*.from_pretrained`` with remote code registers the remote model class for
-    the Auto class (``register_for_auto_class``, after which ``save_pretrained`` copies its code)
-    when transformers also has a model for the config: transformers 5 always does; 4.57 only when
-    it has none (``has_local_code`` False)."""
+    """Whether ``AutoModel*.from_pretrained`` with remote code registers the remote class for the Auto
+    class (``register_for_auto_class``): transformers 5 always; 4.57 only without ``has_local_code``."""
     return _transformers_major() >= 5 or not has_local_code
 
 
 def hf_auto_class(cls: type) -> str | None:
-    """The Auto class a remote-code class was registered for (``register_for_auto_class``: the private
-    ``_auto_class``, which ``save_pretrained`` reads to copy the code), or None."""
+    """The Auto class a remote-code class was registered for (private ``_auto_class``), or None."""
     auto = getattr(cls, "_auto_class", None)
     return auto if isinstance(auto, str) else getattr(auto, "__name__", None)
 
 
 def hf_with_generation_mixin(model_class: type) -> type:
-    """``model_class`` as ``AutoModel*.from_pretrained`` builds a remote-code class: with
-    ``GenerationMixin`` among its bases when it defines its own ``generate`` or
-    ``prepare_inputs_for_generation``. Internal: ``transformers.models.auto.auto_factory.
-    add_generation_mixin_to_remote_model`` (4.57 and 5)."""
+    """``model_class`` with ``GenerationMixin`` added where it generates, as ``from_pretrained`` builds
+    a remote-code class. Internal: ``auto_factory.add_generation_mixin_to_remote_model``."""
     from transformers.models.auto.auto_factory import add_generation_mixin_to_remote_model
 
     return add_generation_mixin_to_remote_model(model_class)  # type: ignore[no-any-return]
@@ -349,9 +311,8 @@ def hf_with_generation_mixin(model_class: type) -> type:
 
 def hf_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:
     r"""Which tensor names transformers keeps in float32 when the rest is cast to ``dtype``
-    (``_keep_in_fp32_modules`` for float16, ``_keep_in_fp32_modules_strict`` for float16 and
-    bfloat16), or None for none. transformers 5: ``PreTrainedModel._get_dtype_plan`` and its glob
-    patterns; 4.57: the same lists as ``from_pretrained`` matches them, ``(^|\.)module($|\.)``."""
+    (``_keep_in_fp32_modules`` for float16, ``..._strict`` for float16 and bfloat16), or None.
+    transformers 5: ``_get_dtype_plan``; 4.57: the lists, matched as ``from_pretrained`` matches them."""
     if hasattr(model, "_get_dtype_plan"):
         plan = model._get_dtype_plan(dtype)  # type: ignore[operator]
         if not plan:
@@ -384,22 +345,19 @@ def _is_diffusers_model_class(cls: object) -> bool:
 
 
 def is_diffusers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a diffusers ``ModelMixin`` (sharded or not), without importing diffusers
-    for a model that is not one."""
+    """Whether ``model`` is a diffusers ``ModelMixin``, without importing diffusers for another model."""
     return _is_diffusers_model_class(type(model))
 
 
 def is_diffusers_class(cls: object) -> bool:
-    """Whether ``cls`` is a diffusers ``ModelMixin`` subclass (``load_pretrained``'s model_cls),
-    without importing diffusers for a class that is not one."""
+    """Whether ``cls`` is a diffusers ``ModelMixin`` subclass, without importing diffusers for another."""
     return _is_diffusers_model_class(cls)
 
 
 def diffusers_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:
-    """Which state-dict keys diffusers' ``from_pretrained(torch_dtype=dtype)`` keeps in float32, for
-    any floating ``dtype``: a key one of whose ``.``-separated segments equals an entry of the class's
-    ``_keep_in_fp32_modules`` (diffusers 0.42, ``model_loading_utils.load_model_dict_into_meta``; a
-    value that is not a list is one entry, as ``from_pretrained`` wraps it). None when it keeps none."""
+    """Which state-dict keys diffusers' ``from_pretrained(torch_dtype=dtype)`` keeps in float32: those
+    with a ``.``-segment in the class's ``_keep_in_fp32_modules`` (diffusers 0.42,
+    ``load_model_dict_into_meta``). None when it keeps none."""
     modules = getattr(type(model), "_keep_in_fp32_modules", None)
     if modules is None:
         return None
@@ -409,10 +367,7 @@ def diffusers_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[st
 
 def diffusers_config_json(model: nn.Module) -> tuple[str, str]:
     """(file name, text) of the config diffusers' ``save_config`` writes for ``model``, naming the
-    class ``fully_shard`` wrapped (``WanTransformer3DModel``, not ``FSDPWanTransformer3DModel``) and
-    leaving the model alone (``to_json_string`` writes ``_class_name`` into the config it reads).
-    Private: ``ConfigMixin.to_json_string`` run on a stand-in of that class's name and module holding
-    a copy of ``model.config`` (it reads ``_internal_dict``, the class's name and ``_auto_class``)."""
+    class ``fully_shard`` wrapped, ``model`` unchanged. Private: ``ConfigMixin.to_json_string``."""
     from diffusers.configuration_utils import ConfigMixin, FrozenDict
     from torch.distributed.fsdp import FSDPModule
 

@@ -1,12 +1,6 @@
-"""transformers' private checkpoint-conversion machinery, one function per use, per version.
-
-transformers 5 converts checkpoint keys and tensors on load (``conversion_mapping``: a model's
-``WeightRenaming`` and ``WeightConverter`` objects; ``core_model_loading``: renaming a key, reverting
-a conversion on save); transformers 4.57 only renames keys (``_fix_state_dict_key_on_load``).
-``_convert`` reads and reverts conversions through these functions alone, so that a release that
-changes them changes only this module (as ``_compat`` does for the rest of torch's and
-transformers' private behaviour); ``tests/load/test_moe.py``, ``tests/integrations/test_hf_range.py`` (transformers
-5 and 4.57) and ``tests/save/test_save.py`` (``original_format=True``) load and save through them.
+"""transformers' private checkpoint-conversion machinery, one function per use, per version:
+transformers 5's ``conversion_mapping`` and ``core_model_loading``, 4.57's
+``_fix_state_dict_key_on_load``. ``_convert`` reaches them only through here.
 
 (all ranks read the conversions before sharding; rank 0 alone reverts them when saving; no collectives)
 """
@@ -31,10 +25,7 @@ __all__ = [
 
 
 def hf_has_conversion_mapping() -> bool:
-    """Whether transformers has checkpoint conversions (``conversion_mapping``, ``core_model_loading``:
-    transformers 5). transformers 4.57 has neither: its MoE models keep per-expert modules that match
-    the Hub's per-expert checkpoints, and it renames keys only with ``_fix_state_dict_key_on_load`` and
-    the ``base_model_prefix``."""
+    """Whether transformers has checkpoint conversions (transformers 5); 4.57 only renames keys."""
     import importlib.util
 
     try:
@@ -44,8 +35,7 @@ def hf_has_conversion_mapping() -> bool:
 
 
 def hf_legacy_rename(model: nn.Module, key: str) -> str:
-    """transformers 4.x's ``PreTrainedModel._fix_state_dict_key_on_load`` (LayerNorm ``gamma`` /
-    ``beta``, weight-norm names); ``key`` itself where the model has no such method."""
+    """transformers 4.x's ``_fix_state_dict_key_on_load``; ``key`` itself where the model has none."""
     fix = getattr(type(model), "_fix_state_dict_key_on_load", None)
     if fix is None:
         return key
@@ -68,11 +58,10 @@ def hf_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
 
 
 def hf_reverse_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
-    """The reverse of transformers' conversions for ``model``, as ``revert_weight_conversion`` (what
-    ``save_pretrained`` runs) builds them: the model's ``_weight_conversions`` if ``from_pretrained``
-    left them, else ``get_model_conversion_mapping(add_legacy=False)`` without ``PrefixChange``; each
-    reversed, last first. Returns (renamings, converters). After ``fully_shard`` the mapping is found
-    through ``config.model_type`` (the class name is ``FSDP...``)."""
+    """(renamings, converters): transformers' conversions for ``model`` reversed, last first, as
+    ``save_pretrained``'s ``revert_weight_conversion`` builds them (the model's
+    ``_weight_conversions``, else the mapping without ``PrefixChange``, found through
+    ``config.model_type`` after ``fully_shard``)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
@@ -91,10 +80,8 @@ def hf_revert_key(
     key: str, renamings: list[Any], converters: list[Any]
 ) -> tuple[str, Any | None, str | None]:
     """``revert_weight_conversion`` for one key: (the key renamed, None, None) when no reverse
-    converter applies, else (the converter's intermediate name, the converter, its pattern).
-    transformers 5.24 and later renames a converted key after the conversion (``apply_converters``,
-    then ``apply_renamings`` on its outputs); before that (5.0-5.2x) ``rename_source_key(...,
-    reverse=True)`` applied both to the key and left the converter's outputs as they came."""
+    converter applies, else (the converter's intermediate name, the converter, its pattern). From
+    transformers 5.24 a converted key is renamed after the conversion; before, together with it."""
     import transformers.core_model_loading as core
 
     if not hasattr(core, "apply_converters"):
@@ -117,9 +104,8 @@ def hf_revert_tensor(
     model: nn.Module,
     renamings: list[Any],
 ) -> dict[str, torch.Tensor]:
-    """A reverse converter applied to one tensor, as ``revert_weight_conversion`` applies it, the
-    renamings then applied to the names it produces (transformers 5.24 and later; see
-    :func:`hf_revert_key`)."""
+    """A reverse converter applied to one tensor as ``revert_weight_conversion`` applies it, then (from
+    transformers 5.24, see :func:`hf_revert_key`) the renamings to the names it produces."""
     import transformers.core_model_loading as core
 
     converter = copy.deepcopy(converter)

@@ -1,31 +1,15 @@
 """Checkpoint tensors that become a model tensor of another name or layout (rank 0 matches).
 
-Hub MoE checkpoints store one tensor per expert (``experts.{e}.w1.weight`` [I, H]); transformers 5
-models hold them fused (``experts.gate_up_proj`` [E, 2I, H]). A :class:`Conversion` says, for a
-checkpoint key the model does not have, which model tensor it belongs to and where: the expert
-index ``e`` (the leading dimension) and its place among the sources concatenated in each expert's
-slice. Because each expert's slice is the sources one after the other in row-major order, the
-fused tensor's bytes are the parts' bytes in (expert, source) order: the manifest describes it as
-one entry made of parts (``_entries.Entry.parts``) and the stream moves it like any other tensor,
-each byte once, straight into its owner's shard. No rank ever holds a fused parameter whole.
+A :class:`Conversion` says, for a checkpoint key the model lacks, which model tensor it belongs to
+and where: the expert index (the leading dimension) and its place among the sources concatenated in
+each expert's slice (per-expert Hub MoE tensors into transformers 5's fused experts). A fused
+tensor's bytes are then its parts' bytes in (expert, source) order, so the stream moves it like any
+other tensor and no rank holds it whole.
 
-* :class:`StackExperts` — the public way to declare such a conversion for any model.
-* :class:`TransformersConversions` — built from transformers' own conversion mapping for a
-  transformers model (``conversion_mapping.get_model_conversion_mapping``; renamings and
-  converters), before ``fully_shard`` renames its classes. Only ``MergeModulelist(dim=0)``,
-  optionally followed by ``Concatenate(dim=1)``, can be assembled this way; a key that needs any
-  other operation is reported with the converter's name (a ``ModelMismatchError`` when the model
-  tensor has no other source), never skipped.
-
-* :class:`TransformersReversal` — the other way, for ``save_sharded(original_format=True)``: a fused
-  model tensor's saved names and shapes, from transformers' own reverse conversions (those
-  ``save_pretrained`` applies), each a contiguous byte range of the fused tensor in row-major order.
-  :class:`PeftReversal` puts a ``PeftModel``'s base tensors under its base model's names first.
-
-A ``PeftModel`` gets its base model's conversions both ways, on its base model's names
-(``_peft.base_key``), which the PeftModel answers to as well as to its own.
-
-Which conversion places each checkpoint key, decided once per key pattern, is ``_resolve``'s.
+:class:`StackExperts` is the public declaration; :class:`TransformersConversions` /
+:class:`TransformersRenamings` are transformers' own rules (5 / 4.57): only ``MergeModulelist(dim=0)``,
+optionally then ``Concatenate(dim=1)``, is assembled, any other operation reported, never skipped.
+:class:`TransformersReversal` / :class:`PeftReversal` go the other way, for ``original_format=True``.
 
 (all ranks build the conversions before sharding; rank 0 alone matches keys, and builds the reversal
 when saving; no collectives)
@@ -60,8 +44,7 @@ __all__ = [
 
 
 class ConversionMatch(NamedTuple):
-    """Where one checkpoint tensor goes. (A named tuple, not a dataclass: one is made per converted
-    checkpoint tensor.)"""
+    """Where one checkpoint tensor goes (a named tuple: one is made per converted tensor)."""
 
     target: str  # model key
     expert: int | None  # index along the target's dimension 0; None: the whole target (a renaming)
@@ -86,11 +69,9 @@ def _segment_regex(pattern: str) -> str:
 class StackExperts:
     """Per-expert checkpoint tensors stacked into one model parameter.
 
-    ``target[e]`` is the concatenation, along their first dimension, of ``sources[0]`` for expert
-    ``e``, ``sources[1]`` for expert ``e``, and so on (transformers' ``MergeModulelist(dim=0)`` then
-    ``Concatenate(dim=1)``; with one source, plain stacking). In the patterns, ``{e}`` is the expert
-    index and ``*`` one dotted name segment (a layer index), matched in order between each source
-    and the target::
+    ``target[e]`` is ``sources[0]``, ``sources[1]``, ... for expert ``e`` concatenated along their
+    first dimension (one source: plain stacking). In the patterns, ``{e}`` is the expert index and
+    ``*`` one dotted name segment, matched in order between each source and the target::
 
         StackExperts(
             target="layers.*.moe.experts.w13",
@@ -98,8 +79,8 @@ class StackExperts:
                      "layers.*.feed_forward.experts.{e}.w3.weight"),
         )
 
-    Every expert ``0 .. E-1`` must be present exactly once per source (E: the target's first
-    dimension), with shapes that concatenate to the target's.
+    Every expert ``0 .. E-1`` (E: the target's first dimension) must be present exactly once per
+    source, with shapes that concatenate to the target's. Raises ValueError for a malformed pattern.
     """
 
     target: str
@@ -174,13 +155,9 @@ _SPLITTABLE = ([("SplitModulelist", 0)], [("Chunk", 1), ("SplitModulelist", 0)])
 
 
 class TransformersReversal:
-    """(rank 0) A model tensor's saved names and shapes with transformers' conversions reverted.
-
-    The names come from transformers itself: the reverse converter runs on a stand-in of shape
-    ``[E, S, 1, ...]`` whose values number the (expert, source) slices, so each name it produces
-    says which slice it holds; the real slice ``v`` is bytes ``[v, v + 1) * numel / (E * S)`` of the
-    fused tensor (Chunk along dim 1, then split along dim 0, keep each slice contiguous).
-    """
+    """(rank 0) A model tensor's saved names and shapes with transformers' conversions reverted, each
+    a contiguous byte range of the fused tensor (found by reverting a stand-in that numbers the
+    (expert, source) slices); SaveError for one that is not."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
@@ -214,12 +191,8 @@ class TransformersReversal:
 
 
 class PeftReversal:
-    """(rank 0) A ``PeftModel`` tensor's saved names as its base model's library saves them: every
-    tensor but the adapters' under the base model's name (``_peft.base_key``: ``base_model.model.``,
-    ``base_layer`` and ``original_module`` dropped), then ``base_reversal`` (transformers' conversions
-    reverted, for a transformers base); the adapters' own tensors (``adapters``: their names in the
-    file, ``_peft.adapter_parameters``) under the PeftModel's names, which ``load_sharded`` of the
-    PeftModel reads back and a base model's ``from_pretrained`` leaves aside as unexpected."""
+    """(rank 0) A ``PeftModel`` tensor's saved names: ``adapters`` under the PeftModel's own names,
+    every other tensor under its base model's (``_peft.base_key``), then ``base_reversal``'s."""
 
     def __init__(self, adapters: frozenset[str], base_reversal: TransformersReversal | None) -> None:
         self._adapters, self._base_reversal = adapters, base_reversal
@@ -232,11 +205,8 @@ class PeftReversal:
 
 
 class TransformersRenamings:
-    """transformers 4.x's key renamings for ``model`` (it has no conversions: its MoE models keep
-    per-expert modules, as the Hub stores them): ``_fix_state_dict_key_on_load`` (LayerNorm
-    ``gamma``/``beta``, weight-norm names), then the ``base_model_prefix`` added or removed where
-    that names a model key (a base model's checkpoint into a model with a head, and back), as
-    ``from_pretrained`` does."""
+    """transformers 4.x's key renamings, as ``from_pretrained`` does them: ``_fix_state_dict_key_on_load``,
+    then ``base_model_prefix`` added or removed where that names a model key."""
 
     def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
         self._model = model
@@ -255,26 +225,23 @@ class TransformersRenamings:
 
 
 def transformers_conversions(model: nn.Module, model_keys: Sequence[str]) -> Conversion:
-    """transformers' own key rules for ``model``, for the installed version: conversions and renamings
-    (transformers 5), or renamings alone (4.57)."""
+    """transformers' key rules for ``model``: conversions and renamings (5), or renamings alone (4.57)."""
     if _compat_convert.hf_has_conversion_mapping():
         return TransformersConversions(model, model_keys)
     return TransformersRenamings(model, model_keys)
 
 
 def transformers_reversal(model: nn.Module) -> TransformersReversal | None:
-    """(rank 0) What ``save_pretrained`` reverts for ``model``: transformers 5's conversions; None for
-    4.57, which saves a model's own names."""
+    """(rank 0) What ``save_pretrained`` reverts for ``model`` (transformers 5); None for 4.57."""
     return TransformersReversal(model) if _compat_convert.hf_has_conversion_mapping() else None
 
 
 def original_format_reversal(
     model: nn.Module, adapters: frozenset[str]
 ) -> TransformersReversal | PeftReversal | None:
-    """(rank 0) ``save_sharded(original_format=True)``'s saved names: a transformers model's
-    conversions reverted (:func:`transformers_reversal`); a ``PeftModel``'s base tensors under its
-    base model's names, reverted so too for a transformers base (:class:`PeftReversal`; ``adapters``:
-    the adapter tensors' names as the plan sees them); None for any other model (its own names)."""
+    """(rank 0) ``save_sharded(original_format=True)``'s saved names: :func:`transformers_reversal`
+    for a transformers model, :class:`PeftReversal` for a ``PeftModel`` (``adapters``: its adapter
+    tensors' names), None for any other model (its own names)."""
     base = _compat.peft_base_model(model)
     reversal = transformers_reversal(base) if _compat.is_transformers_model(base) else None
     return reversal if base is model else PeftReversal(adapters, reversal)
@@ -282,8 +249,7 @@ def original_format_reversal(
 
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
     """(all ranks, before sharding) The caller's conversions, then transformers' for a transformers
-    model, also one a ``PeftModel`` wraps: those of its base model, on the base model's names (the
-    targets they give are base names, which the PeftModel answers to, ``_meta.ModelLayout``)."""
+    model (for a ``PeftModel``'s transformers base, on the base names)."""
     out = list(extra)
     base = _compat.peft_base_model(model)
     if _compat.is_transformers_model(base):

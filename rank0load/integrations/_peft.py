@@ -1,17 +1,10 @@
 """What rank0load knows about PEFT: adapters built for real, their names in PEFT's files, their config.
 
-(all ranks, inside ``_meta.build_on_meta``) :func:`adapters_built_real` lets every PEFT tuner's
-``inject_adapter`` create its adapter parameters for real, in the caller's default dtype and from the
-caller's random stream, exactly as ``get_peft_model`` on a loaded model does, while the base model
-stays on meta: adapters are small, and their initialisation (``lora_B`` zeros, ``lora_A`` as PEFT
-draws it) is what the base checkpoint lacks. PEFT moves each new adapter to its base layer's device;
-the move to meta is turned into a dtype cast only, so the values survive.
-(any rank) :func:`base_key` is a PeftModel's name as its base model spells it, :func:`adapter_parameters`
-the names of its adapters' own parameters (what the base model lacks).
-(rank 0) :func:`adapter_names` gives each adapter parameter's name in PEFT's files (PEFT's own
-``get_peft_model_state_dict``), :func:`read_adapter_config` / :func:`check_adapter_config` compare an
-adapter folder's ``adapter_config.json`` with the model's. Nothing here imports peft for a model that
-does not use it, and nothing here is a collective.
+(all ranks, inside ``_meta.build_on_meta``) :func:`adapters_built_real`: adapters built for real, as
+``get_peft_model`` builds them, while the base model stays on meta.
+(any rank) :func:`base_key`, :func:`adapter_parameters`: a PeftModel's names.
+(rank 0) :func:`adapter_names`, :func:`read_adapter_config`, :func:`check_adapter_config`: PEFT's files.
+peft is imported only for a model that uses it; no collectives.
 """
 
 from __future__ import annotations
@@ -50,9 +43,7 @@ __all__ = [
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-# What a PEFT model adds to its base model's names: ``base_model.model.`` in front, ``base_layer`` (the
-# wrapped layer of a tuner layer; nested for PEFT's ParamWrapper over fused MoE experts,
-# ``mlp.experts.base_layer.base_layer.gate_up_proj``) and ``original_module`` (modules_to_save) inside.
+# What a PEFT model adds to its base model's names: a prefix, and (possibly nested) segments inside.
 _PEFT_PREFIX = "base_model.model."
 _PEFT_SEGMENTS = frozenset(("base_layer", "original_module"))
 
@@ -60,8 +51,7 @@ _state = threading.local()  # .depth: how many inject_adapter calls of this thre
 
 
 def building_adapters() -> bool:
-    """Whether a PEFT tuner is injecting adapters on this thread (``_compat.parameters_on_meta``
-    then registers parameters for real)."""
+    """Whether a PEFT tuner is injecting adapters on this thread (parameters are then registered real)."""
     return getattr(_state, "depth", 0) > 0
 
 
@@ -78,8 +68,7 @@ class _KeepOffMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# BaseTuner's methods that create or replace adapter parameters: injecting them, and PEFT's upcast
-# of bf16/fp16 adapters to float32 (a new Parameter), which get_peft_model runs after injecting.
+# BaseTuner's methods that create or replace adapter parameters (injecting, and upcasting to float32)
 _BUILDERS = ("inject_adapter", "_cast_adapter_dtype")
 
 
@@ -109,11 +98,9 @@ def _subclasses(cls: type) -> Iterator[type]:
 
 @contextlib.contextmanager
 def adapters_built_real(outer_dtype: torch.dtype) -> Iterator[None]:
-    """(all ranks, around ``model_fn``; the caller holds ``_compat._patch_lock``) Every PEFT tuner's
-    ``inject_adapter`` builds its adapters for real, with ``outer_dtype`` as torch's default dtype,
-    and its ``_cast_adapter_dtype`` upcasts them for real.
-    A no-op when peft is not imported (a ``model_fn`` that imports peft itself is caught afterwards
-    by :func:`tuner_layers_without_values`)."""
+    """(all ranks, around ``model_fn``; the caller holds ``_compat._patch_lock``) Every PEFT tuner
+    builds and upcasts its adapters for real, with ``outer_dtype`` as torch's default dtype. A no-op
+    when peft is not imported yet (:func:`tuner_layers_without_values` catches that case)."""
     if "peft" not in sys.modules:
         yield
         return
@@ -151,8 +138,7 @@ def base_key(key: str) -> str:
 
 
 def _adapter_holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(qualified name, module) of every module that holds adapter tensors: each PEFT tuner layer's
-    (and ``modules_to_save`` wrapper's) ``adapter_layer_names`` and ``other_param_names`` attributes."""
+    """(qualified name, module) of every module holding a PEFT tuner layer's or wrapper's adapter tensors."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
@@ -168,9 +154,7 @@ def _adapter_holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def adapter_parameters(model: nn.Module) -> frozenset[str]:
-    """The names of every adapter parameter and buffer of a PeftModel, every adapter's (``lora_A``,
-    ``lora_B``, a ``modules_to_save`` copy): the tensors its base model does not have. Empty for a
-    model that is not a PeftModel."""
+    """Names of every adapter parameter and buffer of a PeftModel (what its base lacks); else empty."""
     if not is_peft_model(model):
         return frozenset()
     out: set[str] = set()
@@ -181,9 +165,8 @@ def adapter_parameters(model: nn.Module) -> frozenset[str]:
 
 
 def tuner_layers_without_values(model: nn.Module, built: set[str]) -> list[str]:
-    """(all ranks) Adapter parameters of PEFT tuner layers that were not built for real (peft was
-    imported by ``model_fn`` itself, after the build began, or an initialisation that needs the base
-    weights, which are on meta: PiSSA, OLoRA, LoftQ, EVA, DoRA's magnitude)."""
+    """(all ranks) Adapter parameters of PEFT tuner layers not built for real (peft imported late, or
+    an initialisation that needs the meta base weights: PiSSA, OLoRA, LoftQ, EVA, DoRA's magnitude)."""
     if "peft" not in sys.modules:
         return []
     from peft.tuners.tuners_utils import BaseTunerLayer

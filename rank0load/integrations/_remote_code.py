@@ -1,24 +1,11 @@
 """A checkpoint's own Python code (``trust_remote_code=True``): read on rank 0, installed on every rank
 as transformers' dynamic-module loader installs it.
 
-(rank 0)    :func:`read`: for each ``auto_map`` entry ``load_pretrained`` uses (``AutoConfig`` and the
-            Auto class's own), transformers' ``get_cached_module_file`` finds the module file (in the
-            checkpoint's folder, in the Hub repo at the commit of the snapshot the weights come from,
-            or in the repo an ``org/name--module.Class`` entry names), copies it and the modules it
-            imports relatively (``from .configuration_x import ...``) under
-            ``HF_MODULES_CACHE/transformers_modules/``, named as ``from_pretrained`` names them, and
-            checks that the packages they import are installed. :func:`read` takes those files' bytes:
-            a :class:`RemoteCode`, which travels to the other ranks with the config.
-(all ranks) :func:`install` writes the files under this rank's own ``HF_MODULES_CACHE`` at the same
-            paths (atomically: ranks sharing a cache write the same bytes), :func:`import_class`
-            imports a class from them with transformers' ``get_class_in_module``. The module names
-            are rank 0's, and ``from_pretrained``'s, on every rank, so the classes pickle and
-            ``save_pretrained`` copies their files. Neither needs the checkpoint or the Hub.
-(rank 0)    :func:`save_code`: what ``save_pretrained`` writes for a remote-code model beside its
-            config (``custom_object_save``): its module files and its ``auto_map`` entry.
-
-Executing the code is the caller's step (``import_class``, inside ``_failure.user_code``). No
-collectives here; transformers is imported inside the functions.
+(rank 0)    :func:`read`: the ``auto_map`` entries' module files (and their relative imports), as a
+            :class:`RemoteCode`; :func:`save_code`: what ``save_pretrained`` writes for them.
+(all ranks) :func:`install` writes them under this rank's ``HF_MODULES_CACHE`` at rank 0's paths, with
+            ``from_pretrained``'s module names (so classes pickle); :func:`import_class` imports one.
+No collectives; transformers is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -78,10 +65,9 @@ def read(
     wanted: Sequence[str],
     where: str,
 ) -> RemoteCode:
-    """(rank 0) The code of the ``wanted`` entries of ``auto_map`` (those it has), for a checkpoint
-    given as ``ckpt_path`` whose ``config.json`` rank 0 found in folder ``root`` (a Hub snapshot's
-    when ``hub``: the code is taken at that snapshot's commit; ``subfolder``: the folder inside the
-    repo). ``where``: config.json's path, for messages.
+    """(rank 0) The code of the ``wanted`` entries of ``auto_map`` (those it has), for the checkpoint
+    ``ckpt_path`` whose ``config.json`` is in ``root`` (with ``hub``, a snapshot: the code at its
+    commit). ``where``: config.json's path, for messages.
 
     Raises:
         CheckpointFormatError: an ``auto_map`` that is not an object, an entry not ``module.Class``.
@@ -139,8 +125,7 @@ def read(
 
 
 def _parse(auto: str, reference: object, where: str) -> tuple[str | None, str, str]:
-    """``[org/name--]module.Class`` -> (the repo or None, the module, the class), as transformers'
-    ``get_class_from_dynamic_module`` splits it."""
+    """``[org/name--]module.Class`` -> (repo or None, module, class), as transformers splits it."""
     repo, _, local = reference.rpartition("--") if isinstance(reference, str) else (None, "", "")
     module, _, name = local.partition(".")
     if not module or not name.isidentifier() or not all(p and p != ".." for p in module.split("/")):
@@ -168,10 +153,9 @@ def _read(path: str) -> bytes:
 
 
 def install(code: RemoteCode) -> None:
-    """(all ranks) Write ``code``'s files under this rank's ``HF_MODULES_CACHE``, at rank 0's paths,
-    each package folder with its ``__init__.py`` (``create_dynamic_module``). A file that already
-    holds the bytes is left alone; another is replaced atomically (written beside, then renamed), so
-    that ranks sharing a cache, and readers, never see half a file."""
+    """(all ranks) Write ``code``'s files under this rank's ``HF_MODULES_CACHE`` at rank 0's paths,
+    each replaced atomically unless it already holds the bytes: ranks sharing a cache never see half
+    a file. Raises LoadError for a path outside the cache."""
     from transformers import dynamic_module_utils as modules
 
     cache = modules.HF_MODULES_CACHE
@@ -202,10 +186,9 @@ def _holds(path: str, data: bytes) -> bool:
 
 
 def import_class(code: CodeClass, base: type, where: str) -> Any:
-    """(all ranks, after :func:`install`) The class, imported from its module as transformers'
-    ``get_class_from_dynamic_module`` imports it (``get_class_in_module``: module name from the
-    path, reloaded when the files' hash changed). Runs the checkpoint's code: whatever it raises, or
-    a class that is not a ``base`` subclass, is a LoadError naming the entry (``where``: config.json)."""
+    """(all ranks, after :func:`install`) The class, imported with transformers'
+    ``get_class_in_module``: this runs the checkpoint's code. Whatever it raises, or a class that is
+    not a ``base`` subclass, is a LoadError naming the entry (``where``: config.json)."""
     from transformers import dynamic_module_utils as modules
 
     try:
@@ -224,11 +207,9 @@ def import_class(code: CodeClass, base: type, where: str) -> Any:
 
 
 def save_code(model: nn.Module, folder: str, config: Any) -> None:
-    """(rank 0) What ``save_pretrained`` writes for a model whose class came from remote code (one
-    registered for an Auto class), before the config: ``custom_object_save`` copies its module file
-    and the modules it imports relatively into ``folder`` and sets its ``auto_map`` entry in
-    ``config`` (whose own ``save_pretrained`` then adds ``AutoConfig``'s). The class is the model's
-    own, not the ``FSDP...`` class ``fully_shard`` made of it. Any other model: nothing."""
+    """(rank 0) For a model whose class came from remote code, what ``save_pretrained`` writes before
+    the config (``custom_object_save``): its module files into ``folder``, its ``auto_map`` entry
+    into ``config``. Any other model: nothing."""
     from torch.distributed.fsdp import FSDPModule
 
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))

@@ -1,18 +1,9 @@
 """What each rank holds of each tensor (all ranks; no collectives).
 
-(all ranks) :func:`layout_flags` says which fast paths a rank's shard allows: ``ROWS_OK`` when it is
-the contiguous row range :func:`rows_of` computes (FSDP2's ``Shard(0)``, HSDP's ``Replicate``),
-``RUNS_OK`` when it is the cross product of index runs :func:`runs_at` computes (any mix of
-``Shard(d)``, ``_StridedShard`` and ``Replicate``). The flags are AND-ed over the ranks at agreement.
-
-:func:`runs_at` applies DTensor's own split (``_compat.split_chunks``) mesh dimension by mesh
-dimension, as ``distribute_tensor`` does, for any coordinate: rank 0 computes every rank's block
-itself, and each rank checks the result for its own coordinate against its real shard
-(:func:`block_runs`, by ``distribute_tensor`` itself), so nothing per rank crosses the wire.
-
-A DTensor may live on a sub-mesh of the load mesh (``fully_shard(m, mesh=mesh["dp"])`` on a
-("dp", "tp") mesh leaves embeddings and norms on the "dp" sub-mesh). :func:`placements_on` lifts its
-placements to the load mesh, with ``Replicate`` on the dimensions the sub-mesh lacks.
+:func:`layout_flags` says which fast paths a rank's shard allows: ``ROWS_OK`` when it is the row
+range :func:`rows_of` computes, ``RUNS_OK`` when it is the block :func:`runs_at` computes for its
+coordinate (checked against :func:`block_runs`, so rank 0 can compute every rank's block itself).
+:func:`placements_on` lifts a sub-mesh DTensor's placements to the load mesh.
 """
 
 from __future__ import annotations
@@ -74,13 +65,8 @@ def _row_placements(placements: Sequence[object]) -> bool:
 
 
 def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """(all ranks) ``target``'s placements expressed on the load ``mesh``.
-
-    A DTensor on ``mesh`` itself keeps its placements. One on a sub-mesh made by slicing named
-    dimensions of ``mesh`` (``mesh["dp"]``) gets ``Replicate`` on the dimensions it lacks. Any other
-    mesh (a flattened dimension, dimensions reordered, an unrelated mesh) raises :class:`RankMismatchError`:
-    rank 0 could not reach every rank's shard through it.
-    """
+    """(all ranks) ``target``'s placements on the load ``mesh``: ``Replicate`` on the dimensions a
+    sub-mesh sliced from named dimensions (``mesh["dp"]``) lacks; any other mesh: RankMismatchError."""
     sub = target.device_mesh
     if sub == mesh:
         return tuple(target.placements)
@@ -109,8 +95,7 @@ def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
 
 
 def layout_flags_of(targets: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, int]:
-    """(all ranks) :func:`layout_flags` of every target, computed once per distinct layout (what
-    they depend on: placements, mesh, global and local shape, contiguity)."""
+    """(all ranks) :func:`layout_flags` of every target, computed once per distinct layout."""
     known: dict[tuple, int] = {}
     out = {}
     for key, target in targets.items():
@@ -133,12 +118,8 @@ def layout_flags_of(targets: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[
 
 
 def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
-    """(all ranks) Which fast paths this rank's shard of ``target`` allows (``ROWS_OK | RUNS_OK``);
-    0 for a plain tensor, a 0-d DTensor or a layout only ``GENERIC`` can move.
-
-    Raises RankMismatchError (see :func:`placements_on`) for a DTensor on a mesh rank 0 cannot reach
-    through.
-    """
+    """(all ranks) Which fast paths this rank's shard of ``target`` allows (``ROWS_OK | RUNS_OK``),
+    0 for none. Raises RankMismatchError as :func:`placements_on`."""
     if not isinstance(target, DTensor) or target.ndim == 0:
         return 0
     placements = placements_on(target, mesh)
@@ -174,8 +155,7 @@ def _dim_runs(
     mesh: DeviceMesh, coord: tuple[int, ...] | None, size: int, one: tuple[Placement, ...]
 ) -> tuple[tuple[int, int], ...]:
     """This rank's indices along one dimension of ``size`` under ``one``, by ``distribute_tensor``
-    itself. ``coord`` is part of the cache key only: a later process group may give this process
-    another place in an equal mesh."""
+    itself. ``coord`` is only a cache key (a later process group may move this rank in an equal mesh)."""
     if all(type(p) is Replicate for p in one):
         return ((0, size),) if size else ()
     index = torch.arange(size)  # moved to the mesh device by distribute_tensor
@@ -184,10 +164,8 @@ def _dim_runs(
 
 
 def block_runs(target: DTensor) -> Runs | None:
-    """(all ranks) The global indices this rank's local shard holds, per dimension, as runs; or None
-    (a placement that is neither ``Shard``, ``_StridedShard`` nor ``Replicate``, a non-contiguous
-    shard, or runs that do not match the shard's shape). Sharding acts on each dimension separately,
-    so the local shard is the cross product of these index lists."""
+    """(all ranks) The global indices this rank's local shard holds, per dimension, as runs (the shard
+    is their cross product); None for an unknown placement, a non-contiguous shard or a mismatch."""
     local = local_tensor(target)
     if target.ndim == 0 or not local.is_contiguous():
         return None
@@ -221,9 +199,8 @@ def runs_at(
     coord: tuple[int, ...],
     shape: tuple[int, ...],
 ) -> Runs | None:
-    """The block runs of the rank at ``coord`` of a mesh of ``mesh_shape`` (placements on that mesh),
-    computed without that rank: DTensor's split applied mesh dimension by mesh dimension, as
-    ``distribute_tensor`` does. None for a placement that is not Shard/_StridedShard/Replicate."""
+    """The block runs of the rank at ``coord`` of a mesh of ``mesh_shape``, computed as
+    ``distribute_tensor`` splits; None for a placement that is not Shard/_StridedShard/Replicate."""
     per_dim = []
     for dim, size in enumerate(shape):
         one = tuple(one_dim_placement(p, dim) for p in placements)

@@ -1,10 +1,7 @@
 """Build the model with parameters on meta and buffers real; record ties and non-persistent buffers.
 
-(all ranks) :func:`build_on_meta` runs the caller's ``model_fn``. Parameters are moved to ``meta``
-the moment a module registers them, so their initialisers (``reset_parameters``, ``_init_weights``)
-run on meta and cost nothing, while buffers are created for real: rotary ``inv_freq``, BERT
-``position_ids`` and BatchNorm running stats keep the values eager construction gives them.
-No collectives happen here.
+(all ranks, no collectives) :func:`build_on_meta` runs ``model_fn`` (initialisers run on meta for
+free; buffers such as ``inv_freq`` keep their eager values); :func:`describe` makes the ``ModelLayout``.
 """
 
 from __future__ import annotations
@@ -35,23 +32,15 @@ def build_on_meta(
     dtype: torch.dtype | None = None,
     rng_state: torch.Tensor | None = None,
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real; with ``dtype``, also
-    with torch's default dtype set to it, as transformers' ``from_pretrained(dtype=...)`` builds.
-
-    PEFT adapters are the exception (``_peft.adapters_built_real``): built for real, from torch's
-    random stream, as ``get_peft_model`` builds them. ``rng_state``: rank 0's CPU random state; a
-    rank given it builds from it, so every rank draws rank 0's adapters, and then gets its own state
-    back (rank 0 passes None: its stream advances as an eager build's would).
-
-    Returns the model, its parameters all on meta, and the values of those ``model_fn`` built for
-    real (by their first name), to be put into the shards once allocated (``_model.apply_built``).
-    """
+    """(all ranks) Call ``model_fn()`` with parameters on meta and buffers real; with ``dtype``, with
+    torch's default dtype set to it. PEFT adapters are built for real, from ``rng_state`` (rank 0's
+    CPU random state; this rank's own is restored after; rank 0 passes None). Returns the model, and
+    the values of the parameters built real (by first name), for ``_model.apply_built``."""
     peft_before = "peft" in sys.modules
     start = torch.get_rng_state()
     model = _build_once(model_fn, dtype, rng_state)
     if not peft_before and "peft" in sys.modules and tuner_layers_without_values(model, set()):
-        # model_fn imported peft itself, after the build began: build again, peft now patched,
-        # from the same random state.
+        # model_fn imported peft itself: build again, peft now patched, from the same random state
         torch.set_rng_state(start)
         model = _build_once(model_fn, dtype, rng_state)
     return model, _take_built(model)
@@ -98,9 +87,8 @@ _VALUE_ONLY_NAMES = frozenset(
     f.__name__ for f in _VALUE_ONLY if getattr(f, "__module__", None) == "torch.nn.init"
 )
 _VALUE_ONLY_2D_NAMES = frozenset(f.__name__ for f in _VALUE_ONLY_2D)
-# transformers 5 swaps torch.nn.init's functions for its own guarded ones of the same names while
-# it initialises weights (initialization.guard_torch_init_functions), so torch.nn.init.normal_
-# dispatches with transformers' normal_ as the function: recognised by module and name.
+# transformers 5's guarded stand-ins for torch.nn.init's functions (guard_torch_init_functions),
+# recognised by module and name.
 _HF_INIT = "transformers.initialization"
 
 
@@ -117,13 +105,9 @@ def _kind(func: object) -> int:
 
 
 class _MetaValuesSkipped(TorchFunctionMode):
-    """Value-only initialisers (:data:`_VALUE_ONLY`) on meta parameters return at once: torch runs
-    some of them on meta through slow Python reference implementations, setting values meta
-    tensors do not hold. Skipped only for a floating meta tensor with no other tensor argument
-    (nothing that could fail on a shape), ``torch.nn.init``'s fan-based initialisers only from 2
-    dimensions up (below, they raise); the CPU random stream is untouched either way (meta draws
-    nothing). Everything else runs as it would, including what ``torch.nn.init`` calls inside a
-    function this mode passes on. transformers 5's guarded stand-ins (``_HF_INIT``) are skipped alike."""
+    """Value-only initialisers (:data:`_VALUE_ONLY`, and ``_HF_INIT``'s) return at once on a floating
+    meta tensor with no other tensor argument (fan-based ones from 2 dimensions up, below which they
+    raise): torch runs some on meta through slow Python references. The random stream is untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -172,30 +156,19 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """What the manifest is validated against (derived identically on every rank).
+    """What the manifest is validated against (derived identically on every rank)."""
 
-    ``tensors`` maps each *canonical* state-dict key to its description; ``aliases`` maps every
-    further name of a tied parameter (or shared buffer) to its canonical key; ``non_persistent``
-    holds the names of buffers that the model keeps out of its state dict.
-    ``initialisable`` is the set of canonical parameter keys the model can initialise itself.
-    """
-
-    tensors: dict[str, TensorInfo]
-    aliases: dict[str, str]
+    tensors: dict[str, TensorInfo]  # each canonical state-dict key -> its description
+    aliases: dict[str, str]  # every further name (ties, shared buffers, wrapper-free) -> canonical key
     tie_groups: tuple[tuple[str, ...], ...]
-    non_persistent: frozenset[str]
-    initialisable: frozenset[str]
-    # Canonical keys of the parameters model_fn built with real values (PEFT adapters): a checkpoint
-    # that lacks them leaves them as built, also with strict=True.
+    non_persistent: frozenset[str]  # buffers the model keeps out of its state dict
+    initialisable: frozenset[str]  # canonical parameter keys the model can initialise itself
+    # parameters model_fn built real (PEFT adapters): kept where the checkpoint lacks them, strict or not
     built: frozenset[str] = frozenset()
 
     def canonical(self, key: str) -> str | None:
-        """The canonical model key for a checkpoint key (after ``key_map``), or None.
-
-        Wrapper segments (``_orig_mod.`` from ``torch.compile``, ``_checkpoint_wrapped_module.``
-        from activation checkpointing) are ignored on both sides: a checkpoint saved from a
-        compiled model loads into a plain one and the other way round, with no ``key_map``.
-        """
+        """The canonical model key for a checkpoint key (after ``key_map``), or None. Wrapper segments
+        (``_orig_mod.``, ``_checkpoint_wrapped_module.``) are ignored on both sides."""
         if key in self.tensors:  # called for every checkpoint key: the common answers first
             return key
         hit = self.aliases.get(key)
@@ -207,9 +180,7 @@ class ModelLayout:
         return stripped if stripped in self.tensors else self.aliases.get(stripped)
 
     def canonical_all(self, keys: Sequence[str]) -> list[str | None]:
-        """``[self.canonical(k) for k in keys]``, in bulk: the names a model answers to directly are
-        one dictionary lookup each, in C; the keys left are taken one by one only when one of them
-        holds a wrapper segment (one search over them all)."""
+        """``[self.canonical(k) for k in keys]``, in bulk."""
         found = list(map(self._names.get, keys))
         left = [i for i, hit in enumerate(found) if hit is None]
         if left and _WRAPPED.search("\n".join([keys[i] for i in left])) is not None:
@@ -238,9 +209,8 @@ _WRAPPED = re.compile("|".join(WRAPPER_SEGMENTS))
 
 
 def base_name(key: str) -> str:
-    """A PEFT model's name as its base model and its checkpoints spell it (wrappers removed too,
-    ``_peft.base_key``): ``"base_model.model.layers.0.q_proj.base_layer.weight"`` ->
-    ``"layers.0.q_proj.weight"``."""
+    """``_peft.base_key`` with wrappers removed too: ``"base_model.model.layers.0.q_proj.base_layer.weight"``
+    -> ``"layers.0.q_proj.weight"``."""
     return base_key(strip_wrappers(key))
 
 
@@ -258,8 +228,7 @@ def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
 
 
 def _initialiser(model: nn.Module, module_name: str, module: nn.Module) -> bool:
-    """Whether ``module`` (``module_name``), which owns a parameter, can be re-initialised (see
-    ``_model.init_missing``)."""
+    """Whether ``module``, which owns a parameter, can be re-initialised (``_model.init_missing``)."""
     return (
         callable(getattr(module, "reset_parameters", None)) or hf_init_weights(model, module_name) is not None
     )
@@ -326,9 +295,7 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
 
 
 def _add_plain_names(tensors: dict[str, TensorInfo], aliases: dict[str, str]) -> None:
-    """Add to ``aliases`` the wrapper-free names of every tensor, so checkpoint keys without the
-    wrappers match; a PEFT model's base names too, so its base model's checkpoint loads into it as
-    it is. A name the model already answers to keeps its meaning."""
+    """Add every tensor's wrapper-free and PEFT base names to ``aliases``, overriding no existing name."""
     for name in [*tensors, *aliases]:
         for plain in (strip_wrappers(name), base_name(name)):
             if plain != name and plain not in tensors and plain not in aliases:

@@ -1,21 +1,11 @@
 """The default FSDP2 wrapping policy, and the checks every policy's groups must pass.
 
-An FSDP2 group all-gathers in its module's pre-forward hook and reduce-scatters after its backward, on
-the ranks where that module runs. Under data parallelism each rank has its own batch, so a group on a
-module that runs only when a token is routed to it (one expert of a per-expert ``ModuleList``) makes
-ranks issue different collectives: gloo aborts ("Received data size doesn't match"), NCCL hangs or
-gathers the wrong expert. Groups therefore sit only on modules that run on every rank for every batch.
+Nothing at or below a **routed list** gets a group (ranks whose tokens reach different experts
+would issue different collectives): a ``ModuleList`` / ``ModuleDict`` inside a block whose elements
+with parameters include two or more of one class, or whose attribute name contains ``expert``.
 
-* A **routed list** is a ``ModuleList`` / ``ModuleDict`` that may run only in part: one inside a block
-  whose elements with parameters include two or more of one class (experts), or one whose attribute
-  name contains ``expert`` anywhere in the model. Nothing at or below a routed list gets a group.
-* (all ranks) :func:`routed_modules`, before any policy runs (``fully_shard`` renames the classes
-  the blocks are found by): the ids of the modules at or below a routed list.
-* (all ranks) :func:`default_shard_fn`: the default policy. FSDP2 needs one dtype among a group's
-  *trainable* parameters only (``FSDPParamGroup._init_mp_dtypes``): frozen parameters of another
-  dtype stay in their unit's group (FSDP2 all-gathers mixed dtypes as bytes).
-* (all ranks, after any policy, the caller's ``shard_fn`` too) :func:`prepare_groups`.
-
+(all ranks) :func:`routed_modules`, before any policy (``fully_shard`` renames the classes blocks are
+found by); :func:`default_shard_fn`, the default policy; :func:`prepare_groups`, after any policy.
 ``fully_shard`` on a meta model issues no collectives.
 """
 
@@ -54,12 +44,8 @@ logger = logging.getLogger(__name__)
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules to shard one by one, innermost first.
-
-    Modules whose class is named in ``model._no_split_modules`` (transformers' list of decoder /
-    encoder layers); failing that, the children of the model's largest ``nn.ModuleList``. Blocks
-    inside a routed list (an expert class named in ``_no_split_modules``) are left out.
-    """
+    """The modules to shard one by one, innermost first: those whose class ``_no_split_modules``
+    names, else the children of the largest ``nn.ModuleList``; none inside a routed list."""
     blocks = _candidate_blocks(model)
     routed = _routed(model, blocks)
     owners = _owners(model)
@@ -81,8 +67,7 @@ def _candidate_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def routed_modules(model: nn.Module) -> frozenset[int]:
-    """(all ranks, before sharding) Ids of the modules at or below a routed list: they may run on
-    some ranks and not others, so none of them may be an FSDP unit."""
+    """(all ranks, before sharding) Ids of the modules at or below a routed list: none may be a unit."""
     return _routed(model, _candidate_blocks(model))
 
 
@@ -120,17 +105,14 @@ def _owners(model: nn.Module) -> dict[int, set[int]]:
 def _shares_outside(
     block: nn.Module, owners: dict[int, set[int]], managed: AbstractSet[int] = frozenset()
 ) -> bool:
-    """A block holding a parameter also used outside it (BERT's word embeddings tied to the
-    decoder) cannot be its own FSDP group: the outside user would see the resharded parameter.
-    Such blocks are left to the enclosing group. ``managed``: parameters already in a group of
-    their own, left out (``fully_shard`` replaced them: ``owners`` predates them)."""
+    """Whether ``block`` holds a parameter also used outside it (a tie): it cannot be its own group,
+    the outside user would see it resharded. ``managed``: parameters already grouped, ignored."""
     inside = {id(m) for m in block.modules()}
     return any(not owners[id(p)] <= inside for p in block.parameters() if id(p) not in managed)
 
 
 def _has_forward(module: nn.Module) -> bool:
-    """Whether ``module`` defines ``forward``: only a module that is called can be an FSDP unit (its
-    pre-forward hook all-gathers the parameters). Containers keep ``nn.Module``'s unimplemented one."""
+    """Whether ``module`` defines ``forward``: only a called module can be an FSDP unit."""
     return type(module).forward is not nn.Module.forward
 
 
@@ -158,8 +140,7 @@ class _Policy:
 
     def _isolate(self, unit: nn.Module, module: nn.Module, dtype: torch.dtype) -> None:
         """Give every submodule of ``module`` whose free trainable parameters are not all ``dtype`` a
-        group of its own (innermost first), so that what stays free below ``module`` trains in
-        ``dtype`` alone. ``unit``: the group they would otherwise join, for messages."""
+        group of its own, innermost first. ``unit``: the group they would otherwise join, for messages."""
         for child in module.children():
             counts = self._counts(child)
             if not counts or set(counts) == {dtype}:
@@ -222,9 +203,8 @@ class _Policy:
         return counts
 
     def _group_dtype(self, module: nn.Module) -> torch.dtype | None:
-        """The dtype ``module``'s own group will train in: that of the trainable parameters it
-        registers itself (they cannot move to another group), else the most elements' among its
-        free trainable parameters; None when it has none."""
+        """The dtype ``module``'s group will train in: its own trainable parameters', else the most
+        elements' among its free trainable parameters; None when it has none."""
         direct: Counter[torch.dtype] = Counter()
         for p in module._parameters.values():
             if p is not None and p.requires_grad and id(p) not in self.managed:
@@ -235,13 +215,9 @@ class _Policy:
 
 def default_shard_fn(model: nn.Module, mesh: DeviceMesh) -> None:
     """(all ranks) ``fully_shard`` each block, then the root; inside each, first every submodule
-    that runs every step and whose trainable parameters have another dtype than its group's.
-
-    FSDP2 needs one original dtype among a group's trainable parameters, so a bf16 body with a
-    trainable fp32 router gate inside each layer, or an fp32 head on top, gets those modules in
-    groups of their own instead of failing at the first forward. Nothing inside a routed list (the
-    experts of a per-expert MoE) gets a group: a per-expert layer is one group, whatever its expert
-    count. Raises ModelMismatchError where a trainable odd-dtype parameter sits in a routed list.
+    that runs every step and whose trainable parameters have another dtype than its group's (FSDP2
+    needs one dtype per group's trainable parameters; frozen ones may differ). Nothing inside a
+    routed list gets a group. Raises ModelMismatchError for a trainable odd dtype in a routed list.
     """
     shard_default(model, mesh, routed_modules(model))
 
@@ -258,16 +234,11 @@ def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) ->
 
 
 def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
-    """(all ranks, after sharding by any policy) Refuse a group inside a routed list; make each group
-    that holds routed parameters reduce-scatter zeros for those a rank did not use, else ranks'
-    reduce-scatters differ in size (before torch 2.13: refuse to train them, at each forward under
-    grad mode); refuse a group whose trainable parameters have two dtypes, now and again at the
-    first forward (``requires_grad`` can change after the load).
-
-    Raises ModelMismatchError for a refusal (those at a forward: from the hooks installed here).
-
-    ``routed``: :func:`routed_modules` of the model before it was sharded.
-    """
+    """(all ranks, after sharding by any policy) Refuse a group inside a routed list; make groups
+    holding routed parameters reduce-scatter zeros for unused ones (torch < 2.13: refuse to train
+    them, at each forward); refuse a group with two trainable dtypes, now and at the first forward.
+    ``routed``: :func:`routed_modules` of the unsharded model. Raises ModelMismatchError for a
+    refusal (at a forward: from the hooks installed here)."""
     named = list(model.named_modules())  # walked once for names
     names = {id(m): n for n, m in named}
     units = [m for _, m in named if _is_unit(m)]
@@ -311,11 +282,9 @@ def _refuse_training_routed(
     routed_groups: list[int],
     routed_names: set[str],
 ) -> None:
-    """Before torch 2.13 FSDP2 reduce-scatters only the gradients a rank has: where ranks' batches reach
-    different experts, their reduce-scatters differ in size (gloo aborts, NCCL hangs). A pre-forward hook
-    on each group holding routed parameters raises, on every rank alike and before any collective,
-    whenever one of those parameters is trainable under grad mode. Frozen experts (LoRA elsewhere,
-    inference) run as usual."""
+    """(torch < 2.13, whose reduce-scatters would differ in size) A pre-forward hook on each group
+    holding routed parameters raises, on every rank before any collective, whenever one of them is
+    trainable under grad mode."""
     sharded = fsdp_group_params(model)  # the same groups, in the same order, as ``groups``
     for i in routed_groups:
         unit, params = groups[i]
@@ -347,9 +316,8 @@ def _refuse_training_routed(
 
 
 def _check_at_first_forward(model: nn.Module, units: Sequence[nn.Module]) -> None:
-    """A one-time pre-forward hook on every group, ahead of FSDP's own (whose lazy initialisation
-    raises a bare ``AssertionError`` for two trainable dtypes): ``requires_grad`` set after the
-    load is checked with the same message as at the load."""
+    """A one-time pre-forward hook on every group, ahead of FSDP's own (a bare ``AssertionError``):
+    ``requires_grad`` changed after the load is checked as at the load."""
     handles: list[RemovableHandle] = []
 
     def check(module: nn.Module, args: object) -> None:
@@ -365,10 +333,9 @@ def check_dtype_groups(
     groups: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] | None = None,
     names: dict[int, str] | None = None,
 ) -> None:
-    """(all ranks, after sharding) Raise a ModelMismatchError for an FSDP group whose trainable
-    parameters have more than one dtype: FSDP2 would raise at the first forward (one original dtype
-    per group). ``groups`` and ``names``: ``fsdp_groups(model)`` and each module's name by ``id``,
-    where the caller has them."""
+    """(all ranks, after sharding) Raise ModelMismatchError for an FSDP group whose trainable
+    parameters have more than one dtype. ``groups``, ``names``: ``fsdp_groups(model)`` and module
+    names by ``id``, if the caller has them."""
     if names is None:
         names = {id(m): n for n, m in model.named_modules()}
     for module, params in fsdp_groups(model, names) if groups is None else groups:

@@ -1,25 +1,13 @@
 """clip_grad_norm_: the global gradient norm, and clipping, for parameters on several meshes.
 
-``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms, which DTensor refuses when the
-parameters live on different meshes (TP + FSDP2: embeddings and norms on ``mesh["dp"]``, TP weights on
-the 2-D mesh). Here the arithmetic is done on local tensors instead:
+Each gradient joins a *bucket* named by the process groups it is sharded over: one per ``Shard`` /
+``_StridedShard`` mesh dimension, named by its global ranks (``Replicate`` dimensions are not reduced
+over; a plain or fully replicated tensor is local only). Each bucket's local ``sum |g|^p`` (``max``
+for inf) is all-reduced over its groups, then added to (maxed with) the local-only part. Buckets and
+schedule come from the parameters' placements, never from which gradients exist locally: a rank
+with empty shards or no gradients reaches the same collectives with zeros.
 
-1. each parameter's gradient joins a *bucket* named by the process groups it is sharded over: one
-   group per mesh dimension whose placement is ``Shard`` or ``_StridedShard``, named by its global
-   ranks (so ``mesh["dp"]`` and dimension 0 of the 2-D mesh are the same group). ``Replicate``
-   dimensions are not reduced over (HSDP replicas count once); a plain tensor, or a DTensor
-   replicated over every dimension, is local only (the same on every rank);
-2. each bucket's local value is ``sum |g|^p`` over its local shards (``max |g|`` for ``p = inf``);
-3. the buckets are all-reduced (SUM, or MAX for inf) over their groups one mesh dimension at a time
-   (:func:`_all_reduce_buckets`), so each bucket holds its full value on every rank;
-4. each rank adds (or maxes) the buckets and its local-only part: the same total on every rank.
-
-The buckets and the schedule come from the parameters' meshes and placements, which every rank
-shares, never from which gradients exist locally: a rank whose shards are empty (uneven sharding)
-or whose gradients are all None reaches the same collectives with zeros.
-
-Which ranks run what: ``clip_grad_norm_`` (all ranks, the same parameters in the same order; its
-collectives are in ``_all_reduce_buckets``).
+(all ranks, the same parameters in the same order) ``clip_grad_norm_``; collectives: ``_all_reduce_buckets``.
 """
 
 from __future__ import annotations
@@ -92,9 +80,7 @@ def _local_power(
     grads: list[torch.Tensor], p: float, foreach: bool | None, device: torch.device
 ) -> torch.Tensor:
     """``sum |g|^p`` over ``grads`` (``max |g|`` for inf), a float64 scalar on ``device``; 0 for none.
-
-    The per-tensor norms are taken as torch's ``_get_total_norm`` takes them (fused per device and
-    dtype), in float32 at least."""
+    Per-tensor norms as torch's ``_get_total_norm`` takes them, in float32 at least."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         if g.numel():  # empty shards contribute 0, and inf has no identity for an empty tensor
@@ -123,13 +109,9 @@ def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
 def _all_reduce_buckets(
     groups: list[tuple[_Group, ...]], values: list[torch.Tensor], op: dist.ReduceOp.RedOpType
 ) -> list[torch.Tensor]:
-    """(collective, all ranks) Reduce ``values[b]`` over each group of ``groups[b]`` in turn.
-
-    Stage ``s`` reduces every bucket's ``s``-th group; within a stage, one all-reduce per distinct
-    group carries every bucket that needs it, in the order the groups first occur. Buckets are in
-    the order of their first parameter, so on every member of a group its position in the schedule
-    (stage, first parameter) is the same: ranks meet in every group in the same order, and no two
-    ranks wait on each other in opposite orders."""
+    """(collective, all ranks) Reduce ``values[b]`` over each group of ``groups[b]`` in turn: stage ``s``
+    runs one all-reduce per distinct ``s``-th group, in first-parameter order, the same on every
+    member, so ranks meet in every group in the same order and none deadlock."""
     values = list(values)
     for stage in range(max((len(g) for g in groups), default=0)):
         schedule: dict[tuple[int, ...], tuple[_Group, list[int]]] = {}
@@ -158,17 +140,14 @@ def clip_grad_norm_(
     """Clip the gradients of ``parameters`` in place by their global norm, as
     ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model.
 
-    Call it on every rank with the same parameters in the same order (e.g. ``model.parameters()``
-    after backward). Parameters may be plain tensors (replicated: the same on every rank) or
-    DTensors on any meshes cut from one device mesh: FSDP2, HSDP, TP + FSDP2 (parameters on the
-    2-D mesh and on ``mesh["dp"]``), frozen parameters (grad None) included. Costs one all-reduce
-    of a few scalars per distinct process group (per mesh dimension sharded over), not per
-    parameter. Pipeline parallelism (different parameters on different ranks) is not handled.
+    Call it on every rank with the same parameters in the same order. Parameters may be plain
+    (replicated) tensors or DTensors on meshes cut from one device mesh (FSDP2, HSDP, TP + FSDP2),
+    frozen ones included; pipeline parallelism is not handled. One all-reduce per process group.
 
     Args:
         parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped.
         max_norm: the largest norm the gradients keep.
-        norm_type: ``p`` of the p-norm, > 0, or ``inf`` (largest absolute entry).
+        norm_type: ``p`` of the p-norm (default 2), > 0, or ``inf`` (largest absolute entry).
         error_if_nonfinite: raise if the total norm is nan or inf (on every rank alike).
         foreach: use the fused ``_foreach`` kernels (None: where the device has them).
 
@@ -249,8 +228,7 @@ def _total_norm(
     values = [_local_power(gs, p, foreach, device) for _, gs in buckets.values()]
     bucket_groups = [gs for gs, _ in buckets.values()]
     if math.isinf(p):
-        # MAX need not propagate nan (a NaN gradient on one rank), a sum does: carry a nan flag beside
-        # each max so that every rank ends with nan, as torch would, and raises alike.
+        # MAX need not propagate nan: a nan flag beside each max makes every rank end with nan alike
         flagged = [torch.stack([torch.where(v.isnan(), 0.0, v), v.isnan().to(v.dtype)]) for v in values]
         reduced = [
             torch.where(r[1] > 0, torch.nan, r[0])
@@ -263,8 +241,7 @@ def _total_norm(
 
 
 def _check_grad(i: int, param: DTensor, groups: tuple[_Group, ...]) -> None:
-    """The gradient must be reduced over the same groups as its parameter: the buckets, and so the
-    collectives, are decided from the parameters."""
+    """ValueError unless the gradient is sharded over the same groups as its parameter (buckets use those)."""
     grad = param.grad
     if grad is None:
         return
