@@ -1,6 +1,5 @@
-"""What moves: one :class:`Entry` per model tensor, and the checkpoint tensors (:class:`Parts`) it
-is made of (plain data: rank 0 makes them, see ``_fit``; every rank reads them; no collectives).
-"""
+"""One :class:`Entry` per model tensor and the checkpoint tensors (:class:`Parts`) it is made of:
+plain data rank 0 makes (``_fit``) and every rank reads; no collectives."""
 
 from __future__ import annotations
 
@@ -13,13 +12,12 @@ from dataclasses import dataclass, field, replace
 
 from ._format import TensorHeader
 
-# TensorHeader fields as C-level getters, for whole columns of headers
 _FILE, _KEY, _OFFSET, _NBYTES = map(operator.attrgetter, ("file", "key", "offset", "nbytes"))
 
 __all__ = ["Entry", "Part", "Parts"]
 
 
-@dataclass(frozen=True, slots=True)  # one per checkpoint tensor: no __dict__ each
+@dataclass(frozen=True, slots=True)
 class Part:
     """One checkpoint tensor's bytes, as a run of an entry's bytes (see :attr:`Entry.parts`)."""
 
@@ -38,8 +36,7 @@ class Parts:
     file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
     offsets: array.array = field(default_factory=lambda: array.array("q"))  # absolute offset in its file
     starts: array.array = field(default_factory=lambda: array.array("q", [0]))  # its first entry byte
-    # checkpoint keys, for messages: a tuple on rank 0, one string of them joined by newlines on
-    # the ranks that received the manifest (see __reduce__); read them with :meth:`key_list`
+    # checkpoint keys: a tuple on rank 0, one newline-joined string where unpickled; read with key_list
     keys: tuple[str, ...] | str = ()
 
     @classmethod
@@ -62,8 +59,7 @@ class Parts:
         return self.keys.split("\n") if isinstance(self.keys, str) else list(self.keys)
 
     def compacted(self) -> Parts:
-        """The same parts with their keys in one string (unless a key holds a newline): the form
-        the manifest travels in (see :meth:`__reduce__`), one string per entry, not per part."""
+        """The same parts with their keys in one string (unless a key holds a newline)."""
         if isinstance(self.keys, str) or not self.keys:
             return self
         joined = "\n".join(self.keys)
@@ -82,8 +78,7 @@ class Parts:
     __hash__ = None  # type: ignore[assignment]  # arrays: never hashable
 
     def __reduce__(self) -> tuple[type[Parts], tuple[object, ...]]:
-        """Pickled with :meth:`compacted`'s keys, one string per entry. Rank 0 keeps its own tuples:
-        joining them there would add a copy to its heap that the freed names would not give back."""
+        """Pickled in the :meth:`compacted` form; rank 0 keeps its tuples (joining would grow its heap)."""
         c = self.compacted()
         return Parts, (c.files, c.file_of, c.offsets, c.starts, c.keys)
 
@@ -97,8 +92,7 @@ class Parts:
         return self.starts[-1]
 
     def extents(self, start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
-        """See :meth:`Entry.extents`: the parts that bytes [start, start + nbytes) span (found by
-        bisection), made column by column."""
+        """See :meth:`Entry.extents`; the parts found by bisection."""
         stop, starts, n = start + nbytes, self.starts, len(self.offsets)
         lo = bisect.bisect_right(starts, start) - 1
         if lo >= n or nbytes <= 0:
@@ -126,11 +120,8 @@ NO_PARTS = Parts()
 class Entry:
     """One model tensor to move, in the wire dtype (the checkpoint's) and the model's shape.
 
-    Its bytes are those of one checkpoint tensor (``file``, ``ckpt_key``, ``offset``), or, for a
-    tensor assembled from several (``parts``: stacked experts), the parts' bytes one after the other
-    in the model tensor's row-major order. Pieces address an entry's bytes from 0 to ``nbytes``;
-    :meth:`extents` says where in the files they are.
-    """
+    Its bytes are one checkpoint tensor's (``file``, ``ckpt_key``, ``offset``), or ``parts``' bytes
+    one after the other in row-major order (stacked experts); pieces address bytes 0 .. ``nbytes``."""
 
     key: str  # canonical model key
     file: str  # absolute path on rank 0 (informational elsewhere); the first part's, if any

@@ -1,12 +1,6 @@
-"""Opening checkpoint files: regular files only, read-only, opened once, checked for changes.
-
-(rank 0) :func:`open_files` / :meth:`OpenFile.open` refuse anything but a regular file before
-opening it (see ``_OPEN_FLAGS``), open it once read-only and record its :class:`FileIdentity`.
-Every later read goes through that descriptor (:func:`read_exact`, ``_readahead``, ``_localread``),
-never by re-opening the path; :meth:`OpenFile.check` tells a changed file from a corrupt one.
-(ranks on rank 0's host) ``_handover`` and ``_localread`` compare the descriptors rank 0 lends them
-with the :class:`FileIdentity` it recorded. No collectives here.
-"""
+"""Opening checkpoint files: regular files only, read-only, opened once, checked for changes (rank 0;
+no collectives). Every later read goes through that descriptor, never by re-opening the path; ranks
+on rank 0's host check lent descriptors against its :class:`FileIdentity`."""
 
 from __future__ import annotations
 
@@ -40,8 +34,7 @@ def file_kind(mode: int) -> str:
 
 
 def not_regular(path: str, mode: int, where: str | None = None) -> CheckpointFormatError:
-    """The error for a checkpoint path (file, shard, index) that is not a regular file; ``where``:
-    the index or directory that named it, if any."""
+    """The error for a checkpoint path that is not a regular file; ``where``: what named it, if any."""
     kind = file_kind(mode)
     what = (
         "pass the directory itself as ckpt_path, or name a .safetensors file inside it"
@@ -55,8 +48,7 @@ def not_regular(path: str, mode: int, where: str | None = None) -> CheckpointFor
     return CheckpointFormatError(f"{prefix}{path} is not a regular file ({kind}{link}): {what}.")
 
 
-# O_NONBLOCK: opening a FIFO with no writer (or some devices) would otherwise block rank 0 forever
-# while the other ranks wait in a collective; on a regular file it changes nothing.
+# O_NONBLOCK: a FIFO with no writer would block rank 0's open() while the others wait in a collective.
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -74,8 +66,7 @@ class FileIdentity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def rewritten(self, fd: int) -> list[str]:
-        """How the file open at ``fd`` differs from this identity in content (size, mtime): empty
-        when it does not."""
+        """How the file open at ``fd`` differs from this identity in size or mtime; empty if not."""
         now = FileIdentity.of(os.fstat(fd))
         changes = []
         if now.size != self.size:
@@ -86,9 +77,7 @@ class FileIdentity:
 
 
 class OpenFile:
-    """(rank 0) One checkpoint file, opened once (see the module docstring). The caller owns the
-    descriptor: :meth:`close` it (or use ``with``).
-    """
+    """(rank 0) One checkpoint file, opened once; the caller closes it (:meth:`close` or ``with``)."""
 
     __slots__ = ("path", "fd", "identity")
 
@@ -168,11 +157,8 @@ class OpenFile:
 
 
 def open_files(paths: Iterable[str]) -> dict[str, OpenFile]:
-    """(rank 0) Open every path once (see :meth:`OpenFile.open`), keyed by the path as given.
-
-    If one fails, those already opened are closed and the error is raised. The caller closes the
-    returned files (``for f in files.values(): f.close()``).
-    """
+    """(rank 0) Open every path once (:meth:`OpenFile.open`), keyed by the path as given; if one
+    fails, those opened are closed and the error raised. The caller closes the returned files."""
     files: dict[str, OpenFile] = {}
     try:
         for path in paths:
@@ -201,8 +187,7 @@ def _cannot_open(path: str, exc: OSError) -> CheckpointNotFoundError:
 
 
 def read_exact(fd: int, n: int, offset: int, path: str) -> bytes:
-    """``n`` bytes at ``offset`` (looping over short reads); a CheckpointChangedError if the file
-    ends first, since its size was checked before."""
+    """``n`` bytes at ``offset`` (short reads retried); CheckpointChangedError if the file ends first."""
     parts = []
     done = 0
     while done < n:

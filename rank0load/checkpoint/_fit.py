@@ -1,6 +1,5 @@
-"""The matched checkpoint tensors checked against the model and made into entries (rank 0 builds
-them, or ``inspect`` in one process; no collectives). See :func:`build_entries`.
-"""
+"""The matched checkpoint tensors checked against the model and made into entries (rank 0, or
+``inspect`` in one process; no collectives)."""
 
 from __future__ import annotations
 
@@ -22,15 +21,13 @@ from ._format import DTYPES, TensorHeader
 from ._fp8 import FP8_WIRE, SCALE_SUFFIX
 from ._fp8 import scale_for as fp8_scale_for
 
-# TensorHeader and ConversionMatch fields as C-level getters, for whole columns of them
 _KEY, _DTYPE, _SHAPE, _NBYTES = map(operator.attrgetter, ("key", "dtype", "shape", "nbytes"))
 _EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
 
 __all__ = ["FLOAT_WIRE", "KeyMatch", "build_entries", "quantised_keys", "unconsumed"]
 
 
-# Wire dtypes that may be cast to another of these (bf16 checkpoint -> fp32 model and so on).
-# Integers, bools, complex and float8/float4 are never cast: they must match the model exactly.
+# Wire dtypes that may be cast to another of these; all others must match the model exactly.
 FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
 
 
@@ -57,8 +54,7 @@ def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: 
 class KeyMatch:
     """How the checkpoint's keys map onto the model's (made by ``_match.match_keys``)."""
 
-    # canonical model key -> the checkpoint tensors stored under its names, in header order
-    # (more than one: a tied parameter stored under several of its names)
+    # canonical model key -> its checkpoint tensors, in header order (several: a tied parameter's names)
     by_model_key: dict[str, tuple[TensorHeader, ...]]
     unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
     ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
@@ -74,11 +70,9 @@ class KeyMatch:
 def unconsumed(
     match: KeyMatch, layout: ModelLayout, quantised: AbstractSet[str] | None = None
 ) -> tuple[str, ...]:
-    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised
-    (``quantised``: :func:`quantised_keys`, when already known)."""
+    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised."""
     quantised = quantised_keys(match, layout) if quantised is None else quantised
-    # A header key ending in _scale_inv whose weight is quantised is consumed. Tested key by key in
-    # C, each prefix freed at once: no set of names is made for it (it would raise rank 0's peak).
+    # Tested key by key in C with no set of names made: that would raise rank 0's peak.
     unexpected = match.unexpected
     scale = map(operator.methodcaller("endswith", SCALE_SUFFIX), unexpected)
     weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len(SCALE_SUFFIX))))
@@ -96,14 +90,11 @@ def build_entries(
     quantised: AbstractSet[str] | None = None,
     files: Mapping[str, OpenFile] | None = None,
 ) -> list[Entry]:
-    """(rank 0, for one run of files, see ``_manifest``; or ``inspect``) One
-    entry per model tensor found: shapes and dtypes checked, stacked experts assembled, float8
-    tensors given their scales. Raises the first ModelMismatchError, or, with ``errors``
-    (``inspect``: headers only), collects every message there and reads no data (tied names stored
-    twice are then not compared). ``block``: the float8 block size the checkpoint's config.json
-    gives (``_fp8.block_size``; read by the caller, once for all of the manifest's runs). ``files``: the
-    checkpoint's files, opened once (``_files.open_files``): tied names stored twice are compared
-    through them."""
+    """(rank 0, for one run of files; or ``inspect``) One entry per model tensor found: shapes and
+    dtypes checked, stacked experts assembled, float8 tensors given their scales. Raises the first
+    ModelMismatchError, or, with ``errors`` (``inspect``), collects every message there and reads no
+    data (tied names stored twice are then not compared). ``block``: ``_fp8.block_size``. ``files``:
+    the open checkpoint files, through which tied names stored twice are compared."""
     quantised = quantised_keys(match, layout) if quantised is None else quantised
     entries: list[Entry] = []
 
@@ -144,8 +135,7 @@ def _single(key: str, t: TensorHeader) -> Entry:
 
 
 def quantised_keys(match: KeyMatch, layout: ModelLayout) -> set[str]:
-    """Checkpoint keys of float8 tensors that go into floating (not float8) model tensors: they are
-    dequantised with their ``_scale_inv`` (see _fp8)."""
+    """Checkpoint keys of float8 tensors going into floating model tensors (dequantised, see _fp8)."""
     out = set()
     floating = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
     for key, found in match.by_model_key.items():
@@ -168,7 +158,7 @@ def _with_scales(
     scales = list(map(headers.get, map(operator.add, map(_KEY, parts), itertools.repeat(SCALE_SUFFIX))))
     if None in scales:  # raises, naming the first weight without a scale
         fp8_scale_for(entry.key, parts[scales.index(None)], headers, block, dtype)
-    # The checks depend on the shapes and the scale's dtype alone: made once for each kind of part
+    # the checks depend on shapes and the scale's dtype alone: made once per kind of part
     kinds = list(zip(map(_SHAPE, parts), map(_SHAPE, scales), map(_DTYPE, scales)))
     first_of = dict(zip(reversed(kinds), reversed(parts)))  # each kind's first part, named in errors
     blocks = {fp8_scale_for(entry.key, first_of[k], headers, block, dtype)[1] for k in dict.fromkeys(kinds)}
@@ -178,9 +168,7 @@ def _with_scales(
         )
     block = blocks.pop()
     rows = [shape[0] for shape in map(_SHAPE, parts)]
-    # Parts that end on block boundaries (all but the last) are one matrix to the dequantisation:
-    # their grids one after the other are the grid of the parts stacked (stacked experts of
-    # 128-multiple widths, as real checkpoints have), so the entry is decoded with no step per part.
+    # parts that all end on block boundaries are one matrix to the dequantisation: one part_rows
     return replace(
         entry,
         scales=Parts.of(scales),  # type: ignore[arg-type]  # no None: checked above
@@ -299,8 +287,7 @@ def _check_stacks(
 def _check_tied_equal(
     model_key: str, found: tuple[TensorHeader, ...], files: Mapping[str, OpenFile], chunk: int = 8 << 20
 ) -> None:
-    """Several names of one tied parameter are stored: they must hold the same bytes (read through
-    the descriptors the checkpoint was opened with)."""
+    """Several stored names of one tied parameter must hold the same bytes (read through ``files``)."""
     first = found[0]
     fa = files[first.file].fd
     for other in found[1:]:

@@ -1,11 +1,6 @@
-"""Reading and validating safetensors headers, without the safetensors runtime.
-
-(rank 0 only) :func:`read_header` reads a file's header through the descriptor ``_files`` opened
-and validates everything the streaming phase relies on (dtype, shape, byte ranges inside the file,
-no overlap, no gaps) before any data moves, so that rank 0 can read tensors at their offsets
-instead of mapping whole files (mapped pages count in RSS). The JSON is decoded by ``_json``.
-(all ranks) :data:`DTYPES` and :class:`TensorHeader` are plain data; no collectives here.
-"""
+"""Reading and validating safetensors headers, without the safetensors runtime (no collectives).
+(rank 0) :func:`read_header` validates dtypes, shapes and byte ranges tiling the data section before
+any data moves. (all ranks) :data:`DTYPES` and :class:`TensorHeader` are plain data."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ __all__ = [
     "read_header",
 ]
 
-# safetensors dtype string -> torch dtype (what torch 2.13 can hold). "F4" is float4_e2m1fn_x2:
+# safetensors dtype string -> torch dtype. "F4" is float4_e2m1fn_x2:
 # safetensors counts 4-bit elements in the shape, torch packs two per byte in the last dimension.
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -56,14 +51,12 @@ for _name, _attr in (
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
 
-# The safetensors format's own limit (MAX_HEADER_SIZE = 100_000_000 in safetensors/src/tensor.rs):
-# a header the reference implementation refuses is refused here too.
+# the safetensors format's own limit (MAX_HEADER_SIZE in safetensors/src/tensor.rs)
 MAX_HEADER_BYTES = 100_000_000
 
 
 class TensorHeader(NamedTuple):
-    """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``. (A named tuple,
-    not a dataclass: one is made per checkpoint tensor.)"""
+    """Where one tensor lives: ``nbytes`` bytes at absolute ``offset`` of ``file``."""
 
     file: str  # path as given to read_header (or OpenFile.path)
     key: str
@@ -71,9 +64,6 @@ class TensorHeader(NamedTuple):
     shape: tuple[int, ...]  # torch shape (F4: last dim already halved)
     offset: int
     nbytes: int
-
-
-# --- parsing -----------------------------------------------------------------------------------
 
 
 def _fail(path: str, what: str) -> CheckpointFormatError:
@@ -179,8 +169,7 @@ def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size:
 
 
 def _nbytes(shape: tuple[int, ...], itemsize: int, limit: int) -> int | None:
-    """``prod(shape) * itemsize``, or None once it exceeds ``limit``: a header may hold millions of
-    huge dimensions, whose full product would take minutes to compute for nothing."""
+    """``prod(shape) * itemsize``, or None once it exceeds ``limit`` (so a hostile header stays cheap)."""
     if 0 in shape:
         return 0
     n = itemsize

@@ -1,15 +1,11 @@
 """FP8 block-quantised checkpoints (MiniMax-M2, DeepSeek-V3) dequantised on the receiving rank.
 
 A quantised weight ``w`` [R, C] is stored as float8 with ``w_scale_inv`` float32
-[ceil(R/bm), ceil(C/bn)]; its value is ``float32(w[r, c]) * scale[r // bm, c // bn]``, then cast to
-the model's dtype: transformers' ``Fp8Dequantize`` (``integrations/finegrained_fp8.py``), bit for
-bit. The wire carries the float8 bytes (one per element) and the scales (4 bytes per block of
-``bm * bn`` elements); each rank dequantises exactly the elements it receives.
+[ceil(R/bm), ceil(C/bn)]; its value is ``float32(w[r, c]) * scale[r // bm, c // bn]`` cast to the
+model's dtype, bit for bit as transformers' ``Fp8Dequantize``. The wire carries the float8 bytes (one
+per element) and the scales (4 bytes per ``bm * bn`` block); each rank dequantises what it receives.
 
-(rank 0) :func:`block_size` reads ``quantization_config.weight_block_size`` from the checkpoint's
-``config.json``, :func:`scale_for` finds and checks a weight's scale. (all ranks) :func:`dequantize`
-turns a run of an entry's elements into float32, bounded temporaries, whole rows vectorised;
-:func:`scale_span` says which bytes of the scale grids a run needs (a row-sharded rank gets only those).
+(rank 0) :func:`block_size`, :func:`scale_for`. (all ranks) :func:`scale_span` and the dequantisers.
 """
 
 from __future__ import annotations
@@ -43,11 +39,8 @@ _TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
 def to_float32(values: torch.Tensor) -> torch.Tensor:
-    """``values.to(torch.float32)`` for a float8 tensor, bit for bit, NaNs included.
-
-    On the CPU, a 256-entry table indexed by the bytes (``index_select`` with int32 indices), which
-    is faster than torch's element-wise conversion; elsewhere (CUDA), torch's own conversion.
-    """
+    """``values.to(torch.float32)`` for a float8 tensor, bit for bit, NaNs included (on the CPU
+    through a 256-entry table, faster than torch's conversion)."""
     table = _table(values)
     if table is None:
         return values.to(torch.float32)
@@ -117,8 +110,7 @@ def scale_for(
 
 def _infer(size: int, blocks: int) -> int:
     """A block size giving ``blocks`` blocks over ``size``: the smallest power of two at least
-    ``ceil(size / blocks)`` (grids do not determine partial blocks: 24 rows in 2 blocks are blocks of
-    16, as weight_block_size [16, 16] says, not 12; real checkpoints use 128)."""
+    ``ceil(size / blocks)`` if it fits (24 rows in 2 blocks are blocks of 16, not 12)."""
     least = math.ceil(size / max(1, blocks))
     power = 1 << max(0, least - 1).bit_length()
     return power if math.ceil(size / power) == blocks else least
@@ -127,9 +119,8 @@ def _infer(size: int, blocks: int) -> int:
 def scale_span(
     part_rows: Sequence[int], cols: int, block: tuple[int, int], start: int, stop: int
 ) -> tuple[int, int]:
-    """The bytes ``[first, end)`` of an entry's scale grids (its parts' grids one after the other, as
-    :func:`dequantize` takes them) that its elements ``[start, stop)`` are dequantised with: one run,
-    from the grid row of the first element's row to that of the last one's; ``(0, 0)`` if empty."""
+    """The bytes ``[first, end)`` of an entry's scale grids (as :func:`dequantize` takes them) that its
+    elements ``[start, stop)`` are dequantised with, as one run of grid rows; ``(0, 0)`` if empty."""
     if start >= stop:
         return 0, 0
     bm, bn = block
@@ -156,14 +147,10 @@ def dequantize(
     into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 values of elements ``[start, start + len(values))`` of an entry made of 2-D parts
-    of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales`` holds the
-    parts' scale grids (float32), one after the other. (Parts that end on block boundaries are one
-    part to this: ``_fit`` gives such an entry a single ``part_rows``.)
-
-    ``into``: a contiguous tensor of ``len(values)`` elements of a floating dtype that receives the
-    values instead (returned), each product rounded once to its dtype, as ``.to(dtype)`` of the
-    float32 values rounds it: the shard itself, with no float32 copy of the values to cast after.
-    """
+    of ``part_rows[p]`` rows and ``cols`` columns each, one after the other; ``scales``: the parts'
+    float32 scale grids, one after the other. ``into``: a contiguous floating tensor of
+    ``len(values)`` elements that receives the values instead (returned), each product rounded once
+    to its dtype, as ``.to(dtype)`` would."""
     out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
     dest = out if into is None else into.view(-1)
     bm, bn = block
@@ -190,8 +177,7 @@ def dequantize_stacked(
     """float32 values of ``k`` rows (from ``first_row``) of each of ``n`` same-shape 2-D float8
     entries at once (a layer's experts, each rank's rows of them): ``values`` [n, k, cols] (any
     strides), ``grids`` [n, grid rows from ``first_row // bm``, cols / bn] their block scales
-    (float32), ``cols`` a multiple of ``bn``. The same products as :func:`dequantize` gives each
-    entry on its own, in a handful of operations instead of a handful per entry."""
+    (float32), ``cols`` a multiple of ``bn``. The same products as :func:`dequantize` per entry."""
     n, k, cols = values.shape
     bm, bn = block
     out = torch.empty((n, k, cols), dtype=torch.float32, device=values.device)
@@ -211,8 +197,7 @@ def dequantize_at(
     scales: torch.Tensor,
 ) -> torch.Tensor:
     """float32 values of the entry's elements at flat indices ``flat`` (int64, one per value, any
-    order): what a rank holding a block of a tensor-parallel shard needs, whose elements are not one
-    run of the entry. Same arithmetic as :func:`dequantize`, one gathered scale per element."""
+    order; a tensor-parallel block's). Same arithmetic as :func:`dequantize`."""
     bm, bn = block
     grid_cols = math.ceil(cols / bn)
     ends = torch.tensor(list(itertools.accumulate(part_rows)), dtype=torch.int64, device=flat.device)
@@ -237,9 +222,8 @@ def _part(
     block: tuple[int, int],
     grid: torch.Tensor,
 ) -> None:
-    """Elements ``first ..`` of one [rows, cols] part: converted at once into ``out`` (float32),
-    then each run of rows multiplied by its scales broadcast over the block (no full-size scale
-    tensor), the products written to ``dest`` (``out`` itself, or the destination)."""
+    """Elements ``first ..`` of one [rows, cols] part, converted into ``out`` (float32) and scaled
+    into ``dest`` (``out`` itself, or the destination)."""
     _convert_into(values, out)
     pos, n = 0, values.numel()
     while pos < n:
@@ -269,10 +253,7 @@ def _scale_rows(
     x: torch.Tensor, y: torch.Tensor, grid: torch.Tensor, row: int, col: int, block: tuple[int, int]
 ) -> None:
     """``y = x`` [k, w] times the block scales of rows ``row ..`` and columns ``col ..`` of a part
-    (``y`` may be ``x``). Whole blocks (the usual run of a stacked expert's rows): one multiply with
-    the grid broadcast over each block; rows inside one block row (a rank's half of a 128-row expert
-    weight on 2 ranks), likewise with that one grid row. Otherwise the scale rows are gathered once
-    per matrix row ([k, grid columns], 1/bn of the elements), then broadcast over each block's columns."""
+    (``y`` may be ``x``), with no full-size scale tensor."""
     bm, bn = block
     k, width = x.shape
     if not col and not row % bm and not k % bm and not width % bn:

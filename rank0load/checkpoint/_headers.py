@@ -1,9 +1,5 @@
 """A checkpoint's headers, read and checked against each other and its index (rank 0, or
-``inspect`` in one process; no collectives).
-
-(rank 0) :func:`read_headers` reads every file's header and checks the files together;
-:func:`file_tensors` is one file's part of that, which ``_manifest`` reads run by run.
-"""
+``inspect`` in one process; no collectives)."""
 
 from __future__ import annotations
 
@@ -19,15 +15,11 @@ __all__ = ["file_tensors", "read_headers"]
 
 
 def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
-    """(rank 0) All tensors of all files; checked against the index when there is one (each file's
-    keys against the keys it lists for that file: :class:`~._index.Listing`).
-
-    ``files``: the source's files already opened (``_files.open_files(source.files)``); each
-    header is then read through its descriptor. Without it, each file is opened by path.
+    """(rank 0) All tensors of all files, each file's keys checked against the index if any.
+    ``files``: the source's files already opened (else each is opened by path).
 
     Raises CheckpointFormatError (a key stored twice, a file and the index disagree, a listed key
-    no file stores) or CheckpointChangedError (the index changed during the load).
-    """
+    no file stores) or CheckpointChangedError (the index changed during the load)."""
     found: dict[str, TensorHeader] = {}
     for path in source.files:
         found.update(file_tensors(source, path, files[path] if files is not None else path, found))
@@ -50,11 +42,9 @@ def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> di
 def file_tensors(
     source: Source, path: str, file: str | OpenFile, found: Mapping[str, TensorHeader]
 ) -> dict[str, TensorHeader]:
-    """(rank 0) The tensors of file ``path`` of ``source``, its header read through ``file`` (the
-    file opened, or its path), checked: no key among ``found`` (the files read before it), and
-    exactly the keys the index lists for it. Raises CheckpointFormatError naming the first key
-    stored twice or where the file and the index disagree (``read_header``'s errors as they come).
-    """
+    """(rank 0) The tensors of file ``path``, read through ``file`` (opened, or its path), checked:
+    no key among ``found`` (the files read before), exactly the keys the index lists for it. Raises
+    CheckpointFormatError (and ``read_header``'s errors)."""
     tensors, _ = read_header(file)
     twice = found.keys() & tensors.keys()  # checked in C
     if twice:
@@ -71,8 +61,7 @@ def file_tensors(
 def _disagreement(
     source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
 ) -> None:
-    """Raise the error naming where file ``path``'s keys (its ``tensors``) and the index's map
-    ``listed`` disagree: a key it does not list, or lists in another file."""
+    """Raise the error naming a key of ``tensors`` that ``listed`` lacks or puts in another file."""
     unlisted = [k for k in tensors if k not in listed]
     if unlisted:
         raise CheckpointFormatError(

@@ -1,11 +1,5 @@
-"""The index of a sharded checkpoint, read and checked, and the file names a checkpoint lists kept
-inside it (rank 0 only; no collectives).
-
-(rank 0) :func:`read_index` reads ``*.safetensors.index.json`` and checks its ``weight_map``: every
-key listed once, every file name a relative path that :func:`inside` resolves to a regular file
-within the checkpoint directory (or the Hub cache repo folder its snapshot links into). What it
-lists is kept as a :class:`Listing`, which ``_headers`` checks each header against.
-"""
+"""The index of a sharded checkpoint, read and checked (rank 0 only; no collectives): every key
+listed once, every file name resolved by :func:`inside` to a regular file within the checkpoint."""
 
 from __future__ import annotations
 
@@ -21,17 +15,14 @@ from ._json import RepeatedKeys, parse_json, short_repr
 
 __all__ = ["Listing", "inside", "read_index"]
 
-# An index maps names to files: a few MB for the largest models. Anything far bigger is not one.
+# a few MB for the largest models: anything far bigger is not an index
 _MAX_INDEX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
 class Listing:
-    """What an index lists, as much of it as checks the headers: each file's number of keys and
-    the sum of their hashes. Not the map itself: its key strings, held from ``resolve`` to the
-    manifest, would stay resident on rank 0 after being freed (the model build keeps their
-    allocator arenas alive). The map is read again (:meth:`read_map`) only to name the key where
-    index and headers disagree, or for ``inspect``."""
+    """What an index lists, enough to check headers: each file's key count and hash sum. Not the
+    map, whose strings would stay resident on rank 0 once freed; :meth:`read_map` reads it again."""
 
     path: str  # the index file
     boundary: str | None
@@ -48,8 +39,7 @@ class Listing:
         return sum(n for n, _ in self.counts.values())
 
     def read_map(self) -> dict[str, str]:
-        """The index's map again, checked as ``_source.resolve`` checked it: checkpoint key -> absolute
-        file path."""
+        """The index's map again, checked: checkpoint key -> absolute file path."""
         return _read_map(self.path, self.boundary)[2]
 
 
@@ -115,8 +105,7 @@ def _read_index(index_path: str) -> object:
             )
         raw = [read_exact(f.fd, size, 0, index_path)]
         f.check()
-    # popped, not named: parse_json then holds the only reference and frees the bytes once decoded
-    # (rank 0's peak memory is made while it is parsed)
+    # popped, not named: parse_json holds the only reference and frees the bytes (rank 0's peak)
     return parse_json(raw.pop(), "index", lambda problem: _index_error(index_path, problem))
 
 
@@ -140,7 +129,6 @@ def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ..
             index_path,
             f"'weight_map' maps key {key!r} to {short_repr(name)}: expected a file name (a string)",
         )
-    # each file name resolved once, then the map built in C
     resolved = {name: inside(root, name, index_path, boundary) for name in dict.fromkeys(weight_map.values())}
     mapped = dict(zip(weight_map, map(resolved.__getitem__, weight_map.values())))
     files = tuple(sorted(set(resolved.values())))

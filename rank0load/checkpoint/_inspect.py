@@ -1,9 +1,6 @@
-"""What a checkpoint holds, and whether it fits a model, from the headers alone (one process).
-
-(one process; no collectives) :func:`inspect_checkpoint` resolves and validates the checkpoint
-as rank 0 does for a load and, given a ``model_fn``, matches keys exactly as a load does
-(``_match.match_keys``), listing every problem rather than the first. No tensor data is read.
-``python -m rank0load inspect`` is the command-line front end (``__main__``).
+"""What a checkpoint holds, and whether it fits a model, from the headers alone (one process; no
+collectives). :func:`inspect_checkpoint` validates and matches as a load does, listing every problem
+rather than the first; no tensor data is read.
 """
 
 from __future__ import annotations
@@ -60,25 +57,21 @@ class Inspection:
     mismatched: tuple[str, ...] = field(default=())  # one message per key whose shape/dtype cannot load
     ignored: tuple[str, ...] = ()  # checkpoint keys key_map dropped or non-persistent in the model
     converted: tuple[str, ...] = ()  # model tensors assembled from several tensors or dequantised
-    # Tied parameters whose names the checkpoint stores more than once ("a = b"): a load compares
-    # their bytes and raises if they differ; headers alone cannot tell.
+    # tied parameters stored under several names ("a = b"): only a load compares their bytes
     tied_twice: tuple[str, ...] = ()
-    # The FSDP groups the default policy gives the model (root first), as a load's
-    # LoadReport.fsdp_groups lists them; None: no model, or not listed, and why (fsdp_unlisted).
+    # the default policy's FSDP groups (root first), as LoadReport.fsdp_groups; None: see fsdp_unlisted
     fsdp_groups: tuple[FSDPGroup, ...] | None = None
     fsdp_unlisted: str = ""
 
     @property
     def fits(self) -> bool:
-        """No missing, unexpected or mismatched keys (True when no model was checked). Values are not
-        read: ``tied_twice`` lists what only a load can compare."""
+        """No missing, unexpected or mismatched keys (True when no model was checked); values unread."""
         return not (self.missing or self.unexpected or self.mismatched)
 
 
 def load_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
-    """``"package.module:factory"`` (the attribute may be dotted) -> the callable.
-
-    ``option``: the command-line option that named ``spec``, for the error messages.
+    """``"package.module:factory"`` (the attribute may be dotted) -> the callable. ``option``: the
+    command-line option that named ``spec``, for messages.
 
     Raises:
         ValueError: ``spec`` is not ``MODULE:CALLABLE``.
@@ -112,13 +105,10 @@ def inspect_checkpoint(
         model_fn: zero-argument callable building the model; it runs with parameters on meta.
         key_map: checkpoint key -> model key, or None to drop the key; as ``load_sharded`` takes it.
             Needs ``model_fn``.
-        conversions: :class:`~rank0load.StackExperts` rules, as ``load_sharded`` takes them
-            (transformers' own conversions apply to a transformers model without them).
+        conversions: :class:`~rank0load.StackExperts` rules, as ``load_sharded`` takes them.
 
-    With ``model_fn`` and no process group in this process, the model is also sharded on meta by
-    the default policy over a one-rank gloo world created and destroyed here, for
-    ``Inspection.fsdp_groups``; a group that would hold trainable parameters of two dtypes is listed
-    in ``mismatched`` with the error a load raises.
+    With ``model_fn`` and no process group, the model is also sharded on meta in a one-rank gloo
+    world made here, for ``Inspection.fsdp_groups`` (refusals listed in ``mismatched``).
 
     Returns:
         An :class:`Inspection`.
@@ -220,17 +210,13 @@ def _check_model(
 
 
 def _fsdp_groups(model: nn.Module) -> tuple[tuple[FSDPGroup, ...] | None, str, str]:
-    """(groups, why they are not listed, the ModelMismatchError a load would raise) for the default
-    policy on ``model`` (on meta; sharded in place, after its keys were matched). A refusal (a group
-    that would train two dtypes, or the policy's own) is what a load raises, before any data moves.
-    Not listed when this process already has a process group: a mesh over that world would need
-    every rank, and is the caller's business."""
+    """(groups, why not listed, the ModelMismatchError a load would raise) for the default policy on
+    ``model`` (on meta; sharded in place); not listed when this process already has a process group."""
     if not dist.is_available() or dist.is_initialized():
         return None, "this process already has a process group", ""
     from torch.distributed.device_mesh import init_device_mesh
 
-    # A world of this process alone (an in-memory store, no environment variables); fully_shard on
-    # meta issues no collectives, and the groups are the same at any world size.
+    # fully_shard on meta issues no collectives, and the groups are the same at any world size
     dist.init_process_group(
         "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
     )

@@ -1,8 +1,4 @@
-"""Untrusted JSON decoded, repeated keys found (rank 0 only; no collectives).
-
-(rank 0) :func:`parse_json` decodes a safetensors header (``_format``) or an index (``_index``).
-:func:`short_repr` shortens the values messages quote.
-"""
+"""Untrusted JSON decoded, repeated keys found (rank 0 only; no collectives)."""
 
 from __future__ import annotations
 
@@ -18,11 +14,7 @@ def short_repr(value: object, limit: int = 60) -> str:
 
 
 class RepeatedKeys(dict[str, object]):
-    """A JSON object in which some key occurs more than once (``twice`` lists them, in order).
-
-    ``json.loads`` would silently keep the last value; :func:`parse_json` returns this instead so
-    the caller can say which key of which object is ambiguous.
-    """
+    """A JSON object in which some key occurs more than once (``twice`` lists them, in order)."""
 
     twice: tuple[str, ...] = ()
 
@@ -43,16 +35,13 @@ def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> objec
     """Decode untrusted JSON; objects with a repeated key come back as :class:`RepeatedKeys`.
 
     Invalid UTF-8 or JSON, a number too long to convert, or nesting too deep for the parser raise
-    ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index").
-    """
+    ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index")."""
     try:
         text = raw.decode("utf-8")
         del raw  # the caller's reference may be the last other one (see _index._read_index)
         found = json.loads(text)
-        # Every key of every object is followed by one ':' in the text, and so is every ':' inside
-        # a string. When the keys of the top two levels (all an index or a header has) are as many
-        # as the text's colons, no string holds a ':', no deeper object exists and no key occurs
-        # twice; otherwise parse again, marking repeated keys (the hook is slower).
+        # Each key is followed by one ':', as is each ':' in a string: if the top two levels' keys
+        # equal the colons, no key repeats; otherwise parse again with the slower hook.
         if _keys_two_deep(found) != text.count(":"):
             found = json.loads(text, object_pairs_hook=mark_repeated_keys)
         return found

@@ -1,17 +1,7 @@
-"""Rank 0's steps on the checkpoint: open it, then make its manifest, the checkpoint's headers matched
-to the model, checked, and made into the entry list every rank streams, in file order (rank 0; no
-collectives).
-
-(rank 0) :func:`open_checkpoint` resolves the checkpoint and opens its files once.
-:func:`read_manifest` (:func:`build_manifest`) reads the headers run by run: the files in order, a run ending with
-the file that brings it to :data:`RUN_TENSORS` tensors; the PEFT adapters loaded with the checkpoint
-(:func:`adapters_of`) are one run more. Each run is matched (``_match.match_keys``) and made into
-entries (``_fit.build_entries``), and its header objects are freed before the next run's are read:
-rank 0 never holds every header of a 96k-tensor checkpoint as Python objects at once. What spans
-runs (an expert group or a float8 weight and its scale grid in two files, a tied parameter stored
-under two names) is settled after the last run (:func:`_merge`). Every problem raises a
-:class:`~..errors.LoadError` (``_api`` runs both steps through ``_distribute.from_rank0``, which
-raises it on every rank); :func:`unforeseen` words any other exception.
+"""Rank 0's steps on the checkpoint: open it, then make its manifest, the entry list every rank
+streams, in file order (rank 0; no collectives). Headers are matched run by run, each run's freed
+before the next, so rank 0 never holds every header at once; what spans runs is settled by
+:func:`_merge`. Every problem raises a :class:`~..errors.LoadError`; :func:`unforeseen` words others.
 """
 
 from __future__ import annotations
@@ -84,9 +74,8 @@ class Adapter:
 
 
 def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
-    """(rank 0) ``load_sharded(adapter=...)`` resolved: a PEFT adapter folder (or Hub repo id) for the
-    model's active adapter, or a mapping of adapter name -> folder; each folder's
-    ``adapter_config.json`` checked against the model's config of that adapter."""
+    """(rank 0) ``load_sharded(adapter=...)`` resolved (a folder for the active adapter, or name ->
+    folder), each ``adapter_config.json`` checked against the model's config of that adapter."""
     if isinstance(adapter, (str, os.PathLike)):
         specs = {str(getattr(model, "active_adapter", "default")): adapter}
     elif isinstance(adapter, dict):
@@ -112,9 +101,8 @@ def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
 
 @dataclass
 class Checkpoint:
-    """(rank 0) The checkpoint resolved, with the adapters loaded with it, and their files open: what
-    :func:`read_manifest` matches against the model. Opened before the ranks agree on their models,
-    while the slower ranks still build."""
+    """(rank 0) The checkpoint and its adapters resolved, their files open; opened before the ranks
+    agree on their models, while the slower ranks still build."""
 
     source: Source
     adapters: Sequence[Adapter]
@@ -127,9 +115,8 @@ def open_checkpoint(
     stack: contextlib.ExitStack,
     adapters: Callable[[], Sequence[Adapter]] = lambda: (),
 ) -> Checkpoint:
-    """(rank 0) Resolve the checkpoint (and ``adapters()``, resolved here too) and open their files
-    once (closed by ``stack``): the files the manifest's headers and the stream are read through.
-    Raises a LoadError (anything unforeseen is wrapped in one)."""
+    """(rank 0) Resolve the checkpoint (and ``adapters()``) and open their files once (closed by
+    ``stack``). Raises a LoadError (anything unforeseen is wrapped in one)."""
     try:
         source = resolve(ckpt_path, revision)
         found = adapters()
@@ -150,8 +137,7 @@ def read_manifest(
     key_map: Callable[[str], str | None] | None,
     conversions: Sequence[Conversion] = (),
 ) -> Manifest:
-    """(rank 0) The manifest of ``checkpoint`` (:func:`open_checkpoint`) for the model
-    (``_manifest.build_manifest``); raises a LoadError for any problem found matching its headers."""
+    """(rank 0) :func:`build_manifest` for ``checkpoint``; raises a LoadError for any problem."""
     return build_manifest(
         checkpoint.source,
         checkpoint.files,
@@ -165,11 +151,8 @@ def read_manifest(
 
 def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception, ours: bool = False) -> LoadError:
     """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading.
-    ``ours``: raised while matching the headers to the model, where only rank0load's code (and the
-    transformers conversions it drives) runs: unless the machine's (``OSError``, ``MemoryError``),
-    an :class:`~..errors.InternalError` naming where it was raised and the versions. Resolving and
-    opening the checkpoint also runs the Hub client and PEFT's config reader: their failures keep
-    the plain wording."""
+    ``ours`` (raised while matching headers, where only rank0load's code runs): an
+    :class:`~..errors.InternalError` naming where and the versions, unless OSError or MemoryError."""
     what = f"rank 0 could not read checkpoint {os.fspath(ckpt_path)!r}"
     if ours and not isinstance(exc, (OSError, MemoryError)):
         return internal_error(what, exc)
@@ -181,9 +164,7 @@ class _Run:
     """One run's part of the manifest, and what only :func:`_merge` can settle."""
 
     entries: list[Entry]
-    # model key -> checkpoint tensors, for what the run cannot settle alone: stacked experts not
-    # all in it; float8 weights whose scale grid is not in it; tied parameters (perhaps stored
-    # under another name in another run)
+    # model key -> tensors the run cannot settle alone (partial expert stacks, unscaled float8, ties)
     stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]]
     single: dict[str, tuple[TensorHeader, ...]]
     scales: list[TensorHeader]  # grids those may need
@@ -215,11 +196,10 @@ def build_manifest(
     adapters: Sequence[Adapter] = (),
 ) -> Manifest:
     """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
-    list what to move, in file order. ``files``: the source's and the adapters' files, opened once
-    (:func:`open_checkpoint`); every header is read through them. ``key_map`` renames the
-    checkpoint's keys (not the adapters'). Raises CheckpointFormatError / CheckpointChangedError
+    list what to move, in file order; every header is read through ``files``. ``key_map`` renames
+    the checkpoint's keys (not the adapters'). Raises CheckpointFormatError / CheckpointChangedError
     (the files and the index disagree, a key stored twice) or ModelMismatchError (the keys, shapes
-    or dtypes do not fit the model; the message says which and what to do)."""
+    or dtypes do not fit the model)."""
     load = _Load(
         layout,
         KeyResolver(layout.canonical, conversions, layout.canonical_all),
@@ -311,8 +291,7 @@ def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str],
 
 
 def _compact(entry: Entry) -> Entry:
-    """``entry`` with its checkpoint names in one string each (as they travel to the other ranks):
-    the run's name objects are then freed with its headers."""
+    """``entry`` with its names compacted, so the run's name objects are freed with its headers."""
     if not entry.parts and not entry.scales:
         return entry
     return replace(entry, parts=entry.parts.compacted(), scales=entry.scales.compacted())
@@ -384,8 +363,7 @@ def _check_stored_once(
     key_map: Callable[[str], str | None] | None,
 ) -> set[str]:
     """The model keys the runs found. Raises ModelMismatchError for one found under different
-    checkpoint keys in different runs (tied parameters aside: ``single`` gathers their names, and
-    ``build_entries`` compares them)."""
+    checkpoint keys in different runs (tied parameters aside: ``build_entries`` compares them)."""
     found = {e.key for e in entries}
     both = sorted(stacked.keys() & (found | single.keys()))
     if both:

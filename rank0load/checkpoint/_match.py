@@ -1,10 +1,5 @@
 """Which model key each checkpoint key loads into (rank 0, or one process for ``inspect``; no
-collectives).
-
-:func:`match_keys` is the one key matcher: ``_manifest`` (run by run) and ``_inspect`` (the dry
-run) both use it, so they agree exactly. The errors of a load that would load nothing, of two
-layouts of one tensor and of a ``key_map`` that maps two keys to one are worded here.
-"""
+collectives): the one matcher, so a load and ``inspect`` agree."""
 
 from __future__ import annotations
 
@@ -32,11 +27,8 @@ def match_keys(
     """(rank 0, or one process for ``inspect``) Map every checkpoint key to a canonical model key:
     ``key_map`` first, then the model's non-persistent buffers (ignored) and its own aliases
     (:meth:`ModelLayout.canonical`); a key the model does not have is offered to ``conversions``
-    (renamed, or one of the parts of a stacked parameter). Keys the model has win: a checkpoint
-    already in the model's layout loads as it is. Shapes and dtypes are not checked here.
-
-    ``resolver``: a KeyResolver for ``layout`` and ``conversions`` that earlier calls used (the
-    manifest's runs); None: a new one.
+    (renamed, or one of the parts of a stacked parameter). Keys the model has win. Shapes and
+    dtypes are not checked here. ``resolver``: one shared with earlier calls; None: a new one.
 
     Raises:
         ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
@@ -85,9 +77,8 @@ def _mapped(
     non_persistent: AbstractSet[str],
     ignored: list[str],
 ) -> tuple[list[str], list[str]]:
-    """The checkpoint keys ``key_map`` keeps that are no non-persistent buffer of the model (those
-    and the dropped keys go to ``ignored``), and their model keys. Raises ModelMismatchError when
-    ``key_map`` raises, returns neither a str nor None, or maps two keys to one model key."""
+    """The checkpoint keys ``key_map`` keeps that are no non-persistent buffer (the others go to
+    ``ignored``), and their model keys. Raises ModelMismatchError as :func:`match_keys` says."""
     ckpt_keys: list[str] = []
     model_keys: list[str] = []
     mapped_from: dict[str, str] = {}
@@ -136,9 +127,8 @@ def key_map_collision(first: str, second: str, model_key: str) -> str:
 
 
 def nothing_matched(description: str, count: int, first: list[str], ignored: int, layout: ModelLayout) -> str:
-    """The error for a load that would load nothing: a few names from each side, and a guess.
-    ``count``: the checkpoint's keys; ``first``: the first 50 of them, sorted; ``ignored``: how
-    many of them key_map dropped or are the model's non-persistent buffers."""
+    """The error for a load that would load nothing: a few names from each side, and a guess
+    (``first``: the checkpoint's first 50 keys, sorted; ``ignored``: how many were dropped)."""
     model = sorted(k for k in layout.tensors if layout.tensors[k].is_param) or sorted(layout.tensors)
     hint = _prefix_hint(first, model)
     if not count:

@@ -1,14 +1,7 @@
-"""Where the checkpoint is (rank 0 only).
+"""Where the checkpoint is (rank 0 only: on a multi-node job it may not exist on other nodes).
 
-(rank 0) :func:`resolve` turns ``ckpt_path`` into a :class:`Source`: the list of safetensors files
-and, when an index names them, its ``weight_map``. It accepts a directory (holding
-``model.safetensors``, ``*.safetensors.index.json`` or ``*.safetensors`` files), a single
-``.safetensors`` file, an index ``.json``, or a Hugging Face Hub repo id; with ``subfolder``, that
-folder of a directory or repo (a diffusers pipeline's ``transformer/``). Index entries are
-refused, never followed, when they leave the checkpoint directory (absolute paths, ``..``, a
-symlink pointing outside; ``_index`` reads and checks an index). A diffusers pipeline's root
-(``model_index.json``) is refused with the component folders to pass instead. Other ranks never
-call anything here: on a multi-node job the checkpoint may not exist on their node.
+(rank 0) :func:`resolve` accepts a directory, a ``.safetensors`` file, an index ``.json`` or a Hub
+repo id (with ``subfolder``, that folder of it); files that leave the checkpoint are refused.
 """
 
 from __future__ import annotations
@@ -42,16 +35,13 @@ class Source:
     files: tuple[str, ...]
     listing: Listing | None  # None: no index
     description: str
-    # Weight files the directory also held but precedence passed over (model.safetensors wins over
-    # an index, as in transformers); logged at INFO when resolved.
+    # weight files the directory also held that precedence passed over (logged at INFO)
     ignored: tuple[str, ...] = ()
 
 
 class Resolved(os.PathLike[str]):
-    """(rank 0) A checkpoint path resolved already, with its :class:`Source`: ``load_pretrained``
-    resolves the checkpoint to read its config, then passes this as ``load_sharded``'s path, so
-    that the index is read once, not twice. :func:`resolve` hands the Source out once; after that
-    it resolves the path again. Anywhere else it is just the path."""
+    """(rank 0) A checkpoint path resolved already, so the index is read once: :func:`resolve` takes
+    its :class:`Source` once, then resolves the path again. Anywhere else it is just the path."""
 
     def __init__(self, path: str | os.PathLike[str], source: Source) -> None:
         self.path = os.fspath(path)
@@ -97,8 +87,7 @@ def resolve(
             )
         if _REPO_ID.match(path) and not path.startswith((".", "/")):
             snapshot = _from_hub(path, revision, _not_local(path), subfolder)
-            # The Hub cache links snapshots/<commit>/<file> to blobs/<sha>: the repo's cache
-            # folder, not the snapshot, is what files must stay inside.
+            # snapshots link into blobs/: files must stay inside the repo's cache folder
             boundary = os.path.realpath(os.path.join(snapshot, "..", ".."))
             if subfolder is not None:
                 return _component(snapshot, subfolder, boundary)
@@ -132,12 +121,7 @@ def resolve(
 
 def _cache_repo(directory: str) -> str | None:
     """The repo folder when ``directory`` is a Hugging Face cache snapshot
-    (``.../models--org--name/snapshots/<commit>``), else None.
-
-    A snapshot's files are symlinks to ``../../blobs/<sha>``: they stay inside the repo's cache
-    folder, which is then the boundary files must not escape (as for a repo id), so a user may
-    pass the snapshot's path directly. Anything pointing elsewhere is still refused.
-    """
+    (``.../models--org--name/snapshots/<commit>``): the boundary its files must stay inside; else None."""
     real = os.path.realpath(directory)
     parent = os.path.dirname(real)
     repo = os.path.dirname(parent)
@@ -149,8 +133,7 @@ def _cache_repo(directory: str) -> str | None:
 
 
 def _from_dir(path: str, boundary: str | None = None) -> Source:
-    """Precedence, as transformers' ``from_pretrained`` on a local directory
-    (``_get_resolved_checkpoint_files``): ``model.safetensors`` first, then
+    """Precedence as transformers' ``from_pretrained``: ``model.safetensors``, then
     ``model.safetensors.index.json``, then a single other index, then every ``*.safetensors`` file."""
     try:
         names = sorted(os.listdir(path))
@@ -247,9 +230,7 @@ def _from_index(index_path: str, boundary: str | None = None) -> Source:
     return Source(root, files, listing, index_path)
 
 
-# What a load needs from a Hub repo: weights, their index, and the model config and generation config
-# (load_pretrained builds the model from them; so may callers' model_fn). Not tokenizers, not other
-# weight formats (.bin, .gguf, .pt).
+# what a load needs from a Hub repo: weights, their index, and the configs load_pretrained builds from
 HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json")
 
 
@@ -263,14 +244,9 @@ def _not_local(path: str) -> str:
 
 
 def _from_hub(repo_id: str, revision: str | None, not_local: str, subfolder: str | None = None) -> str:
-    """(rank 0) The local snapshot folder of a Hub repo: from the cache, downloading what is missing.
-
-    ``huggingface_hub.snapshot_download`` honours ``HF_HOME`` / ``HF_HUB_CACHE`` (where the cache
-    is), ``HF_HUB_OFFLINE=1`` (cache only, no network: the ``refs/<revision>`` file names the
-    snapshot) and ``HF_TOKEN``. Only :data:`HUB_PATTERNS` are fetched (those in folder ``subfolder``,
-    if given). ``not_local`` (from :func:`_not_local`) starts every error: the user may have meant
-    a local path.
-    """
+    """(rank 0) The local snapshot folder of a Hub repo, downloading what the cache lacks (honours
+    ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``). Only :data:`HUB_PATTERNS` are
+    fetched (within ``subfolder``, if given); ``not_local`` starts every error."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError

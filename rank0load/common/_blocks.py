@@ -1,22 +1,12 @@
 """The geometry of a tensor-parallel (BLOCK) tensor in transit, for the load and the save alike (all
 ranks; no collectives).
 
-A DTensor whose placements mix ``Shard(d)``, ``_StridedShard`` and ``Replicate`` (tensor parallel,
-and FSDP2 on top of it) leaves on each rank the cross product of index runs, one list per
-dimension (:data:`Runs`, ``model._layout.runs_at``): its *block*. Such a tensor passes through
-rank 0 in :class:`Chunk`\\ s of whole rows that fill at most half a staging slot
-(``_staging.block_half``: the other half holds the blocks cut from a chunk, or received for it). A
-chunk holds rows of one dimension ``k`` under one index of each dimension before it; ``k = 0``
-unless a dimension-0 row is wider than half a slot. Each rank's share of a chunk is one
-:class:`Part` per run of its indices along ``k``: a contiguous range of its local shard, one
-message.
-
-(all ranks) :func:`block_chunks` yields the chunks and the parts of the ranks asked for; every rank
-derives the same ones from the same blocks, so nothing is exchanged to agree on them. The load
-(``load._plan``, ``load._sink``): rank 0 cuts every rank's parts from the chunks it reads, and a
-receiver derives its own alone. The save (``save._pieces``, ``save._write``): each sender sends its
-parts, and rank 0 places them into the chunk's rows.
-"""
+A DTensor whose placements mix ``Shard(d)``, ``_StridedShard`` and ``Replicate`` leaves on each
+rank the cross product of index runs, one list per dimension (:data:`Runs`): its *block*. Such a
+tensor passes through rank 0 in :class:`Chunk`\\ s of whole rows filling at most half a staging
+slot; each rank's share of a chunk is one :class:`Part` per run of its indices: a contiguous range
+of its local shard, one message. Every rank derives the same chunks and parts from the same blocks,
+so nothing is exchanged to agree."""
 
 from __future__ import annotations
 
@@ -63,9 +53,8 @@ class Part:
 
 
 def chunk_dim(shape: tuple[int, ...], itemsize: int, half: int) -> int | None:
-    """The dimension whose rows a chunk of a tensor of ``shape`` holds: the first whose rows
-    (everything after it) fit in ``half`` bytes; None when not even one element fits, or ``shape``
-    has no dimension."""
+    """The dimension whose rows a chunk of ``shape`` holds: the first whose rows (everything after
+    it) fit in ``half`` bytes; None when no element fits, or ``shape`` has no dimension."""
     return next((k for k in range(len(shape)) if math.prod(shape[k + 1 :]) * itemsize <= half), None)
 
 
@@ -76,11 +65,7 @@ def block_chunks(
     order, each with the parts of the ranks in ``blocks``: by first row, then in ``blocks``' order.
     A chunk holds at most ``half`` bytes (at least one element; ValueError if one does not fit); a
     tensor without elements has none. Passing one rank's block alone gives its parts, in the same
-    order as among all.
-
-    A chunk is rows of dimension ``k`` (:func:`chunk_dim`) under one index of each dimension before
-    it (a wide 2-D row is cut into column ranges; one expert of a 3-D tensor into its rows). The
-    ranks' runs are swept along the chunks, so a chunk costs only the ranks holding part of it."""
+    order as among all."""
     if math.prod(shape) == 0:
         return
     k = chunk_dim(shape, itemsize, half)
@@ -118,10 +103,9 @@ def block_chunks(
 def _held(
     holders: list[tuple[int, Runs]], outer: tuple[int, ...]
 ) -> Iterator[tuple[int, int, int, int, int, Runs]]:
-    """The runs of dimension ``k = len(outer)`` the ranks hold under the indices ``outer`` of the
-    dimensions before it: (first row, end row, rank, element offset of the first row in its local
-    shard, elements per local row, its runs on the later dimensions); nothing from a rank that
-    lacks one of ``outer`` or holds nothing on a later dimension."""
+    """The runs of dimension ``k = len(outer)`` the ranks hold under ``outer``: (first row, end row,
+    rank, element offset of the first row in its local shard, elements per local row, its runs on
+    the later dimensions); nothing from a rank lacking ``outer`` or holding nothing later."""
     k = len(outer)
     for rank, runs in holders:
         counts = [sum(b - a for a, b in r) for r in runs]

@@ -1,23 +1,16 @@
-"""Every collective rank0load issues lives here: the rank protocol.
-
-A step is one of four kinds; each is one call, made by every rank in the same order:
+"""Every collective rank0load issues lives here: the rank protocol. Each step is one call, made
+by every rank in the same order:
 
 * :func:`run` — a step every rank runs; if it fails on any rank, every rank raises that rank's
-  error. :func:`attempt` and :func:`settle` are its two halves, for a step whose failure is raised
-  later (the build, settled by :func:`agree`; the shards' allocation, raised inside the next step).
-* :func:`from_rank0` — a value rank 0 computes alone (a manifest, a plan, the configs), on every
-  rank, or its error raised on every rank.
-* :func:`agree` — settle the build, and check every rank built the same model with the same options
-  (a digest; the models compared only when the digests differ).
-* rounds of transfers (:class:`Rounds`, :func:`settled`): each rank notes its first local
-  failure (:class:`Faults`) and keeps the messages flowing; every round's end says whether any rank
-  failed, and the transfer raises the same error on every rank once.
+  error. :func:`attempt` and :func:`settle` are its two halves, for a failure raised later.
+* :func:`from_rank0` — a value rank 0 computes alone, on every rank, or its error on every rank.
+* :func:`agree` — settle the build, and check every rank built the same model with the same options.
+* rounds of transfers (:class:`Rounds`, :func:`settled`): each rank notes its first local failure
+  (:class:`Faults`) and keeps the messages flowing; each round's end says whether any rank failed,
+  and every rank raises the same error once.
 
-:func:`gather_to_rank0` and :func:`ranks_where` carry the node-local reads' hand-over (``_handover``).
-A collective that itself fails (a peer died, the network broke, the process-group timeout) is a
-``_failure.peer_failure``: the only case where a rank cannot learn the real cause. How a failure is
-told apart and worded (the caller's code, the machine's, rank0load's own) is ``_failure``'s.
-"""
+A collective that itself fails (a peer died, a timeout) is a ``_failure.peer_failure``: the only
+case where a rank cannot learn the real cause."""
 
 from __future__ import annotations
 
@@ -89,23 +82,20 @@ def rank0_rng_state(device: torch.device) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class Outcome(Generic[R]):
-    """A step's result on this rank, or its error, until every rank has learnt of any rank's error
-    (:func:`settle`, :func:`agree`)."""
+    """A step's result on this rank, or its error, until :func:`settle` or :func:`agree`."""
 
     value: R | None = None
     error: Exception | None = None
 
     def get(self) -> R:
-        """(this rank) The value, or this rank's error raised: for a step whose error is settled by
-        a later one (rank 0's checkpoint, opened before the ranks agree, read after)."""
+        """(this rank) The value, or this rank's error raised (for a step settled by a later one)."""
         if self.error is not None:
             raise self.error
         return cast(R, self.value)
 
 
 def attempt(step: Callable[[], R]) -> Outcome[R]:
-    """(any rank) Run a step whose failure every rank must learn of before raising; then
-    :func:`settle` (or :func:`agree`) it on every rank."""
+    """(any rank) Run a step, keeping its error; then :func:`settle` (or :func:`agree`) it on every rank."""
     try:
         return Outcome(step())
     except Exception as exc:
@@ -113,15 +103,13 @@ def attempt(step: Callable[[], R]) -> Outcome[R]:
 
 
 def run(step: Callable[[], R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
-    """(all ranks) ``step()`` on every rank, its value; if it failed on any rank, every rank raises
-    the first failing rank's error (:func:`settle`)."""
+    """(all ranks) ``step()``'s value; if it failed on any rank, every rank raises the first one's error."""
     return settle(attempt(step), stage, todo, wrap)
 
 
 def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
     """(any rank) Where the rounds of a transfer end: the index just past each run of items carrying
-    at least ``round_bytes``, the last one at ``len(sizes)``. At each end every rank says whether it
-    failed (:class:`Rounds`)."""
+    at least ``round_bytes``, the last one at ``len(sizes)``."""
     ends, carried = [], 0
     for index, size in enumerate(sizes):
         carried += size
@@ -134,9 +122,8 @@ def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
 
 
 class Faults:
-    """This rank's first local failure (each rank). Once it is set, the transfer skips local work and
-    only keeps the messages flowing to the end of the round (:class:`Rounds`). Thread-safe: a reader or
-    writer thread may note one too."""
+    """This rank's first local failure (each rank); once set, the transfer skips local work and only
+    keeps the messages flowing to the round's end. Thread-safe: a reader or writer thread may note one."""
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
@@ -158,16 +145,14 @@ class Faults:
 
 
 def mesh_device(device_type: str) -> torch.device:
-    """(any rank) The one device resolver: the host for ``cpu``, else this rank's current
-    accelerator."""
+    """(any rank) The host for ``cpu``, else this rank's current accelerator."""
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.accelerator.current_device_index())
 
 
 def _object_device() -> torch.device:
-    """Where the default group's collectives take tensors: the host for gloo (also when gloo serves
-    CPU tensors beside NCCL), else this rank's current accelerator."""
+    """Where the default group's collectives take tensors: the host for gloo, else the accelerator."""
     if "gloo" in str(dist.get_backend()):
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
@@ -191,15 +176,13 @@ def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
 
 
 def broadcast(t: torch.Tensor, src: int) -> None:
-    """(all ranks) ``t`` from ``src`` into ``t`` everywhere (counted in :data:`traffic`): the data
-    stream's broadcast pieces."""
+    """(all ranks) ``t`` from ``src`` into ``t`` everywhere (counted in :data:`traffic`)."""
     dist.broadcast(t, src=src)
     if dist.get_rank() != src:
         traffic.received += t.numel() * t.element_size()
 
 
-# Python objects travel pickled in uint8 tensors. torch's broadcast_object_list decodes with
-# tensor.numpy(), and neither torch nor rank0load requires numpy.
+# Python objects travel pickled in uint8 tensors (broadcast_object_list would need numpy).
 
 
 def _pickled(obj: object) -> io.BytesIO:
@@ -210,8 +193,7 @@ def _pickled(obj: object) -> io.BytesIO:
 
 def _broadcast_object(obj: object, src: int = 0, written: io.BytesIO | None = None) -> Any:
     """(all ranks; two broadcasts) ``obj`` of rank ``src`` on every rank (``written``: ``obj`` already
-    pickled): ``src`` keeps its own (no second copy of a large manifest), the others unpickle theirs.
-    The sent tensor shares the pickle's buffer; both live only in this call."""
+    pickled): ``src`` keeps its own (no second copy of a large manifest), the others unpickle theirs."""
     device = _object_device()
     payload = None
     if dist.get_rank() == src:
@@ -240,8 +222,7 @@ def _raise_failure(
     first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
 ) -> None:
     """(all ranks, after :func:`_first_failure` returned ``first`` < world) Raise on every rank the
-    error of rank ``first``, worded once (``_failure.failure_of``): ``wrap`` names the stage, the rank,
-    what failed and ``todo``. Collectives may raise RuntimeError (a peer died): callers wrap it."""
+    error of rank ``first``, worded once. Collectives may raise RuntimeError: callers wrap it."""
     world = dist.get_world_size()
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
     mine = None
@@ -257,10 +238,9 @@ def _raise_failure(
 
 
 def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
-    """(all ranks) ``outcome``'s value, once every rank has said whether its step failed: if any
-    rank's did, every rank raises the first failing rank's error (see :func:`_raise_failure`); a
-    collective that fails is a :func:`peer_failure` of class ``wrap``'s family (LoadError, or
-    ``wrap`` itself when it is not a RankMismatchError)."""
+    """(all ranks) ``outcome``'s value, once every rank has said whether its step failed: if any did,
+    every rank raises the first failing rank's error; a failed collective is a :func:`peer_failure`
+    (LoadError, or ``wrap`` when it is not RankMismatchError)."""
     error = outcome.error
     try:
         first = _first_failure(error)
@@ -317,11 +297,10 @@ P = TypeVar("P", bound=Proposing)
 
 
 def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
-    """(all ranks) Settle the build step, then check that every rank built the same model with the
-    same options; returns the build and the layout flags AND-ed over the ranks. Raises the same
-    error on every rank (RankMismatchError when they differ; LoadError for a failed collective). No
-    message grows with the world size.
-    """
+    """(all ranks) Settle the build step, then check every rank built the same model with the same
+    options; returns the build and the layout flags AND-ed over the ranks. Raises the same error on
+    every rank (RankMismatchError if they differ; LoadError for a failed collective); no message
+    grows with the world size."""
     value = settle(
         built, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry."
     )
@@ -405,9 +384,8 @@ def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] |
 
 
 def ranks_where(flag: bool, what: str) -> frozenset[int]:
-    """(all ranks) The ranks whose ``flag`` is set, on every rank: one all-reduce of one bit per rank
-    (each rank sets only its own bit, so the sum of the bytes is their OR); LoadError naming ``what``
-    for a failed collective."""
+    """(all ranks) The ranks whose ``flag`` is set, on every rank: one all-reduce of one bit per rank;
+    LoadError naming ``what`` for a failed collective."""
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
         bits = torch.zeros((world + 7) // 8, dtype=torch.uint8)
@@ -425,10 +403,9 @@ def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:
 
 
 class Rounds:
-    """(all ranks) ``for begin, stop in Rounds(ends, faults):`` the items of each round (``begin`` to
-    ``stop``, the ends in ``ends``); after each round's body the ranks compare notes, and the loop
-    ends after the round in which any rank failed (every rank must run every round's check: it is a
-    collective). :attr:`first`: the first failing rank, or the world size when none did."""
+    """(all ranks) ``for begin, stop in Rounds(ends, faults):`` each round's items; after each body
+    the ranks compare notes (a collective every rank must run), and the loop ends after the round in
+    which any rank failed. :attr:`first`: the first failing rank, or the world size when none did."""
 
     def __init__(self, ends: Sequence[int], faults: Faults) -> None:
         self._ends, self._faults = ends, faults
@@ -456,8 +433,7 @@ def settled(
     faults: Faults, stage: str, todo: str, wrap: type[LoadError], peer_todo: str
 ) -> Iterator[TransferEnd]:
     """(all ranks) ``with settled(...) as outcome:`` run a transfer that sets ``outcome.first``; then
-    raise that rank's error on every rank (``_raise_failure``, ``todo`` its advice), or,
-    when a collective itself fails, this rank's peer failure (``peer_todo``)."""
+    raise that rank's error on every rank (``todo``), or this rank's peer failure (``peer_todo``)."""
     outcome = TransferEnd(dist.get_world_size())
     try:
         yield outcome

@@ -1,12 +1,7 @@
 """What a rank's failure is, and how every rank words it (all ranks; no collectives).
 
 A failure is the caller's code (:class:`UserCodeFailure`, from :func:`user_code`), the machine's
-(``OSError``, ``MemoryError``) or rank0load's own (any other exception: an
-:class:`~..errors.InternalError`). :func:`failure_of` makes the :class:`Failure` the first failing
-rank broadcasts (``_distribute.settle``); :func:`rank_mismatch`, :func:`peer_failure` and
-:func:`internal_error` are the errors for ranks that built different models, a failed collective,
-and rank0load's own failure on a rank that shares it itself (``checkpoint._manifest``).
-"""
+(``OSError``, ``MemoryError``) or rank0load's own (any other: :class:`~..errors.InternalError`)."""
 
 from __future__ import annotations
 
@@ -39,8 +34,7 @@ def peer_failure(
     cls: type[LoadError] = LoadError,
     todo: str = "No model was returned; fix the cause and load again.",
 ) -> LoadError:
-    """(the rank whose collective failed) The error for it: a peer died (connection reset) or stalled
-    (timeout). Returned, not raised."""
+    """(the rank whose collective failed) The error for it (a peer died or stalled); returned, not raised."""
     return cls(
         f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
         "died or stalled (see its log); the wait is bounded by the process-group timeout "
@@ -50,8 +44,7 @@ def peer_failure(
 
 class UserCodeFailure(Exception):
     """An exception from the caller's code (``model_fn``, ``shard_fn``, the model's own
-    initialisers), carried through a step so that ``_distribute.settle`` blames that code. Any other
-    exception that is not a LoadError is rank0load's own failure (:class:`~.errors.InternalError`)."""
+    initialisers), carried through a step so that ``_distribute.settle`` blames that code."""
 
 
 # the package root (this module sits in rank0load/common/): a frame in any of its files is ours
@@ -118,8 +111,8 @@ class Failure:
 
 
 def failure_of(rank: int, error: BaseException, todo: str, wrap: type[LoadError]) -> Failure:
-    """(the first failing rank) What it tells the others of its ``error`` (``_distribute.settle``, ``settled``):
-    its LoadError subclass and message; for the caller's code (:class:`UserCodeFailure`) or the
+    """(the first failing rank) What it tells the others of its ``error``: its LoadError subclass
+    and message; for the caller's code (:class:`UserCodeFailure`) or the
     machine's (``OSError``, ``MemoryError``), ``wrap`` and the message; for any other exception,
     rank0load's own failure (:class:`~.errors.InternalError`, or ``wrap`` where that is not
     RankMismatchError), where it was raised and the versions."""
@@ -136,8 +129,7 @@ def failure_of(rank: int, error: BaseException, todo: str, wrap: type[LoadError]
 
 
 def internal_error(what: str, error: BaseException) -> InternalError:
-    """rank0load's own ``error``, raised on one rank while it did ``what``, as the InternalError to
-    share with the others: where it was raised and the versions to report."""
+    """rank0load's own ``error`` on one rank while doing ``what``, as the InternalError to share."""
     return InternalError(f"{what}: {_internal(error)}. {_internal_todo()}")
 
 

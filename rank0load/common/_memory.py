@@ -1,14 +1,8 @@
 """Host memory for the local shards (each rank; no collectives): staging reservations, shards faulted in.
 
-A receive into fresh pages takes their page faults inside the kernel's copy, so every local shard is
-made resident right after it is allocated: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), else
-``zero_()``. The stream then writes every byte of every local shard, and the bytes of a shard's
-storage outside the shard (FSDP2's padding) are zeroed, so no stale memory is reachable.
-
-:func:`fault_in` does it behind other work: a lowest-priority thread faults the shards in, largest
-first, while rank 0 makes the manifest; :meth:`FaultIn.wait` faults in the rest on the caller's
-thread. The thread does one ``madvise`` call per shard and nothing else that needs the GIL.
-"""
+Every local shard is made resident right after it is allocated (``madvise(MADV_POPULATE_WRITE)``,
+Linux 5.14+, else ``zero_()``), so receives take no page faults; the bytes of its storage outside
+the shard (FSDP2's padding) are zeroed, so no stale memory is reachable."""
 
 from __future__ import annotations
 
@@ -58,8 +52,7 @@ def prefault(t: torch.Tensor) -> None:
 
 
 def _fill(pages: tuple[int, int] | None, t: torch.Tensor) -> None:
-    """Make ``pages`` (:func:`_outside_zeroed`'s) resident, one ctypes call that lets the GIL go;
-    zero ``t`` instead where there are none or the kernel cannot."""
+    """Make ``pages`` resident (one GIL-free ctypes call), else zero ``t``."""
     if pages is None or not _populate(*pages):
         t.zero_()
 
@@ -99,8 +92,7 @@ class FaultIn:
             self._error = exc
 
     def _work(self, take: Callable[[], tuple[tuple[int, int] | None, torch.Tensor]]) -> None:
-        """Fault in tensors taken off the queue (deque pops are atomic: each to one thread) until
-        it is empty."""
+        """Fault in tensors taken off the queue (atomic pops) until it is empty."""
         with torch.no_grad():  # grad mode is per thread; the tensors may be parameters
             while True:
                 try:
@@ -129,8 +121,7 @@ class FaultIn:
 
 
 def _lowest_priority() -> None:
-    """This thread at nice 19 (Linux: a thread's own niceness): the pages it faults in are needed
-    only after the manifest, and the thread making that manifest must not share its core with it."""
+    """This thread at nice 19 (Linux): its pages are needed only after the manifest it must not slow."""
     if sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -138,16 +129,13 @@ def _lowest_priority() -> None:
             pass
 
 
-# A CPU tensor smaller than this that is its whole storage is left to fault in where it is written:
-# nothing outside it to zero, and handing it to the thread costs more than its few pages.
 _SMALL = 1 << 20
 
 
 def fault_in(tensors: Iterable[torch.Tensor]) -> FaultIn:
-    """(each rank) :func:`prefault` each of ``tensors``, behind the caller's next work: the bytes outside each
-    tensor are zeroed here and now, the rest by :class:`FaultIn` (on other devices than the CPU,
-    each tensor is zeroed here and now: an asynchronous kernel). CPU tensors under ``_SMALL`` that
-    fill their storage are skipped: their first write faults them in at the same cost."""
+    """(each rank) :func:`prefault` each of ``tensors`` behind the caller's next work (a background
+    thread; non-CPU tensors are zeroed here, asynchronously). CPU tensors under ``_SMALL`` that fill
+    their storage are skipped: their first write faults them in at the same cost."""
     todo = []
     with torch.no_grad():
         for t in tensors:
@@ -162,9 +150,8 @@ _malloc_trim: object = None  # glibc's malloc_trim once found; False where there
 
 
 def trim_heap() -> None:
-    """(any rank) Give the free pages of the C heap back to the OS (glibc's ``malloc_trim(0)``; elsewhere
-    nothing): glibc keeps the freed temporaries of rank 0's manifest resident. This changes no
-    allocator setting; it only returns what is free now."""
+    """(any rank) Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``; elsewhere
+    nothing); no allocator setting changes."""
     global _malloc_trim
     if _malloc_trim is None:
         _malloc_trim = False

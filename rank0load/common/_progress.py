@@ -1,13 +1,7 @@
 """Rank 0's progress bar over bytes, and the peak-RSS probe (no collectives).
 
-(rank 0) :func:`progress_bar` returns a byte counter for ``_transfer.stream(on_bytes=...)``: a bar
-with throughput, drawn with huggingface_hub's ``tqdm`` so that ``HF_HUB_DISABLE_PROGRESS_BARS=1``
-(or ``huggingface_hub.utils.disable_progress_bars("rank0load")``) turns it off, and only when
-stderr is a terminal, so logs of batch jobs stay clean. Other ranks never call it (and so never
-import huggingface_hub).
-
-(all ranks) :func:`peak_rss_bytes` is this process's peak resident set size so far.
-"""
+(rank 0) :func:`progress_bar`: huggingface_hub's ``tqdm`` (``HF_HUB_DISABLE_PROGRESS_BARS=1`` turns
+it off), only when stderr is a terminal. (all ranks) :func:`peak_rss_bytes`."""
 
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 def peak_rss_bytes() -> int:
-    """(any rank) This process's peak resident set size in bytes (``VmHWM``; ``getrusage`` where
-    there is no /proc)."""
+    """(any rank) This process's peak resident set size in bytes (``VmHWM``, else ``getrusage``)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:

@@ -1,8 +1,5 @@
-"""What a load did: :class:`LoadReport` (every rank) and rank 0's log lines (no collectives).
-
-(any rank, no collectives) :func:`fsdp_plan` lists a sharded model's FSDP groups as :class:`FSDPGroup`
-items (the load's report and ``inspect --model`` both show them); :func:`format_groups` words them.
-"""
+"""What a load did: :class:`LoadReport` (every rank), rank 0's log lines, and a sharded model's
+FSDP groups (any rank). No collectives."""
 
 from __future__ import annotations
 
@@ -24,9 +21,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FSDPGroup:
-    """One FSDP2 parameter group: what a training step gathers and reduces as one unit (an
-    all-gather before its forward, again before its backward if it resharded after the forward, and
-    one reduce-scatter of its trainable parameters' gradients)."""
+    """One FSDP2 parameter group: what a training step gathers and reduces as one unit."""
 
     module: str  # qualified name of the module fully_shard was applied to; "" for the root
     parameters: int  # parameters in the group (a tied parameter once)
@@ -50,8 +45,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
-    """(any rank, no collectives) The FSDP2 groups of a sharded ``model``, in ``named_modules()``
-    order (the root's first): one walk over its modules and one pass over its sharded parameters."""
+    """(any rank) The FSDP2 groups of a sharded ``model``, in ``named_modules()`` order (root first)."""
     plan = []
     for name, _, params in fsdp_group_params(model):
         elements = 0
@@ -73,8 +67,7 @@ def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
 
 
 def format_groups(groups: tuple[FSDPGroup, ...], limit: int | None = None) -> list[str]:
-    """(any rank) One line per group (the first ``limit`` of them, then how many more), indented for a
-    listing."""
+    """(any rank) One indented line per group (the first ``limit``, then how many more)."""
     shown = groups if limit is None else groups[:limit]
     lines = [f"  {g}" for g in shown]
     if len(groups) > len(shown):
@@ -91,19 +84,16 @@ class LoadReport:
     seconds: float = 0.0
     stream_seconds: float = 0.0
     missing: tuple[str, ...] = ()  # initialised by the model's own initialisation (strict=False)
-    # absent from the checkpoint and left as model_fn built them: PEFT adapters (lora_B zeros,
-    # lora_A as PEFT draws it), listed apart from missing keys
+    # absent from the checkpoint, left as model_fn built them (PEFT adapters); not in missing
     kept: tuple[str, ...] = ()
     # fraction of the parameters' elements initialised rather than loaded (kept ones not counted)
     initialised_fraction: float = 0.0
     unexpected: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
     files: tuple[str, ...] = field(default=())
-    # Keys broadcast whole and cut on every rank (see Limits in the README): each one was, for a
-    # moment, held in full on every rank, outside the staging budget. Empty for FSDP, HSDP and TP.
+    # keys held in full on every rank for a moment, outside the staging budget; empty for FSDP/HSDP/TP
     broadcast_whole: tuple[str, ...] = ()
-    # How each loaded tensor travelled: "sharded" (rows), "block" (cut by rank 0), "plain"
-    # (broadcast in pieces) or "generic" (broadcast whole), by model key.
+    # model key -> "sharded" (rows), "block" (cut by rank 0), "plain" (pieces) or "generic" (whole)
     kinds: dict[str, str] = field(default_factory=dict)
     # (checkpoint tensors, model tensors): per-expert tensors assembled into fused parameters
     assembled: tuple[int, int] = (0, 0)
@@ -112,17 +102,14 @@ class LoadReport:
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the load finished
     rank: int = 0
     world_size: int = 1
-    # Node-local reads: whether this rank read its own bytes through rank 0's open files instead of
-    # receiving them; the ranks that did (the same on every rank); this rank's path and why:
-    # "rank 0", "local: ...", or "stream: <why not local>".
+    # node-local reads: whether this rank read through rank 0's open files; the ranks that did (same
+    # on every rank); this rank's path and why: "rank 0", "local: ...", or "stream: <why not local>"
     local_read: bool = False
     local_readers: tuple[int, ...] = ()
     local_status: str = ""
-    # runs of checkpoint files whose headers rank 0 read and matched one run at a time, holding
-    # one run's header objects at once (see checkpoint/_manifest)
+    # runs of checkpoint files whose headers rank 0 matched one run at a time
     manifest_runs: int = 0
-    # The model's FSDP2 parameter groups as sharded (the default policy's or shard_fn's), the root's
-    # first: the collectives a training step makes (see FSDPGroup). The same on every rank.
+    # the model's FSDP2 groups as sharded, root first; the same on every rank
     fsdp_groups: tuple[FSDPGroup, ...] = ()
 
     @classmethod
@@ -135,8 +122,7 @@ class LoadReport:
         local: Any = None,
         groups: tuple[FSDPGroup, ...] = (),
     ) -> LoadReport:
-        """(all ranks) The report of a load that has just finished (``local``: ``_localread.LocalReads``;
-        ``groups``: :func:`fsdp_plan` of the model)."""
+        """(all ranks) The report of a just-finished load (``local``: ``_localread.LocalReads``)."""
         return cls(
             tensors=len(manifest.entries),
             bytes=manifest.total_bytes,

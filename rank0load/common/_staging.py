@@ -1,8 +1,5 @@
-"""The staging both transfers use, the load's stream (``load._transfer``) and the save's gathers and
-writes (``save._write``): its geometry (slots, alignment, a round's size), and the queues of a
-round's non-blocking work (:class:`InFlight`, :class:`AllOf`). Local to each rank, no collectives:
-the rounds themselves and their settling are ``_distribute``'s (``Rounds``, ``settled``).
-"""
+"""The staging the load's stream and the save's gathers share: its geometry (slots, alignment, a
+round's size) and the queues of a round's non-blocking work. Local to each rank, no collectives."""
 
 from __future__ import annotations
 
@@ -25,7 +22,6 @@ __all__ = [
     "slot_bytes",
 ]
 
-# The staging geometry the load and the save share.
 DEFAULT_STAGING_BYTES = 16 << 20  # max_staging_bytes on a CPU mesh
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
 ALIGN = 64  # piece sizes and boundaries stay multiples of every element size
@@ -44,14 +40,12 @@ def aligned(nbytes: int) -> int:
 
 
 def block_half(piece_bytes: int) -> int:
-    """Bytes of a staging slot a chunk of whole rows may fill (a multiple of :data:`ALIGN`); the blocks
-    cut from it, or the parts received for it, go after them."""
+    """Bytes of a staging slot a chunk of whole rows may fill (an ALIGN multiple); its blocks go after."""
     return (piece_bytes // ALIGN * ALIGN) // 2 // ALIGN * ALIGN
 
 
 class AllOf:
-    """(each rank) Several operations waited for together (and the tensors they send, kept alive
-    until then)."""
+    """(each rank) Several operations waited for together, their sent tensors kept alive until then."""
 
     def __init__(self, works: Iterable[Any], keep: Iterable[torch.Tensor] = ()) -> None:
         self._works, self._keep = list(works), list(keep)

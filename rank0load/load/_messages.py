@@ -1,25 +1,17 @@
 """Which pieces travel together: the plan's pieces grouped into messages (all ranks; no collectives).
 
-(all ranks) :func:`messages` groups consecutive pieces bound for the same place (point to point to
-one rank, or broadcast) into one :class:`Message` of at most ``Plan.piece_bytes``, so that a
-checkpoint of many small tensors (a MoE's per-expert tensors) is not one message per tensor per
-rank: rank 0 reads a message into one staging slot and sends it once; a receiver gets one buffer and
-hands each piece's slice to its sink.
+:func:`messages` groups consecutive pieces of one *lane* (the rank they go to, or :data:`BROADCAST`)
+into one :class:`Message` of at most ``Plan.piece_bytes``, read into one staging slot and sent once;
+rank 0's own pieces and BLOCK pieces are messages of their own. Every rank groups its own view of
+the plan, so a group is closed only by facts every rank knows (:meth:`_Gaps.apart`):
 
-Each piece has a *lane*: the rank it goes to, or :data:`BROADCAST`; rank 0's own pieces and BLOCK
-pieces (``_sink.fan_out`` cuts a chunk into blocks) are messages of their own. Every rank groups
-its own view of the plan (rank 0 sees every rank's pieces, another rank its own and
-the broadcasts), so the grouping must not depend on what a view leaves out. A group is closed by facts
-every rank knows, the plan's entries, kinds and rounds (:meth:`_Gaps.apart`):
-
-* a round's end (failures are settled there, ``_transfer``);
+* a round's end;
 * for a broadcast group: an entry in between that sends something point to point;
 * for a group to rank ``r``: an entry in between that broadcasts something or fans out a BLOCK entry.
 
-A rank closes a group as soon as it sees a piece that would separate it (or at the next piece it sees,
-when the separating pieces are other ranks'), so messages to rank ``r`` and broadcasts come in the same
-order on rank 0 and on rank ``r``: no rank waits on a broadcast while its peer waits on a send.
-"""
+A rank closes a group at the first piece it sees that would separate it, so messages to rank ``r``
+and broadcasts come in the same order on rank 0 and on rank ``r``: no rank waits on a broadcast
+while its peer waits on a send."""
 
 from __future__ import annotations
 
@@ -63,12 +55,10 @@ class Message:
         return self.pieces[0].dst
 
     def parts(self) -> Iterator[tuple[Piece, int]]:
-        """Each piece with its offset in the message."""
         return zip(self.pieces, self.offsets)
 
     @classmethod
     def of(cls, piece: Piece) -> Message:
-        """A message of one piece."""
         return cls((piece,), (0,), piece.nbytes)
 
     @classmethod
@@ -123,11 +113,9 @@ class _Gaps:
 
 def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) -> Iterator[Message]:
     """(all ranks) ``pieces`` (one rank's view of ``plan``, in plan order) grouped into messages, in
-    the order they move: consecutive pieces of one lane (to one rank, or broadcast) until a round's
-    end, a separating entry (see the module docstring) or ``plan.piece_bytes``. BLOCK pieces are
-    messages of one piece each; so are rank 0's own pieces, unless ``own_together``
-    (``_sources.own_together``): then its consecutive own pieces are grouped too, and any other piece
-    closes their group first, so that nothing another rank sees moves in another order."""
+    the order they move. BLOCK pieces are messages of one piece each; so are rank 0's own pieces,
+    unless ``own_together``: then consecutive own pieces are grouped too, and any other piece closes
+    their group first, so that nothing another rank sees moves in another order."""
     gaps = _Gaps.of(plan)
     open_: dict[int, tuple[list[Piece], list[int]]] = {}  # lane -> its open group: pieces, offsets
 

@@ -1,9 +1,7 @@
 """The model around the stream: build and shard it, allocate its shards, initialise what the
-checkpoint lacks, and put it back together afterwards (all ranks; no collectives).
-
-In load order (``_api``'s pipeline): :func:`build_sharded`, :func:`materialise`,
-:func:`init_missing`, :func:`apply_built`; after the stream :func:`finish` and
-:func:`guard_added_parameters`.
+checkpoint lacks, and put it back together afterwards (all ranks; no collectives). In load order:
+:func:`build_sharded`, :func:`materialise`, :func:`init_missing`, :func:`apply_built`; after the
+stream :func:`finish` and :func:`guard_added_parameters`.
 """
 
 from __future__ import annotations
@@ -74,9 +72,8 @@ def build_sharded(
 ) -> Built:
     """(all ranks) ``model_fn()`` on meta (PEFT adapters built for real from ``rng_state``), cast
     to ``dtype``, sharded by ``shard_fn`` (or the default policy), described with each tensor's
-    layout flags for the agreement. The checkpoint conversions (the caller's, then transformers')
-    are looked up before sharding renames the classes. Raises ModelMismatchError for PEFT adapters
-    built without values, and whatever the caller's code raises; the caller agrees on it."""
+    layout flags; conversions are looked up before sharding renames the classes. Raises
+    ModelMismatchError for PEFT adapters built without values, and whatever the caller's code raises."""
     model, values = build_on_meta(model_fn, dtype, rng_state)
     unbuilt = tuner_layers_without_values(model, set(values))
     if unbuilt:
@@ -107,17 +104,11 @@ def build_sharded(
 
 def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:
     """(all ranks, after ``model_fn`` ran with ``dtype`` as torch's default dtype) The model as its
-    library's ``from_pretrained(dtype=...)`` makes it.
-
-    A transformers model: floating parameters and persistent buffers in ``dtype`` (float8 ones as
-    they are), those of the modules transformers keeps in float32 under ``dtype``
-    (``_keep_in_fp32_modules(_strict)``) in float32, non-persistent buffers as the model built them
-    (rotary ``inv_freq`` stays float32). The caller's config object is left alone. A diffusers
-    model: the same, float8 included, float32 for every key with a segment in the class's
-    ``_keep_in_fp32_modules``. Any other model: what ``model.to(dtype)`` does.
-    Under a PEFT model the base model is cast so; ``built`` (ids of the parameters ``model_fn``
-    built with real values: PEFT's adapters) keep the dtype PEFT gave them, as ``get_peft_model``
-    on a ``from_pretrained(dtype=...)`` model leaves them."""
+    library's ``from_pretrained(dtype=...)`` makes it: a transformers model's floating parameters and
+    persistent buffers in ``dtype`` (float8 as they are, ``_keep_in_fp32_modules`` in float32); a
+    diffusers model's likewise, float8 included; any other model as ``model.to(dtype)``. The
+    caller's config object is left alone. Under a PEFT model the base model is cast so; ``built``
+    (ids of PEFT's adapters, built with real values) keep the dtype PEFT gave them."""
     base = peft_base_model(model)
     if is_transformers_model(base):
         keep = hf_keep_in_fp32(base, dtype)
@@ -184,14 +175,10 @@ def targets(model: nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
 
 
 def materialise(model: nn.Module, device: torch.device) -> FaultIn:
-    """(all ranks) Allocate every local shard on ``device``; keep the real buffers built by model_fn.
-
-    ``to_empty`` is FSDP2's supported way to allocate sharded parameters (it re-pads the local
-    shards and keeps tied parameters one object), but it also empties buffers: save and restore them.
-    The local shards are faulted in by a background thread (see _memory): wait on what this returns
-    before anything is written to a parameter. Plain buffers are made contiguous so pieces can land
-    in them directly. Raises LoadError if a plain parameter is not contiguous.
-    """
+    """(all ranks) Allocate every local shard on ``device`` (``to_empty``), keeping the real buffers
+    model_fn built, made contiguous. The shards are faulted in by a background thread: wait on what
+    this returns before anything is written to a parameter. Raises LoadError if a plain parameter
+    is not contiguous."""
     saved: list[tuple[nn.Module, str, torch.Tensor]] = []
     for module in model.modules():
         for name, buf in module._buffers.items():
@@ -233,14 +220,10 @@ def _has_nan(t: torch.Tensor) -> bool:
 
 
 def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]) -> None:
-    """(all ranks, strict=False) Give parameters absent from the checkpoint the model's own init.
-
-    The nearest ancestor's ``_init_weights(module)`` (transformers: the same init
-    ``from_pretrained`` gives new heads), else the owning module's ``reset_parameters()``. Floating
-    parameters are first filled with NaN, so a parameter that neither initialiser wrote is caught
-    (ModelMismatchError) instead of leaving uninitialised memory. Runs before streaming: loaded
-    values win.
-    """
+    """(all ranks, strict=False) Give parameters absent from the checkpoint the model's own init:
+    the nearest ancestor's ``_init_weights(module)``, else the owning module's ``reset_parameters()``.
+    Floating parameters are first filled with NaN, so one neither wrote raises ModelMismatchError.
+    Runs before streaming: loaded values win."""
     owners: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
     for key in missing:
         if layout.tensors[key].is_param:
@@ -273,11 +256,9 @@ def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]
 
 
 def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
-    """(all ranks) At the model's first forward, raise if trainable parameters were added after the
-    load as plain tensors: ``get_peft_model`` on the loaded model builds adapters that are not
-    sharded, not synchronised and drawn differently on each rank, so the ranks drift apart. Every
-    rank runs the same forward and finds the same names, so every rank raises LoadError; the hook
-    then goes."""
+    """(all ranks) At the model's first forward, raise LoadError if trainable parameters were added
+    after the load as plain tensors (``get_peft_model`` on the loaded model: unsharded, drawn
+    differently per rank). Every rank finds the same names, so every rank raises; the hook then goes."""
     known = set(layout.tensors) | set(layout.aliases)
     handles: list[Any] = []
 
@@ -306,11 +287,8 @@ def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
 
 
 def finish(model: nn.Module, layout: ModelLayout) -> None:
-    """(all ranks) Re-tie every name of a tied parameter to one object; raises RankMismatchError if
-    anything is left on meta.
-
-    ``to_empty`` and FSDP2's re-registration can leave a second name pointing at another object.
-    """
+    """(all ranks) Re-tie every name of a tied parameter to one object (``to_empty`` and FSDP2 can
+    split them); raises RankMismatchError if anything is left on meta."""
     for group in layout.tie_groups:
         first_module, first_leaf = resolve_module(model, group[0])
         is_param = first_leaf in first_module._parameters

@@ -1,8 +1,5 @@
-"""``load_sharded``'s arguments checked before anything is built, and the staging it defaults to (all ranks).
-
-No collectives: every rank gets the same arguments, and the agreement compares what each rank was
-given (``_distribute.options_of``).
-"""
+"""``load_sharded``'s arguments checked before anything is built, and the staging it defaults to (all
+ranks; no collectives: the agreement compares what each rank was given)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ __all__ = [
     "default_staging_bytes",
 ]
 
-# On an accelerator mesh rank 0 stages in pinned host memory and copies to the device: more staging
-# lets its reader threads (_readahead.ACCELERATOR_READ_THREADS) keep up with the copy.
+# rank 0 stages in pinned host memory and copies to the device: more staging keeps its readers ahead
 ACCELERATOR_STAGING_BYTES = 256 << 20
 
 

@@ -1,9 +1,5 @@
-"""The plan's vocabulary: how an entry travels, where a piece goes, and the piece itself (all ranks).
-
-A :class:`Piece` is a contiguous byte range of a checkpoint entry and its place in the
-destination's local tensor; a BLOCK entry's chunks and each rank's part of one are
-``common._blocks``'s, as the save's are. Pure data, no collectives.
-"""
+"""The plan's vocabulary: how an entry travels, where a piece goes, and the piece itself (all ranks;
+pure data, no collectives)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,20 @@
 """How each manifest entry travels: which rank gets which bytes (all ranks; no collectives).
 
 Every rank derives the same sequence of :class:`Piece` from the manifest, the agreed kinds and the
-mesh (:func:`build_plan` -> :class:`Plan`), so sender and receivers agree on every message without
-exchanging anything more. The kinds:
+mesh, so sender and receivers agree on every message without exchanging anything more. The kinds:
 
-* ``SHARDED`` (a DTensor whose placements are only ``Shard(0)`` and ``Replicate``): each rank's
-  local tensor is a contiguous range of rows, one contiguous range of the file. Rank 0 sends each
-  rank exactly its rows, point to point, in pieces of at most ``piece_bytes``; the rows it keeps
-  itself are read straight into its local shard. A float8 entry's rank gets the rows of the scale
-  grids its rows need (``_fp8.scale_span``) just before them; other kinds get the whole grids.
+* ``SHARDED`` (only ``Shard(0)`` and ``Replicate``): rank 0 sends each rank exactly its rows, point
+  to point, in pieces of at most ``piece_bytes``, and reads its own into its shard. A float8 entry's
+  rank gets the scale grid rows its rows need just before them; other kinds get the whole grids.
 * ``PLAIN`` (buffers, unsharded parameters): read on rank 0 and broadcast, in pieces.
-* ``BLOCK`` (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``: tensor-parallel
-  ``Shard(1)``, the ``_StridedShard`` FSDP2 puts on top of a colwise TP shard): each rank's local
-  tensor is the cross product of index runs, one list per dimension (``_layout.runs_at``). Rank 0
-  reads it in chunks of whole rows and sends each rank its part of each (``common._blocks``, the
-  save's geometry too); no rank ever holds the full tensor. A float8 block travels as float8 and
-  its owner dequantises it (``_layout.global_indices``).
-* ``GENERIC`` (placements that are none of the above, a non-contiguous local shard, rows wider than
-  half a staging slot: :func:`fits_block`): broadcast in pieces into a full-size tensor on every
-  rank, which then cuts its own shard locally (outside the staging budget; reported in
-  ``LoadReport.broadcast_whole``).
+* ``BLOCK`` (any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate``): rank 0 reads chunks of
+  whole rows and sends each rank its part of each (``common._blocks``); no rank ever holds the full
+  tensor. A float8 block travels as float8 and its owner dequantises it.
+* ``GENERIC`` (anything else, or what :func:`fits_block` refuses): broadcast in pieces into a
+  full-size tensor on every rank, which cuts its own shard (outside the staging budget).
 
-The stream is cut into *rounds* of whole entries (at least :data:`ROUND_PIECES` staging pieces of
-bytes each): at the end of each round every rank says whether it failed, so a failure reaches every
-rank within one round and the ranks stop in step (``_transfer.stream``).
+The stream is cut into *rounds* of whole entries (at least :data:`ROUND_PIECES` pieces of bytes
+each): at each round's end every rank says whether it failed, so the ranks stop in step.
 """
 
 from __future__ import annotations
@@ -68,8 +59,7 @@ class Plan:
 
     @property
     def broadcast_whole(self) -> tuple[str, ...]:
-        """Keys broadcast whole and cut on every rank (outside the staging budget); zero-size
-        tensors move nothing and are not counted."""
+        """Keys broadcast whole and cut on every rank (outside the staging budget), zero-size ones aside."""
         return tuple(e.key for e, k in zip(self.entries, self.kinds) if k is Kind.GENERIC and e.nbytes)
 
     def block_layouts(self, index: int, ranks: Sequence[int]) -> dict[int, Runs]:
@@ -88,11 +78,9 @@ class Plan:
     def pieces(self, me: int, cut_for: Collection[int] | None = None) -> Iterator[Piece]:
         """(all ranks) The agreed messages as rank ``me`` sees them, in manifest order.
 
-        A BLOCK entry comes as FAN_OUT chunks, each with the parts this rank cuts from it: those of
-        the ranks in ``cut_for``, on rank 0 by default every rank's (a rank reading its own bytes cuts
-        its own: ``cut_for=(me,)``, see _localread). Another rank without ``cut_for`` gets the pieces
-        its own parts become (``dst`` = ``me``), so it receives them like row pieces.
-        """
+        A BLOCK entry comes as FAN_OUT chunks with the parts of the ranks in ``cut_for`` (on rank 0
+        by default every rank's; a rank reading its own bytes: ``(me,)``). Another rank without
+        ``cut_for`` gets its own parts as TO_RANK pieces, received like row pieces."""
         if cut_for is None and me == 0:
             cut_for = [rank for rank, _ in self.coords]
         for index, kind in enumerate(self.kinds):
@@ -120,7 +108,6 @@ class Plan:
         assert placements is not None  # SHARDED entries are DTensors
         row = entry.nbytes // entry.shape[0]
         per_rank = []
-        # Rank 0 sends every rank's pieces; another rank needs only its own.
         for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
             lo, hi = rows_of(self.mesh_shape, placements, entry.shape[0], coord)
             size, (first, end) = (hi - lo) * row, _scale_rows(entry, lo, hi)
@@ -135,9 +122,8 @@ class Plan:
                     for at in range(0, size, step)
                 ]
             )
-        # Round-robin over the destinations: while rank 0 reads its own rows straight into its
-        # shard, the piece it read for another rank is already on the wire. Each receiver still
-        # sees its own pieces in order.
+        # round-robin over destinations, so rank 0 reads its own rows while another's are on the
+        # wire; each receiver still sees its own pieces in order
         for round_ in itertools.zip_longest(*per_rank):
             yield from (p for p in round_ if p is not None)
 
@@ -160,8 +146,7 @@ class Plan:
 def fits_block(entry: Entry, piece_bytes: int) -> bool:
     """Whether BLOCK ``entry`` can move in chunks of at most half a staging slot of whole dimension-0
     rows, or of dimension-1 rows under one dimension-0 index (one expert of [E, 2I, H]). Otherwise
-    (narrower chunks, which the save also cuts: columns of a 2-D row; an entry without bytes) it
-    goes GENERIC."""
+    (or without bytes) it goes GENERIC."""
     if not entry.nbytes:
         return False
     dim = chunk_dim(entry.shape, DTYPES[entry.dtype].itemsize, block_half(piece_bytes))
@@ -184,8 +169,7 @@ def build_plan(
     piece_bytes: int,
 ) -> Plan:
     """(all ranks) The plan for ``entries`` (the manifest's), given each entry's target tensor and
-    its layout flags AND-ed over the ranks. BLOCK entries whose rows are wider than half a staging
-    slot go GENERIC."""
+    its layout flags AND-ed over the ranks."""
     piece_bytes = max(ALIGN, piece_bytes // ALIGN * ALIGN)
     kinds = []
     placements: list[tuple[Placement, ...] | None] = []

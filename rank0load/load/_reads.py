@@ -1,12 +1,7 @@
 """Reading checkpoint bytes into memory at their file offsets (rank 0 and local readers; no collectives).
 
-:func:`runs` turns a piece's extents (``Entry.extents``: where its bytes lie in the files) into runs
-of nearby file bytes, each filled with one ``preadv`` (:func:`read_vectored`, short reads retried)
-scattering into the destination buffer; :func:`split_runs` cuts runs into parts that threads read
-side by side. Rank 0's reader thread (``_readahead``) and a local reader (``_localread``) both read
-through here, so a test or a benchmark patches :func:`read_vectored` once for both. No file is
-mapped: page-cache pages never count in a rank's RSS.
-"""
+Every read goes through :func:`read_vectored`, so a test patches it once for rank 0 and local
+readers. No file is mapped: page-cache pages never count in a rank's RSS."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX)
 def read_into(
     fd: int, views: list[memoryview], offset: int, path: str, reader: str = "rank 0", hint: str = ""
 ) -> None:
-    """:func:`read_vectored`, its OSError a LoadError naming ``reader`` (``hint``: how else that
-    rank could get the bytes)."""
+    """:func:`read_vectored`, its OSError a LoadError naming ``reader`` (``hint``: another way)."""
     try:
         read_vectored(fd, views, offset, path)
     except OSError as exc:
@@ -61,10 +55,9 @@ def read_vectored(fd: int, views: list[memoryview], offset: int, path: str) -> N
 def runs(
     extents: list[tuple[str, int, int, int]], data: torch.Tensor
 ) -> list[tuple[str, int, list[memoryview]]]:
-    """A piece's extents (``Entry.extents``: file, file offset, bytes, offset in ``data``) as runs of
-    nearby file bytes, each read with one ``preadv`` scattering into ``data``: ``(file, offset,
-    buffers)``, the files in the order the extents first name them, each file's runs by offset.
-    Extents at most ``_GAP`` apart share a run (the bytes between go to a scratch buffer)."""
+    """A piece's extents (``Entry.extents``) as runs of nearby file bytes, each read with one
+    ``preadv`` scattering into ``data``: ``(file, offset, buffers)``, the files in the order the
+    extents first name them, each file's runs by offset; extents at most ``_GAP`` apart share a run."""
     view = host_bytes(data)
     if len(extents) == 1:
         path, offset, nbytes, at = extents[0]
@@ -116,9 +109,7 @@ def split_runs(
     return out
 
 
-# A gap of at most _GAP bytes between two extents of one file is read too (into _SCRATCH, whose
-# contents nobody reads: sharing it between threads is harmless): one preadv for a rank's rows of
-# stacked experts, whose parts sit between other tensors' (w1 and w3 around w2 and the scales),
-# instead of one call per part.
+# gaps of at most _GAP bytes are read too, into _SCRATCH (never read, so threads may share it): one
+# preadv for a rank's rows of stacked experts, whose parts sit between other tensors'
 _GAP = 64 << 10
 _SCRATCH = memoryview(bytearray(_GAP))

@@ -1,12 +1,7 @@
 """What a saved checkpoint holds beside its tensors, as the model's library reads it back.
 
-(all ranks) :func:`layout_of` picks the :class:`Layout` of a model by its kind (transformers,
-diffusers, any other), :func:`adapter_layout` that of a PEFT adapter: the files' names and which
-config files go with them. (rank 0) :func:`finish` has the layout's config files written
-(``config.json``, ``generation_config.json``, ``adapter_config.json``, a remote-code model's
-``*.py``) into a temporary folder of out_dir and commits them with the weights (``_outputs.commit``).
-No collectives here.
-"""
+(all ranks) :func:`layout_of`, :func:`adapter_layout`: the files' names and config files. (rank 0)
+:func:`finish` writes the config files and commits them with the weights. No collectives here."""
 
 from __future__ import annotations
 
@@ -48,8 +43,7 @@ class Layout:
 
 def layout_of(model: nn.Module, original_format: bool = True) -> Layout:
     """(all ranks) The layout ``from_pretrained`` of the model's library reads; for a ``PeftModel``,
-    that of its base model with ``original_format`` (saved under the base model's names), else plain
-    files under the PeftModel's own names, with no config files (no library reads those as a model)."""
+    its base model's with ``original_format``, else plain files under its own names, no config files."""
     base = peft_base_model(model)
     if base is not model:
         if not original_format:
@@ -63,8 +57,7 @@ def layout_of(model: nn.Module, original_format: bool = True) -> Layout:
 
 
 def adapter_layout(adapter: str) -> Layout:
-    """(all ranks) PEFT's layout of adapter ``adapter``: one ``adapter_model.safetensors`` and its
-    ``adapter_config.json``."""
+    """(all ranks) PEFT's layout: one ``adapter_model.safetensors`` and its ``adapter_config.json``."""
     return Layout("adapter_model", True, functools.partial(_adapter_config, adapter))
 
 
@@ -74,8 +67,7 @@ def finish(
     plan: SavePlan,
     write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
 ) -> None:
-    """(rank 0) Write the config files into a temporary folder of out_dir, then commit them with the
-    weights (:func:`_outputs.commit` renames each into out_dir)."""
+    """(rank 0) Write the config files into a temporary folder of out_dir; commit them with the weights."""
     extras: list[tuple[str, str]] = []
     if write_configs is not None:
         folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
@@ -115,8 +107,7 @@ def _hf_configs(model: nn.Module, folder: str, plan: SavePlan) -> None:
 
 
 def _diffusers_config(model: nn.Module, folder: str, plan: SavePlan) -> None:
-    """(rank 0) A diffusers model's ``config.json``, as its ``save_config`` writes it (diffusers keeps
-    no dtype there); a PeftModel's, its base model's."""
+    """(rank 0) A diffusers model's (or a PeftModel's base model's) ``config.json``, as ``save_config``."""
     name, text = diffusers_config_json(peft_base_model(model))
     with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
         f.write(text)

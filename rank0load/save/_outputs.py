@@ -1,10 +1,5 @@
-"""Rank 0's files of a save: create them, write into them, commit them, or remove them.
-
-(rank 0 only; no collectives) :func:`open_outputs` creates the temporary files (names that never
-end in ``.safetensors``) and writes their headers; :class:`Writer` is the thread that ``pwrite``s the
-stream's bytes at their offsets; :func:`commit` fsyncs and renames the files, writes the index last
-and only then removes a previous save's files; :meth:`Outputs.discard` removes the temporary files.
-"""
+"""Rank 0's files of a save: create them, write into them, commit them, or remove them (rank 0
+only; no collectives). Temporary names never end in ``.safetensors``."""
 
 from __future__ import annotations
 
@@ -30,9 +25,8 @@ def index_name(stem: str) -> str:
 
 
 def _saved(stem: str) -> re.Pattern[str]:
-    """What a save of files named from ``stem`` writes, and the names it keeps an earlier save's
-    files under meanwhile (:func:`_keep_earlier`): the files a later save of that stem replaces.
-    Another stem's files (a transformers model's beside a diffusers model's) are never touched."""
+    """The names a save of files named from ``stem`` writes or keeps an earlier save's files under
+    (:func:`_keep_earlier`); another stem's files are never touched."""
     return re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
 
 
@@ -135,11 +129,9 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
 
 
 def _keep_earlier(directory: str, index_file: str, replaced: list[str], token: str) -> bool:
-    """(rank 0) The new files will be renamed over files an earlier save's index names (the same
-    number of files: the same names). Hard-link those files to other names and point the earlier
-    index at them, atomically: the earlier checkpoint stays whole and loadable until the new index
-    replaces it, whenever a crash comes; ``commit`` removes the extra names after that. False
-    (nothing changed) where the index cannot be read or the filesystem has no hard links."""
+    """(rank 0) Hard-link the earlier save's files that the new ones will be renamed over to other
+    names and point its index at them, atomically: it stays loadable until the new index replaces it.
+    False (nothing changed) where the index cannot be read or the filesystem has no hard links."""
     path = os.path.join(directory, index_file)
     try:
         with open(path, encoding="utf-8") as f:

@@ -1,11 +1,5 @@
-"""The messages of a save, cut from the shared plan: which rank sends which bytes of which item.
-
-(all ranks) :func:`pieces` cuts an item of the plan (``_saveplan.SavePlan``, rank 0's, shared) into
-the messages every rank derives identically, in one order; :func:`chunks` cuts a ``BLOCK`` item
-(tensor parallel) into chunks of whole rows and the senders' parts of each (``common._blocks``, the
-load's geometry too; ``_saveblock``). Nothing but the plan is exchanged to agree on them. No
-collectives here.
-"""
+"""The messages of a save: which rank sends which bytes of which item (all ranks; no collectives).
+Every rank derives them identically, in one order, from the shared plan alone."""
 
 from __future__ import annotations
 
@@ -33,8 +27,7 @@ class Piece:
 
 
 def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece]:
-    """(all ranks) The messages of item ``index``, in the order every rank uses; ``src``: only those
-    that rank sends, in the same order."""
+    """(all ranks) Item ``index``'s messages, in the order every rank uses (``src``: that rank's only)."""
     item = plan.items[index]
     if item.kind is SaveKind.BLOCK:
         for chunk, parts in chunks(plan, index, src):

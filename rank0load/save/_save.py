@@ -7,9 +7,6 @@ all ranks  allocate staging; rank 0 creates out_dir, the temporary files and
            their headers; settle                                               -> _outputs.open_outputs
 all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
 rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _configs.finish
-
-The file names and the config files come from one ``_configs.Layout`` chosen by the model's kind
-(``_configs.layout_of``: transformers, diffusers, any other); :func:`_save` is the save for any layout.
 """
 
 from __future__ import annotations
@@ -57,9 +54,8 @@ class SaveReport:
     stream_seconds: float = 0.0
     files: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()  # model keys key_map mapped to None
-    # DTensors no chunk of rows can describe (a Partial placement, a non-contiguous local shard, 0-d):
-    # gathered whole on every rank with full_tensor(), outside max_staging_bytes, for that one tensor.
-    # Shard(0), Shard(d), _StridedShard and Replicate in any mix (FSDP2, HSDP, TP + FSDP2) never are.
+    # DTensors no chunk of rows can describe (Partial, a non-contiguous local shard, 0-d), gathered
+    # whole on every rank outside max_staging_bytes; never a Shard/_StridedShard/Replicate mix
     gathered_whole: tuple[str, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the save finished
@@ -85,23 +81,16 @@ def save_sharded(
     """Write ``model`` (FSDP2 or HSDP, sharded or not) to ``out_dir`` as a safetensors checkpoint
     that ``from_pretrained`` and :func:`load_sharded` read as it is.
 
-    (all ranks) Every rank calls this with the same arguments. Rank 0 alone writes: each rank sends
-    its own rows of every ``Shard(0)`` parameter to rank 0, point to point, in pieces of at most
-    ``max_staging_bytes / 4``; replicas (HSDP's ``Replicate`` dimensions) send once. Tensor-parallel
-    DTensors (``Shard(d)``, ``_StridedShard``, with FSDP2 on top) go in chunks of whole rows of at
-    most ``max_staging_bytes / 8``, each rank sending its block of each chunk, which rank 0 places
-    into the chunk's rows. Host RAM for staging is bounded by ``max_staging_bytes`` on every rank.
-    Only a DTensor no chunk can describe (``Partial``, a non-contiguous local shard, 0-d) is gathered
-    whole with ``full_tensor()`` on every rank, outside that bound (``SaveReport.gathered_whole``,
-    warned).
+    (all ranks) Every rank calls this with the same arguments; rank 0 alone writes. Each rank sends
+    its own rows (or tensor-parallel blocks) to rank 0, point to point; replicas send once. Host RAM
+    for staging is bounded by ``max_staging_bytes`` on every rank; only a DTensor no chunk can
+    describe (``Partial``, a non-contiguous local shard, 0-d) is gathered whole with ``full_tensor()``
+    on every rank, outside that bound (``SaveReport.gathered_whole``, warned).
 
-    The files are named as the model's library names them: ``model.safetensors``, or
-    ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` (a transformers model,
-    with its ``config.json`` and ``generation_config.json``; any other model, without configs);
-    ``diffusion_pytorch_model.safetensors`` and the like for a diffusers model, with its ``config.json``.
-    They are written under temporary names, fsynced and renamed; the index is written last and an
-    earlier save's files of the same names are removed only then (others are left alone). On any
-    failure the temporary files are removed and the previous checkpoint in ``out_dir`` is left as it was.
+    The files (and a transformers or diffusers model's config files) are named as the model's
+    library names them. They are written under temporary names, fsynced and renamed, the index last;
+    an earlier save's files of the same names are removed only then. On any failure the temporary
+    files are removed and the previous checkpoint in ``out_dir`` is left as it was.
 
     Args:
         model: the model, the same on every rank.
@@ -113,21 +102,16 @@ def save_sharded(
         key_map: maps a model key (wrapper prefixes removed) to its saved name, or to None to skip it
             (called on rank 0). Tied parameters are saved once, under their first name.
         original_format: for a transformers model, revert transformers' conversions as
-            ``save_pretrained`` does (its default): a fused MoE parameter (``mlp.experts.gate_up_proj``
-            [E, 2I, H]) is saved as the per-expert tensors it was loaded from, renamed modules get their
-            checkpoint names back. For a ``PeftModel``, its base model is saved so (under the base
-            model's names, with its library's files and config), so that the base model's
-            ``from_pretrained`` reads it; the adapters' own tensors are added under the PeftModel's
-            names (``base_model.model.…lora_A.default.weight``), which ``from_pretrained`` leaves aside
-            and ``load_sharded`` of the same PeftModel loads back. Applied to the names key_map
-            returns. False: the model's own names (a PeftModel's included, with no config files).
+            ``save_pretrained`` does (fused MoE parameters saved per expert, renamed modules under
+            their checkpoint names). For a ``PeftModel``, its base model is saved so, for the base
+            model's ``from_pretrained``, and the adapters' tensors under the PeftModel's names, which
+            ``load_sharded`` of the same PeftModel loads back. Applied to the names key_map returns.
+            False: the model's own names (a PeftModel's included, with no config files).
         max_staging_bytes: host RAM for staging on each rank.
         adapter: the name of a PEFT adapter of a ``PeftModel`` (``"default"``): save that adapter
-            alone in PEFT's layout (``adapter_model.safetensors`` under PEFT's names, which
-            ``get_peft_model_state_dict`` gives, and ``adapter_config.json``), as
-            ``PeftModel.save_pretrained`` writes it and ``PeftModel.from_pretrained`` or
-            ``load_sharded(..., adapter=out_dir)`` read it; same staging bound. Not with key_map.
-            Embedding layers PEFT's "auto" would add are not saved.
+            alone in PEFT's layout (``adapter_model.safetensors``, ``adapter_config.json``), as
+            ``PeftModel.save_pretrained`` does; same staging bound. Not with key_map. Embedding
+            layers PEFT's "auto" would add are not saved.
 
     Returns:
         A :class:`SaveReport`, on every rank.
@@ -281,8 +265,7 @@ def _mesh_device(tensors: dict[str, torch.Tensor]) -> torch.device:
 
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
-    """(rank 0) With original_format, transformers' conversions reverted for a transformers model, and
-    a PeftModel's base tensors under its base model's names (``_convert.original_format_reversal``)."""
+    """(rank 0) With original_format, the model's conversions reverted (see ``save_sharded``)."""
     if not original_format:
         return None
     adapters = frozenset(strip_wrappers(k) for k in _peft.adapter_parameters(model))

@@ -1,20 +1,7 @@
 """The block path of a save, over the geometry the load shares (``common._blocks``): who sends a
-tensor-parallel DTensor's blocks, and how rank 0 puts the parts of a chunk together.
-
-A DTensor whose placements mix ``Shard(d)``, ``_StridedShard`` and ``Replicate`` (tensor parallel,
-and FSDP2 on top of it: ``(Shard(0), Shard(1))`` for a rowwise weight, ``(_StridedShard(0), Shard(0))``
-for a colwise one) leaves on each rank the cross product of index runs, one list per dimension
-(``_layout.runs_at``: DTensor's own split, checked by every rank against its real shard at agreement).
-
-(rank 0) :func:`blocks_of` names the senders (:func:`senders`): one replica per ``Replicate`` mesh
-dimension, as the row path does, each with its block.
-(all ranks) ``common._blocks.block_chunks`` cuts the saved tensor into chunks of whole rows and each
-sender's block of a chunk into a :class:`~rank0load.common._blocks.Part`, sent as it is (or cast into
-a staging slot). Every rank derives the same chunks and parts, so nothing more is exchanged.
-(rank 0) receives the parts into the second half of one staging slot (:func:`receive_offsets`) and
-:func:`place`\\ s them into the first, laid out as the chunk's rows, which it writes as one byte
-range. No collectives here.
-"""
+tensor-parallel DTensor's blocks, and how rank 0 puts the parts of a chunk together (rank 0; no
+collectives). Rank 0 receives a chunk's parts into the second half of a staging slot and
+:func:`place`\\ s them into the first, laid out as the chunk's rows."""
 
 from __future__ import annotations
 
@@ -56,17 +43,14 @@ def blocks_of(t: DTensor) -> Blocks:
 
 
 def receive_offsets(parts: Sequence[Part]) -> tuple[int, ...]:
-    """(rank 0) Where each of a chunk's ``parts`` lands in the chunk's receive area (the second half
-    of its staging slot): one after another, in order, rank 0's own included though it places those
-    straight from its shard; the chunk's bytes in all."""
+    """(rank 0) Where each of a chunk's ``parts`` lands in its receive area (the slot's second half):
+    one after another, in order, rank 0's own included."""
     return tuple(itertools.accumulate((p.nbytes for p in parts), initial=0))[:-1]
 
 
 def place(rows: torch.Tensor, block: torch.Tensor, part: Part) -> None:
     """(rank 0) Copy a sender's ``block`` (``part.shape``) into ``rows``, a chunk laid out as full rows
-    (``Chunk.shape``): rows ``part.rows``, on each later dimension the sender's index runs (one copy
-    per combination of runs: one for a plain ``Shard``, a few for ``_StridedShard``). Casts when the
-    dtypes differ."""
+    (``Chunk.shape``): rows ``part.rows``, on each later dimension the sender's runs, cast if needed."""
     target = rows[part.rows[0] : part.rows[1]]
     spans = []  # per later dimension: (global start, local start, length) of each run
     for runs in part.inner:

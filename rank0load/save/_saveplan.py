@@ -1,15 +1,8 @@
 """The file plan of a save: what rank 0 decides and broadcasts before any byte moves.
 
 (rank 0) :func:`plan_save` maps every model tensor to its saved name and dtype, splits the tensors
-into files the way huggingface_hub splits them, lays out each file's header and offsets, and names
-the senders of every sharded DTensor's elements (rows, or tensor-parallel blocks); ``_save`` runs
-it through ``_distribute.from_rank0``. (all ranks) :class:`SavePlan` is shared as it is;
-``_pieces`` cuts an item into the messages every rank derives identically from the plan, so
-nothing else is exchanged. No collectives here.
-
-A ``BLOCK`` item (tensor parallel) travels in chunks of whole rows, each rank sending its block of
-each chunk: ``_pieces.chunks``, ``_saveblock``.
-"""
+into files as huggingface_hub does, lays out each header, and names the senders of every sharded
+DTensor's elements. (all ranks) :class:`SavePlan` is shared as it is. No collectives here."""
 
 from __future__ import annotations
 
@@ -88,8 +81,7 @@ class SaveItem:
     kind: SaveKind
     senders: _Senders = ()  # ROWS: (rank, first row, end row), by row
     saved: tuple[Saved, ...] = ()  # by start; their byte ranges tile [0, nbytes)
-    # BLOCK: (rank, the global indices it holds per dimension, as runs), one replica per Replicate
-    # mesh dimension, ranks holding nothing left out
+    # BLOCK: (rank, its global index runs per dimension), one replica per Replicate mesh dimension
     blocks: Blocks = ()
 
     def sends(self, rank: int) -> bool:
@@ -116,8 +108,7 @@ class SavePlan:
     rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
     piece_bytes: int  # the largest message
     skipped: tuple[str, ...] = ()  # model keys key_map dropped
-    # what every file name starts with (file_names): "model" (transformers and plain models),
-    # "diffusion_pytorch_model" (diffusers); the index is <stem>.safetensors.index.json
+    # what every file name starts with: "model", or "diffusion_pytorch_model" (diffusers)
     stem: str = "model"
     total_size: int = field(init=False)
 
@@ -160,9 +151,8 @@ def plan_save(
     single_file: bool = False,
 ) -> SavePlan:
     """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
-    ``revert``: a saved name and shape -> the names and shapes it is saved as, in byte order (the
-    model's conversions reverted, ``_convert.TransformersReversal``). ``stem``: the files' names
-    (:func:`file_names`); ``single_file``: one file whatever its size (a PEFT adapter's)."""
+    ``revert``: see :data:`Revert`. ``stem``: the files' names (:func:`file_names`); ``single_file``:
+    one file whatever its size (a PEFT adapter's)."""
     dtype: torch.dtype | None = options["dtype"]
     rows: list[_Row] = []
     skipped, seen = [], dict[str, str]()
@@ -201,8 +191,7 @@ def _kind(t: torch.Tensor, flags: int) -> SaveKind:
 
 
 def _senders(t: DTensor) -> _Senders:
-    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor (``_saveblock.senders``), each
-    its own row range."""
+    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor, each its own row range."""
     out = []
     for rank, coord in replica_senders(t):
         lo, hi = rows_of(tuple(t.device_mesh.shape), t.placements, t.shape[0], coord)
@@ -239,9 +228,8 @@ def _lay_out(
     skipped: tuple[str, ...],
     stem: str,
 ) -> SavePlan:
-    """(rank 0) Files, headers and offsets of the saved tensors (in model order, split like
-    huggingface_hub): in each file tensors by element size, largest first, then name (as safetensors
-    orders them), so each is aligned; the JSON header padded with spaces to 8."""
+    """(rank 0) Files, headers and offsets: in each file tensors by element size, largest first, then
+    name (as safetensors orders them), so each is aligned; the JSON header padded with spaces to 8."""
     units: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (row, name, shape, start, nbytes)
     for r, (key, parts, wire, *_) in enumerate(rows):
         each = tensors[key].numel() * wire.itemsize // len(parts)

@@ -1,15 +1,6 @@
-"""Moving a model's bytes into rank 0's files (save side); the files themselves: ``_outputs``.
-
-(all ranks) The plan (``_saveplan.SavePlan``, rank 0's, shared) fixes every saved tensor's file and
-offset and every message (``_pieces.pieces``, ``_pieces.chunks``).
-(all ranks) :func:`allocate_staging` reserves the slots; :func:`stream` moves the bytes: each rank
-sends its own rows to rank 0 point to point, in pieces of at most ``piece_bytes``, and its block
-of each chunk of a tensor-parallel DTensor (``common._blocks``, ``_saveblock``); rank 0 receives
-ahead into its staging slots (a chunk's blocks into the second half of a slot, placed into its rows
-in the first) while a writer thread (``_outputs.Writer``) ``pwrite``s each piece at its file
-offset. Failures (rank 0's disk full, a cast error) are settled at each round's end as the same
-:class:`SaveError` on every rank (``common._distribute``, as the load's are).
-"""
+"""Moving a model's bytes into rank 0's files (save side; all ranks): each rank sends its rows and
+blocks to rank 0 point to point, in pieces of at most ``piece_bytes``; a writer thread ``pwrite``s
+them. Failures are settled at each round's end as the same :class:`SaveError` on every rank."""
 
 from __future__ import annotations
 
@@ -112,15 +103,13 @@ def _elements(piece: Piece | Part, wire: torch.dtype) -> slice:
 
 
 class _Collector:
-    """(rank 0) Every piece's way into the files: received ahead into a staging slot, or taken from
-    rank 0's own tensor (cast into a slot when it must be), then handed to the writer thread, which
-    frees the slot once the bytes are written."""
+    """(rank 0) Every piece received ahead into a staging slot, or taken from rank 0's own tensor,
+    then handed to the writer thread, which frees the slot once the bytes are written."""
 
     def __init__(
         self, plan: SavePlan, outputs: Outputs, staging: Staging, faults: _distribute.Faults
     ) -> None:
         self.writer = Writer(outputs.fds, len(staging.slots), faults)
-        # posted receives, and what to do once they are in (hand the slot to the writer)
         self.pending = InFlight()
         self.staging, self.faults = staging, faults
         self.half = block_half(plan.piece_bytes)
@@ -160,8 +149,7 @@ class _Collector:
 
     def chunk(self, item: SaveItem, source: torch.Tensor, chunk: Chunk, parts: tuple[Part, ...]) -> None:
         """A BLOCK chunk: rank 0's own parts placed at once, the others' received into the slot's
-        second half (:func:`~._saveblock.receive_offsets`) and placed once in; then the chunk's rows
-        are written as one byte range."""
+        second half and placed once in; then the chunk's rows written as one byte range."""
         staging, faults, half = self.staging, self.faults, self.half
         wire, slot = DTYPES[item.dtype], self.take()
         host = staging.slots[slot]
