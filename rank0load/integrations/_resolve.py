@@ -1,8 +1,4 @@
-"""Which model key each checkpoint key loads into, decided once per key *pattern* (rank 0).
-
-:class:`KeyResolver` answers, for a checkpoint key, its canonical model key or, when the model does
-not have the key itself, the :class:`~._convert.Conversion` that places it (how a pattern's rule is
-read and trusted: see its docstring).
+"""Which model key each checkpoint key loads into, decided once per key *pattern*: :class:`KeyResolver`.
 
 (rank 0, or one process for ``inspect``; no collectives)
 """
@@ -24,10 +20,7 @@ _DOTTED_NUMBER = re.compile(r"\.(\d+)(?=\.)")  # the same, in keys each written 
 
 
 def _numbers_blanked(keys: list[str]) -> Iterator[str]:
-    """Each key's pattern (as :class:`KeyResolver` keys its rules: every whole-segment number
-    replaced by NUL), for keys without newlines or NULs: one regular-expression pass over them all,
-    joined, each between dots (a literal dot lets the scan skip ahead, where ``_NUMBER``'s
-    look-behind tests every character). A generator, so the patterns live a chunk at a time."""
+    """Each key's pattern (whole-segment numbers replaced by NUL), for keys without newlines or NULs."""
     for at in range(0, len(keys), _KEYS_AT_ONCE):
         blanked = _DOTTED_NUMBER.sub(".\0", _dotted(keys[at : at + _KEYS_AT_ONCE]))
         yield from [line[1:-1] for line in blanked.split("\n")]
@@ -83,18 +76,12 @@ class _Rule:
 
 
 class KeyResolver:
-    """(rank 0) A checkpoint key -> its canonical model key and, when the model does not have the
-    key itself, the conversion that places it, decided once per key *pattern*.
-
-    MoE checkpoints repeat a few patterns (``layers.N.….experts.E.w1.weight``) tens of thousands of
-    times, and a transformers conversion is a dozen regular-expression renamings per key. A
-    pattern's keys differ only in their numbers, so the rule read from one key (which of its
-    numbers the target copies, which one is the expert index) holds for the others. It is taken on
-    trust only after it predicted every key of the pattern exactly until each of its numbers had
-    taken a second value; a pattern whose rule mispredicts, or whose numbers repeat within a key
-    (``layers.0.experts.0``), is computed key by key. A predicted target must still be a model key,
-    or the key is computed. :meth:`resolve_columns` predicts a trusted pattern's keys in bulk.
-    """
+    """(rank 0) A checkpoint key -> its canonical model key and, when the model lacks the key, the
+    conversion that places it. A pattern's keys differ only in their numbers, so the rule read off
+    one key (which numbers the target copies, which is the expert index) is trusted once it
+    predicted every key exactly until each number took a second value. A pattern whose rule
+    mispredicts, or whose numbers repeat within a key, is computed key by key; a predicted target
+    must still be a model key."""
 
     def __init__(
         self,
@@ -133,17 +120,9 @@ class KeyResolver:
             rule.varied.update(i for i, (a, b) in enumerate(zip(numbers, rule.first)) if a != b)
         return (found.target if found else None), found
 
-    def resolve_all(self, keys: Sequence[str]) -> list[tuple[str | None, ConversionMatch | None]]:
-        """``[self(key) for key in keys]``, the same answers at a fraction of the cost (see
-        :meth:`resolve_columns`)."""
-        return list(zip(*self.resolve_columns(keys)))
-
     def resolve_columns(self, keys: Sequence[str]) -> tuple[list[str | None], list[ConversionMatch | None]]:
-        """:meth:`resolve_all`'s answers as two columns (each key's canonical model key, and its
-        conversion), without a pair per key.
-        The keys the model lacks are grouped by pattern with one regular-expression pass over them
-        all; a pattern's keys go one by one until its rule is trusted, the rest are predicted
-        together (their numbers found in one pass, each distinct target checked once)."""
+        """``[self(key) for key in keys]`` computed in bulk, as two columns (canonical keys, conversions); a pattern's keys
+        go one by one until its rule is trusted, the rest are predicted together."""
         canonical = self._canonical_all(keys)
         converted: list[ConversionMatch | None] = [None] * len(keys)
         if not self._conversions:
@@ -177,9 +156,7 @@ class KeyResolver:
         return rule is not None and len(rule.varied) == len(rule.first)
 
     def _predict_all(self, rule: _Rule, keys: list[str]) -> list[ConversionMatch | None]:
-        """A trusted ``rule``'s answers for ``keys`` (all of its pattern), as :meth:`__call__` gives
-        them: the predicted target must be a model key, else the key is converted by itself. Made
-        column by column (each distinct target predicted and checked once), not key by key."""
+        """A trusted ``rule``'s answers for ``keys`` (all of its pattern), as :meth:`__call__` gives them."""
         if rule.match is None or not keys:
             return [None] * len(keys)
         rows = list(_numbers_of(keys, len(rule.first)))
@@ -221,8 +198,7 @@ class KeyResolver:
 
 
 def _rule_of(numbers: list[str], found: ConversionMatch | None) -> _Rule | None:
-    """The rule ``found`` follows for a key with ``numbers`` (all different), or None when it cannot
-    be read off (an expert index that is none of its numbers)."""
+    """The rule ``found`` follows for a key with ``numbers`` (all different), or None if unreadable."""
     if found is None:
         return _Rule(tuple(numbers), (), (), None, None, set())
     joined = _NUMBER.split(found.target)  # text, number, text, ...

@@ -108,6 +108,11 @@ def test_repeated_numbers_and_absent_targets():
                 assert got == (None, None)
 
 
+def _bulk(resolver: KeyResolver, keys: list[str]):
+    """The bulk path's answers, one (canonical key, conversion) pair per key."""
+    return list(zip(*resolver.resolve_columns(keys)))
+
+
 def _resolve_one_by_one(model: set[str], conversions, keys: list[str]):
     resolve = KeyResolver(lambda k: k if k in model else None, conversions)
     return [resolve(k) for k in keys]
@@ -119,13 +124,13 @@ def test_resolve_all_equals_every_key_decided_alone():
     model = _model_keys()
     keys = _keys()
     counted = [Counting(r) for r in RULES]
-    got = KeyResolver(lambda k: k if k in model else None, counted).resolve_all(keys)
+    got = _bulk(KeyResolver(lambda k: k if k in model else None, counted), keys)
     assert got == [_direct(k, model) for k in keys]
     converted = len([k for k in keys if k not in model])
     assert counted[0].calls <= converted // LAYERS + 6, (counted[0].calls, converted)
     # a model with fewer layers than the checkpoint: predicted targets it lacks are decided alone
     few = {f"model.layers.{la}.experts.{n}" for la in range(2) for n in ("w13", "w2")}
-    assert KeyResolver(lambda k: k if k in few else None, RULES).resolve_all(keys) == [
+    assert _bulk(KeyResolver(lambda k: k if k in few else None, RULES), keys) == [
         _direct(k, few) for k in keys
     ]
 
@@ -141,7 +146,7 @@ def test_resolve_all_odd_keys_equal_one_by_one():
     for conversions in (RULES, [Odd()]):
         for extra in ([], ["model.layers.1.experts.3.w2.weight\nmore"], ["a.\0.b"]):
             keys = base + extra
-            got = KeyResolver(lambda k: k if k in model else None, conversions).resolve_all(keys)
+            got = _bulk(KeyResolver(lambda k: k if k in model else None, conversions), keys)
             assert got == _resolve_one_by_one(model, conversions, keys), (conversions, extra)
 
 
@@ -152,5 +157,5 @@ def test_resolve_all_in_small_batches(monkeypatch):
     monkeypatch.setattr(_resolve, "_KEYS_AT_ONCE", 7)
     model = _model_keys()
     keys = _keys()
-    got = KeyResolver(lambda k: k if k in model else None, RULES).resolve_all(keys)
+    got = _bulk(KeyResolver(lambda k: k if k in model else None, RULES), keys)
     assert got == [_direct(k, model) for k in keys]

@@ -337,7 +337,7 @@ def test_hub_keys_resolve_to_the_peft_models_fused_tensors(tmp_path):
     layout = describe(model)
     resolver = KeyResolver(layout.canonical, conversions_for(model, keys), layout.canonical_all)
     hub = sorted(mm.headers(tmp_path))
-    resolved = dict(zip(hub, resolver.resolve_all(hub)))
+    resolved = dict(zip(hub, list(zip(*resolver.resolve_columns(hub)))))
     assert [k for k, (target, _) in resolved.items() if target is None] == []
     target, match = resolved["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
     assert target == "base_model.model.model.layers.1.mlp.experts.base_layer.base_layer.gate_up_proj"
