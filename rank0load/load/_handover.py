@@ -1,18 +1,15 @@
 """Node-local reads: rank 0 lends its open checkpoint files to the ranks on its own host.
 
-A descriptor rank 0 opened read-only and passed over a Unix-domain socket (``SCM_RIGHTS``) reads
-fine in a process whose mount namespace hides the checkpoint. So rank 0 stays the only rank that
-resolves, opens and validates the checkpoint, and ranks on its host read their own bytes
-(``_localread``); every other rank keeps the point-to-point stream.
+Its read-only descriptors, passed over a Unix socket (``SCM_RIGHTS``), read even where a rank's
+mount namespace hides the checkpoint: rank 0 stays the only rank that opens and validates it.
 
 (rank 0) :meth:`Server.listen` once the manifest exists (an abstract Unix socket, reachable only
 from rank 0's network namespace); its :class:`Offer` rides on the manifest's broadcast.
 (all ranks) :func:`hand_over`: rank 0 hands its descriptors only to a peer whose kernel-reported
 pid and uid (``SO_PEERCRED``) are those a rank on its host reported and that sends the offer's
 token; that rank checks that the peer is rank 0 and every descriptor against the offer.
-(all ranks) :meth:`Handover.decide`. A rank reads locally only if it holds every descriptor,
-verified; any failure (no socket, refused, timeout) makes it take the stream, and rank 0 knows to
-send it its pieces: never a hang.
+(all ranks) :meth:`Handover.decide`: a rank reads locally only if it holds every descriptor,
+verified; any failure makes it take the stream, and rank 0 knows to send it its pieces: never a hang.
 """
 
 from __future__ import annotations
@@ -64,8 +61,7 @@ def host_id() -> str | None:
 
 @dataclass(frozen=True)
 class Offer:
-    """What rank 0 tells every rank (with the manifest) so that the ranks on its host can fetch
-    its descriptors and check them."""
+    """What rank 0 sends with the manifest, for the ranks on its host to fetch and check its descriptors."""
 
     name: str  # abstract socket name, without the leading NUL
     token: bytes  # the peer sends it back: proof that it took part in this load's broadcast
@@ -178,8 +174,7 @@ class Server:
         self._sock.close()
 
     def close(self) -> None:
-        """Stop, and wait a little for the threads: one still talking to a peer that says nothing
-        ends at its timeout (daemon threads)."""
+        """Stop, and wait a little for the threads (one held by a silent peer ends at its timeout)."""
         self.stop()
         for t in self._threads:
             t.join(timeout=0.5)
@@ -232,8 +227,7 @@ def _flags(fd: int) -> int:
 
 
 def listen(manifest: Manifest, files: Mapping[str, OpenFile]) -> Server | None:
-    """(rank 0) A server lending ``files`` for ``manifest`` to the ranks on this host; None when
-    there is no other rank."""
+    """(rank 0) A server lending ``files`` to the ranks on this host; None when there is no other rank."""
     if dist.get_world_size() == 1:
         return None
     return Server.listen([files[path] for path in manifest.files])
@@ -284,9 +278,8 @@ def hand_over(
     enabled: bool = True,
 ) -> Handover:
     """(all ranks, after the manifest) Rank 0 serves its descriptors to the ranks on its host, which
-    fetch and check them. ``paths``: ``Manifest.files``; ``host_bytes``: a host buffer that big is
-    allocated for a local reader whose shards are not on the CPU (see _localread); ``enabled``: the
-    load's ``local_reads`` (for the status). Raises only when a collective fails (a peer died)."""
+    fetch and check them (``paths``: ``Manifest.files``; ``host_bytes``: the size of a local reader's
+    pinned buffer, shards off the CPU; ``enabled``: for the status). Raises only when a collective fails."""
     rank = dist.get_rank()
     if offer is None:
         why = "local_reads=False" if not enabled else "rank 0 could not listen on an abstract socket"

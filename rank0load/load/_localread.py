@@ -1,16 +1,11 @@
 """A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives).
 
 (a local reader: a rank other than 0 that ``_handover.hand_over`` gave rank 0's descriptors)
-:class:`LocalReader` is a source of bytes (``_sources``) in place of the receives for this rank's
-own pieces: its rows of SHARDED entries, and the rows of BLOCK chunks that hold its parts, which it
-cuts as rank 0 would (``_sink.fan_out``, with no one to send to). Broadcast pieces still arrive by
-broadcast while some rank takes the stream; when every rank but 0 reads locally
-(:attr:`LocalReads.everyone`), each reads those too, and with CPU shards rank 0 reads its own share
-through a LocalReader as well (:class:`_Rank0Files`): no message moves (``_sources.OwnSource``).
-
-A failure (a read error, a file that changed) is the sink's local failure, settled like any other:
-the same LoadError on every rank. At each round's end the files read in it are checked against the
-identity rank 0 recorded when it opened them.
+:class:`LocalReader` reads, instead of receiving, its rows of SHARDED entries and the rows of BLOCK
+chunks that hold its parts; broadcast pieces too when every rank but 0 reads locally
+(:attr:`LocalReads.everyone`), and then, with CPU shards, rank 0 reads its own share through one as
+well (:class:`_Rank0Files`). A failure is the sink's local failure, settled like any other; the files
+read in a round are checked at its end against the identities rank 0 recorded when it opened them.
 """
 
 from __future__ import annotations
@@ -83,9 +78,8 @@ class LocalReads:
     status: str  # which path this rank took, and why (LoadReport.local_status)
 
     def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None] | None) -> Iterator[Piece]:
-        """(rank 0) Its pieces less those the readers read themselves (its BLOCK chunks cut for the
-        other ranks only); their bytes are counted on ``on_bytes`` (the progress bar) as they are
-        passed over."""
+        """(rank 0) Its pieces less those the readers read themselves (BLOCK chunks cut for the other
+        ranks only); the skipped bytes counted on ``on_bytes`` as they are passed over."""
         for piece in plan.pieces(0, cut_for=[r for r, _ in plan.coords if r not in self.readers]):
             if piece.dst in self.readers:  # its rows, and the scale grid rows they need
                 if on_bytes is not None and piece.route is Route.TO_RANK:
@@ -113,8 +107,7 @@ class LocalReads:
 
 class _Rank0Files:
     """(rank 0, when every rank reads locally and its shards are on the CPU) Its own open files, as
-    a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path. (On an
-    accelerator rank 0 keeps its reader thread.)"""
+    a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path."""
 
     host = None
 
@@ -132,10 +125,8 @@ class _Rank0Files:
 
 
 class LocalReader:
-    """(a local reader) A source of bytes (``_sources``): reads the pieces it is handed (TO_RANK
-    pieces addressed to this rank, FAN_OUT chunks, with :attr:`everything` broadcast pieces too),
-    one at a time, synchronously, each as an :class:`~._sink.Arrival`; ends each round with the
-    identity checks."""
+    """(a local reader) A source of bytes: reads the pieces it is handed (its TO_RANK pieces, FAN_OUT
+    chunks, with :attr:`everything` broadcasts too) synchronously, one at a time, as arrivals."""
 
     def __init__(
         self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | _Rank0Files, everything: bool
@@ -148,10 +139,9 @@ class LocalReader:
         self.touched: set[str] = set()
 
     def arrivals(self, piece: Piece | Message) -> Iterator[Arrival]:
-        """``piece`` read: straight into this rank's tensor where it can land there (on the CPU, of
-        the wire dtype), else into its staging slot (free again once the arrival is delivered); a
-        message (``Sink.runs``) into the slot, each piece at its offset. After a local failure, or
-        for another rank's piece, nothing: no message depends on it."""
+        """``piece`` read straight into this rank's tensor where it can (on the CPU, of the wire dtype),
+        else into the staging slot (free again once delivered); a message (``Sink.runs``) into the slot.
+        After a local failure, or for another rank's piece, nothing: no message depends on it."""
         if isinstance(piece, Message):
             if self.sink.faults.error is None:
                 try:
@@ -198,8 +188,7 @@ class LocalReader:
             self.sink.faults.run(self.files.check, path)
 
     def finish(self) -> None:
-        """Check every file once more after the last read, as rank 0's reader thread does: a file
-        replaced after its round still fails the load."""
+        """Check every file once more after the last read: one replaced after its round fails the load."""
         self.touched = set(self.files.paths())
         self.round_end()
 

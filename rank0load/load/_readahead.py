@@ -1,12 +1,8 @@
 """Rank 0's reader: file bytes into a few reusable staging slots, one thread ahead of the sender.
 
-(rank 0 only) :class:`Reader` runs in a background thread. For each :class:`~._messages.Message` it
-either reads straight into the final destination (rank 0's own rows, when no cast is needed and
-the shard is on the CPU) or into one of the staging buffers allocated before the stream
-(``_reads``). On an accelerator mesh the staging is one pinned ring (:class:`_Ring`), read by
-several threads (:func:`read_threads`): one thread cannot keep up with the host-to-device copy.
-The sender hands buffers back once their bytes are sent (:meth:`Reader.release`), so host RAM
-spent on staging never exceeds the staging budget whatever the checkpoint's size.
+(rank 0 only) :class:`Reader` reads each message in a background thread, straight into its
+destination or into a staging buffer (on an accelerator mesh, a pinned ring read by several
+threads); a buffer is filled again only once the sender released it, so staging stays in its budget.
 """
 
 from __future__ import annotations
@@ -31,14 +27,9 @@ from ._pieces import Route
 __all__ = ["Reader", "Staged", "read_threads"]
 
 
-# Threads that read rank 0's staged messages on an accelerator mesh: every free slot's message is
-# read at once, in parts of at most _PART_BYTES, while the sender copies the oldest one to the
-# device (benchmarks/README.md). On the CPU the shards are written in place and the other ranks
-# read beside rank 0: one thread, reading each message before the next.
+# accelerator mesh: threads read every free slot's message at once, in parts of at most _PART_BYTES
 ACCELERATOR_READ_THREADS = 16
 _PART_BYTES = 8 << 20
-# On an accelerator mesh rank 0's pinned staging is one ring rather than SLOTS fixed slots, so many
-# small messages are read at once where a slot each would leave most of the staging idle.
 _RING_ALIGN = 4096
 _RING_MESSAGES = 64  # messages read ahead at most, in the ring
 
@@ -61,11 +52,10 @@ class Staged:
 
 
 class _Ring:
-    """(rank 0's reader thread, on an accelerator mesh) The pinned staging as one ring: each message
-    takes the next bytes it needs, from a ``_RING_ALIGN`` boundary, and they are filled again only
-    once the sender released them (``take``'s ``released`` gives the next release) and the event
-    released with them has completed. Releases may come in any order; the bytes come back in the
-    order they were taken."""
+    """(rank 0's reader thread, on an accelerator mesh) The pinned staging as one ring, so that many
+    small messages are read at once: each takes the next bytes it needs from a ``_RING_ALIGN``
+    boundary, filled again only once released and the event released with them has completed.
+    Releases may come in any order; the bytes come back in the order they were taken."""
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
@@ -76,8 +66,7 @@ class _Ring:
     def take(
         self, nbytes: int, released: Callable[[], tuple[int, torch.Event | None] | None]
     ) -> tuple[int, torch.Tensor] | None:
-        """The next ``nbytes`` (at most the ring's size) and a token to release them with; None
-        when ``released`` returned None (the reader was stopped)."""
+        """The next ``nbytes`` (at most the ring's size) and their release token; None once stopped."""
         size = self.buffer.numel()
         need = min(size, max(1, -(-nbytes // _RING_ALIGN)) * _RING_ALIGN)  # never 0: see _place
         while (at := self._place(need, size)) is None:
@@ -108,22 +97,15 @@ class _Ring:
 
 
 class Reader:
-    """(rank 0) Background reader. Iterate it to get :class:`Staged` messages in order; call
-    :meth:`release`. Iterating re-raises an error of the reader thread itself.
+    """(rank 0) Background reader: iterate it for :class:`Staged` messages in order and
+    :meth:`release` each; iterating re-raises an error of the reader thread itself.
 
-    Reads go through the descriptors rank 0 opened when it read the headers (``files``: path ->
-    ``_files.OpenFile``), never by re-opening a path. Each file's identity is checked when the
-    reader leaves it and once more for every file at the end: a file replaced, rewritten or
-    truncated during the load is a failure. The first failure of any message (an I/O error, a
-    changed file, an allocation) is kept in :attr:`failed`; the remaining messages still flow,
-    unread, so that every rank completes the same messages, and the sender reports it at the end of
-    the round.
-
-    ``threads`` > 1 (an accelerator mesh): the reader thread hands each message's reads, in parts of
-    at most ``_PART_BYTES``, to that many threads as soon as a slot is free, and iterating waits for
-    the oldest message's parts only; a file is checked when its last reads are done. With ``ring``
-    (the pinned buffer that ``buffers`` are views of) ``Staged.slot`` is a ring token: the consumer
-    must release each message before it asks for the next one, or the reader stalls (:class:`_Ring`).
+    Reads go through ``files`` (path -> ``_files.OpenFile``), never a re-opened path; each file's
+    identity is checked when the reader leaves it (its last reads done) and every file's once more at
+    the end. The first failure (I/O error, changed file, allocation) is kept in :attr:`failed`; the
+    remaining messages still flow, unread, so that every rank completes the same messages. With
+    ``ring`` (the pinned buffer ``buffers`` are views of) ``Staged.slot`` is a ring token: the consumer
+    must release each message before asking for the next, or the reader stalls.
     """
 
     _DONE = object()
@@ -284,9 +266,8 @@ class Reader:
                 continue
 
     def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
-        """Hand ``slot`` back to be filled again; with ``copied`` (an accelerator mesh: the event
-        recorded after the non-blocking copies that read it), only once that event has completed.
-        The reader thread waits for it, not the sender, so the copies are queued back to back."""
+        """Hand ``slot`` back, filled again once ``copied`` (recorded after the non-blocking copies that
+        read it) has completed: the reader thread waits, not the sender, so the copies queue back to back."""
         if slot is not None:
             self._free.put((slot, copied))
 

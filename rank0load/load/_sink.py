@@ -1,10 +1,9 @@
 """Where the tensor data lands on this rank (all ranks; no collectives).
 
-:func:`allocate_staging` reserves every staging buffer before the last agreement; :class:`Sink`
-does the local work on arriving bytes; :func:`fan_out` cuts a BLOCK chunk into its parts, each
-rank's block of it (``common._blocks``).
-``_transfer`` and ``_localread`` both hand their bytes to a Sink (a BLOCK chunk to ``fan_out``), so
-neither imports the other.
+:func:`allocate_staging` reserves every staging buffer before the last agreement, so that no
+allocation inside the stream can leave a rank unable to take part; :class:`Sink` does the local work
+on arriving bytes; :func:`fan_out` cuts a BLOCK chunk into each rank's block. ``_transfer`` and
+``_localread`` both deliver here, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ __all__ = [
 
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
 _BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
-# On an accelerator the temporaries are device memory and each step costs a dozen kernel launches:
-# steps 64 times as large.
+# on an accelerator (device temporaries, a dozen kernel launches a step): steps 64 times as large
 _DEVICE_STEP_SHIFT = 6
 
 
@@ -76,27 +74,24 @@ class Arrival:
 
 @dataclass
 class Staging:
-    """Every staging buffer of one rank, allocated before the stream: ``slots`` host (rank 0) or
-    mesh-device (others) buffers, and on rank 0 of an accelerator mesh one device buffer."""
+    """Every staging buffer of one rank, allocated before the stream."""
 
-    slots: list[torch.Tensor]
-    device_buffer: torch.Tensor | None
-    # rank 0 of an accelerator mesh: the one pinned buffer that ``slots`` are views of (a ring)
-    host: torch.Tensor | None = None
+    slots: list[torch.Tensor]  # host (rank 0) or mesh-device (other ranks) buffers
+    device_buffer: torch.Tensor | None  # rank 0, accelerator mesh: its one device buffer
+    host: torch.Tensor | None = None  # rank 0, accelerator mesh: the pinned ring ``slots`` are views of
 
 
 def allocate_staging(
     rank: int, piece_bytes: int, mesh_device: torch.device, max_staging_bytes: int
 ) -> Staging:
-    """(all ranks) Reserve the staging. ``torch.empty`` touches no page: RSS grows only with use."""
+    """(all ranks) Reserve the staging (no page touched: RSS grows only with use)."""
     on_cpu = mesh_device.type == "cpu"
     where = torch.device("cpu") if rank == 0 else mesh_device
     pin = rank == 0 and not on_cpu
     if not pin:
         slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes)
         return Staging(slots, None)
-    # rank 0 of an accelerator mesh: one pinned buffer, which its reader uses as a ring
-    # (_readahead._Ring), and the device buffer
+    # rank 0 of an accelerator mesh: one pinned ring (_readahead._Ring) and the device buffer
     host = reserve(1, SLOTS * piece_bytes, where, max_staging_bytes, pin)[0]
     device = reserve(1, piece_bytes, mesh_device, max_staging_bytes)[0]
     return Staging(list(host.split(piece_bytes)), device, host)
@@ -111,8 +106,7 @@ def direct_view(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor
 
 
 class _Assembly:
-    """A full-size buffer filled piece by piece, for one entry at a time: a GENERIC entry's bytes, or
-    a float8 entry's scale grids."""
+    """A full-size buffer filled piece by piece, one entry at a time (GENERIC bytes, float8 scale grids)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -129,9 +123,8 @@ class _Assembly:
 
 class Sink:
     """(all ranks) This rank's local work on arriving bytes: cast or dequantise them into the target,
-    assemble GENERIC entries (then cut this rank's shard with DTensor's own split,
-    ``src_data_rank=None``: no communication) and float8 scale grids. Failures are noted in
-    :attr:`faults`, not raised; after the first it does nothing more (see ``_distribute.Faults``)."""
+    assemble float8 scale grids and GENERIC entries (cut with ``src_data_rank=None``: no communication).
+    Failures are noted in :attr:`faults`, not raised; after the first it does nothing more."""
 
     def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
         self.plan, self.entries, self.targets = plan, plan.entries, targets
@@ -154,9 +147,8 @@ class Sink:
     def take(
         self, message: Message, data: torch.Tensor, in_target: bool = False, non_blocking: bool = False
     ) -> None:
-        """(all ranks) The local work of every piece of ``message``, whose bytes are in ``data``
-        (``in_target``: straight in the target already; a point-to-point piece then needs nothing;
-        ``non_blocking``: see :meth:`write`)."""
+        """(all ranks) The local work of every piece of ``message``, its bytes in ``data`` (``in_target``:
+        already in the target, so a point-to-point piece needs nothing; ``non_blocking``: :meth:`write`)."""
         parts = list(message.parts())
         i = 0
         while i < len(parts):
@@ -171,10 +163,9 @@ class Sink:
             i += 1
 
     def pair_key(self, scales: Piece, rows: Piece) -> tuple[object, ...] | None:
-        """What makes a float8 entry's scale grid rows and its rows, arriving together, dequantisable
-        together with other entries of the same key (:meth:`runs`): a 2-D SHARDED entry of one part,
-        whose columns are whole blocks, ``rows`` this rank's whole local shard (on the CPU, of a
-        floating dtype), ``scales`` exactly the grid rows those rows need. None: it is not such a pair."""
+        """The key under which a float8 entry's scale grid rows and rows are dequantised together with
+        other pairs (:meth:`runs`); None unless it is a 2-D one-part SHARDED entry of whole-block columns,
+        ``rows`` this rank's whole CPU shard (floating dtype), ``scales`` exactly the grid rows they need."""
         if scales.route is not Route.SCALES or rows.route is not Route.TO_RANK or scales.index != rows.index:
             return None
         entry, target = self.entries[rows.index], self.targets[rows.index].tensor
@@ -202,10 +193,9 @@ class Sink:
         return entry.shape, entry.block, wire, target.dtype, lo, k
 
     def runs(self, pieces: Iterable[Piece], limit: int) -> Iterator[Piece | Message]:
-        """``pieces`` (this rank's view, in order), each float8 scales-and-rows pair that follows another
-        of the same :meth:`pair_key` joined with it into one :class:`Message` of at most ``limit``
-        bytes (laid out as ``_messages`` lays them: ALIGN boundaries), for :meth:`take` to dequantise
-        at once; every other piece as it comes. A lone pair is a message of two."""
+        """``pieces`` (this rank's view, in order), consecutive float8 pairs of one :meth:`pair_key`
+        joined into a :class:`Message` (``_messages``' layout) of at most ``limit`` bytes, for
+        :meth:`take` to dequantise at once (a lone pair: a message of two); other pieces as they come."""
         run: list[Piece] = []
         key: tuple[object, ...] | None = None
         size = 0
@@ -262,9 +252,8 @@ class Sink:
         return n if n > 1 or len(parts) == 2 else 0
 
     def _dequantize_pairs(self, parts: list[tuple[Piece, int]], data: torch.Tensor) -> None:
-        """Equally spaced pairs of one :meth:`pair_key` in ``data``: their rows dequantised together,
-        in steps of at most ``_DEQUANTISE_STEP`` elements, each entry's products then cast once into
-        its shard (the rounding :func:`dequantize` gives it alone)."""
+        """Equally spaced pairs of one :meth:`pair_key` in ``data``, dequantised together in steps of
+        ``_DEQUANTISE_STEP`` elements, each cast once into its shard (the rounding it gets alone)."""
         (scales, s_at), (rows, r_at) = parts[0], parts[1]
         n = len(parts) // 2
         step = parts[2][1] - s_at if n > 1 else 0
@@ -304,8 +293,7 @@ class Sink:
     def broadcast(
         self, piece: Piece, data: torch.Tensor, in_target: bool, non_blocking: bool = False
     ) -> None:
-        """(all ranks) The local work of a broadcast piece (``in_target``: it arrived where it belongs;
-        ``non_blocking``: see :meth:`write`)."""
+        """(all ranks) The local work of a broadcast piece (``in_target``, ``non_blocking``: :meth:`take`)."""
         entry = self.entries[piece.index]
         if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
             into = self.scales if piece.route is Route.SCALES else self.whole
@@ -322,8 +310,7 @@ class Sink:
     ) -> None:
         """Wire bytes ``data`` (entry bytes from ``piece.start``) into the target at ``local_offset``.
         ``non_blocking`` (rank 0's pinned slots into device shards): a plain copy is only queued on the
-        device's current stream; the caller keeps ``data`` unchanged until an event recorded after it
-        has completed."""
+        current stream; the caller keeps ``data`` unchanged until an event recorded after it completes."""
         self.faults.run(
             self._write,
             piece,
@@ -360,8 +347,7 @@ class Sink:
     def _decode(
         self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Wire values of elements ``first ..`` of entry ``index``; float8 ones dequantised (into
-        ``into``, if given: see ``_fp8.dequantize``)."""
+        """Entry ``index``'s wire values of elements ``first ..``; float8 ones dequantised (into ``into``)."""
         entry = self.entries[index]
         if not entry.scales:
             return values
@@ -371,8 +357,7 @@ class Sink:
         return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids, into)
 
     def _decode_block(self, index: int, values: torch.Tensor, local_first: int) -> torch.Tensor:
-        """Float8 values of elements ``local_first ..`` of this rank's BLOCK shard, dequantised with
-        the scales of the global positions they hold (``_layout.global_indices``)."""
+        """This rank's BLOCK shard's float8 values from ``local_first``, dequantised by global position."""
         entry = self.entries[index]
         if self.scales.index != index or self.scales.buffer is None:
             raise InternalError(f"internal error: the scales of {entry.key!r} did not arrive first")
@@ -395,9 +380,8 @@ class Sink:
 
 
 def deliver(arrival: Arrival, sink: Sink) -> AllOf | None:
-    """(a rank that receives or reads its own bytes) ``arrival`` into ``sink``: a BLOCK chunk cut
-    into its parts (:func:`fan_out`; the returned sends to wait for, if any), anything else through
-    :meth:`Sink.take`."""
+    """(a rank that receives or reads its own bytes) ``arrival`` into ``sink``: a BLOCK chunk through
+    :func:`fan_out` (returns its sends to wait for), anything else through :meth:`Sink.take`."""
     piece = arrival.message.first
     if piece.route is Route.FAN_OUT:
         assert arrival.pack_buffer is not None
@@ -407,9 +391,8 @@ def deliver(arrival: Arrival, sink: Sink) -> AllOf | None:
 
 
 def cut(rows: torch.Tensor, part: Part, first_row: int = 0) -> torch.Tensor:
-    """``part``'s block of a chunk whose rows from ``first_row`` on are ``rows`` (full shape
-    otherwise): a view where the rank's indices on each dimension are one run, a copy
-    (``torch.cat``) where they are several."""
+    """``part``'s block of a chunk whose rows from ``first_row`` on are ``rows``: a view where the
+    rank's indices on each dimension are one run, a copy where they are several."""
     block = rows[part.rows[0] - first_row : part.rows[1] - first_row]
     for dim, dim_runs in enumerate(part.inner, start=1):
         if dim_runs == ((0, rows.shape[dim]),):
@@ -422,12 +405,10 @@ def cut(rows: torch.Tensor, part: Part, first_row: int = 0) -> torch.Tensor:
 def fan_out(
     piece: Piece, data: torch.Tensor, pack_buffer: torch.Tensor, sink: Sink, first_row: int = 0
 ) -> AllOf:
-    """(rank 0, or a local reader for its own parts) Cut the FAN_OUT ``piece``'s chunk (whole rows,
-    in ``data`` from its row ``first_row`` on) into ``piece.parts``, in order: this rank's own are
-    written into its shard, the others are sent (returned: the sends to wait for). A block that is
-    not a contiguous part of the chunk is packed into ``pack_buffer`` (the rest of the staging slot);
-    ranks holding the same block (replicas) share one copy, so the packed blocks never exceed the
-    chunk. After a local failure the parts still go out, as scratch bytes of the right size."""
+    """(rank 0, or a local reader for its own parts) Cut the FAN_OUT ``piece``'s chunk (whole rows, in
+    ``data`` from row ``first_row`` on) into ``piece.parts``, in order: its own written into its shard,
+    the others sent (returned: the sends). Non-contiguous blocks are packed into ``pack_buffer``, one
+    copy per distinct block, never more than the chunk. After a failure the parts still go out (scratch)."""
     wire, chunk = sink.wires[piece.index], piece.chunk
     assert chunk is not None  # every FAN_OUT piece has its chunk
     made: dict[tuple[Any, ...], torch.Tensor] = {}

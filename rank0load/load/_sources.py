@@ -1,11 +1,9 @@
 """Where a message's bytes come from on this rank: one interface for the ways they arrive (all ranks).
 
-Every rank walks its view of the plan's messages (``_messages``) round by round, and a *source* puts
-each one's bytes in memory as an :class:`~._sink.Arrival`: :class:`FileSource` on rank 0,
-:class:`ReceiveSource` on the others (with ``_localread.LocalReader`` for a local reader's own
-pieces), :class:`OwnSource` on every rank when each reads its own bytes into CPU shards. ``_transfer`` hands every arrival on, then gives its buffer back with ``release``. A
-source's failures are the sink's local failures (``_distribute.Faults``): the round's messages
-still flow, unread.
+A source yields each message of a round, in order, as an :class:`~._sink.Arrival`: :class:`FileSource`
+on rank 0, :class:`ReceiveSource` on the others, :class:`OwnSource` on every rank when each reads its
+own bytes into CPU shards; the consumer gives each buffer back with ``release``. A source's failures
+are the sink's local failures: the round's messages still flow, unread.
 """
 
 from __future__ import annotations
@@ -54,16 +52,13 @@ class ByRound(Generic[T]):
 
 
 def own_together(device: torch.device) -> bool:
-    """Whether rank 0 groups its own consecutive pieces into messages (``_messages.messages``): on
-    an accelerator mesh, where they go through its pinned staging anyway (one copy per message).
-    On the CPU they are read straight into its shards, one piece each."""
+    """Whether rank 0 groups its own consecutive pieces into messages: on an accelerator (staged anyway)."""
     return device.type != "cpu"
 
 
 class FileSource:
-    """(rank 0) Its messages (``pieces``: those it reads; local readers read theirs) read by its
-    reader thread (``_readahead.Reader``), one arrival each, in order. On an accelerator mesh each
-    arrival must be released before the next is asked for (``_readahead._Ring``)."""
+    """(rank 0) ``pieces`` (not the local readers') read by its reader thread, one arrival per message,
+    in order. On an accelerator mesh each arrival must be released before the next is asked for (the ring)."""
 
     def __init__(
         self, plan: Plan, staging: Staging, files: Mapping[str, Any], sink: Sink, pieces: Iterator[Piece]
@@ -101,8 +96,7 @@ class FileSource:
         self.reader.release(slot, copied)
 
     def round_end(self, stop: int) -> None:
-        """After the round's arrivals are handled: the reader's last file checks after the last
-        round, and its first failure, if any, noted as this rank's."""
+        """The reader's first failure noted as this rank's (at the last round, after its last file checks)."""
         if stop == self._last:
             for _ in self._by_round.until(stop + 1):  # the reader's last checks come with its end
                 pass
@@ -114,10 +108,9 @@ class FileSource:
 
 
 class ReceiveSource:
-    """(ranks other than 0) Receives posted up to ``slots`` ahead: a one-piece message straight into
-    the local shard when the wire dtype is the target's, else into a staging slot; broadcasts in
-    order, once the receives before them are done; with ``local``, this rank's own pieces read
-    through rank 0's descriptors instead."""
+    """(ranks other than 0) Receives posted up to ``slots`` ahead, into the shard where they can, else
+    a staging slot; broadcasts in order, once the receives before them are done; with ``local``, this
+    rank's own pieces read through rank 0's descriptors instead."""
 
     def __init__(self, plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None) -> None:
         self.sink, self.local, self.slots = sink, local, staging.slots
@@ -148,8 +141,7 @@ class ReceiveSource:
         yield from self._completed(keep=0)
 
     def _broadcast(self, message: Message) -> Generator[Arrival, None, Arrival]:
-        """Receive a broadcast message (yielding earlier arrivals while no slot is free); returns its
-        arrival."""
+        """Receive a broadcast message (yielding earlier arrivals while no slot is free); its arrival."""
         into = self.sink.direct_view(message.first) if len(message.pieces) == 1 else None
         slot = None
         if into is None:
@@ -167,8 +159,7 @@ class ReceiveSource:
         self._pending.add(dist.irecv(view, src=0), functools.partial(self._done.append, arrival))
 
     def _in_place(self, message: Message) -> torch.Tensor | None:
-        """Where a message can land with no staging: one piece of rows, into its target's own bytes
-        (same dtype, contiguous, on the mesh device), unless this rank has failed."""
+        """Where a one-piece message of rows lands unstaged: its target on the mesh device; None if failed."""
         piece, target = message.first, self.sink.targets[message.index]
         if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or self.sink.faults.error is not None:
             return None
@@ -177,8 +168,7 @@ class ReceiveSource:
         return direct_view(target, piece, self.sink.wires[piece.index])
 
     def _stage(self, message: Message) -> Generator[Arrival, None, tuple[torch.Tensor, int]]:
-        """A free staging slot for ``message``: the oldest receives completed and handed on until
-        one is free. Returns (its bytes, the slot)."""
+        """(``message``'s bytes in a free slot, the slot), the oldest receives handed on until one is free."""
         while not self._free:
             if not self._done:
                 self._pending.complete_oldest()
@@ -206,10 +196,9 @@ class ReceiveSource:
 
 
 class OwnSource:
-    """(every rank, when each reads its own bytes and the shards are on the CPU) No message: this
-    rank's pieces read in order by ``reader``, each float8 scales-and-rows pair as one message,
-    dequantised together (``Sink.runs``); the files read in a round checked at its end, and every
-    file after the last round. A failing rank stops reading."""
+    """(every rank, when each reads its own bytes into CPU shards) No message: this rank's pieces read
+    in order by ``reader`` (float8 pairs joined by ``Sink.runs``); the files read in a round checked at
+    its end, every file after the last. A failing rank stops reading."""
 
     def __init__(
         self, plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None

@@ -1,20 +1,12 @@
 """Moving the tensor data: each rank takes its messages' bytes from its source, round by round (all ranks).
 
-The staging (``_sink.allocate_staging``) is reserved before the last agreement, so that no
-allocation inside the stream can leave a rank unable to take part. (all ranks) :func:`stream` moves
-every piece of the plan, grouped into messages (``_messages``). Each rank gets every message's bytes
-from its source (``_sources``) and hands each arrival on: rank 0 first to the ranks it serves
-(:class:`_Sender`), then every rank into its sink (``_sink``), and gives the buffer back.
+(all ranks) :func:`stream`: each rank hands every arrival into its sink (rank 0 first to the ranks it
+serves, :class:`_Sender`) and gives its buffer back.
 
-The messages are fixed by the plan: after a *local* failure (a read error or a changed file, a cast
-or copy error anywhere) a rank keeps sending and receiving the round's remaining messages, from and
-into scratch, and does no more local work. At the end of every round the ranks compare notes; if
-any rank failed, all stop there and raise that rank's error, and the process group stays usable.
-Only a collective that itself fails (a peer is gone) raises at once, as a peer failure. The rounds
-and that settling are ``common._distribute``'s, shared with the save.
-
-When every rank reads its own bytes (one host, CPU shards) there are no messages: each rank, rank 0
-too, reads its own pieces (``_sources.OwnSource``), and the rounds only compare notes.
+The messages are fixed by the plan: after a *local* failure (a read, cast or copy error, a changed
+file) a rank keeps sending and receiving the round's remaining messages, from and into scratch, and
+does no more local work. At every round's end the ranks compare notes; if any failed, all raise its
+error there and the process group stays usable. Only a failing collective (a peer gone) raises at once.
 """
 
 from __future__ import annotations
@@ -50,10 +42,8 @@ def stream(
     on_bytes: Callable[[int], None] | None = None,
     local: LocalReads | None = None,
 ) -> None:
-    """(all ranks) Move every piece of ``plan`` to its destination, round by round, the ranks
-    comparing notes after each round; rank 0 reads from ``files`` (path -> ``_files.OpenFile``).
-    ``local``: the ranks that read their own bytes through rank 0's descriptors (``_handover``);
-    rank 0 sends them nothing but the broadcasts, and not even those when every rank reads its own.
+    """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``. ``local``:
+    the ranks that read their own bytes (rank 0 sends them only the broadcasts, none when all do).
     Raises the same error on every rank if any rank failed."""
     sink = Sink(plan, targets, mesh_device)
     with settled(
@@ -85,10 +75,8 @@ def _endpoints(
     on_bytes: Callable[[int], None] | None,
     local: LocalReads | None,
 ) -> tuple[FileSource | ReceiveSource | OwnSource, Callable[[Arrival], None]]:
-    """(all ranks) Where this rank's bytes come from, and what takes each arrival: when every rank
-    reads its own bytes and the shards are on the CPU, no message at all (:class:`OwnSource` on
-    every rank, rank 0 too); otherwise rank 0 reads and sends (:class:`_Sender`) and the others
-    receive, or read their own pieces."""
+    """(all ranks) This rank's source and what takes each arrival: :class:`OwnSource` on every rank
+    when each reads its own bytes into CPU shards, else :class:`_Sender` on rank 0, receives elsewhere."""
     own = local.reader(plan, staging, sink, files) if local is not None else None
     source: FileSource | ReceiveSource | OwnSource
     if own is not None and own.everything and sink.device.type == "cpu":  # the same on every rank
@@ -115,11 +103,10 @@ def _wait(work: Any) -> None:
 
 
 class _Sender:
-    """(rank 0) Hands each arrival on to the ranks it serves (not ``readers``: they read their own
-    bytes; when they are all the other ranks, their broadcast pieces too), then into its own sink.
-    On an accelerator mesh the copies out of the pinned staging are non-blocking, on the device's
-    current stream (what reads the shards later is ordered after them); the reader waits for them
-    (:meth:`_done_with`), and the last round ends with the stream synchronised."""
+    """(rank 0) Hands each arrival on to the ranks it serves (not ``readers``, nor broadcasts when
+    they are all the other ranks), then into its own sink. On an accelerator mesh the copies out of
+    the pinned staging are non-blocking on the current stream (later reads of the shards are ordered
+    after them); the reader waits for them (:meth:`_done_with`); the last round synchronises the stream."""
 
     def __init__(
         self,
@@ -158,10 +145,9 @@ class _Sender:
             self.on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
 
     def _on_device(self, arrival: Arrival) -> torch.Tensor:
-        """The message's bytes copied into the one device buffer, once earlier sends from it are
-        done (rank 0's own pieces too when they are cast or dequantised: on the device, not the
-        host). Everything after reads the device buffer on the same stream: the slot is free once
-        this copy is."""
+        """The message's bytes copied into the one device buffer once earlier sends from it are done
+        (rank 0's own pieces too when cast or dequantised: on the device, not the host). Later work
+        reads the buffer on the same stream: the slot is free once this copy is."""
         self.pending.drain()
         assert self.staging.device_buffer is not None
         data = self.staging.device_buffer[: arrival.message.nbytes]
@@ -170,8 +156,7 @@ class _Sender:
         return data
 
     def _fan_out(self, arrival: Arrival, data: torch.Tensor, slot_to_free: int | None) -> None:
-        """A BLOCK chunk cut into the served ranks' parts (``LocalReads.rank0_pieces`` leaves the
-        readers' out): its own written, the others sent."""
+        """A BLOCK chunk cut into the served ranks' parts: its own written, the others sent."""
         slot, piece = arrival.slot, arrival.message.first
         pack_buffer = (
             self.staging.slots[slot] if self.on_cpu and slot is not None else self.staging.device_buffer
@@ -184,10 +169,9 @@ class _Sender:
         self.pending.add(work, functools.partial(self.source.release, slot))
 
     def _done_with(self, slot: int | None) -> None:
-        """``slot``'s bytes are used: on the CPU, hand it back; on an accelerator its copies to the
-        device are only queued, so it goes back with an event recorded now (``_readahead.Reader.release``).
-        On an accelerator every message's slot is handed back here before the next message is asked
-        for, as the ring needs (``_readahead._Ring``): sends go from the device buffer, not the slot."""
+        """``slot``'s bytes are used: handed back (on an accelerator, whose copies are only queued,
+        with an event recorded now). On an accelerator every message's slot comes back here before the
+        next message is asked for, as the ring needs: sends go from the device buffer, not the slot."""
         if self.on_cpu or slot is None:
             self.source.release(slot)
             return
@@ -196,8 +180,7 @@ class _Sender:
         self.source.release(slot, copies)
 
     def round_end(self, last: bool) -> None:
-        """Every send of the round done; after the last round, the queued copies too, before the
-        load is reported (or fails)."""
+        """Wait for the round's sends; after the last round, for the queued copies too."""
         self.pending.drain()
         if last and not self.on_cpu:
             self.sink.faults.run(torch.accelerator.current_stream(self.sink.device).synchronize)
