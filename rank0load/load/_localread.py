@@ -170,13 +170,8 @@ class LocalReader:
         message = Message.of(piece)
         if piece.route is Route.FAN_OUT:
             return self._chunk(piece, message)
-        if piece.route in (Route.BROADCAST, Route.SCALES):
-            into = self.sink.direct_view(piece)
-            on_cpu = into is not None and into.device.type == "cpu"
-        else:  # TO_RANK
-            on_cpu = self.sink.targets[piece.index].tensor.device.type == "cpu"
-            into = self.sink.direct_view(piece) if on_cpu else None
-        if into is not None and on_cpu:
+        into = self.sink.direct_view(piece)
+        if into is not None and into.device.type == "cpu":
             self._read(piece, into)
             return Arrival(message, into, in_target=True)
         return Arrival(message, self._staged(piece))

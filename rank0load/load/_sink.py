@@ -38,7 +38,6 @@ __all__ = [
     "cut",
     "deliver",
     "fan_out",
-    "direct_view",
     "target_of",
 ]
 
@@ -95,14 +94,6 @@ def allocate_staging(
     host = reserve(1, SLOTS * piece_bytes, where, max_staging_bytes, pin)[0]
     device = reserve(1, piece_bytes, mesh_device, max_staging_bytes)[0]
     return Staging(list(host.split(piece_bytes)), device, host)
-
-
-def direct_view(target: Target, piece: Piece, wire: torch.dtype) -> torch.Tensor | None:
-    """Where a piece can land without staging: the target's own bytes (same dtype, contiguous)."""
-    t = target.tensor
-    if t.dtype != wire or not t.is_contiguous():
-        return None
-    return t.reshape(-1).view(torch.uint8)[piece.local_offset : piece.local_offset + piece.nbytes]
 
 
 class _Assembly:
@@ -271,11 +262,14 @@ class Sink:
             for j, (piece, _) in enumerate(parts[2 * at + 1 : 2 * (at + per) : 2]):
                 self.targets[piece.index].tensor.view(k, cols).copy_(out[j])
 
-    def direct_view(self, piece: Piece) -> torch.Tensor | None:
-        """(receivers) Where a broadcast piece can land without staging; None: stage it."""
+    def direct_view(self, piece: Piece, on: torch.device | None = None) -> torch.Tensor | None:
+        """Where ``piece`` can land without staging; None: stage it. Nothing after this rank's
+        failure; a float8 scale grid or a GENERIC entry's piece into its full-size buffer; any other
+        into its target's own bytes, if of the wire dtype, contiguous and on ``on`` (default: the
+        mesh device)."""
         if self.faults.error is not None:
             return None
-        entry, target = self.entries[piece.index], self.targets[piece.index]
+        entry, t = self.entries[piece.index], self.targets[piece.index].tensor
         try:
             if piece.route is Route.SCALES:
                 return self.scales.land(piece, entry.scale_nbytes)
@@ -284,11 +278,9 @@ class Sink:
         except Exception as exc:
             self.faults.note(exc)
             return None
-        return (
-            direct_view(target, piece, self.wires[piece.index])
-            if target.tensor.device == self.device
-            else None
-        )
+        if t.device != (on or self.device) or t.dtype != self.wires[piece.index] or not t.is_contiguous():
+            return None
+        return t.reshape(-1).view(torch.uint8)[piece.local_offset : piece.local_offset + piece.nbytes]
 
     def broadcast(
         self, piece: Piece, data: torch.Tensor, in_target: bool, non_blocking: bool = False

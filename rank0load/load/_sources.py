@@ -22,7 +22,7 @@ from ._messages import Message, messages
 from ._pieces import Piece, Route
 from ._plan import Plan
 from ._readahead import Reader, read_threads
-from ._sink import Arrival, Sink, Staging, direct_view
+from ._sink import Arrival, Sink, Staging
 
 if TYPE_CHECKING:
     from ._localread import LocalReader
@@ -76,15 +76,11 @@ class FileSource:
         self._by_round = ByRound(iter(self.reader), lambda s: s.message.index)
 
     def _direct(self, message: Message) -> torch.Tensor | None:
-        """Where rank 0's own rows are read in place: its shard, on the CPU, of the wire dtype."""
-        piece, target = message.first, self.sink.targets[message.index]
+        """Where rank 0's own rows are read in place: its shard, when on the CPU."""
+        piece = message.first
         if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or piece.dst != 0:
             return None
-        return (
-            direct_view(target, piece, self.sink.wires[piece.index])
-            if target.tensor.device.type == "cpu"
-            else None
-        )
+        return self.sink.direct_view(piece, on=torch.device("cpu"))
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop``."""
@@ -151,21 +147,13 @@ class ReceiveSource:
 
     def _receive(self, message: Message) -> Generator[Arrival, None, None]:
         """Post a point-to-point receive (yielding earlier arrivals while no slot is free)."""
-        view = self._in_place(message)
+        one = len(message.pieces) == 1 and message.first.route is Route.TO_RANK
+        view = self.sink.direct_view(message.first) if one else None
         slot = None
         if view is None:
             view, slot = yield from self._stage(message)
         arrival = Arrival(message, view, slot, in_target=slot is None)
         self._pending.add(dist.irecv(view, src=0), functools.partial(self._done.append, arrival))
-
-    def _in_place(self, message: Message) -> torch.Tensor | None:
-        """Where a one-piece message of rows lands unstaged: its target on the mesh device; None if failed."""
-        piece, target = message.first, self.sink.targets[message.index]
-        if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or self.sink.faults.error is not None:
-            return None
-        if target.tensor.device != self.sink.device:
-            return None
-        return direct_view(target, piece, self.sink.wires[piece.index])
 
     def _stage(self, message: Message) -> Generator[Arrival, None, tuple[torch.Tensor, int]]:
         """(``message``'s bytes in a free slot, the slot), the oldest receives handed on until one is free."""
