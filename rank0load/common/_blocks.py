@@ -25,13 +25,11 @@ Blocks = tuple[
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rows ``[first, first + shape[0])`` of dimension ``len(outer)`` of a tensor, under the indices
-    ``outer`` of the dimensions before it: bytes ``[start, start + nbytes)`` of the tensor."""
+    """Whole rows of one dimension of a tensor (under one index of each dimension before it): bytes
+    ``[start, start + nbytes)`` of the tensor, row-major."""
 
     start: int  # byte offset in the tensor (row-major)
     nbytes: int
-    outer: tuple[int, ...]  # the index of each dimension before the chunk's rows (none: dimension-0 rows)
-    first: int  # its first row
     shape: tuple[int, ...]  # (rows, extents of the later dimensions): its layout in a staging slot
 
 
@@ -91,11 +89,7 @@ def block_chunks(
                     Part(rank, (lo - first, hi - first), inner, offset, (hi - lo) * width * itemsize)
                 )
             chunk = Chunk(
-                (number * shape[k] + first) * row,
-                (stop - first) * row,
-                outer,
-                first,
-                (stop - first, *shape[k + 1 :]),
+                (number * shape[k] + first) * row, (stop - first) * row, (stop - first, *shape[k + 1 :])
             )
             yield chunk, tuple(parts)
 

@@ -90,14 +90,17 @@ def test_chunks_and_parts_rebuild_every_shard(layout):
     for c in chunks:
         assert c.route is _pieces.Route.FAN_OUT and c.nbytes <= _staging.block_half(piece_bytes)
         assert c.chunk is not None and (c.chunk.start, c.chunk.nbytes) == (c.start, c.nbytes)
-        outer, first, rows = c.chunk.outer, c.chunk.first, c.chunk.shape[0]
-        if not outer:  # whole dimension-0 rows
-            assert c.start == first * row_bytes
+        rows = c.chunk.shape[0]
+        if len(c.chunk.shape) == len(shape):  # whole dimension-0 rows
+            first, at = divmod(c.start, row_bytes)
+            assert at == 0
             chunk = full[first : first + rows]
         else:  # dimension-1 rows of one dimension-0 index (one expert)
             sub_bytes = row_bytes // shape[1]
-            assert len(outer) == 1 and c.start == outer[0] * row_bytes + first * sub_bytes
-            chunk = full[outer[0], first : first + rows]
+            outer, at = divmod(c.start, row_bytes)
+            first, at = divmod(at, sub_bytes)
+            assert len(c.chunk.shape) == len(shape) - 1 and at == 0 and first + rows <= shape[1]
+            chunk = full[outer, first : first + rows]
         assert chunk.shape == c.chunk.shape and chunk.numel() * 4 == c.nbytes
         assert [(p.rank, p.local_offset) for p in c.parts] == sorted(
             (p.rank, p.local_offset) for p in c.parts
