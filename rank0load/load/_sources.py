@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["ByRound", "FileSource", "OwnSource", "ReceiveSource"]
 
 T = TypeVar("T")
+_CPU = torch.device("cpu")
 
 
 class ByRound(Generic[T]):
@@ -80,7 +81,7 @@ class FileSource:
         piece = message.first
         if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or piece.dst != 0:
             return None
-        return self.sink.direct_view(piece, on=torch.device("cpu"))
+        return self.sink.direct_view(piece, on=_CPU)
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop``."""
