@@ -41,10 +41,7 @@ RUNS_OK = 2  # this rank's shard is the block runs_at() computes
 
 def _chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
     """torch.chunk semantics (what DTensor's Shard and FSDP2 use): ceil-sized chunks, trailing empty."""
-    n = stop - start
-    if n == 0:
-        return start, start
-    size = math.ceil(n / parts)
+    size = math.ceil((stop - start) / parts)
     lo = min(start + index * size, stop)
     return lo, min(lo + size, stop)
 
@@ -58,10 +55,6 @@ def rows_of(
         if isinstance(placement, Shard):
             lo, hi = _chunk(lo, hi, mesh_shape[dim], coord[dim])
     return lo, hi
-
-
-def _row_placements(placements: Sequence[object]) -> bool:
-    return all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements)
 
 
 def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
@@ -128,7 +121,7 @@ def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
     if coord is None:
         return 0
     flags = 0
-    if _row_placements(placements):
+    if all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements):
         lo, hi = rows_of(mesh.shape, placements, target.shape[0], coord)
         if tuple(local.shape) == (hi - lo, *target.shape[1:]):
             flags |= ROWS_OK
@@ -176,10 +169,9 @@ def block_runs(target: DTensor) -> Runs | None:
         if any(p is None for p in one):
             return None
         per_dim.append(_dim_runs(target.device_mesh, tuple(coord) if coord else None, size, tuple(one)))  # type: ignore[arg-type]
-    runs = tuple(per_dim)
-    if tuple(_count(r) for r in runs) != tuple(local.shape):
+    if tuple(sum(stop - start for start, stop in runs) for runs in per_dim) != tuple(local.shape):
         return None
-    return runs
+    return tuple(per_dim)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -208,10 +200,6 @@ def runs_at(
             return None
         per_dim.append(_dim_runs_at(mesh_shape, coord, size, one))  # type: ignore[arg-type]
     return tuple(per_dim)
-
-
-def _count(runs: Sequence[tuple[int, int]]) -> int:
-    return sum(stop - start for start, stop in runs)
 
 
 def rank_coordinates(mesh: DeviceMesh) -> tuple[tuple[int, tuple[int, ...]], ...]:
