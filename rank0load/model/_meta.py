@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ..common._failure import UserCodeFailure, user_code
@@ -147,7 +148,6 @@ def _take_built(model: nn.Module) -> dict[str, torch.Tensor]:
 class TensorInfo:
     """One state-dict tensor of the model, as every rank sees it after sharding."""
 
-    key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     is_param: bool
@@ -251,11 +251,7 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
             continue
         first_name[id(param)] = name
         tensors[name] = TensorInfo(
-            key=name,
-            shape=tuple(param.shape),
-            dtype=param.dtype,
-            is_param=True,
-            is_dtensor=_is_dtensor(param),
+            tuple(param.shape), param.dtype, is_param=True, is_dtensor=isinstance(param, DTensor)
         )
         owner = name.rpartition(".")[0]
         if _initialiser(model, owner, modules[owner]):
@@ -270,15 +266,12 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
             if leaf in non_persistent_buffers(module):
                 non_persistent.add(name)
                 continue
+            groups.setdefault(id(buf), []).append(name)
             if id(buf) in first_name:
                 aliases[name] = first_name[id(buf)]
-                groups.setdefault(id(buf), []).append(name)
                 continue
             first_name[id(buf)] = name
-            groups.setdefault(id(buf), []).append(name)
-            tensors[name] = TensorInfo(
-                key=name, shape=tuple(buf.shape), dtype=buf.dtype, is_param=False, is_dtensor=False
-            )
+            tensors[name] = TensorInfo(tuple(buf.shape), buf.dtype, is_param=False, is_dtensor=False)
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     _add_plain_names(tensors, aliases)
@@ -300,9 +293,3 @@ def _add_plain_names(tensors: dict[str, TensorInfo], aliases: dict[str, str]) ->
         for plain in (strip_wrappers(name), base_name(name)):
             if plain != name and plain not in tensors and plain not in aliases:
                 aliases[plain] = aliases.get(name, name)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
