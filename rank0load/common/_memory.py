@@ -25,18 +25,22 @@ _PAGE = mmap.PAGESIZE
 _madvise: object = None  # the libc function once found; False when unavailable
 
 
+def _libc(name: str, argtypes: list[type]) -> object:
+    """The C library's function ``name``, returning an int (Linux); False where there is none."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):  # not in this C library (malloc_trim is glibc's)
+        return False
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 def _populate(address: int, length: int) -> bool:
     global _madvise
     if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
+        _madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
     if _madvise is False:
         return False
     if _madvise(address, length, _MADV_POPULATE_WRITE) != 0:  # type: ignore[operator]
@@ -154,14 +158,7 @@ def trim_heap() -> None:
     nothing); no allocator setting changes."""
     global _malloc_trim
     if _malloc_trim is None:
-        _malloc_trim = False
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(None).malloc_trim
-                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-                _malloc_trim = fn
-            except (OSError, AttributeError):  # not glibc
-                pass
+        _malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
     if _malloc_trim:
         _malloc_trim(0)  # type: ignore[operator]
 
