@@ -65,17 +65,6 @@ def _shard_groups(mesh: DeviceMesh, placements: tuple[object, ...], what: str) -
     return tuple(groups)
 
 
-def _check_norm_type(norm_type: float) -> float:
-    """``norm_type`` as a float; ValueError unless it is > 0 or inf."""
-    p = float(norm_type)
-    if math.isnan(p) or p <= 0:
-        raise ValueError(
-            f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}. norm_type=0 counts "
-            "nonzero entries and negative orders are not norms: neither can bound a gradient."
-        )
-    return p
-
-
 def _local_power(
     grads: list[torch.Tensor], p: float, foreach: bool | None, device: torch.device
 ) -> torch.Tensor:
@@ -162,7 +151,12 @@ def clip_grad_norm_(
             device without ``_foreach`` kernels.
     """
     params = _parameter_list(parameters)
-    p = _check_norm_type(norm_type)
+    p = float(norm_type)
+    if math.isnan(p) or p <= 0:
+        raise ValueError(
+            f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}. norm_type=0 counts "
+            "nonzero entries and negative orders are not norms: neither can bound a gradient."
+        )
     if not params:
         return torch.tensor(0.0)
 
