@@ -194,10 +194,11 @@ class _Policy:
         self.managed.update(id(p) for p in module.parameters())
         self.groups += 1
 
-    def _counts(self, module: nn.Module) -> Counter[torch.dtype]:
-        """Elements of ``module``'s trainable parameters that have no group yet, by dtype."""
+    def _counts(self, module: nn.Module, recurse: bool = True) -> Counter[torch.dtype]:
+        """Elements of ``module``'s trainable parameters (``recurse``: its submodules' too) that have
+        no group yet, by dtype."""
         counts: Counter[torch.dtype] = Counter()
-        for p in module.parameters():
+        for p in module.parameters(recurse=recurse):
             if p.requires_grad and id(p) not in self.managed:
                 counts[p.dtype] += p.numel()
         return counts
@@ -205,11 +206,7 @@ class _Policy:
     def _group_dtype(self, module: nn.Module) -> torch.dtype | None:
         """The dtype ``module``'s group will train in: its own trainable parameters', else the most
         elements' among its free trainable parameters; None when it has none."""
-        direct: Counter[torch.dtype] = Counter()
-        for p in module._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in self.managed:
-                direct[p.dtype] += p.numel()
-        counts = direct or self._counts(module)
+        counts = self._counts(module, recurse=False) or self._counts(module)
         return counts.most_common(1)[0][0] if counts else None
 
 
