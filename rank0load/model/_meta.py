@@ -274,7 +274,10 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
             tensors[name] = TensorInfo(tuple(buf.shape), buf.dtype, is_param=False, is_dtensor=False)
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
-    _add_plain_names(tensors, aliases)
+    for name in [*tensors, *aliases]:  # wrapper-free and PEFT base names, overriding no existing name
+        for plain in (strip_wrappers(name), base_name(name)):
+            if plain != name and plain not in tensors and plain not in aliases:
+                aliases[plain] = aliases.get(name, name)
     non_persistent |= {strip_wrappers(name) for name in non_persistent}
     non_persistent |= {base_name(name) for name in non_persistent}
     return ModelLayout(
@@ -285,11 +288,3 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
         initialisable=frozenset(initialisable),
         built=frozenset(aliases.get(name, name) for name in built),
     )
-
-
-def _add_plain_names(tensors: dict[str, TensorInfo], aliases: dict[str, str]) -> None:
-    """Add every tensor's wrapper-free and PEFT base names to ``aliases``, overriding no existing name."""
-    for name in [*tensors, *aliases]:
-        for plain in (strip_wrappers(name), base_name(name)):
-            if plain != name and plain not in tensors and plain not in aliases:
-                aliases[plain] = aliases.get(name, name)
