@@ -7,6 +7,7 @@ the shard (FSDP2's padding) are zeroed, so no stale memory is reachable."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import mmap
 import os
@@ -90,7 +91,9 @@ class FaultIn:
 
     def _run(self) -> None:
         try:
-            _lowest_priority()
+            if sys.platform.startswith("linux"):  # nice 19: the pages are needed after the manifest only
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             self._work(self._todo.popleft)
         except BaseException as exc:  # handed to wait(), on the caller's thread
             self._error = exc
@@ -122,15 +125,6 @@ class FaultIn:
             self.close()
         if self._error is not None:
             raise self._error
-
-
-def _lowest_priority() -> None:
-    """This thread at nice 19 (Linux): its pages are needed only after the manifest it must not slow."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
 
 
 _SMALL = 1 << 20
