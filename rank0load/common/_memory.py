@@ -42,12 +42,10 @@ def _populate(address: int, length: int) -> bool:
     global _madvise
     if _madvise is None:
         _madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
-    if _madvise is False:
-        return False
-    if _madvise(address, length, _MADV_POPULATE_WRITE) != 0:  # type: ignore[operator]
-        _madvise = False  # EINVAL before Linux 5.14: zero-fill from now on
-        return False
-    return True
+    if _madvise is not False and _madvise(address, length, _MADV_POPULATE_WRITE) == 0:  # type: ignore[operator]
+        return True
+    _madvise = False  # none, or EINVAL before Linux 5.14: zero-fill from now on
+    return False
 
 
 def prefault(t: torch.Tensor) -> None:
