@@ -111,11 +111,6 @@ def _shares_outside(
     return any(not owners[id(p)] <= inside for p in block.parameters() if id(p) not in managed)
 
 
-def _has_forward(module: nn.Module) -> bool:
-    """Whether ``module`` defines ``forward``: only a called module can be an FSDP unit."""
-    return type(module).forward is not nn.Module.forward
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -147,8 +142,8 @@ class _Policy:
                 continue
             if id(child) in self.routed:
                 raise ModelMismatchError(self._routed_message(unit, child, dtype))
-            if not _has_forward(child):  # ModuleList, ModuleDict, a namespace: its forward never runs,
-                self._isolate(unit, child, dtype)  # so FSDP's hooks on it would not either; look inside
+            if type(child).forward is nn.Module.forward:  # ModuleList, ModuleDict, a namespace: never
+                self._isolate(unit, child, dtype)  # called, so FSDP's hooks on it would not run; look inside
                 continue
             own = self._group_dtype(child)
             assert own is not None  # counts is not empty
