@@ -20,10 +20,10 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from .checkpoint._inspect import Inspection, inspect_checkpoint, load_factory
-from .common._report import format_groups
 from .errors import LoadError, ModelMismatchError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_MODEL = 0, 1, 2, 3
@@ -75,13 +75,25 @@ def _size(n: float) -> str:
     return f"{n:.2f} TB"
 
 
-def _keys(title: str, keys: Sequence[str], limit: int = 20) -> list[str]:
-    if not keys:
-        return []
-    lines = [f"{title} ({len(keys)}):"]
-    lines += [f"  {k}" for k in keys[:limit]]
-    if len(keys) > limit:
-        lines.append(f"  ... and {len(keys) - limit} more")
+# (Inspection field, its heading in the text): the key lists, in the order the text shows them
+_LISTS = (
+    ("missing", "missing from the checkpoint"),
+    ("unexpected", "unexpected in the checkpoint"),
+    ("converted", "assembled or dequantised (conversions)"),
+    ("mismatched", "mismatched"),
+    ("ignored", "ignored (dropped by the key map, or non-persistent buffers in the model)"),
+    (
+        "tied_twice",
+        "tied names stored more than once (their values are not read here: a load compares them and "
+        "raises if they differ)",
+    ),
+)
+
+
+def _listing(title: str, items: Sequence[object], limit: int = 20) -> list[str]:
+    lines = [f"{title} ({len(items)}):", *(f"  {k}" for k in items[:limit])]
+    if len(items) > limit:
+        lines.append(f"  ... and {len(items) - limit} more")
     return lines
 
 
@@ -99,23 +111,14 @@ def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) 
         lines.append(
             f"model {model_spec}: {result.model_tensors} tensors, {result.matched} found in the checkpoint{mapped}"
         )
-        lines += _keys("missing from the checkpoint", result.missing)
-        lines += _keys("unexpected in the checkpoint", result.unexpected)
-        lines += _keys("assembled or dequantised (conversions)", result.converted)
-        lines += _keys("mismatched", result.mismatched)
-        lines += _keys(
-            "ignored (dropped by the key map, or non-persistent buffers in the model)", result.ignored
-        )
-        lines += _keys(
-            "tied names stored more than once (their values are not read here: a load compares them and "
-            "raises if they differ)",
-            result.tied_twice,
-        )
+        for name, title in _LISTS:
+            keys = getattr(result, name)
+            if keys:
+                lines += _listing(title, keys)
         if result.fsdp_groups is None:
             lines.append(f"FSDP groups: not listed ({result.fsdp_unlisted})")
         else:
-            lines.append(f"FSDP groups, default policy ({len(result.fsdp_groups)}):")
-            lines += format_groups(result.fsdp_groups, limit=20)
+            lines += _listing("FSDP groups, default policy", result.fsdp_groups)
         if not result.fits:
             lines.append("does NOT fit the model")
         elif result.tied_twice:
@@ -132,9 +135,7 @@ def _json(result: Inspection) -> str:
     return json.dumps(
         {
             "checkpoint": result.description,
-            "files": [
-                {"name": f.name, "path": f.path, "bytes": f.bytes, "tensors": f.tensors} for f in result.files
-            ],
+            "files": [asdict(f) for f in result.files],
             "tensors": result.tensors,
             "total_bytes": result.total_bytes,
             "dtypes": {d: {"tensors": n, "bytes": b} for d, (n, b) in result.dtypes.items()},
@@ -149,28 +150,13 @@ def _json(result: Inspection) -> str:
             "model_checked": result.model_checked,
             "model_tensors": result.model_tensors,
             "matched": result.matched,
-            "missing": list(result.missing),
-            "unexpected": list(result.unexpected),
-            "mismatched": list(result.mismatched),
-            "ignored": list(result.ignored),
-            "converted": list(result.converted),
-            "tied_twice": list(result.tied_twice),
-            "fsdp_groups": None
-            if result.fsdp_groups is None
-            else [
-                {
-                    "module": g.module,
-                    "parameters": g.parameters,
-                    "elements": g.elements,
-                    "trainable_dtypes": [str(d).removeprefix("torch.") for d in g.trainable_dtypes],
-                    "frozen_dtypes": [str(d).removeprefix("torch.") for d in g.frozen_dtypes],
-                }
-                for g in result.fsdp_groups
-            ],
+            **{name: getattr(result, name) for name, _ in _LISTS},
+            "fsdp_groups": None if result.fsdp_groups is None else [asdict(g) for g in result.fsdp_groups],
             "fsdp_unlisted": result.fsdp_unlisted,
             "fits": result.fits,
         },
         indent=2,
+        default=lambda dtype: str(dtype).removeprefix("torch."),  # the groups' torch.dtypes
     )
 
 
