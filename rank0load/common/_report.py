@@ -14,7 +14,7 @@ from torch import nn
 
 from ..integrations._compat import fsdp_group_params
 
-__all__ = ["Clock", "FSDPGroup", "LoadReport", "format_groups", "fsdp_plan", "log_summary"]
+__all__ = ["Clock", "FSDPGroup", "LoadReport", "fsdp_plan", "log_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,33 +46,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
     """(any rank) The FSDP2 groups of a sharded ``model``, in ``named_modules()`` order (root first)."""
-    plan = []
-    for name, _, params in fsdp_group_params(model):
-        elements = 0
-        trainable: set[torch.dtype] = set()
-        frozen: set[torch.dtype] = set()
-        for p in params:
-            elements += p.numel()
-            (trainable if p.requires_grad else frozen).add(p.dtype)
-        plan.append(
-            FSDPGroup(
-                module=name,
-                parameters=len(params),
-                elements=elements,
-                trainable_dtypes=tuple(sorted(trainable, key=str)),
-                frozen_dtypes=tuple(sorted(frozen, key=str)),
-            )
+    return tuple(
+        FSDPGroup(
+            module=name,
+            parameters=len(params),
+            elements=sum(p.numel() for p in params),
+            trainable_dtypes=tuple(sorted({p.dtype for p in params if p.requires_grad}, key=str)),
+            frozen_dtypes=tuple(sorted({p.dtype for p in params if not p.requires_grad}, key=str)),
         )
-    return tuple(plan)
-
-
-def format_groups(groups: tuple[FSDPGroup, ...], limit: int | None = None) -> list[str]:
-    """(any rank) One indented line per group (the first ``limit``, then how many more)."""
-    shown = groups if limit is None else groups[:limit]
-    lines = [f"  {g}" for g in shown]
-    if len(groups) > len(shown):
-        lines.append(f"  ... and {len(groups) - len(shown)} more")
-    return lines
+        for name, _, params in fsdp_group_params(model)
+    )
 
 
 @dataclass
@@ -90,7 +73,7 @@ class LoadReport:
     initialised_fraction: float = 0.0
     unexpected: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
-    files: tuple[str, ...] = field(default=())
+    files: tuple[str, ...] = ()
     # keys held in full on every rank for a moment, outside the staging budget; empty for FSDP/HSDP/TP
     broadcast_whole: tuple[str, ...] = ()
     # model key -> "sharded" (rows), "block" (cut by rank 0), "plain" (pieces) or "generic" (whole)
@@ -119,8 +102,8 @@ class LoadReport:
         plan: Any,
         clock: Clock,
         peak_rss: int,
-        local: Any = None,
-        groups: tuple[FSDPGroup, ...] = (),
+        local: Any,
+        groups: tuple[FSDPGroup, ...],
     ) -> LoadReport:
         """(all ranks) The report of a just-finished load (``local``: ``_localread.LocalReads``)."""
         return cls(
@@ -146,9 +129,9 @@ class LoadReport:
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             manifest_runs=manifest.runs,
-            local_read=local is not None and local.files is not None,
-            local_readers=tuple(sorted(local.readers)) if local is not None else (),
-            local_status=local.status if local is not None else "",
+            local_read=local.files is not None,
+            local_readers=tuple(sorted(local.readers)),
+            local_status=local.status,
             fsdp_groups=groups,
         )
 
@@ -230,4 +213,4 @@ def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
         report.peak_rss_bytes / 1e6,
     )
     if logger.isEnabledFor(logging.DEBUG):  # one line per group: thousands for a MoE model
-        logger.debug("FSDP groups:\n%s", "\n".join(format_groups(report.fsdp_groups)))
+        logger.debug("FSDP groups:\n%s", "\n".join(f"  {g}" for g in report.fsdp_groups))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rank0load import FSDPGroup
-from rank0load.common._report import format_groups
+from rank0load.__main__ import _listing
 from tests import _dist
 from tests.fakes import FakeTTY
 from tests.models import HEAD_TOY_GROUPS, head_toy, save_state, toy
@@ -159,9 +159,10 @@ def test_fsdp_group_text():
     )
     assert str(groups[0]) == "(root): 1 parameter, 1,234,567 elements, trainable bfloat16, frozen float32"
     assert str(groups[1]) == "layers.0: 9 parameters, 90 elements, frozen bfloat16 + float32"
-    assert format_groups(groups, limit=2) == [
+    assert _listing("FSDP groups", groups, limit=2) == [
+        "FSDP groups (3):",
         "  (root): 1 parameter, 1,234,567 elements, trainable bfloat16, frozen float32",
         "  layers.0: 9 parameters, 90 elements, frozen bfloat16 + float32",
         "  ... and 1 more",
     ]
-    assert format_groups(groups)[-1] == "  head: 2 parameters, 8 elements, trainable float32"
+    assert _listing("FSDP groups", groups)[-1] == "  head: 2 parameters, 8 elements, trainable float32"
