@@ -33,18 +33,14 @@ def peak_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
 
 
-def _stderr_is_tty() -> bool:
-    stream = sys.stderr
-    try:
-        return stream is not None and stream.isatty()
-    except (AttributeError, ValueError):  # replaced or closed stderr
-        return False
-
-
 @contextlib.contextmanager
 def progress_bar(total_bytes: int) -> Iterator[Callable[[int], None] | None]:
     """(rank 0) A byte counter drawing a progress bar, or None when the bar is off."""
-    if not _stderr_is_tty():
+    try:
+        terminal = sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        terminal = False
+    if not terminal:
         yield None
         return
     try:
@@ -63,11 +59,7 @@ def progress_bar(total_bytes: int) -> Iterator[Callable[[int], None] | None]:
         file=sys.stderr,
         name="rank0load",
     )
-    if bar.disable:
-        bar.close()
-        yield None
-        return
     try:
-        yield bar.update
+        yield None if bar.disable else bar.update  # disabled by HF_HUB_DISABLE_PROGRESS_BARS
     finally:
         bar.close()
