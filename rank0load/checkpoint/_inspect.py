@@ -8,8 +8,9 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -43,7 +44,6 @@ class Inspection:
     """A checkpoint's contents and, when a model was given, how its keys fit that model."""
 
     description: str
-    root: str
     files: tuple[FileSummary, ...]
     tensors: int
     total_bytes: int  # tensor data, the bytes a load moves
@@ -54,7 +54,7 @@ class Inspection:
     matched: int = 0  # model tensors the checkpoint holds (after key_map)
     missing: tuple[str, ...] = ()  # model keys the checkpoint lacks
     unexpected: tuple[str, ...] = ()  # checkpoint keys the model lacks
-    mismatched: tuple[str, ...] = field(default=())  # one message per key whose shape/dtype cannot load
+    mismatched: tuple[str, ...] = ()  # one message per key whose shape/dtype cannot load
     ignored: tuple[str, ...] = ()  # checkpoint keys key_map dropped or non-persistent in the model
     converted: tuple[str, ...] = ()  # model tensors assembled from several tensors or dequantised
     # tied parameters stored under several names ("a = b"): only a load compares their bytes
@@ -69,7 +69,7 @@ class Inspection:
         return not (self.missing or self.unexpected or self.mismatched)
 
 
-def load_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
+def load_factory(spec: str, option: str) -> Callable[..., Any]:
     """``"package.module:factory"`` (the attribute may be dotted) -> the callable. ``option``: the
     command-line option that named ``spec``, for messages.
 
@@ -133,28 +133,23 @@ def inspect_checkpoint(
 
 def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
     """The checkpoint's files, tensors, dtypes and sizes, no model checked."""
-    per_file: dict[str, int] = {path: 0 for path in source.files}
+    per_file = Counter(t.file for t in headers.values())
     dtypes: dict[str, tuple[int, int]] = {}
-    largest: TensorHeader | None = None
     for t in headers.values():
-        per_file[t.file] = per_file.get(t.file, 0) + 1
         count, nbytes = dtypes.get(t.dtype, (0, 0))
         dtypes[t.dtype] = (count + 1, nbytes + t.nbytes)
-        if largest is None or t.nbytes > largest.nbytes:
-            largest = t
     names = _names(source.root)
     files = tuple(
-        FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), n)
-        for path, n in per_file.items()
+        FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), per_file[path])
+        for path in source.files
     )
     return Inspection(
         description=source.description,
-        root=source.root,
         files=files,
         tensors=len(headers),
         total_bytes=sum(t.nbytes for t in headers.values()),
         dtypes=dict(sorted(dtypes.items())),
-        largest=largest,
+        largest=max(headers.values(), key=lambda t: t.nbytes, default=None),
     )
 
 
