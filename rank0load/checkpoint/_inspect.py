@@ -128,41 +128,6 @@ def inspect_checkpoint(
     summary = _summarise(source, headers)
     if model_fn is None:
         return summary
-    return _check_model(summary, source, headers, model_fn, key_map, conversions)
-
-
-def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
-    """The checkpoint's files, tensors, dtypes and sizes, no model checked."""
-    per_file = Counter(t.file for t in headers.values())
-    dtypes: dict[str, tuple[int, int]] = {}
-    for t in headers.values():
-        count, nbytes = dtypes.get(t.dtype, (0, 0))
-        dtypes[t.dtype] = (count + 1, nbytes + t.nbytes)
-    names = _names(source.root)
-    files = tuple(
-        FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), per_file[path])
-        for path in source.files
-    )
-    return Inspection(
-        description=source.description,
-        files=files,
-        tensors=len(headers),
-        total_bytes=sum(t.nbytes for t in headers.values()),
-        dtypes=dict(sorted(dtypes.items())),
-        largest=max(headers.values(), key=lambda t: t.nbytes, default=None),
-    )
-
-
-def _check_model(
-    summary: Inspection,
-    source: Source,
-    headers: dict[str, TensorHeader],
-    model_fn: Callable[[], nn.Module],
-    key_map: Callable[[str], str | None] | None,
-    conversions: Sequence[Any],
-) -> Inspection:
-    """``summary`` with how the checkpoint's keys fit the model ``model_fn`` builds (on meta): every
-    problem listed, none raised (what a load raises for a key_map's mistakes aside)."""
     model, built = build_on_meta(model_fn)
     layout = describe(model, built)
     keys = list(layout.tensors) + list(layout.aliases)
@@ -201,6 +166,28 @@ def _check_model(
         ),
         fsdp_groups=groups,
         fsdp_unlisted=unlisted,
+    )
+
+
+def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
+    """The checkpoint's files, tensors, dtypes and sizes, no model checked."""
+    per_file = Counter(t.file for t in headers.values())
+    dtypes: dict[str, tuple[int, int]] = {}
+    for t in headers.values():
+        count, nbytes = dtypes.get(t.dtype, (0, 0))
+        dtypes[t.dtype] = (count + 1, nbytes + t.nbytes)
+    names = _names(source.root)
+    files = tuple(
+        FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), per_file[path])
+        for path in source.files
+    )
+    return Inspection(
+        description=source.description,
+        files=files,
+        tensors=len(headers),
+        total_bytes=sum(t.nbytes for t in headers.values()),
+        dtypes=dict(sorted(dtypes.items())),
+        largest=max(headers.values(), key=lambda t: t.nbytes, default=None),
     )
 
 
