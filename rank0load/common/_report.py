@@ -33,15 +33,10 @@ class FSDPGroup:
         where = self.module or "(root)"
         noun = "parameter" if self.parameters == 1 else "parameters"
         text = f"{where}: {self.parameters} {noun}, {self.elements:,} elements"
-        if self.trainable_dtypes:
-            text += ", trainable " + " + ".join(_dtype_name(d) for d in self.trainable_dtypes)
-        if self.frozen_dtypes:
-            text += ", frozen " + " + ".join(_dtype_name(d) for d in self.frozen_dtypes)
+        for label, dtypes in (("trainable", self.trainable_dtypes), ("frozen", self.frozen_dtypes)):
+            if dtypes:
+                text += f", {label} " + " + ".join(str(d).removeprefix("torch.") for d in dtypes)
         return text
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
