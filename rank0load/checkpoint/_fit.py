@@ -63,8 +63,6 @@ class KeyMatch:
     stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
     # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
     unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
-    # canonical keys no checkpoint key maps to that keep the values model_fn built (layout.built)
-    kept: tuple[str, ...] = ()
 
 
 def unconsumed(
@@ -86,16 +84,15 @@ def build_entries(
     headers: dict[str, TensorHeader],
     block: tuple[int, int] | None,
     *,
+    quantised: AbstractSet[str],
     errors: list[str] | None = None,
-    quantised: AbstractSet[str] | None = None,
     files: Mapping[str, OpenFile] | None = None,
 ) -> list[Entry]:
     """(rank 0, for one run of files; or ``inspect``) One entry per model tensor found: shapes and
-    dtypes checked, stacked experts assembled, float8 tensors given their scales. Raises the first
-    ModelMismatchError, or, with ``errors`` (``inspect``), collects every message there and reads no
-    data (tied names stored twice are then not compared). ``block``: ``_fp8.block_size``. ``files``:
-    the open checkpoint files, through which tied names stored twice are compared."""
-    quantised = quantised_keys(match, layout) if quantised is None else quantised
+    dtypes checked, stacked experts assembled, float8 tensors (``quantised``) given their scales. Raises
+    the first ModelMismatchError, or, with ``errors`` (``inspect``), collects every message there and
+    reads no data (tied names stored twice are then not compared). ``block``: ``_fp8.block_size``.
+    ``files``: the open checkpoint files, through which tied names stored twice are compared."""
     entries: list[Entry] = []
 
     def one(model_key: str) -> Entry:

@@ -67,7 +67,6 @@ def match_keys(
         missing=tuple(sorted(k for k in absent if k not in layout.built)),
         stacked={k: tuple(found) for k, found in stacked.items()},
         unsupported=unsupported,
-        kept=tuple(sorted(k for k in absent if k in layout.built)),
     )
 
 
