@@ -39,7 +39,6 @@ __all__ = [
     "Checkpoint",
     "Manifest",
     "adapters_of",
-    "build_manifest",
     "open_checkpoint",
     "read_manifest",
     "unforeseen",
@@ -130,25 +129,6 @@ def open_checkpoint(
         raise unforeseen(ckpt_path, exc) from exc
 
 
-def read_manifest(
-    checkpoint: Checkpoint,
-    layout: ModelLayout,
-    strict: bool,
-    key_map: Callable[[str], str | None] | None,
-    conversions: Sequence[Conversion] = (),
-) -> Manifest:
-    """(rank 0) :func:`build_manifest` for ``checkpoint``; raises a LoadError for any problem."""
-    return build_manifest(
-        checkpoint.source,
-        checkpoint.files,
-        layout,
-        strict=strict,
-        key_map=key_map,
-        conversions=conversions,
-        adapters=checkpoint.adapters,
-    )
-
-
 def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception, ours: bool = False) -> LoadError:
     """(rank 0) The LoadError to share for an exception rank0load did not foresee while reading.
     ``ours`` (raised while matching headers, where only rank0load's code runs): an
@@ -185,21 +165,19 @@ class _Load:
     files: dict[str, OpenFile]
 
 
-def build_manifest(
-    source: Source,
-    files: dict[str, OpenFile],
+def read_manifest(
+    checkpoint: Checkpoint,
     layout: ModelLayout,
-    *,
     strict: bool,
-    key_map: Callable[[str], str | None] | None = None,
-    conversions: Sequence[Conversion] = (),
-    adapters: Sequence[Adapter] = (),
+    key_map: Callable[[str], str | None] | None,
+    conversions: Sequence[Conversion],
 ) -> Manifest:
-    """(rank 0) Validate the checkpoint (and the ``adapters`` loaded with it) against the model and
-    list what to move, in file order; every header is read through ``files``. ``key_map`` renames
-    the checkpoint's keys (not the adapters'). Raises CheckpointFormatError / CheckpointChangedError
-    (the files and the index disagree, a key stored twice) or ModelMismatchError (the keys, shapes
-    or dtypes do not fit the model)."""
+    """(rank 0) Validate the checkpoint (and the adapters loaded with it) against the model and
+    list what to move, in file order; every header is read through its open files. ``key_map``
+    renames the checkpoint's keys (not the adapters'). Raises CheckpointFormatError /
+    CheckpointChangedError (the files and the index disagree, a key stored twice) or
+    ModelMismatchError (the keys, shapes or dtypes do not fit the model)."""
+    source, files, adapters = checkpoint.source, checkpoint.files, checkpoint.adapters
     load = _Load(
         layout,
         KeyResolver(layout.canonical, conversions, layout.canonical_all),
@@ -207,7 +185,11 @@ def build_manifest(
         frozenset(layout.aliases.values()),
         files,
     )
-    own = _adapter_headers(adapters, files)
+    own = {  # the adapters' tensors under the model keys PEFT's names stand for
+        adapter.model_keys.get(name, name): (adapter, t)
+        for adapter in adapters
+        for name, t in read_headers(adapter.source, files).items()
+    }
     runs: list[_Run] = []
     listing = source.listing
     every: list[str] | None = [] if listing is None and len(source.files) > 1 else None
@@ -238,17 +220,6 @@ def build_manifest(
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
     every_file = (*source.files, *(f for a in adapters for f in a.source.files))
     return _merge(runs, load, strict, key_map, description, every_file)
-
-
-def _adapter_headers(
-    adapters: Sequence[Adapter], files: dict[str, OpenFile]
-) -> dict[str, tuple[Adapter, TensorHeader]]:
-    """The adapters' tensors under the model keys PEFT's names stand for."""
-    own: dict[str, tuple[Adapter, TensorHeader]] = {}
-    for adapter in adapters:
-        for name, t in read_headers(adapter.source, files).items():
-            own[adapter.model_keys.get(name, name)] = (adapter, t)
-    return own
 
 
 def _stored_twice(every: list[str], count: int) -> bool:
@@ -323,10 +294,7 @@ def _merge(
         raise ModelMismatchError(nothing_matched(description, count, first, ignored, layout))
     absent = [k for k in layout.tensors if k not in found]
     missing = tuple(sorted(k for k in absent if k not in layout.built))
-    unsupported: dict[str, tuple[str, str, str]] = {}
-    for r in runs:
-        for k, why in r.unsupported.items():
-            unsupported.setdefault(k, why)
+    unsupported = {k: why for r in reversed(runs) for k, why in r.unsupported.items()}  # first run's wins
     pending = KeyMatch(single, (), (), (), stacked={k: tuple(v) for k, v in stacked.items()})
     quantised = quantised_keys(pending, layout)
     consumed = {k + SCALE_SUFFIX for k in quantised}

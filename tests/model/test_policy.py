@@ -152,17 +152,17 @@ def _fails_matching_on_rank0(rank: int, good: str) -> None:
     import rank0load
     from rank0load.checkpoint import _manifest
 
-    original = _manifest.build_manifest
+    original = _manifest._merge
 
     def broken(*args, **kwargs):
         raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
 
     if rank == 0:
-        _manifest.build_manifest = broken
+        _manifest._merge = broken
     try:
         rank0load.load_sharded(mixed_net, good)
     finally:
-        _manifest.build_manifest = original
+        _manifest._merge = original
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
