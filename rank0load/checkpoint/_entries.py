@@ -7,24 +7,14 @@ import array
 import bisect
 import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ._format import TensorHeader
 
 _FILE, _KEY, _OFFSET, _NBYTES = map(operator.attrgetter, ("file", "key", "offset", "nbytes"))
 
-__all__ = ["Entry", "Part", "Parts"]
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One checkpoint tensor's bytes, as a run of an entry's bytes (see :attr:`Entry.parts`)."""
-
-    file: str  # absolute path on rank 0
-    ckpt_key: str
-    offset: int  # absolute offset in ``file``
-    nbytes: int
+__all__ = ["Entry", "Parts"]
 
 
 @dataclass(frozen=True)
@@ -81,11 +71,6 @@ class Parts:
         """Pickled in the :meth:`compacted` form; rank 0 keeps its tuples (joining would grow its heap)."""
         c = self.compacted()
         return Parts, (c.files, c.file_of, c.offsets, c.starts, c.keys)
-
-    def __iter__(self) -> Iterator[Part]:
-        for i, key in enumerate(self.key_list()):
-            nbytes = self.starts[i + 1] - self.starts[i]
-            yield Part(self.files[self.file_of[i]], key, self.offsets[i], nbytes)
 
     @property
     def nbytes(self) -> int:
