@@ -28,14 +28,9 @@ _KINDS = (
 )
 
 
-def file_kind(mode: int) -> str:
-    """What a non-regular ``st_mode`` is, in words ("a FIFO", "a directory", ...)."""
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
 def not_regular(path: str, mode: int, where: str | None = None) -> CheckpointFormatError:
     """The error for a checkpoint path that is not a regular file; ``where``: what named it, if any."""
-    kind = file_kind(mode)
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
     what = (
         "pass the directory itself as ckpt_path, or name a .safetensors file inside it"
         if stat.S_ISDIR(mode)
