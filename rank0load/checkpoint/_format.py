@@ -39,17 +39,13 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
 }
-for _name, _attr in (
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-    ("F8_E8M0", "float8_e8m0fnu"),
-    ("F4", "float4_e2m1fn_x2"),
-):
-    if hasattr(torch, _attr):
-        DTYPES[_name] = getattr(torch, _attr)
 
 # the safetensors format's own limit (MAX_HEADER_SIZE in safetensors/src/tensor.rs)
 MAX_HEADER_BYTES = 100_000_000
