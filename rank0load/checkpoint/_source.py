@@ -35,8 +35,6 @@ class Source:
     files: tuple[str, ...]
     listing: Listing | None  # None: no index
     description: str
-    # weight files the directory also held that precedence passed over (logged at INFO)
-    ignored: tuple[str, ...] = ()
 
 
 class Resolved(os.PathLike[str]):
@@ -89,9 +87,7 @@ def resolve(
             snapshot = _from_hub(path, revision, _not_local(path), subfolder)
             # snapshots link into blobs/: files must stay inside the repo's cache folder
             boundary = os.path.realpath(os.path.join(snapshot, "..", ".."))
-            if subfolder is not None:
-                return _component(snapshot, subfolder, boundary)
-            return _from_dir(snapshot, boundary=boundary)
+            return _from_folder(snapshot, subfolder, boundary)
         raise CheckpointNotFoundError(
             f"checkpoint {path!r} does not exist. Pass a directory, a .safetensors file, a "
             "*.safetensors.index.json file, or a Hugging Face Hub repo id ('org/name')."
@@ -103,9 +99,7 @@ def resolve(
             "or pass a Hub repo id ('org/name') that is not also a local path."
         )
     if stat.S_ISDIR(mode):
-        if subfolder is not None:
-            return _component(path, subfolder, _cache_repo(path))
-        return _from_dir(path, boundary=_cache_repo(path))
+        return _from_folder(path, subfolder, _cache_repo(path))
     if subfolder is not None:
         raise CheckpointNotFoundError(
             f"subfolder={subfolder!r} names a folder of a checkpoint directory, but checkpoint {path!r} is "
@@ -132,7 +126,7 @@ def _cache_repo(directory: str) -> str | None:
     return None
 
 
-def _from_dir(path: str, boundary: str | None = None) -> Source:
+def _from_dir(path: str, boundary: str | None) -> Source:
     """Precedence as transformers' ``from_pretrained``: ``model.safetensors``, then
     ``model.safetensors.index.json``, then a single other index, then every ``*.safetensors`` file."""
     try:
@@ -152,7 +146,7 @@ def _from_dir(path: str, boundary: str | None = None) -> Source:
                 ", ".join(indexes),
                 _SINGLE,
             )
-        return Source(root, (single,), None, path, tuple(os.path.join(root, n) for n in indexes))
+        return Source(root, (single,), None, path)
     if "model" + _INDEX in indexes:
         indexes = ["model" + _INDEX]
     if len(indexes) > 1:
@@ -183,8 +177,10 @@ def _check_subfolder(path: str, subfolder: object) -> None:
         )
 
 
-def _component(path: str, subfolder: str, boundary: str | None) -> Source:
-    """The checkpoint in folder ``subfolder`` of directory ``path`` (a pipeline's component)."""
+def _from_folder(path: str, subfolder: str | None, boundary: str | None) -> Source:
+    """The checkpoint in directory ``path``, or in its folder ``subfolder`` (a pipeline's component)."""
+    if subfolder is None:
+        return _from_dir(path, boundary)
     folder = os.path.join(path, subfolder)
     if not os.path.isdir(folder):
         held = _weight_folders(path)
@@ -192,7 +188,7 @@ def _component(path: str, subfolder: str, boundary: str | None) -> Source:
         raise CheckpointNotFoundError(
             f"checkpoint {path!r} has no folder {subfolder!r} (subfolder=){listed}. Check the folder's name."
         )
-    return _from_dir(folder, boundary=boundary)
+    return _from_dir(folder, boundary)
 
 
 def _weight_folders(path: str) -> list[str]:

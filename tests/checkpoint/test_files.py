@@ -289,7 +289,7 @@ def test_index_entries_resolve(tmp_path: Path) -> None:
         "y": source.files[1],
     }
     assert source.listing.agrees(source.files[0], ["x"]) and not source.listing.agrees(source.files[0], ["y"])
-    assert source.description == str(index) and source.root == root and source.ignored == ()
+    assert source.description == str(index) and source.root == root
 
 
 # --- 3. non-regular files --------------------------------------------------------------------------
@@ -461,7 +461,6 @@ def test_single_file_wins_over_index(tmp_path: Path, caplog: pytest.LogCaptureFi
     root = os.path.realpath(tmp_path)
     assert source.files == (os.path.join(root, "model.safetensors"),)
     assert source.listing is None
-    assert source.ignored == (os.path.join(root, index.name),)
     assert source.description == str(tmp_path) and source.root == root
     assert set(_headers.read_headers(source)) == {"other"}
     records = [r for r in caplog.records if r.name == "rank0load.checkpoint._source"]
@@ -474,7 +473,7 @@ def test_index_used_without_single_file(tmp_path: Path, caplog: pytest.LogCaptur
     sharded(tmp_path)
     with caplog.at_level(logging.INFO, logger="rank0load.checkpoint._source"):
         source = _source.resolve(tmp_path)
-    assert source.listing is not None and len(source.files) == 2 and source.ignored == ()
+    assert source.listing is not None and len(source.files) == 2
     assert not [r for r in caplog.records if r.name == "rank0load.checkpoint._source"]
 
 
