@@ -29,6 +29,7 @@ __all__ = ["FLOAT_WIRE", "KeyMatch", "build_entries", "quantised_keys", "unconsu
 
 # Wire dtypes that may be cast to another of these; all others must match the model exactly.
 FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})
+_FLOATING = frozenset(DTYPES[k] for k in FLOAT_WIRE)  # the model dtypes they are cast into
 
 
 def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -39,9 +40,7 @@ def _check_fits(t: TensorHeader, model_key: str, shape: tuple[int, ...], dtype: 
             "Does model_fn build the same config as the checkpoint?"
         )
     wire = DTYPES[t.dtype]
-    if wire == dtype:
-        return
-    if t.dtype in FLOAT_WIRE and dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+    if wire == dtype or t.dtype in FLOAT_WIRE and dtype in _FLOATING:
         return
     raise ModelMismatchError(
         f"key {model_key!r}: checkpoint dtype {t.dtype} ({wire}) cannot be loaded into the model's "
@@ -134,12 +133,11 @@ def _single(key: str, t: TensorHeader) -> Entry:
 def quantised_keys(match: KeyMatch, layout: ModelLayout) -> set[str]:
     """Checkpoint keys of float8 tensors going into floating model tensors (dequantised, see _fp8)."""
     out = set()
-    floating = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
     for key, found in match.by_model_key.items():
-        if found[0].dtype in FP8_WIRE and layout.tensors[key].dtype in floating:
+        if found[0].dtype in FP8_WIRE and layout.tensors[key].dtype in _FLOATING:
             out.add(found[0].key)
     for key, members in match.stacked.items():
-        if layout.tensors[key].dtype in floating:
+        if layout.tensors[key].dtype in _FLOATING:
             out |= {t.key for _, t in members if t.dtype in FP8_WIRE}
     return out
 
