@@ -67,7 +67,6 @@ class Adapter:
     """(rank 0) A PEFT adapter folder to load with the base checkpoint: its resolved source, and the
     model key each of its file's names stands for (``_peft.adapter_names``, inverted)."""
 
-    name: str
     source: Source
     model_keys: dict[str, str]
 
@@ -94,7 +93,7 @@ def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
             )
         _peft.check_adapter_config(model, name, _peft.read_adapter_config(source.root), os.fspath(path))
         names = _peft.adapter_names(model, name)
-        found.append(Adapter(name, source, {saved: key for key, saved in names.items()}))
+        found.append(Adapter(source, {saved: key for key, saved in names.items()}))
     return found
 
 
