@@ -46,14 +46,16 @@ def to_float32(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _table(values: torch.Tensor) -> torch.Tensor | None:
-    """The float32 value of each of ``values``' 256 float8 bytes, for a CPU float8 tensor; else None."""
+def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:] = float32(values)``; a CPU float8 tensor through the float32 value of each of its
+    dtype's 256 bytes, without a temporary."""
     if values.device.type != "cpu" or values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return None
+        out.copy_(values)
+        return
     table = _TABLES.get(values.dtype)
     if table is None:
         table = _TABLES[values.dtype] = torch.arange(256, dtype=torch.uint8).view(values.dtype).float()
-    return table
+    torch.index_select(table, 0, values.reshape(-1).view(torch.uint8).int(), out=out.view(-1))
 
 
 def block_size(root: str) -> tuple[int, int] | None:
@@ -237,15 +239,6 @@ def _part(
             out[pos : pos + take].view(shape), dest[pos : pos + take].view(shape), grid, row, col, block
         )
         pos += take
-
-
-def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[:] = float32(values)`` (see :func:`to_float32`), without a temporary on the CPU."""
-    table = _table(values)
-    if table is None:
-        out.copy_(values)
-        return
-    torch.index_select(table, 0, values.reshape(-1).view(torch.uint8).int(), out=out.view(-1))
 
 
 def _scale_rows(
