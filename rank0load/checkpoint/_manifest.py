@@ -306,7 +306,6 @@ def _merge(
     entries += [_compact(e) for e in built]
     order = {path: i for i, path in enumerate(every_file)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
-    params = [t for t in layout.tensors.values() if t.is_param]
     return Manifest(
         entries=tuple(entries),
         missing=missing,
@@ -317,7 +316,7 @@ def _merge(
         total_bytes=sum(e.nbytes for e in entries),
         initialised=(
             sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
-            sum(math.prod(t.shape) for t in params),
+            sum(math.prod(t.shape) for t in layout.tensors.values() if t.is_param),
         ),
         runs=len(runs),
     )
