@@ -83,7 +83,7 @@ def resolve(
                 f"checkpoint {path!r} is a symlink to {os.readlink(path)!r}, which does not exist. "
                 "Fix the link or pass the checkpoint's real location."
             )
-        if _REPO_ID.match(path) and not path.startswith((".", "/")):
+        if _REPO_ID.match(path):
             snapshot = _from_hub(path, revision, _not_local(path), subfolder)
             # snapshots link into blobs/: files must stay inside the repo's cache folder
             boundary = os.path.realpath(os.path.join(snapshot, "..", ".."))
