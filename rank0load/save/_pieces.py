@@ -16,10 +16,9 @@ __all__ = ["Piece", "chunks", "pieces"]
 
 @dataclass(frozen=True)
 class Piece:
-    """One message: bytes [start, start + nbytes) of item ``index``, sent by rank ``src``; for a
-    BLOCK item, the sender's block of the chunk that starts at ``start`` (see :func:`chunks`)."""
+    """One message: bytes [start, start + nbytes) of an item, sent by rank ``src``; for a BLOCK
+    item, the sender's block of the chunk that starts at ``start`` (see :func:`chunks`)."""
 
-    index: int
     src: int  # 0: rank 0 writes it from its own tensor
     start: int  # byte offset within the item
     nbytes: int
@@ -31,7 +30,7 @@ def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece
     item = plan.items[index]
     if item.kind is SaveKind.BLOCK:
         for chunk, parts in chunks(plan, index, src):
-            yield from (Piece(index, p.rank, chunk.start, p.nbytes, p.local_offset) for p in parts)
+            yield from (Piece(p.rank, chunk.start, p.nbytes, p.local_offset) for p in parts)
         return
     if item.kind is SaveKind.ROWS:
         row = item.nbytes // item.shape[0] if item.shape[0] else 0
@@ -41,7 +40,7 @@ def pieces(plan: SavePlan, index: int, src: int | None = None) -> Iterator[Piece
     for rank, begin, end in ranges:
         if src is None or rank == src:
             for at in range(begin, end, plan.piece_bytes):
-                yield Piece(index, rank, at, min(plan.piece_bytes, end - at), at - begin)
+                yield Piece(rank, at, min(plan.piece_bytes, end - at), at - begin)
 
 
 def chunks(plan: SavePlan, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:

@@ -10,7 +10,7 @@ import enum
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,8 +53,8 @@ class SaveKind(enum.Enum):
 
 
 _Senders = tuple[tuple[int, int, int], ...]  # ROWS: (rank, first row, end row), by row
-# (model key, its saved names and shapes, wire dtype, kind, senders, blocks)
-_Row = tuple[str, list[tuple[str, tuple[int, ...]]], torch.dtype, SaveKind, _Senders, Blocks]
+# a model tensor's item (its saved tensors not laid out yet), the names and shapes it is saved as
+_Row = tuple["SaveItem", list[tuple[str, tuple[int, ...]]]]
 
 
 @dataclass(frozen=True)
@@ -175,12 +175,13 @@ def plan_save(
         kind = _kind(t, flag)
         senders = _senders(t) if isinstance(t, DTensor) and kind is SaveKind.ROWS else ()
         blocks = blocks_of(t) if isinstance(t, DTensor) and kind is SaveKind.BLOCK else ()
-        rows.append((key, parts, wire, kind, senders, blocks))
+        nbytes = t.numel() * wire.itemsize
+        rows.append((SaveItem(key, _NAMES[wire], tuple(t.shape), nbytes, kind, senders, (), blocks), parts))
     if not rows:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = slot_bytes(options["max_staging_bytes"])
     limit = sys.maxsize if single_file else parse_size(options["max_shard_size"])
-    return _lay_out(rows, tensors, limit, piece_bytes, tuple(skipped), stem)
+    return _lay_out(rows, limit, piece_bytes, tuple(skipped), stem)
 
 
 def _kind(t: torch.Tensor, flags: int) -> SaveKind:
@@ -222,7 +223,6 @@ def _split(sizes: list[int], limit: int) -> list[list[int]]:
 
 def _lay_out(
     rows: list[_Row],
-    tensors: dict[str, torch.Tensor],
     limit: int,
     piece_bytes: int,
     skipped: tuple[str, ...],
@@ -231,21 +231,21 @@ def _lay_out(
     """(rank 0) Files, headers and offsets: in each file tensors by element size, largest first, then
     name (as safetensors orders them), so each is aligned; the JSON header padded with spaces to 8."""
     units: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (row, name, shape, start, nbytes)
-    for r, (key, parts, wire, *_) in enumerate(rows):
-        each = tensors[key].numel() * wire.itemsize // len(parts)
+    for r, (item, parts) in enumerate(rows):
+        each = item.nbytes // len(parts)
         units += [(r, name, shape, j * each, each) for j, (name, shape) in enumerate(parts)]
     groups = _split([u[4] for u in units], limit)
     names = file_names(stem, len(groups))
     saved: list[list[Saved]] = [[] for _ in rows]
     headers: list[bytes] = []
     for file, group in enumerate(groups):
-        order = sorted(group, key=lambda u: (-rows[units[u][0]][2].itemsize, units[u][1]))
+        order = sorted(group, key=lambda u: (-DTYPES[rows[units[u][0]][0].dtype].itemsize, units[u][1]))
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         at = 0
         for u in order:
             r, name, shape, _, nbytes = units[u]
             header[name] = {
-                "dtype": _NAMES[rows[r][2]],
+                "dtype": rows[r][0].dtype,
                 "shape": list(shape),
                 "data_offsets": [at, at + nbytes],
             }
@@ -257,16 +257,9 @@ def _lay_out(
             r, name, shape, start, nbytes = units[u]
             offset = len(headers[-1]) + header[name]["data_offsets"][0]
             saved[r].append(Saved(name, shape, file, offset, start, nbytes))
-    items = []
-    for (key, _, wire, kind, senders, blocks), spans in zip(rows, saved):
-        shape, nbytes = tuple(tensors[key].shape), tensors[key].numel() * wire.itemsize
-        spans.sort(key=lambda s: s.start)
-        items.append(SaveItem(key, _NAMES[wire], shape, nbytes, kind, senders, tuple(spans), blocks))
+    items = [
+        replace(row[0], saved=tuple(sorted(spans, key=lambda s: s.start))) for row, spans in zip(rows, saved)
+    ]
     items.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
-    return SavePlan(
-        tuple(names), tuple(headers), tuple(items), _rounds(items, piece_bytes), piece_bytes, skipped, stem
-    )
-
-
-def _rounds(items: list[SaveItem], piece_bytes: int) -> tuple[int, ...]:
-    return round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
+    rounds = round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
+    return SavePlan(tuple(names), tuple(headers), tuple(items), rounds, piece_bytes, skipped, stem)
