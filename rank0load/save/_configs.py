@@ -41,17 +41,15 @@ class Layout:
     write_configs: Callable[[nn.Module, str, SavePlan], None] | None
 
 
-def layout_of(model: nn.Module, original_format: bool = True) -> Layout:
+def layout_of(model: nn.Module, original_format: bool) -> Layout:
     """(all ranks) The layout ``from_pretrained`` of the model's library reads; for a ``PeftModel``,
     its base model's with ``original_format``, else plain files under its own names, no config files."""
     base = peft_base_model(model)
-    if base is not model:
-        if not original_format:
-            return Layout("model", False, None)
-        model = base
-    if is_transformers_model(model):
+    if base is not model and not original_format:
+        return Layout("model", False, None)
+    if is_transformers_model(base):
         return Layout("model", False, _hf_configs)
-    if is_diffusers_model(model):
+    if is_diffusers_model(base):
         return Layout("diffusion_pytorch_model", False, _diffusers_config)
     return Layout("model", False, None)
 

@@ -3,6 +3,7 @@ only; no collectives). Temporary names never end in ``.safetensors``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -16,18 +17,7 @@ from typing import Any
 from ..common import _distribute
 from ._saveplan import SaveItem, SavePlan
 
-__all__ = ["Outputs", "Writer", "commit", "index_name", "open_outputs"]
-
-
-def index_name(stem: str) -> str:
-    """(any rank) The index of a checkpoint whose files are named from ``stem`` (``SavePlan.stem``)."""
-    return f"{stem}.safetensors.index.json"
-
-
-def _saved(stem: str) -> re.Pattern[str]:
-    """The names a save of files named from ``stem`` writes or keeps an earlier save's files under
-    (:func:`_keep_earlier`); another stem's files are never touched."""
-    return re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
+__all__ = ["Outputs", "Writer", "commit", "open_outputs"]
 
 
 @dataclass
@@ -42,19 +32,15 @@ class Outputs:
     def discard(self) -> None:
         """Close and remove every temporary file (errors ignored: this runs while failing)."""
         for fd in self.fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self.fds = []
         for path in self.temps:
-            try:
+            with contextlib.suppress(OSError):
                 if os.path.isdir(path):  # the folder of config files
                     shutil.rmtree(path)
                 else:
                     os.unlink(path)
-            except OSError:
-                pass
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -85,10 +71,9 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
     earlier save left that the new checkpoint does not have."""
     for fd in outputs.fds:
         os.fsync(fd)
-    for fd in list(outputs.fds):
-        os.close(fd)
-        outputs.fds.remove(fd)
-    directory, index_file = outputs.directory, index_name(plan.stem)
+    while outputs.fds:
+        os.close(outputs.fds.pop())
+    directory, index_file = outputs.directory, f"{plan.stem}.safetensors.index.json"
     for temp, name in extras:
         os.replace(temp, os.path.join(directory, name))
     old_index = os.path.join(directory, index_file)
@@ -121,7 +106,10 @@ def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> N
         os.replace(temp, os.path.join(directory, index_file))
         outputs.temps.remove(temp)
         keep.add(index_file)
-    saved = _saved(plan.stem)
+    # what this save writes or keeps the earlier save's files under (_keep_earlier); never another stem's
+    saved = re.compile(
+        re.escape(plan.stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?"
+    )
     for name in sorted(os.listdir(directory)):
         if saved.fullmatch(name) and name not in keep:
             os.unlink(os.path.join(directory, name))
@@ -147,10 +135,8 @@ def _keep_earlier(directory: str, index_file: str, replaced: list[str], token: s
             os.link(os.path.join(directory, name), os.path.join(directory, aside[name]))
     except OSError:
         for name in aside.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
         return False
     index["weight_map"] = {k: aside.get(v, v) for k, v in weight_map.items()}
     temp = os.path.join(directory, f".{index_file}.old-{token}")
