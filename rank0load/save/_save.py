@@ -36,7 +36,7 @@ from ..integrations._convert import original_format_reversal
 from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
-from ._configs import Layout, adapter_layout, finish, layout_of
+from ._configs import adapter_layout, finish, layout_of
 from ._saveplan import Revert, SavePlan, parse_size, plan_save
 
 __all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
@@ -122,62 +122,11 @@ def save_sharded(
             differ between ranks (``RankMismatchError``).
     """
     _distribute.require_process_group(SaveError)
-    if adapter is not None:
-        return _save_adapter(model, out_dir, adapter, dtype, max_staging_bytes, key_map)
-    return _save(
-        model,
-        out_dir,
-        layout_of(model, original_format),
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        key_map=key_map,
-        original_format=original_format,
-        max_staging_bytes=max_staging_bytes,
-    )
-
-
-def _save_adapter(
-    model: nn.Module,
-    out_dir: str | os.PathLike[str],
-    adapter: str,
-    dtype: torch.dtype | None,
-    max_staging_bytes: int,
-    key_map: Callable[[str], str | None] | None,
-) -> SaveReport:
-    """(all ranks) One PEFT adapter in PEFT's layout: its tensors under PEFT's names, one file."""
-    if key_map is not None:
-        raise SaveError("save_sharded(adapter=...) saves under PEFT's names: drop key_map")
-    _peft.peft_config(model, adapter)  # the same answer on every rank: raises everywhere or nowhere
-
-    @functools.cache
-    def names() -> dict[str, str]:  # (rank 0, while planning) model key -> PEFT's name
-        return {strip_wrappers(k): v for k, v in _peft.adapter_names(model, adapter).items()}
-
-    return _save(
-        model,
-        out_dir,
-        adapter_layout(adapter),
-        max_shard_size="5GB",
-        dtype=dtype,
-        key_map=lambda key: names().get(key),
-        original_format=False,
-        max_staging_bytes=max_staging_bytes,
-    )
-
-
-def _save(
-    model: nn.Module,
-    out_dir: str | os.PathLike[str],
-    layout: Layout,
-    *,
-    max_shard_size: int | str,
-    dtype: torch.dtype | None,
-    key_map: Callable[[str], str | None] | None,
-    original_format: bool,
-    max_staging_bytes: int,
-) -> SaveReport:
-    """(all ranks) ``save_sharded`` with the files and config files ``layout`` names; the arguments
-    as ``save_sharded``'s (``original_format`` applies to a transformers model and a PeftModel only)."""
+    if adapter is None:
+        layout = layout_of(model, original_format)
+    else:  # one file, PEFT's names
+        layout, key_map = adapter_layout(adapter), _adapter_names(model, adapter, key_map)
+        max_shard_size, original_format = "5GB", False
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
     described, flags = _distribute.agree(_distribute.attempt(lambda: _describe(model, options)))
@@ -222,6 +171,21 @@ def _save(
     if rank == 0:
         _log_summary(report)
     return report
+
+
+def _adapter_names(
+    model: nn.Module, adapter: str, key_map: Callable[[str], str | None] | None
+) -> Callable[[str], str | None]:
+    """(all ranks) The key_map of a save of PEFT adapter ``adapter``: a model key to PEFT's name."""
+    if key_map is not None:
+        raise SaveError("save_sharded(adapter=...) saves under PEFT's names: drop key_map")
+    _peft.peft_config(model, adapter)  # the same answer on every rank: raises everywhere or nowhere
+
+    @functools.cache
+    def names() -> dict[str, str]:  # (rank 0, while planning) model key -> PEFT's name
+        return {strip_wrappers(k): v for k, v in _peft.adapter_names(model, adapter).items()}
+
+    return lambda key: names().get(key)
 
 
 @dataclass(frozen=True)
