@@ -54,11 +54,8 @@ def place(rows: torch.Tensor, block: torch.Tensor, part: Part) -> None:
     target = rows[part.rows[0] : part.rows[1]]
     spans = []  # per later dimension: (global start, local start, length) of each run
     for runs in part.inner:
-        local, dim_spans = 0, []
-        for a, b in runs:
-            dim_spans.append((a, local, b - a))
-            local += b - a
-        spans.append(dim_spans)
+        local_starts = itertools.accumulate((b - a for a, b in runs), initial=0)
+        spans.append([(a, local, b - a) for (a, b), local in zip(runs, local_starts)])
     for combination in itertools.product(*spans):
         into, values = target, block
         for dim, (start, local, length) in enumerate(combination, start=1):

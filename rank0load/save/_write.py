@@ -86,10 +86,12 @@ def stream(
     return tuple(gathered)
 
 
-def _source(item: SaveItem, tensor: torch.Tensor, gathered: list[str]) -> torch.Tensor:
-    """(all ranks) The tensor a rank's pieces of ``item`` come from, flat; GATHER: a collective."""
+def _source(item: SaveItem, tensor: torch.Tensor, gathered: list[str], pending: InFlight) -> torch.Tensor:
+    """(all ranks) The tensor a rank's pieces of ``item`` come from, flat; GATHER: ``pending``
+    completed, then a collective."""
     if item.kind is SaveKind.GATHER:
         assert isinstance(tensor, DTensor)
+        pending.drain()
         gathered.append(item.key)
         with torch.no_grad():
             return tensor.full_tensor().reshape(-1)
@@ -196,9 +198,7 @@ def _rank0(
         for begin, stop in rounds:
             for index in range(begin, stop):
                 item = plan.items[index]
-                if item.kind is SaveKind.GATHER:
-                    collector.pending.drain()
-                source = _source(item, tensors[item.key], gathered)
+                source = _source(item, tensors[item.key], gathered, collector.pending)
                 if item.kind is SaveKind.BLOCK:
                     for chunk, parts in chunks(plan, index):
                         collector.chunk(item, source, chunk, parts)
@@ -236,11 +236,9 @@ def _sender(
     for begin, stop in rounds:
         for index in range(begin, stop):
             item = plan.items[index]
-            if item.kind is SaveKind.GATHER:
-                pending.drain()
-            elif not item.sends(me):
+            if item.kind is not SaveKind.GATHER and not item.sends(me):
                 continue
-            source = _source(item, tensors[item.key], gathered)
+            source = _source(item, tensors[item.key], gathered, pending)
             wire = DTYPES[item.dtype]
             for piece in pieces(plan, index, me):
                 values = source[_elements(piece, wire)]
