@@ -2,7 +2,8 @@
 
 (rank 0) :func:`plan_save` maps every model tensor to its saved name and dtype, splits the tensors
 into files as huggingface_hub does, lays out each header, and names the senders of every sharded
-DTensor's elements. (all ranks) :class:`SavePlan` is shared as it is. No collectives here."""
+DTensor's elements. (all ranks) :class:`SavePlan` is shared as it is; every rank derives the same
+messages from it (:meth:`SavePlan.pieces`). No collectives here."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
-from ..common._blocks import Blocks
+from ..common._blocks import Blocks, Chunk, Part, block_chunks
 from ..common._distribute import round_ends
-from ..common._staging import ROUND_PIECES, slot_bytes
+from ..common._staging import ROUND_PIECES, block_half, slot_bytes
 from ..errors import SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rows_of
 from ..model._meta import ModelLayout, strip_wrappers
@@ -27,6 +28,7 @@ from ._saveblock import blocks_of
 from ._saveblock import senders as replica_senders
 
 __all__ = [
+    "Piece",
     "SaveItem",
     "Revert",
     "SaveKind",
@@ -99,6 +101,17 @@ class SaveItem:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One message: bytes [start, start + nbytes) of an item, sent by rank ``src``; for a BLOCK
+    item, the sender's block of the chunk that starts at ``start`` (see :meth:`SavePlan.chunks`)."""
+
+    src: int  # 0: rank 0 writes it from its own tensor
+    start: int  # byte offset within the item
+    nbytes: int
+    local_offset: int  # byte offset (wire dtype) in the sender's flat local tensor; contiguous there
+
+
+@dataclass(frozen=True)
 class SavePlan:
     """Rank 0's decision, broadcast to every rank: files, headers and items in write order."""
 
@@ -114,6 +127,30 @@ class SavePlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total_size", sum(i.nbytes for i in self.items))
+
+    def pieces(self, index: int, src: int | None = None) -> Iterator[Piece]:
+        """(all ranks) Item ``index``'s messages in the order every rank uses (``src``: that rank's)."""
+        item = self.items[index]
+        if item.kind is SaveKind.BLOCK:
+            for chunk, parts in self.chunks(index, src):
+                yield from (Piece(p.rank, chunk.start, p.nbytes, p.local_offset) for p in parts)
+            return
+        if item.kind is SaveKind.ROWS:
+            row = item.nbytes // item.shape[0] if item.shape[0] else 0
+            ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
+        else:
+            ranges = [(0, 0, item.nbytes)]
+        for rank, begin, end in ranges:
+            if src is None or rank == src:
+                for at in range(begin, end, self.piece_bytes):
+                    yield Piece(rank, at, min(self.piece_bytes, end - at), at - begin)
+
+    def chunks(self, index: int, src: int | None = None) -> Iterator[tuple[Chunk, tuple[Part, ...]]]:
+        """(all ranks) BLOCK item ``index``'s chunks and the senders' parts of each, by first row,
+        then sender (``src``: only that rank's, in the same order), see ``common._blocks.block_chunks``."""
+        item = self.items[index]
+        blocks = item.blocks if src is None else [b for b in item.blocks if b[0] == src]
+        return block_chunks(item.shape, DTYPES[item.dtype].itemsize, blocks, block_half(self.piece_bytes))
 
 
 def file_names(stem: str, count: int) -> list[str]:

@@ -24,9 +24,8 @@ from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
-from ._pieces import Piece, chunks, pieces
 from ._saveblock import place, receive_offsets
-from ._saveplan import SaveItem, SaveKind, SavePlan
+from ._saveplan import Piece, SaveItem, SaveKind, SavePlan
 
 __all__ = ["Staging", "allocate_staging", "settle", "stream"]
 
@@ -200,12 +199,12 @@ def _rank0(
                 item = plan.items[index]
                 source = _source(item, tensors[item.key], gathered, collector.pending)
                 if item.kind is SaveKind.BLOCK:
-                    for chunk, parts in chunks(plan, index):
+                    for chunk, parts in plan.chunks(index):
                         collector.chunk(item, source, chunk, parts)
                         if on_bytes is not None:
                             on_bytes(chunk.nbytes)
                     continue
-                for piece in pieces(plan, index):
+                for piece in plan.pieces(index):
                     if piece.src == 0:
                         collector.own(piece, source, item)
                     else:
@@ -240,7 +239,7 @@ def _sender(
                 continue
             source = _source(item, tensors[item.key], gathered, pending)
             wire = DTYPES[item.dtype]
-            for piece in pieces(plan, index, me):
+            for piece in plan.pieces(index, me):
                 values = source[_elements(piece, wire)]
                 slot: int | None = None
                 if faults.error is None and values.dtype == wire and values.device == staging.slots[0].device:
