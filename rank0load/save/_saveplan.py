@@ -7,6 +7,7 @@ messages from it (:meth:`SavePlan.pieces`). No collectives here."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import sys
@@ -165,14 +166,12 @@ def parse_size(size: int | str) -> int:
     """``max_shard_size`` in bytes, parsed as huggingface_hub's ``parse_size_to_int`` does."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
-    if isinstance(size, str) and size.strip()[-2:].upper() in _UNITS:
-        text = size.strip()
-        try:
+    text = size.strip() if isinstance(size, str) else ""
+    if text[-2:].upper() in _UNITS:
+        with contextlib.suppress(ValueError):  # not a number: the SaveError below
             value = int(float(text[:-2].strip()) * _UNITS[text[-2:].upper()])
-        except ValueError:
-            value = 0
-        if value > 0:
-            return value
+            if value > 0:
+                return value
     raise SaveError(f"max_shard_size={size!r} is not a positive number of bytes nor a size like '5GB'")
 
 
