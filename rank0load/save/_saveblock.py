@@ -6,7 +6,7 @@ collectives). Rank 0 receives a chunk's parts into the second half of a staging 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -15,7 +15,7 @@ from ..common._blocks import Blocks, Part
 from ..errors import SaveError
 from ..model._layout import rank_coordinates, runs_at
 
-__all__ = ["blocks_of", "place", "receive_offsets", "senders"]
+__all__ = ["blocks_of", "place", "senders"]
 
 
 def senders(t: DTensor) -> Iterator[tuple[int, tuple[int, ...]]]:
@@ -40,12 +40,6 @@ def blocks_of(t: DTensor) -> Blocks:
         if all(runs):
             out.append((rank, runs))
     return tuple(out)
-
-
-def receive_offsets(parts: Sequence[Part]) -> tuple[int, ...]:
-    """(rank 0) Where each of a chunk's ``parts`` lands in its receive area (the slot's second half):
-    one after another, in order, rank 0's own included."""
-    return tuple(itertools.accumulate((p.nbytes for p in parts), initial=0))[:-1]
 
 
 def place(rows: torch.Tensor, block: torch.Tensor, part: Part) -> None:

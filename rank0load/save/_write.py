@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
-from ._saveblock import place, receive_offsets
+from ._saveblock import place
 from ._saveplan import Piece, SaveItem, SaveKind, SavePlan
 
 __all__ = ["Staging", "allocate_staging", "settle", "stream"]
@@ -157,7 +158,8 @@ class _Collector:
         rows = host[: chunk.nbytes].view(wire).view(chunk.shape)
         received = []  # (part, where it lands in the slot)
         works = []
-        for part, offset in zip(parts, receive_offsets(parts)):
+        # the parts land one after another in the slot's second half, rank 0's own counted too
+        for part, offset in zip(parts, itertools.accumulate((p.nbytes for p in parts), initial=0)):
             if part.rank == 0:
                 mine = source[_elements(part, wire)].view(part.shape)
                 faults.run(place, rows, mine, part)
