@@ -217,7 +217,10 @@ def plan_save(
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = slot_bytes(options["max_staging_bytes"])
     limit = sys.maxsize if single_file else parse_size(options["max_shard_size"])
-    return _lay_out(rows, limit, piece_bytes, tuple(skipped), stem)
+    headers, items = _lay_out(rows, limit)
+    rounds = round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
+    names = file_names(stem, len(headers))
+    return SavePlan(tuple(names), headers, items, rounds, piece_bytes, tuple(skipped), stem)
 
 
 def _kind(t: torch.Tensor, flags: int) -> SaveKind:
@@ -257,21 +260,15 @@ def _split(sizes: list[int], limit: int) -> list[list[int]]:
     return files
 
 
-def _lay_out(
-    rows: list[_Row],
-    limit: int,
-    piece_bytes: int,
-    skipped: tuple[str, ...],
-    stem: str,
-) -> SavePlan:
-    """(rank 0) Files, headers and offsets: in each file tensors by element size, largest first, then
-    name (as safetensors orders them), so each is aligned; the JSON header padded with spaces to 8."""
+def _lay_out(rows: list[_Row], limit: int) -> tuple[tuple[bytes, ...], tuple[SaveItem, ...]]:
+    """(rank 0) The files' headers, and the items in write order with their saved tensors: in each
+    file tensors by element size, largest first, then name (as safetensors orders them), so each is
+    aligned; the JSON header padded with spaces to 8."""
     units: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (row, name, shape, start, nbytes)
     for r, (item, parts) in enumerate(rows):
         each = item.nbytes // len(parts)
         units += [(r, name, shape, j * each, each) for j, (name, shape) in enumerate(parts)]
     groups = _split([u[4] for u in units], limit)
-    names = file_names(stem, len(groups))
     saved: list[list[Saved]] = [[] for _ in rows]
     headers: list[bytes] = []
     for file, group in enumerate(groups):
@@ -297,5 +294,4 @@ def _lay_out(
         replace(row[0], saved=tuple(sorted(spans, key=lambda s: s.start))) for row, spans in zip(rows, saved)
     ]
     items.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
-    rounds = round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
-    return SavePlan(tuple(names), tuple(headers), tuple(items), rounds, piece_bytes, skipped, stem)
+    return tuple(headers), tuple(items)
