@@ -160,7 +160,7 @@ def load_sharded(
         )
         local = handover.decide()
         clock("plan")
-        with progress_bar(manifest.total_bytes) if rank == 0 else contextlib.nullcontext() as on_bytes:
+        with progress_bar(manifest.total_bytes, show=rank == 0) as on_bytes:
             _transfer.stream(ready.plan, ready.targets, ready.staging, mesh_device, files, on_bytes, local)
         clock("stream")
     return _finished(built, manifest, ready.plan, clock, local)

@@ -33,20 +33,25 @@ def peak_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
 
 
+def no_progress(nbytes: int) -> None:
+    """A byte counter that counts nothing (the bar is off)."""
+
+
 @contextlib.contextmanager
-def progress_bar(total_bytes: int) -> Iterator[Callable[[int], None] | None]:
-    """(rank 0) A byte counter drawing a progress bar, or None when the bar is off."""
+def progress_bar(total_bytes: int, show: bool) -> Iterator[Callable[[int], None]]:
+    """(all ranks) A byte counter: with ``show`` (rank 0), one drawing a progress bar on a terminal;
+    :func:`no_progress` when the bar is off."""
     try:
-        terminal = sys.stderr is not None and sys.stderr.isatty()
+        terminal = show and sys.stderr is not None and sys.stderr.isatty()
     except (AttributeError, ValueError):  # replaced or closed stderr
         terminal = False
     if not terminal:
-        yield None
+        yield no_progress
         return
     try:
         from huggingface_hub.utils import tqdm
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
-        yield None
+        yield no_progress
         return
     bar = tqdm(
         total=total_bytes,
@@ -60,6 +65,6 @@ def progress_bar(total_bytes: int) -> Iterator[Callable[[int], None] | None]:
         name="rank0load",
     )
     try:
-        yield None if bar.disable else bar.update  # disabled by HF_HUB_DISABLE_PROGRESS_BARS
+        yield no_progress if bar.disable else bar.update  # disabled by HF_HUB_DISABLE_PROGRESS_BARS
     finally:
         bar.close()

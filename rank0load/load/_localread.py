@@ -77,12 +77,12 @@ class LocalReads:
     files: LocalFiles | None  # this rank's descriptors, when it is one of them
     status: str  # which path this rank took, and why (LoadReport.local_status)
 
-    def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None] | None) -> Iterator[Piece]:
+    def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None]) -> Iterator[Piece]:
         """(rank 0) Its pieces less those the readers read themselves (BLOCK chunks cut for the other
         ranks only); the skipped bytes counted on ``on_bytes`` as they are passed over."""
         for piece in plan.pieces(0, cut_for=[r for r, _ in plan.coords if r not in self.readers]):
             if piece.dst in self.readers:  # its rows, and the scale grid rows they need
-                if on_bytes is not None and piece.route is Route.TO_RANK:
+                if piece.route is Route.TO_RANK:
                     on_bytes(piece.nbytes)
                 continue
             yield piece

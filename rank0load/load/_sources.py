@@ -189,9 +189,7 @@ class OwnSource:
     in order by ``reader`` (float8 pairs joined by ``Sink.runs``); the files read in a round checked at
     its end, every file after the last. A failing rank stops reading."""
 
-    def __init__(
-        self, plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None] | None
-    ) -> None:
+    def __init__(self, plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None]) -> None:
         self.plan, self.sink, self.reader, self.on_bytes = plan, sink, reader, on_bytes
         me, self._last = dist.get_rank(), len(plan.entries)
         self._by_round = ByRound(plan.pieces(me, cut_for=(me,)), lambda p: p.index)
@@ -201,9 +199,8 @@ class OwnSource:
         rank's pieces: the others' are counted on ``on_bytes``, not read)."""
         for item in self.sink.runs(self._by_round.until(stop), self.plan.piece_bytes):
             yield from self.reader.arrivals(item)
-            if self.on_bytes is not None:
-                pieces = item.pieces if isinstance(item, Message) else (item,)
-                self.on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
+            pieces = item.pieces if isinstance(item, Message) else (item,)
+            self.on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
 
     def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
         pass  # reads are synchronous: the reader's one slot is free once an arrival is delivered

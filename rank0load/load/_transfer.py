@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..common import _distribute
 from ..common._distribute import Rounds, settled
+from ..common._progress import no_progress
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
 from ._pieces import Route
@@ -39,7 +40,7 @@ def stream(
     staging: Staging,
     mesh_device: torch.device,
     files: Mapping[str, Any] | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] = no_progress,
     local: LocalReads | None = None,
 ) -> None:
     """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``. ``local``:
@@ -72,7 +73,7 @@ def _endpoints(
     staging: Staging,
     sink: Sink,
     files: Mapping[str, Any],
-    on_bytes: Callable[[int], None] | None,
+    on_bytes: Callable[[int], None],
     local: LocalReads | None,
 ) -> tuple[FileSource | ReceiveSource | OwnSource, Callable[[Arrival], None]]:
     """(all ranks) This rank's source and what takes each arrival: :class:`OwnSource` on every rank
@@ -115,7 +116,7 @@ class _Sender:
         sink: Sink,
         source: FileSource,
         readers: frozenset[int],
-        on_bytes: Callable[[int], None] | None,
+        on_bytes: Callable[[int], None],
     ) -> None:
         self.plan, self.staging, self.sink, self.source, self.on_bytes = plan, staging, sink, source, on_bytes
         self.on_cpu = sink.device.type == "cpu"
@@ -141,8 +142,7 @@ class _Sender:
             self.sink.take(message, data)
             self._done_with(slot_to_free)
         self.pending.drain(keep=max(1, len(self.staging.slots) - 1))
-        if self.on_bytes is not None:
-            self.on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
+        self.on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
 
     def _on_device(self, arrival: Arrival) -> torch.Tensor:
         """The message's bytes copied into the one device buffer once earlier sends from it are done

@@ -11,7 +11,6 @@ rank 0     config.json, fsync, rename, index last, remove stale files; settle  -
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -156,7 +155,7 @@ def save_sharded(
     outputs = prepared.value[1] if prepared.value is not None else None  # rank 0's, discarded below
     try:
         staging, _ = _write.settle(prepared, "creating the output files")
-        with progress_bar(plan.total_size) if rank == 0 else contextlib.nullcontext() as on_bytes:
+        with progress_bar(plan.total_size, show=rank == 0) as on_bytes:
             gathered = _write.stream(plan, tensors, outputs, staging, on_bytes)
         clock("stream")
         committing = _distribute.attempt(

@@ -21,6 +21,7 @@ from ..common import _distribute
 from ..common._blocks import Chunk, Part
 from ..common._distribute import Rounds, settled
 from ..common._memory import reserve
+from ..common._progress import no_progress
 from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
@@ -70,7 +71,7 @@ def stream(
     tensors: dict[str, torch.Tensor],
     outputs: Outputs | None,
     staging: Staging,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] = no_progress,
 ) -> tuple[str, ...]:
     """(all ranks) Move every item's bytes into rank 0's files (``outputs``, rank 0 only). Returns the
     keys gathered whole. Raises the same SaveError on every rank if any rank failed."""
@@ -189,7 +190,7 @@ def _rank0(
     staging: Staging,
     faults: _distribute.Faults,
     gathered: list[str],
-    on_bytes: Callable[[int], None] | None,
+    on_bytes: Callable[[int], None],
 ) -> int:
     """(rank 0) Receive ahead into the slots, write its own pieces from its tensors, round by round
     (:class:`_Collector`); returns the first failing rank (world: none)."""
@@ -203,16 +204,14 @@ def _rank0(
                 if item.kind is SaveKind.BLOCK:
                     for chunk, parts in plan.chunks(index):
                         collector.chunk(item, source, chunk, parts)
-                        if on_bytes is not None:
-                            on_bytes(chunk.nbytes)
+                        on_bytes(chunk.nbytes)
                     continue
                 for piece in plan.pieces(index):
                     if piece.src == 0:
                         collector.own(piece, source, item)
                     else:
                         collector.receive(item, piece)
-                    if on_bytes is not None:
-                        on_bytes(piece.nbytes)
+                    on_bytes(piece.nbytes)
             collector.pending.drain()
             collector.writer.jobs.join()
         return rounds.first

@@ -39,16 +39,18 @@ def _rank(rank: int, world: int, path: str, partial_path: str, head_path: str) -
     import rank0load._api as api
 
     counted: list[int] = []
+    shows: list[bool] = []
     real_bar = api.progress_bar
 
     @contextlib.contextmanager
-    def counting_bar(total: int):  # the real bar, plus a record of every byte count it is given
-        with real_bar(total) as update:
+    def counting_bar(total: int, show: bool):  # the real bar, plus a record of every byte count it is given
+        shows.append(show)
+        with real_bar(total, show) as update:
 
             def count(n: int) -> None:
-                counted.append(n)
-                if update is not None:
-                    update(n)
+                if show:
+                    counted.append(n)
+                update(n)
 
             yield count
 
@@ -64,7 +66,7 @@ def _rank(rank: int, world: int, path: str, partial_path: str, head_path: str) -
         model = rank0load.load_sharded(toy, path)
         out["tty"] = sys.stderr.getvalue()
         out["report"] = model.rank0load_report
-        out["counted"] = list(counted)
+        out["counted"], out["shows"] = list(counted), list(shows)
         api.progress_bar = real_bar
         sys.stderr = io.StringIO()
         rank0load.load_sharded(toy, path)
@@ -109,7 +111,7 @@ def test_bar_on_rank0_terminal_only(shown):
     assert r1["tty"] == r1["pipe"] == r1["partial_stderr"] == ""  # other ranks print nothing
     # The bar is fed every byte of the checkpoint once, on rank 0; no other rank makes a bar.
     assert sum(r0["counted"]) == r0["report"].bytes and len(r0["counted"]) >= r0["report"].tensors
-    assert r1["counted"] == []
+    assert r0["shows"] == [True] and r1["shows"] == [False] and r1["counted"] == []
 
 
 def test_one_info_line_per_load_from_rank0_only(shown):
