@@ -38,8 +38,6 @@ __all__ = [
     "TransformersRenamings",
     "conversions_for",
     "original_format_reversal",
-    "transformers_conversions",
-    "transformers_reversal",
 ]
 
 
@@ -224,35 +222,30 @@ class TransformersRenamings:
         return ConversionMatch(renamed, None, 0, 1, "transformers renaming") if renamed != key else None
 
 
-def transformers_conversions(model: nn.Module, model_keys: Sequence[str]) -> Conversion:
-    """transformers' key rules for ``model``: conversions and renamings (5), or renamings alone (4.57)."""
-    if _compat_convert.hf_has_conversion_mapping():
-        return TransformersConversions(model, model_keys)
-    return TransformersRenamings(model, model_keys)
-
-
-def transformers_reversal(model: nn.Module) -> TransformersReversal | None:
-    """(rank 0) What ``save_pretrained`` reverts for ``model`` (transformers 5); None for 4.57."""
-    return TransformersReversal(model) if _compat_convert.hf_has_conversion_mapping() else None
-
-
 def original_format_reversal(
     model: nn.Module, adapters: frozenset[str]
 ) -> TransformersReversal | PeftReversal | None:
-    """(rank 0) ``save_sharded(original_format=True)``'s saved names: :func:`transformers_reversal`
-    for a transformers model, :class:`PeftReversal` for a ``PeftModel`` (``adapters``: its adapter
-    tensors' names), None for any other model (its own names)."""
+    """(rank 0) ``save_sharded(original_format=True)``'s saved names: what ``save_pretrained`` reverts
+    for a transformers model (:class:`TransformersReversal`; transformers 4.57 reverts nothing),
+    :class:`PeftReversal` for a ``PeftModel`` (``adapters``: its adapter tensors' names), None for
+    any other model (its own names)."""
     base = _compat.peft_base_model(model)
-    reversal = transformers_reversal(base) if _compat.is_transformers_model(base) else None
+    reversal = None
+    if _compat.is_transformers_model(base) and _compat_convert.hf_has_conversion_mapping():
+        reversal = TransformersReversal(base)
     return reversal if base is model else PeftReversal(adapters, reversal)
 
 
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
     """(all ranks, before sharding) The caller's conversions, then transformers' for a transformers
-    model (for a ``PeftModel``'s transformers base, on the base names)."""
+    model (for a ``PeftModel``'s transformers base, on the base names): conversions and renamings
+    (transformers 5), or renamings alone (4.57)."""
     out = list(extra)
     base = _compat.peft_base_model(model)
     if _compat.is_transformers_model(base):
         keys = model_keys if base is model else [_peft.base_key(k) for k in model_keys]
-        out.append(transformers_conversions(base, keys))
+        if _compat_convert.hf_has_conversion_mapping():
+            out.append(TransformersConversions(base, keys))
+        else:
+            out.append(TransformersRenamings(base, keys))
     return out
