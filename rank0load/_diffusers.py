@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,19 +24,9 @@ from .common import _distribute
 from .common._failure import user_code
 from .errors import LoadError, ModelMismatchError
 
-__all__ = ["Configured", "build", "configure", "load"]
+__all__ = ["build", "configure", "load"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Configured:
-    """What every rank builds the model from (the same on every rank)."""
-
-    config: dict[str, Any]  # config.json as rank 0 read it
-    overrides: dict[str, Any]  # config_overrides: from_config's keyword arguments
-    dtype: torch.dtype | None  # load_sharded's dtype; None: as from_pretrained without torch_dtype
-    name: str  # ckpt_path as the caller gave it: from_pretrained records it as _name_or_path
 
 
 def load(
@@ -50,22 +39,21 @@ def load(
 ) -> nn.Module:
     """(all ranks) The model from rank 0's ``checkpoint``, loaded from ``path`` (rank 0's), in eval mode."""
     c = checkpoint
-    configured = _distribute.run(
-        lambda: configure(model_cls, c.config, c.overrides, c.where, c.name, dtype),
+    chosen = _distribute.run(
+        lambda: configure(model_cls, c.config, c.overrides, c.where, dtype),
         "building the model's config",
         _distribute.NO_DATA_MOVED,
         wrap=LoadError,
     )
-    model = load_sharded(
-        lambda: build(model_cls, configured), path, mesh, dtype=configured.dtype, **load_sharded_kwargs
-    )
+    model = load_sharded(lambda: build(model_cls, c), path, mesh, dtype=chosen, **load_sharded_kwargs)
     return model.eval()
 
 
 def configure(
-    model_cls: Any, config: dict[str, Any], overrides: dict[str, Any], where: str, name: str, dtype: object
-) -> Configured:
-    """(all ranks, from the same data) Check the config and the overrides, choose the dtype."""
+    model_cls: Any, config: dict[str, Any], overrides: dict[str, Any], where: str, dtype: object
+) -> torch.dtype | None:
+    """(all ranks, from the same data) Check the config and the overrides; the dtype for
+    ``load_sharded`` (None: as ``from_pretrained`` without ``torch_dtype``)."""
     quant = config.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -84,7 +72,7 @@ def configure(
     if dist.get_rank() == 0:
         shown = chosen if chosen is not None else f"{torch.get_default_dtype()} (torch's default)"
         logger.info("load_pretrained: %s from %s in %s", model_cls.__name__, where, shown)
-    return Configured(dict(config), dict(overrides), chosen, name)
+    return chosen
 
 
 def _dtype(dtype: object) -> torch.dtype | None:
@@ -101,13 +89,14 @@ def _dtype(dtype: object) -> torch.dtype | None:
     return chosen
 
 
-def build(model_cls: Any, configured: Configured) -> nn.Module:
-    """(all ranks, in the meta build) ``from_config``, recording ``_name_or_path`` as ``from_pretrained``."""
+def build(model_cls: Any, checkpoint: Any) -> nn.Module:
+    """(all ranks, in the meta build) ``from_config`` with rank 0's ``checkpoint`` (``_pretrained._Checkpoint``)
+    config and overrides, recording ``_name_or_path`` as ``from_pretrained``."""
     model: Any = user_code(
         f"{model_cls.__name__}.from_config",
         model_cls.from_config,
-        dict(configured.config),
-        **configured.overrides,
+        dict(checkpoint.config),
+        **checkpoint.overrides,
     )
-    model.register_to_config(_name_or_path=configured.name)
+    model.register_to_config(_name_or_path=checkpoint.name)
     return model

@@ -474,14 +474,14 @@ def test_config_overrides_and_dtype_are_checked_before_anything_is_built():
     cls = _cls("wan")
     config = dict(CONFIGS["wan"][1], _class_name="WanTransformer3DModel")
     with pytest.raises(LoadError) as caught:
-        _diffusers.configure(cls, config, {"num_layer": 1}, "/ckpt/config.json", "/ckpt", None)
+        _diffusers.configure(cls, config, {"num_layer": 1}, "/ckpt/config.json", None)
     assert str(caught.value) == (
         "config_overrides ['num_layer'] name no argument of WanTransformer3DModel.__init__ (from "
         "/ckpt/config.json); check their spelling."
     )
     for bad in ("auto", torch.int8, "int8", "bfloat"):
         with pytest.raises(LoadError, match="diffusers' from_pretrained has no 'auto'"):
-            _diffusers.configure(cls, config, {}, "/ckpt/config.json", "/ckpt", bad)
+            _diffusers.configure(cls, config, {}, "/ckpt/config.json", bad)
     with pytest.raises(LoadError, match="quant_method 'bitsandbytes'"):
         quantized = dict(config, quantization_config={"quant_method": "bitsandbytes"})
-        _diffusers.configure(cls, quantized, {}, "/ckpt/config.json", "/ckpt", None)
+        _diffusers.configure(cls, quantized, {}, "/ckpt/config.json", None)
