@@ -336,7 +336,8 @@ def hf_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], boo
     return lambda name: regex.search(name) is not None
 
 
-def _is_diffusers_model_class(cls: object) -> bool:
+def is_diffusers_class(cls: object) -> bool:
+    """Whether ``cls`` is a diffusers ``ModelMixin`` subclass, without importing diffusers for another."""
     if not isinstance(cls, type) or not any(c.__module__.startswith("diffusers.") for c in cls.__mro__):
         return False
     from diffusers import ModelMixin
@@ -346,12 +347,7 @@ def _is_diffusers_model_class(cls: object) -> bool:
 
 def is_diffusers_model(model: nn.Module) -> bool:
     """Whether ``model`` is a diffusers ``ModelMixin``, without importing diffusers for another model."""
-    return _is_diffusers_model_class(type(model))
-
-
-def is_diffusers_class(cls: object) -> bool:
-    """Whether ``cls`` is a diffusers ``ModelMixin`` subclass, without importing diffusers for another."""
-    return _is_diffusers_model_class(cls)
+    return is_diffusers_class(type(model))
 
 
 def diffusers_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:
