@@ -101,23 +101,20 @@ class KeyResolver:
         pieces = _NUMBER.split(key)  # text, number, text, ...: one regex pass for both
         numbers, pattern = pieces[1::2], "\0".join(pieces[0::2])
         rule = self._rules.get(pattern)
+        trusted = rule is not None and len(rule.varied) == len(rule.first)
+        predicted = rule.predict(numbers) if rule is not None else None
+        if trusted and (predicted is None or self._canonical(predicted.target) == predicted.target):
+            return (predicted.target if predicted else None), predicted
+        found = self._convert(key)  # no rule, one not trusted yet, or a trusted one's target not a model key
         if rule is None:
-            found = self._convert(key)
             unread = pattern not in self._rules
             if unread and len(set(numbers)) == len(numbers):  # else: read it off a later key
                 self._rules[pattern] = _rule_of(numbers, found)
-            return (found.target if found else None), found
-        predicted = rule.predict(numbers)
-        if len(rule.varied) == len(rule.first):  # trusted
-            if predicted is None or self._canonical(predicted.target) == predicted.target:
-                return (predicted.target if predicted else None), predicted
-            found = self._convert(key)
-            return (found.target if found else None), found
-        found = self._convert(key)
-        if found != predicted:
-            self._rules[pattern] = None
-        else:
-            rule.varied.update(i for i, (a, b) in enumerate(zip(numbers, rule.first)) if a != b)
+        elif not trusted:  # the rule confirmed, or given up
+            if found == predicted:
+                rule.varied.update(i for i, (a, b) in enumerate(zip(numbers, rule.first)) if a != b)
+            else:
+                self._rules[pattern] = None
         return (found.target if found else None), found
 
     def resolve_columns(self, keys: Sequence[str]) -> tuple[list[str | None], list[ConversionMatch | None]]:
@@ -143,9 +140,7 @@ class KeyResolver:
                 canonical[members[at]], converted[members[at]] = self(keys[members[at]])
                 at += 1
             rule = self._rules.get(pattern)
-            if rule is None or not self._trusted(pattern):
-                for i in members[at:]:
-                    canonical[i], converted[i] = self(keys[i])
+            if rule is None or at == len(members):  # nothing left: every key went one by one
                 continue
             for i, predicted in zip(members[at:], self._predict_all(rule, [keys[i] for i in members[at:]])):
                 canonical[i], converted[i] = (predicted.target if predicted else None), predicted
