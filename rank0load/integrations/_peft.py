@@ -34,7 +34,6 @@ __all__ = [
     "base_key",
     "building_adapters",
     "check_adapter_config",
-    "is_peft_model",
     "peft_config",
     "read_adapter_config",
     "tuner_layers_without_values",
@@ -120,14 +119,6 @@ def adapters_built_real(outer_dtype: torch.dtype) -> Iterator[None]:
             setattr(cls, method, own)
 
 
-def is_peft_model(model: nn.Module) -> bool:
-    if "peft" not in sys.modules:
-        return False
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def base_key(key: str) -> str:
     """A PeftModel's key as its base model and the base model's checkpoints spell it:
     ``"base_model.model.model.layers.0.q_proj.base_layer.weight"`` -> ``"model.layers.0.q_proj.weight"``;
@@ -137,13 +128,15 @@ def base_key(key: str) -> str:
     return ".".join(p for p in key.removeprefix(_PEFT_PREFIX).split(".") if p not in _PEFT_SEGMENTS)
 
 
-def _adapter_holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(qualified name, module) of every module holding a PEFT tuner layer's or wrapper's adapter tensors."""
+def _adapter_holders(model: nn.Module, wrappers: bool) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) of every module holding a PEFT tuner layer's adapter tensors, and with
+    ``wrappers`` an ``AuxiliaryTrainingWrapper``'s (``modules_to_save``, trainable tokens)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
+    kinds = (BaseTunerLayer, AuxiliaryTrainingWrapper) if wrappers else (BaseTunerLayer,)
     for name, module in model.named_modules():
-        if not isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+        if not isinstance(module, kinds):
             continue
         for attr in (*module.adapter_layer_names, *getattr(module, "other_param_names", ())):
             holder: Any = module
@@ -155,10 +148,14 @@ def _adapter_holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def adapter_parameters(model: nn.Module) -> frozenset[str]:
     """Names of every adapter parameter and buffer of a PeftModel (what its base lacks); else empty."""
-    if not is_peft_model(model):
+    if "peft" not in sys.modules:
+        return frozenset()
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
         return frozenset()
     out: set[str] = set()
-    for prefix, holder in _adapter_holders(model):
+    for prefix, holder in _adapter_holders(model, wrappers=True):
         out.update(f"{prefix}.{leaf}" for leaf, _ in holder.named_parameters())
         out.update(f"{prefix}.{leaf}" for leaf, _ in holder.named_buffers())
     return frozenset(out)
@@ -169,21 +166,9 @@ def tuner_layers_without_values(model: nn.Module, built: set[str]) -> list[str]:
     an initialisation that needs the meta base weights: PiSSA, OLoRA, LoftQ, EVA, DoRA's magnitude)."""
     if "peft" not in sys.modules:
         return []
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    found = []
-    for name, module in model.named_modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        for attr in (*module.adapter_layer_names, *getattr(module, "other_param_names", ())):
-            holder = getattr(module, attr, None)
-            if not isinstance(holder, nn.Module):
-                continue
-            for leaf, _ in holder.named_parameters():
-                key = f"{name}.{attr}.{leaf}" if name else f"{attr}.{leaf}"
-                if key not in built:
-                    found.append(key)
-    return found
+    holders = _adapter_holders(model, wrappers=False)
+    keys = (f"{prefix}.{leaf}" for prefix, holder in holders for leaf, _ in holder.named_parameters())
+    return [key for key in keys if key not in built]
 
 
 def peft_config(model: nn.Module, adapter_name: str) -> Any:
