@@ -108,9 +108,8 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
     generation = (
         GenerationConfig.from_dict(checkpoint.generation) if checkpoint.generation is not None else None
     )
-    chosen = _dtype(
-        dtype, config.dtype if _compat.hf_none_means_config_dtype() else None, checkpoint.stored_dtype
-    )
+    config_dtype = _compat.hf_none_means_config_dtype()
+    chosen = _dtype(dtype, config.dtype if config_dtype else None, checkpoint.stored_dtype)
     if dist.get_rank() == 0:
         name = getattr(model_cls, "__name__", repr(model_cls))
         if config.model_type != raw.get("model_type"):  # as transformers' from_pretrained warns
@@ -123,7 +122,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
             )
         dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
         logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
-    record = _compat.hf_none_means_config_dtype() or checkpoint.stored_dtype is None
+    record = config_dtype or checkpoint.stored_dtype is None
     return Configured(config, chosen, generation, record, remote)
 
 
@@ -165,9 +164,8 @@ def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = N
         config_class = _remote_code.import_class(remote, PretrainedConfig, where)
         config_class.register_for_auto_class()
         return config_class
-    if (
-        model_type == "mistral" and "layer_types" in raw
-    ):  # AutoConfig.from_pretrained's rule (transformers 5.23)
+    # AutoConfig.from_pretrained's rule (transformers 5.23)
+    if model_type == "mistral" and "layer_types" in raw:
         model_type = raw["model_type"] = "ministral"
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
         return CONFIG_MAPPING[model_type]
