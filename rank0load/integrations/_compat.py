@@ -216,14 +216,10 @@ def parameters_on_meta(keep_real: Callable[[], bool] = lambda: False) -> Iterato
 
     def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta" and not keep_real():
-            hit = replaced.get(id(param))
-            if hit is not None and hit[0] is param:
-                meta_param = hit[1]
-            else:
-                meta_param = to_meta(param)
+            if id(param) not in replaced:
                 # Keep `param` alive in the dict so its id() cannot be reused during the build.
-                replaced[id(param)] = (param, meta_param)
-            param = meta_param
+                replaced[id(param)] = (param, to_meta(param))
+            param = replaced[id(param)][1]
         original(self, name, param)
 
     with _patch_lock:
