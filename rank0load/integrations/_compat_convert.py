@@ -25,13 +25,11 @@ __all__ = [
 
 
 def hf_has_conversion_mapping() -> bool:
-    """Whether transformers has checkpoint conversions (transformers 5); 4.57 only renames keys."""
+    """Whether transformers has checkpoint conversions (transformers 5); 4.57 only renames keys.
+    For a transformers model only (transformers is then imported)."""
     import importlib.util
 
-    try:
-        return importlib.util.find_spec("transformers.conversion_mapping") is not None
-    except ImportError:
-        return False
+    return importlib.util.find_spec("transformers.conversion_mapping") is not None
 
 
 def hf_legacy_rename(model: nn.Module, key: str) -> str:
