@@ -22,17 +22,9 @@ from torch import nn
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
 from . import _compat
 
-__all__ = ["CodeClass", "CodeFile", "RemoteCode", "import_class", "install", "read", "save_code"]
+__all__ = ["CodeClass", "RemoteCode", "import_class", "install", "read", "save_code"]
 
 _MAX_CODE_BYTES = 64 << 20  # a modeling file is ~100 kB; anything far bigger is not one
-
-
-@dataclass(frozen=True)
-class CodeFile:
-    """One module file, as rank 0's transformers installed it."""
-
-    path: str  # relative to HF_MODULES_CACHE: transformers_modules/<folder>[/<hash>]/modeling_x.py
-    data: bytes
 
 
 @dataclass(frozen=True)
@@ -50,7 +42,7 @@ class RemoteCode:
     """What rank 0 read for ``trust_remote_code=True``: the classes and every file their modules need."""
 
     classes: tuple[CodeClass, ...]
-    files: tuple[CodeFile, ...]  # sorted by path, each once
+    files: dict[str, bytes]  # path under HF_MODULES_CACHE -> the file rank 0 installed; in path order
 
     def get(self, auto: str) -> CodeClass | None:
         return next((c for c in self.classes if c.auto == auto), None)
@@ -75,7 +67,7 @@ def read(
         ModelMismatchError: the code imports a package that is not installed.
     """
     if not wanted:
-        return RemoteCode((), ())
+        return RemoteCode((), {})
     if not isinstance(auto_map, dict):
         raise CheckpointFormatError(
             f"{where}: auto_map is a JSON {type(auto_map).__name__}, expected an object of Auto class "
@@ -121,7 +113,7 @@ def read(
                 "beside its config.json; re-download or re-save the checkpoint."
             ) from None
         classes.append(CodeClass(auto, str(reference), path, name))
-    return RemoteCode(tuple(classes), tuple(CodeFile(p, files[p]) for p in sorted(files)))
+    return RemoteCode(tuple(classes), dict(sorted(files.items())))
 
 
 def _parse(auto: str, reference: object, where: str) -> tuple[str | None, str, str]:
@@ -159,17 +151,17 @@ def install(code: RemoteCode) -> None:
     from transformers import dynamic_module_utils as modules
 
     cache = modules.HF_MODULES_CACHE
-    for file in code.files:
-        target = os.path.join(cache, file.path)
-        if os.path.isabs(file.path) or ".." in file.path.split(os.sep):
-            raise LoadError(f"remote code file {file.path!r} is not inside {cache}")
-        modules.create_dynamic_module(os.path.dirname(file.path))
-        if _holds(target, file.data):
+    for path, data in code.files.items():
+        target = os.path.join(cache, path)
+        if os.path.isabs(path) or ".." in path.split(os.sep):
+            raise LoadError(f"remote code file {path!r} is not inside {cache}")
+        modules.create_dynamic_module(os.path.dirname(path))
+        if _holds(target, data):
             continue
         temp = f"{target}.tmp-{os.getpid()}-{secrets.token_hex(4)}"  # never a module name
         try:
             with open(temp, "wb") as f:
-                f.write(file.data)
+                f.write(data)
             os.replace(temp, target)
         finally:
             if os.path.lexists(temp):

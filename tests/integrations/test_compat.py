@@ -404,7 +404,7 @@ def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
         folder, folder, False, None, auto_map, ("AutoConfig", "AutoModelForCausalLM"), "c"
     )
     (entry,) = read.classes
-    assert [f.path for f in read.files] == [entry.module] and read.files[0].data == code.encode()
+    assert read.files == {entry.module: code.encode()}
     found = _remote_code.import_class(entry, transformers.PreTrainedModel, "c")
     assert found.__module__ == type(model).__module__ == entry.module.removesuffix(".py").replace("/", ".")
 
