@@ -135,17 +135,13 @@ class TransformersConversions:
         if ops not in _STACKABLE or len(converter.target_patterns) != 1:
             what = ", ".join(f"{n}(dim={d})" if d is not None else n for n, d in ops)
             return ConversionMatch(renamed, None, index, total, name, f"needs {what}")
-        expert = self._expert(key, pattern)
-        if expert is None:
+        # the expert: the integer the pattern's "*" stands for in the key after the renamings alone
+        # (transformers' source patterns are regular expressions in which "*" is an index)
+        source = _compat_convert.hf_rename(key, self._renamings, [], None, None)[0]
+        found = re.search(pattern.replace("*", r"(\d+)"), source)
+        if found is None or not found.groups():
             return ConversionMatch(renamed, None, index, total, name, "no expert index found in the key")
-        return ConversionMatch(renamed, expert, index, total, name)
-
-    def _expert(self, key: str, pattern: str) -> int | None:
-        """The integer the pattern's ``*`` stands for in ``key`` (after the renamings)."""
-        renamed = _compat_convert.hf_rename(key, self._renamings, [], None, None)[0]
-        # transformers' source patterns are regular expressions in which "*" is an index
-        found = re.search(pattern.replace("*", r"(\d+)"), renamed)
-        return int(found.group(1)) if found is not None and found.groups() else None
+        return ConversionMatch(renamed, int(found.group(1)), index, total, name)
 
 
 # the reverse of _STACKABLE: Chunk(dim=1) into the sources, then SplitModulelist(dim=0) into the experts
