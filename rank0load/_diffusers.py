@@ -90,8 +90,8 @@ def _dtype(dtype: object) -> torch.dtype | None:
 
 
 def build(model_cls: Any, checkpoint: Any) -> nn.Module:
-    """(all ranks, in the meta build) ``from_config`` with rank 0's ``checkpoint`` (``_pretrained._Checkpoint``)
-    config and overrides, recording ``_name_or_path`` as ``from_pretrained``."""
+    """(all ranks, in the meta build) ``from_config`` with the config and overrides of rank 0's
+    ``checkpoint`` (``_pretrained._Checkpoint``), recording ``_name_or_path`` as ``from_pretrained``."""
     model: Any = user_code(
         f"{model_cls.__name__}.from_config",
         model_cls.from_config,
