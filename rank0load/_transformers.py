@@ -59,15 +59,7 @@ def load(
         _distribute.NO_DATA_MOVED,
         wrap=LoadError,
     )
-    model = load_sharded(
-        lambda: _peft_wrapped(
-            build(configured.model_cls or model_cls, configured.config, configured.dtype, configured.record),
-            peft_config,
-        ),
-        path,
-        mesh,
-        **load_sharded_kwargs,
-    )
+    model = load_sharded(lambda: build(model_cls, configured, peft_config), path, mesh, **load_sharded_kwargs)
     base: Any = _compat.peft_base_model(model)
     if configured.generation is not None and base.can_generate():
         base.generation_config = configured.generation
@@ -235,20 +227,19 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
     return chosen
 
 
-def build(model_cls: Any, config: Any, dtype: torch.dtype, record: bool = True) -> nn.Module:
-    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` in ``dtype``, cast as
-    ``from_pretrained(dtype=...)`` casts (``_model.cast``), ``config.dtype`` set with ``record``."""
+def build(model_cls: Any, configured: Configured, peft_config: Any) -> nn.Module:
+    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` of ``configured.model_cls``
+    (remote code's) or ``model_cls`` in ``configured.dtype``, cast as ``from_pretrained(dtype=...)``
+    casts (``_model.cast``), ``config.dtype`` set with ``configured.record``; then
+    ``get_peft_model(model, peft_config)`` with a ``peft_config``."""
+    model_cls = configured.model_cls or model_cls
+    dtype = configured.dtype
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
     name = getattr(model_cls, "__name__", repr(model_cls))
-    model: nn.Module = _failure.user_code(f"{name}.from_config", make, config, dtype=dtype)
+    model: nn.Module = _failure.user_code(f"{name}.from_config", make, configured.config, dtype=dtype)
     cast(model, dtype)
-    if record:  # transformers 4.57's _from_config leaves it unset; its from_pretrained records it
+    if configured.record:  # transformers 4.57's _from_config leaves it unset; from_pretrained records it
         set_config_dtype(model, dtype)
-    return model
-
-
-def _peft_wrapped(model: nn.Module, peft_config: Any) -> nn.Module:
-    """(all ranks, inside the meta build) ``get_peft_model(model, peft_config)``, or the model."""
     if peft_config is None:
         return model
     from peft import get_peft_model
