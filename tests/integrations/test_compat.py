@@ -336,7 +336,9 @@ def test_hf_init_weights_writes_the_modules_parameters(llama):
     assert hf_init_weights(nn.Sequential(nn.Linear(2, 2)), "0") is None
 
 
+@pytest.mark.transformers
 def test_clear_hf_initialized_lets_init_weights_write_again(llama):
+    import transformers
     from transformers import PreTrainedModel
 
     down = llama.model.layers[0].mlp.down_proj
@@ -347,7 +349,12 @@ def test_clear_hf_initialized_lets_init_weights_write_again(llama):
         down.weight._is_hf_initialized = True  # what from_pretrained sets on loaded tensors
         down._is_hf_initialized = True
         init(down)
-        assert down.weight.isnan().all(), "transformers no longer skips flagged tensors: review _compat"
+        # 5.x's init helpers skip a flagged tensor; 4.57's _init_weights writes it (only the module flag counts)
+        skipped = bool(down.weight.isnan().all())
+        assert skipped == (int(transformers.__version__.split(".")[0]) >= 5), (
+            "transformers changed which flagged tensors it skips: review _compat"
+        )
+        down.weight.fill_(float("nan"))
         clear_hf_initialized(down, [down.weight])
         assert not hasattr(down.weight, "_is_hf_initialized") and "_is_hf_initialized" not in vars(down)
         init(down)

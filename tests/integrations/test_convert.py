@@ -243,9 +243,13 @@ def test_inspect_shows_the_conversions(checkpoint):
     assert any(line.startswith("layers.0.moe.experts.w13 <- 10 tensors") for line in result.converted)
 
 
+@pytest.mark.transformers
 def test_inspect_shows_transformers_conversions(tmp_path):
-    """A transformers MoE saved per expert: inspect --model lists the fused targets, and it fits."""
+    """A transformers MoE saved per expert: inspect --model lists the fused targets (5.x fuses the
+    experts; 4.57's Mixtral keeps them per expert, so nothing is converted), and it fits."""
     import sys
+
+    import transformers
 
     from rank0load.__main__ import main
     from tests import moe_models
@@ -261,9 +265,9 @@ def test_inspect_shows_transformers_conversions(tmp_path):
         sys.stdout = stdout
     text = out.read_text()
     assert code == 0 and "fits the model" in text, text
-    assert (
-        "assembled or dequantised (conversions)" in text and "mlp.experts.gate_up_proj <- 10 tensors" in text
-    )
+    fused = int(transformers.__version__.split(".")[0]) >= 5
+    assert ("assembled or dequantised (conversions)" in text) == fused, text
+    assert ("mlp.experts.gate_up_proj <- 10 tensors" in text) == fused, text
 
 
 def mixtral():
