@@ -42,7 +42,6 @@ __all__ = [
     "from_rank0",
     "round_ends",
     "Proposal",
-    "Traffic",
     "agree",
     "gather_to_rank0",
     "mesh_device",
@@ -51,7 +50,6 @@ __all__ = [
     "run",
     "settle",
     "settled",
-    "traffic",
 ]
 
 logger = logging.getLogger(__name__)
@@ -159,27 +157,14 @@ def _object_device() -> torch.device:
     return mesh_device(accelerator.type if accelerator is not None else "cpu")
 
 
-@dataclass
-class Traffic:
-    """Bytes this rank received through rank0load's collectives (payloads, as the API sees them)."""
-
-    received: int = 0
-
-
-traffic = Traffic()
-
-
 def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
     dist.all_reduce(t, op=op)
-    traffic.received += t.numel() * t.element_size()
     return t
 
 
 def broadcast(t: torch.Tensor, src: int) -> None:
-    """(all ranks) ``t`` from ``src`` into ``t`` everywhere (counted in :data:`traffic`)."""
+    """(all ranks) ``t`` from ``src`` into ``t`` everywhere."""
     dist.broadcast(t, src=src)
-    if dist.get_rank() != src:
-        traffic.received += t.numel() * t.element_size()
 
 
 # Python objects travel pickled in uint8 tensors (broadcast_object_list would need numpy).
@@ -379,7 +364,6 @@ def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] |
         raise peer_failure(what, exc) from exc
     if out is None:
         return None
-    traffic.received += (len(out) - 1) * mine.numel() * mine.element_size()
     return [tuple(int(v) for v in t.cpu().tolist()) for t in out]
 
 
