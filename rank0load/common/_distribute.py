@@ -9,7 +9,7 @@ by every rank in the same order:
   (:class:`Faults`) and keeps the messages flowing; each round's end says whether any rank failed,
   and every rank raises the same error once.
 
-A collective that itself fails (a peer died, a timeout) is a ``_failure.peer_failure``: the only
+A collective that itself fails (a peer died, a timeout) is a ``_failure.peer_failures``: the only
 case where a rank cannot learn the real cause."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..errors import LoadError, RankMismatchError
 from ..integrations._compat import host_bytes
-from ._failure import Failure, failure_of, peer_failure, rank_mismatch
+from ._failure import Failure, failure_of, peer_failures, rank_mismatch
 
 __all__ = [
     "NO_DATA_MOVED",
@@ -204,7 +204,7 @@ def _first_failure(error: BaseException | None) -> int:
 
 
 def _raise_failure(
-    first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError] = RankMismatchError
+    first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError]
 ) -> None:
     """(all ranks, after :func:`_first_failure` returned ``first`` < world) Raise on every rank the
     error of rank ``first``, worded once. Collectives may raise RuntimeError: callers wrap it."""
@@ -212,7 +212,7 @@ def _raise_failure(
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
     mine = None
     if dist.get_rank() == first and error is not None:
-        mine = failure_of(first, error, todo, wrap)
+        mine = failure_of(error, todo, wrap)
     failure: Failure = _broadcast_object(mine, src=first)
     if failure.is_load_error and count == world:  # the same check failed everywhere: its own words
         raise failure.cls(failure.message)
@@ -224,18 +224,13 @@ def _raise_failure(
 
 def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
     """(all ranks) ``outcome``'s value, once every rank has said whether its step failed: if any did,
-    every rank raises the first failing rank's error; a failed collective is a :func:`peer_failure`
+    every rank raises the first failing rank's error; a failed collective is a :func:`peer_failures`
     (LoadError, or ``wrap`` when it is not RankMismatchError)."""
-    error = outcome.error
-    try:
-        first = _first_failure(error)
+    cls = LoadError if wrap is RankMismatchError else wrap
+    with peer_failures(f"agreeing with the other ranks after {stage}", cls, todo):
+        first = _first_failure(outcome.error)
         if first < dist.get_world_size():
-            _raise_failure(first, error, stage, todo, wrap=wrap)
-    except LoadError:
-        raise
-    except RuntimeError as exc:
-        cls = LoadError if wrap is RankMismatchError else wrap
-        raise peer_failure(f"agreeing with the other ranks after {stage}", exc, cls, todo) from exc
+            _raise_failure(first, outcome.error, stage, todo, wrap=wrap)
     return cast(R, outcome.value)
 
 
@@ -290,7 +285,7 @@ def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
         built, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry."
     )
     proposal = value.proposal
-    try:
+    with peer_failures("agreeing with the other ranks"):
         device = _object_device()
         digest = torch.frombuffer(bytearray(proposal.digest()), dtype=torch.int64).to(device)
         low = _all_reduce(digest.clone(), dist.ReduceOp.MIN)
@@ -309,10 +304,6 @@ def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
             [f & 1 for f in proposal.flags] + [(f >> 1) & 1 for f in proposal.flags], dtype=torch.uint8
         ).to(device)
         both = _all_reduce(planes, dist.ReduceOp.MIN).cpu().tolist()  # MIN of 0/1: AND, on any backend
-    except LoadError:
-        raise
-    except RuntimeError as exc:
-        raise peer_failure("agreeing with the other ranks", exc) from exc
     return value, tuple(both[i] | (both[n + i] << 1) for i in range(n))
 
 
@@ -328,10 +319,8 @@ def from_rank0(step: Callable[[], R], unforeseen: Callable[[Exception], LoadErro
     own). If it raises, every rank raises its LoadError, or ``unforeseen(exc)`` for any other
     exception (a value that cannot be pickled included); LoadError for a failed collective."""
     value, written = _rank0_result(step, unforeseen) if dist.get_rank() == 0 else (None, None)
-    try:
+    with peer_failures("receiving rank 0's result"):
         value = _broadcast_object(value, written=written)
-    except RuntimeError as exc:
-        raise peer_failure("receiving rank 0's result", exc) from exc
     if isinstance(value, _Raised):
         raise type(value.error)(*value.error.args)
     return cast(R, value)
@@ -355,13 +344,11 @@ def _rank0_result(
 def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:
     """(all ranks) Every rank's ``values`` (the same number of int64s everywhere), on rank 0 by rank;
     None elsewhere. One gather; LoadError naming ``what`` for a failed collective."""
-    try:
+    with peer_failures(what):
         device = _object_device()
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)
         out = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
         dist.gather(mine, out, dst=0)
-    except RuntimeError as exc:
-        raise peer_failure(what, exc) from exc
     if out is None:
         return None
     return [tuple(int(v) for v in t.cpu().tolist()) for t in out]
@@ -371,13 +358,11 @@ def ranks_where(flag: bool, what: str) -> frozenset[int]:
     """(all ranks) The ranks whose ``flag`` is set, on every rank: one all-reduce of one bit per rank;
     LoadError naming ``what`` for a failed collective."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    try:
+    with peer_failures(what):
         bits = torch.zeros((world + 7) // 8, dtype=torch.uint8)
         if flag:
             bits[rank // 8] = 1 << (rank % 8)
         got = _all_reduce(bits.to(_object_device()), dist.ReduceOp.SUM).cpu().tolist()
-    except RuntimeError as exc:
-        raise peer_failure(what, exc) from exc
     return frozenset(r for r in range(world) if got[r // 8] >> (r % 8) & 1)
 
 
@@ -419,11 +404,7 @@ def settled(
     """(all ranks) ``with settled(...) as outcome:`` run a transfer that sets ``outcome.first``; then
     raise that rank's error on every rank (``todo``), or this rank's peer failure (``peer_todo``)."""
     outcome = TransferEnd(dist.get_world_size())
-    try:
+    with peer_failures(stage, wrap, peer_todo):  # a rank died or stalled, or the network broke
         yield outcome
         if outcome.first < dist.get_world_size():
             _raise_failure(outcome.first, faults.error, stage, todo, wrap=wrap)
-    except LoadError:
-        raise
-    except RuntimeError as exc:  # a collective failed: a rank died or stalled, or the network broke
-        raise peer_failure(stage, exc, wrap, peer_todo) from exc

@@ -5,9 +5,10 @@ A failure is the caller's code (:class:`UserCodeFailure`, from :func:`user_code`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ __all__ = [
     "UserCodeFailure",
     "failure_of",
     "internal_error",
-    "peer_failure",
+    "peer_failures",
     "rank_mismatch",
     "user_code",
 ]
@@ -28,18 +29,24 @@ __all__ = [
 R = TypeVar("R")
 
 
-def peer_failure(
+@contextlib.contextmanager
+def peer_failures(
     what: str,
-    exc: BaseException,
     cls: type[LoadError] = LoadError,
     todo: str = "No model was returned; fix the cause and load again.",
-) -> LoadError:
-    """(the rank whose collective failed) The error for it (a peer died or stalled); returned, not raised."""
-    return cls(
-        f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
-        "died or stalled (see its log); the wait is bounded by the process-group timeout "
-        f"(dist.init_process_group(timeout=...)). {todo}"
-    )
+) -> Iterator[None]:
+    """(the rank whose collective failed) A RuntimeError inside (a peer died or stalled) raised as
+    ``cls`` naming ``what``; a LoadError passes unchanged."""
+    try:
+        yield
+    except LoadError:
+        raise
+    except RuntimeError as exc:
+        raise cls(
+            f"rank {dist.get_rank()}: {what} failed ({type(exc).__name__}: {exc}). Another rank probably "
+            "died or stalled (see its log); the wait is bounded by the process-group timeout "
+            f"(dist.init_process_group(timeout=...)). {todo}"
+        ) from exc
 
 
 class UserCodeFailure(Exception):
@@ -103,29 +110,28 @@ def _internal_todo() -> str:
 class Failure:
     """What the first failing rank tells the others, so that every rank raises the same error."""
 
-    rank: int
     cls: type[LoadError]  # the error's own class; the caller's wrap for its code; else InternalError
     message: str  # a LoadError's message, else "Type: message" of the exception
     is_load_error: bool
     todo: str | None = None  # what to do, where the stage's own advice does not fit (InternalError)
 
 
-def failure_of(rank: int, error: BaseException, todo: str, wrap: type[LoadError]) -> Failure:
+def failure_of(error: BaseException, todo: str, wrap: type[LoadError]) -> Failure:
     """(the first failing rank) What it tells the others of its ``error``: its LoadError subclass
     and message; for the caller's code (:class:`UserCodeFailure`) or the
     machine's (``OSError``, ``MemoryError``), ``wrap`` and the message; for any other exception,
     rank0load's own failure (:class:`~.errors.InternalError`, or ``wrap`` where that is not
     RankMismatchError), where it was raised and the versions."""
     if isinstance(error, LoadError):
-        return Failure(rank, type(error), str(error), is_load_error=True)
+        return Failure(type(error), str(error), is_load_error=True)
     if isinstance(error, UserCodeFailure):
-        return Failure(rank, wrap, str(error), is_load_error=False)
+        return Failure(wrap, str(error), is_load_error=False)
     if isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
-        return Failure(rank, wrap, f"{type(error).__name__}: {error}", is_load_error=False)
+        return Failure(wrap, f"{type(error).__name__}: {error}", is_load_error=False)
     if wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
-        return Failure(rank, InternalError, _internal(error), False, _internal_todo())
+        return Failure(InternalError, _internal(error), False, _internal_todo())
     # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
-    return Failure(rank, wrap, _internal(error), False, f"{_internal_todo()} {todo}")
+    return Failure(wrap, _internal(error), False, f"{_internal_todo()} {todo}")
 
 
 def internal_error(what: str, error: BaseException) -> InternalError:
