@@ -307,38 +307,24 @@ def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
     return value, tuple(both[i] | (both[n + i] << 1) for i in range(n))
 
 
-@dataclass(frozen=True)
-class _Raised:
-    """Rank 0's failed step, as :func:`from_rank0` sends it."""
-
-    error: LoadError
-
-
 def from_rank0(step: Callable[[], R], unforeseen: Callable[[Exception], LoadError]) -> R:
     """(all ranks) ``step()``, run on rank 0 alone, and its value on every rank (rank 0 keeps its
     own). If it raises, every rank raises its LoadError, or ``unforeseen(exc)`` for any other
     exception (a value that cannot be pickled included); LoadError for a failed collective."""
-    value, written = _rank0_result(step, unforeseen) if dist.get_rank() == 0 else (None, None)
+    value: object = None
+    written = None
+    if dist.get_rank() == 0:
+        try:  # pickled here, so that a value that cannot be pickled is an error every rank raises
+            value = step()
+            written = _pickled(value)
+        except Exception as exc:  # what is sent instead: a LoadError (no step returns one)
+            value = exc if isinstance(exc, LoadError) else unforeseen(exc)
+            written = _pickled(value)
     with peer_failures("receiving rank 0's result"):
         value = _broadcast_object(value, written=written)
-    if isinstance(value, _Raised):
-        raise type(value.error)(*value.error.args)
+    if isinstance(value, LoadError):
+        raise type(value)(*value.args)
     return cast(R, value)
-
-
-def _rank0_result(
-    step: Callable[[], R], unforeseen: Callable[[Exception], LoadError]
-) -> tuple[R | _Raised, io.BytesIO]:
-    """(rank 0) ``step()``'s value, or the :class:`_Raised` to send instead, and what is sent: it
-    pickled (so a value that cannot be pickled is an error every rank raises, not a hang)."""
-    try:
-        value = step()
-        return value, _pickled(value)
-    except LoadError as exc:
-        raised = _Raised(exc)
-    except Exception as exc:
-        raised = _Raised(unforeseen(exc))
-    return raised, _pickled(raised)
 
 
 def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:
