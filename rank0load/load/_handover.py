@@ -188,6 +188,8 @@ def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
     """(a rank on rank 0's host) Rank 0's descriptors, in ``offer.identities`` order, each checked
     against the offer (regular, read-only, same identity); raises HandoverError or OSError (nothing
     left open) otherwise."""
+    import fcntl  # POSIX only, like everything here; imported where it is needed
+
     fds: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
@@ -211,19 +213,13 @@ def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or FileIdentity.of(st) != identity:
                 raise HandoverError(f"a descriptor is not the file rank 0 validated ({identity})")
-            if os.O_ACCMODE & _flags(fd) != os.O_RDONLY:
+            if os.O_ACCMODE & fcntl.fcntl(fd, fcntl.F_GETFL) != os.O_RDONLY:
                 raise HandoverError("a descriptor is open for writing")
         return fds
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
-
-
-def _flags(fd: int) -> int:
-    import fcntl  # POSIX only, like everything here; imported where it is needed
-
-    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 def listen(manifest: Manifest, files: Mapping[str, OpenFile]) -> Server | None:
