@@ -93,12 +93,12 @@ class LocalReads:
         return len(self.readers) == dist.get_world_size() - 1
 
     def reader(
-        self, plan: Plan, staging: Staging, sink: Sink, rank0_files: Mapping[str, OpenFile] | None = None
+        self, plan: Plan, staging: Staging, sink: Sink, rank0_files: Mapping[str, OpenFile]
     ) -> LocalReader | None:
         """(all ranks) This rank's reader, if it is a local reader (rank 0: with ``rank0_files``, its
         own open files, when :attr:`everyone` reads locally); None otherwise."""
         files: LocalFiles | _Rank0Files | None = self.files
-        if dist.get_rank() == 0 and rank0_files is not None and self.everyone and sink.device.type == "cpu":
+        if dist.get_rank() == 0 and self.everyone and sink.device.type == "cpu":
             files = _Rank0Files(rank0_files)
         if files is None:
             return None
@@ -142,17 +142,12 @@ class LocalReader:
         """``piece`` read straight into this rank's tensor where it can (on the CPU, of the wire dtype),
         else into the staging slot (free again once delivered); a message (``Sink.runs``) into the slot.
         After a local failure, or for another rank's piece, nothing: no message depends on it."""
-        if isinstance(piece, Message):
-            if self.sink.faults.error is None:
-                try:
-                    yield self._message(piece)
-                except Exception as exc:
-                    self.sink.faults.note(exc)
+        if self.sink.faults.error is not None:
             return
-        if self.sink.faults.error is not None or piece.dst not in (-1, self.me):
+        if not isinstance(piece, Message) and piece.dst not in (-1, self.me):
             return
         try:
-            arrival = self._arrival(piece)
+            arrival = self._message(piece) if isinstance(piece, Message) else self._arrival(piece)
         except Exception as exc:
             self.sink.faults.note(exc)
             return
