@@ -106,7 +106,8 @@ def load_sharded(
     """
     _distribute.require_process_group()
     clock, rank = Clock(), dist.get_rank()
-    mesh = mesh if mesh is not None else init_device_mesh(_default_device_type(), (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
     if max_staging_bytes is None:
         max_staging_bytes = _options.default_staging_bytes(mesh.device_type)
     options = {
@@ -216,7 +217,7 @@ def _build(
     shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
     options: dict[str, Any],
     conversions: Sequence[StackExperts],
-    rng_state: torch.Tensor | None = None,
+    rng_state: torch.Tensor | None,
 ) -> _model.Built:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
     _options.check_options(options["dtype"], options["max_staging_bytes"], options["local_reads"])
@@ -267,14 +268,13 @@ def _prepare(
 def _gc_paused() -> Iterator[None]:
     """(all ranks) The cyclic garbage collector off (left off if the caller turned it off): the many
     small containers made inside would trigger whole-heap collections, and none holds cycles."""
-    if not gc.isenabled():  # the caller's choice, kept
-        yield
-        return
+    enabled = gc.isenabled()  # off: the caller's choice, kept
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 # from this many checkpoint tensors on, the manifest leaves enough memory to be worth malloc_trim's heap walk
@@ -283,7 +283,3 @@ _TRIM_FROM_TENSORS = 10_000
 
 def _many_tensors(manifest: Manifest) -> bool:
     return sum(len(e.parts) or 1 for e in manifest.entries) >= _TRIM_FROM_TENSORS
-
-
-def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

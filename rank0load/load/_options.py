@@ -12,8 +12,6 @@ from ..model._layout import rank_coordinates
 
 __all__ = [
     "ACCELERATOR_STAGING_BYTES",
-    "DEFAULT_STAGING_BYTES",
-    "MIN_STAGING_BYTES",
     "check_mesh",
     "check_options",
     "default_staging_bytes",
@@ -29,7 +27,7 @@ def default_staging_bytes(device_type: str) -> int:
     return DEFAULT_STAGING_BYTES if device_type == "cpu" else ACCELERATOR_STAGING_BYTES
 
 
-def check_options(dtype: object, max_staging_bytes: object, local_reads: object = True) -> None:
+def check_options(dtype: object, max_staging_bytes: object, local_reads: object) -> None:
     """(all ranks) Arguments that would fail later, checked before anything is built; raises LoadError."""
     if not isinstance(local_reads, bool):
         raise LoadError(
