@@ -86,22 +86,18 @@ def _internal(error: BaseException) -> str:
     return f"rank0load's own code raised {type(error).__name__}: {error}{where}"
 
 
-def _versions() -> str:
+def _internal_todo() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    found = []
+    found = []  # the versions to report
     for name in ("rank0load", "torch", "transformers", "peft", "diffusers"):
         try:
             found.append(f"{name} {version(name)}")
         except PackageNotFoundError:
             continue
-    return ", ".join(found)
-
-
-def _internal_todo() -> str:
     return (
         "This is not caused by your model, checkpoint or arguments: it is a bug in rank0load or a "
-        f"dependency version it cannot handle ({_versions()}). Check the README's tested versions, and "
+        f"dependency version it cannot handle ({', '.join(found)}). Check the README's tested versions, and "
         "report it with this message."
     )
 
