@@ -16,7 +16,6 @@ import contextlib
 import gc
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -154,7 +153,7 @@ def load_sharded(
         slot = max_staging_bytes // SLOTS
         handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
         opened.callback(handover.close)
-        ready = _distribute.run(
+        plan, targets, staging = _distribute.run(
             lambda: _prepare(built, manifest, flags, mesh, mesh_device, max_staging_bytes, allocating),
             "allocating or initialising the model",
             _distribute.NO_DATA_MOVED,
@@ -162,9 +161,9 @@ def load_sharded(
         local = handover.decide()
         clock("plan")
         with progress_bar(manifest.total_bytes, show=rank == 0) as on_bytes:
-            _transfer.stream(ready.plan, ready.targets, ready.staging, mesh_device, files, on_bytes, local)
+            _transfer.stream(plan, targets, staging, mesh_device, files, on_bytes, local)
         clock("stream")
-    return _finished(built, manifest, ready.plan, clock, local)
+    return _finished(built, manifest, plan, clock, local)
 
 
 def _allocate(
@@ -230,13 +229,6 @@ def _build(
     return built
 
 
-@dataclass
-class _Ready:
-    plan: Plan
-    targets: list[_sink.Target]
-    staging: _sink.Staging
-
-
 def _prepare(
     built: _model.Built,
     manifest: Manifest,
@@ -245,7 +237,7 @@ def _prepare(
     mesh_device: torch.device,
     max_staging_bytes: int,
     allocating: _distribute.Outcome[FaultIn],
-) -> _Ready:
+) -> tuple[Plan, list[_sink.Target], _sink.Staging]:
     """(all ranks) Once the shards are resident: initialise what the checkpoint lacks, stage, plan."""
     allocating.get().wait()
     _model.init_missing(built.model, built.layout, manifest.missing)
@@ -261,7 +253,7 @@ def _prepare(
         max_staging_bytes // SLOTS,
     )
     staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, mesh_device, max_staging_bytes)
-    return _Ready(plan, [_sink.target_of(found[e.key]) for e in entries], staging)
+    return plan, [_sink.target_of(found[e.key]) for e in entries], staging
 
 
 @contextlib.contextmanager
