@@ -271,7 +271,7 @@ def hand_over(
     paths: Sequence[str],
     mesh_device: torch.device,
     host_bytes: int,
-    enabled: bool = True,
+    enabled: bool,
 ) -> Handover:
     """(all ranks, after the manifest) Rank 0 serves its descriptors to the ranks on its host, which
     fetch and check them (``paths``: ``Manifest.files``; ``host_bytes``: the size of a local reader's
