@@ -252,15 +252,14 @@ class Proposal:
         for name in theirs:
             if mine.get(name) != theirs[name]:
                 return f"{name}={mine.get(name)} here but {theirs[name]} on rank 0; pass every rank the same value"
-        mine_t, theirs_t = self.model[0], reference.model[0]
-        ref = {t[0]: t for t in theirs_t}
-        for t in mine_t:
+        ref = {t[0]: t for t in reference.model[0]}
+        for t in self.model[0]:
             other = ref.get(t[0])
             if other is None:
                 return f"tensor {t[0]!r} exists here but not on rank 0"
             if other != t:
                 return f"tensor {t[0]!r} is (shape, dtype, param, dtensor) {t[1:]} here but {other[1:]} on rank 0"
-        extra = [k for k in ref if k not in {t[0] for t in mine_t}]
+        extra = ref.keys() - {t[0] for t in self.model[0]}
         if extra:
             return f"rank 0 has tensors this rank lacks: {sorted(extra)[:5]}"
         return "ties or non-persistent buffers differ"
