@@ -42,6 +42,9 @@ from .load._plan import Plan, build_plan
 
 __all__ = ["load_sharded", "LoadReport", "FSDPGroup", "DEFAULT_STAGING_BYTES"]
 
+# from this many checkpoint tensors on, the manifest leaves enough memory to be worth malloc_trim's heap walk
+_TRIM_FROM_TENSORS = 10_000
+
 
 def load_sharded(
     model_fn: Callable[[], nn.Module],
@@ -146,7 +149,7 @@ def load_sharded(
             manifest_and_offer, lambda exc: unforeseen(ckpt_path, exc, ours=True)
         )
         files = checkpoint.value.files if checkpoint.value is not None else {}  # what the stream reads
-        if _many_tensors(manifest):
+        if sum(len(e.parts) or 1 for e in manifest.entries) >= _TRIM_FROM_TENSORS:
             trim_heap()  # what making and sharing a MoE manifest used, back to the OS
         clock("manifest")
         # a local reader's pinned host buffer: one staging slot (pieces are at most max_staging_bytes / SLOTS)
@@ -267,11 +270,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-# from this many checkpoint tensors on, the manifest leaves enough memory to be worth malloc_trim's heap walk
-_TRIM_FROM_TENSORS = 10_000
-
-
-def _many_tensors(manifest: Manifest) -> bool:
-    return sum(len(e.parts) or 1 for e in manifest.entries) >= _TRIM_FROM_TENSORS
