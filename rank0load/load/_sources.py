@@ -131,39 +131,30 @@ class ReceiveSource:
                     yield from local.arrivals(p)
             elif message.dst < 0:  # BROADCAST, SCALES: once the receives before are done
                 yield from self._completed(keep=0)
-                yield (yield from self._broadcast(message))
-            else:
-                yield from self._receive(message)
+                arrival = yield from self._landing(message, direct=len(message.pieces) == 1)
+                _distribute.broadcast(arrival.data, 0)
+                yield arrival
+            else:  # a point-to-point receive, posted
+                one = len(message.pieces) == 1 and piece.route is Route.TO_RANK
+                arrival = yield from self._landing(message, direct=one)
+                self._pending.add(
+                    dist.irecv(arrival.data, src=0), functools.partial(self._done.append, arrival)
+                )
                 yield from self._completed(keep=len(self.slots))
         yield from self._completed(keep=0)
 
-    def _broadcast(self, message: Message) -> Generator[Arrival, None, Arrival]:
-        """Receive a broadcast message (yielding earlier arrivals while no slot is free); its arrival."""
-        into = self.sink.direct_view(message.first) if len(message.pieces) == 1 else None
-        slot = None
-        if into is None:
-            into, slot = yield from self._stage(message)
-        _distribute.broadcast(into, 0)
-        return Arrival(message, into, slot, in_target=slot is None)
-
-    def _receive(self, message: Message) -> Generator[Arrival, None, None]:
-        """Post a point-to-point receive (yielding earlier arrivals while no slot is free)."""
-        one = len(message.pieces) == 1 and message.first.route is Route.TO_RANK
-        view = self.sink.direct_view(message.first) if one else None
-        slot = None
-        if view is None:
-            view, slot = yield from self._stage(message)
-        arrival = Arrival(message, view, slot, in_target=slot is None)
-        self._pending.add(dist.irecv(view, src=0), functools.partial(self._done.append, arrival))
-
-    def _stage(self, message: Message) -> Generator[Arrival, None, tuple[torch.Tensor, int]]:
-        """(``message``'s bytes in a free slot, the slot), the oldest receives handed on until one is free."""
+    def _landing(self, message: Message, direct: bool) -> Generator[Arrival, None, Arrival]:
+        """Where ``message`` arrives: its target (when ``direct`` and the sink has a view), else a free
+        slot, the oldest receives handed on (yielded) until one is free."""
+        view = self.sink.direct_view(message.first) if direct else None
+        if view is not None:
+            return Arrival(message, view, in_target=True)
         while not self._free:
             if not self._done:
                 self._pending.complete_oldest()
             yield self._done.popleft()
         slot = self._free.popleft()
-        return self.slots[slot][: message.nbytes], slot
+        return Arrival(message, self.slots[slot][: message.nbytes], slot)
 
     def _completed(self, keep: int) -> Iterator[Arrival]:
         """Complete the oldest receives until at most ``keep`` are in flight; their arrivals."""
@@ -171,7 +162,7 @@ class ReceiveSource:
         while self._done:
             yield self._done.popleft()
 
-    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
+    def release(self, slot: int | None) -> None:
         if slot is not None:
             self._free.append(slot)
 
@@ -202,7 +193,7 @@ class OwnSource:
             pieces = item.pieces if isinstance(item, Message) else (item,)
             self.on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
 
-    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
+    def release(self, slot: int | None) -> None:
         pass  # reads are synchronous: the reader's one slot is free once an arrival is delivered
 
     def round_end(self, stop: int) -> None:
