@@ -36,7 +36,6 @@ __all__ = [
     "Target",
     "allocate_staging",
     "cut",
-    "deliver",
     "fan_out",
     "target_of",
 ]
@@ -295,23 +294,13 @@ class Sink:
             if piece.route is not Route.SCALES and piece.start + piece.nbytes == entry.nbytes:
                 self.faults.run(self._cut_whole, piece.index)
             return
-        self.write(piece, data, non_blocking=non_blocking)
+        self.faults.run(self.write, piece, data, piece.local_offset, non_blocking)
 
-    def write(
-        self, piece: Piece, data: torch.Tensor, local_offset: int | None = None, non_blocking: bool = False
-    ) -> None:
+    def write(self, piece: Piece, data: torch.Tensor, local_offset: int, non_blocking: bool = False) -> None:
         """Wire bytes ``data`` (entry bytes from ``piece.start``) into the target at ``local_offset``.
         ``non_blocking`` (rank 0's pinned slots into device shards): a plain copy is only queued on the
-        current stream; the caller keeps ``data`` unchanged until an event recorded after it completes."""
-        self.faults.run(
-            self._write,
-            piece,
-            data,
-            piece.local_offset if local_offset is None else local_offset,
-            non_blocking,
-        )
-
-    def _write(self, piece: Piece, data: torch.Tensor, local_offset: int, non_blocking: bool = False) -> None:
+        current stream; the caller keeps ``data`` unchanged until an event recorded after it completes.
+        Raises; callers run it through :attr:`faults`."""
         wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
         if not dst.is_contiguous():
             raise InternalError("internal error: a write into a non-contiguous tensor")  # ensured by _model
@@ -371,17 +360,6 @@ class Sink:
         self.whole.buffer = None
 
 
-def deliver(arrival: Arrival, sink: Sink) -> AllOf | None:
-    """(a rank that receives or reads its own bytes) ``arrival`` into ``sink``: a BLOCK chunk through
-    :func:`fan_out` (returns its sends to wait for), anything else through :meth:`Sink.take`."""
-    piece = arrival.message.first
-    if piece.route is Route.FAN_OUT:
-        assert arrival.pack_buffer is not None
-        return fan_out(piece, arrival.data, arrival.pack_buffer, sink, arrival.first_row)
-    sink.take(arrival.message, arrival.data, arrival.in_target)
-    return None
-
-
 def cut(rows: torch.Tensor, part: Part, first_row: int = 0) -> torch.Tensor:
     """``part``'s block of a chunk whose rows from ``first_row`` on are ``rows``: a view where the
     rank's indices on each dimension are one run, a copy where they are several."""
@@ -426,7 +404,7 @@ def fan_out(
                 sink.faults.note(exc)
         if part.rank == me:
             if payload is not None:
-                sink.write(piece, payload, local_offset=part.local_offset)
+                sink.faults.run(sink.write, piece, payload, part.local_offset)
             continue
         if payload is None:
             payload = data[: part.nbytes]  # scratch: the receiver discards it

@@ -25,7 +25,7 @@ from ..common._staging import InFlight, block_half
 from ..errors import LoadError
 from ._pieces import Route
 from ._plan import Plan
-from ._sink import Arrival, Sink, Staging, Target, deliver, fan_out
+from ._sink import Arrival, Sink, Staging, Target, fan_out
 from ._sources import FileSource, OwnSource, ReceiveSource
 
 if TYPE_CHECKING:
@@ -93,14 +93,15 @@ def _endpoints(
 
 
 def _into_sink(sink: Sink, source: ReceiveSource | OwnSource, arrival: Arrival) -> None:
-    """An arrival into this rank's sink; its slot back to the source."""
-    _wait(deliver(arrival, sink))
+    """An arrival into this rank's sink (a BLOCK chunk through :func:`fan_out`, its sends waited for,
+    anything else through :meth:`Sink.take`); its slot back to the source."""
+    piece = arrival.message.first
+    if piece.route is Route.FAN_OUT:
+        assert arrival.pack_buffer is not None
+        fan_out(piece, arrival.data, arrival.pack_buffer, sink, arrival.first_row).wait()
+    else:
+        sink.take(arrival.message, arrival.data, arrival.in_target)
     source.release(arrival.slot)
-
-
-def _wait(work: Any) -> None:
-    if work is not None:
-        work.wait()
 
 
 class _Sender:

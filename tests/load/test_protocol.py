@@ -99,7 +99,7 @@ def _cases(rank: int, world: int, root: str, good: str) -> dict:
     # Local exceptions inside the stream: a receiver's cast, rank 0's copy into its own shard.
     bf16 = os.path.join(root, "bf16.safetensors")
     for victim in (1, 0):
-        original_cast = transfer.Sink._write  # casting or dequantising into the target
+        original_cast = transfer.Sink.write  # casting or dequantising into the target
         calls = [0]
 
         def failing_cast(*args, _original=original_cast):
@@ -109,13 +109,13 @@ def _cases(rank: int, world: int, root: str, good: str) -> dict:
             return _original(*args)
 
         if rank == victim:
-            transfer.Sink._write = failing_cast
+            transfer.Sink.write = failing_cast
         try:
             out[f"cast_fails_on_rank{victim}"] = _attempt(
                 lambda: rank0load.load_sharded(toy, bf16, max_staging_bytes=4096)
             )
         finally:
-            transfer.Sink._write = original_cast
+            transfer.Sink.write = original_cast
         out[f"cast_fails_on_rank{victim}:good"] = good_load()
 
     # Staging that cannot be allocated on one rank.
