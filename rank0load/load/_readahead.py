@@ -13,7 +13,6 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +22,9 @@ from ..checkpoint._files import opened
 from . import _reads
 from ._messages import Message
 from ._pieces import Route
+from ._sink import Arrival
 
-__all__ = ["Reader", "Staged", "read_threads"]
+__all__ = ["Reader", "read_threads"]
 
 
 # accelerator mesh: threads read every free slot's message at once, in parts of at most _PART_BYTES
@@ -33,22 +33,14 @@ _PART_BYTES = 8 << 20
 _RING_ALIGN = 4096
 _RING_MESSAGES = 64  # messages read ahead at most, in the ring
 
+_Ready = tuple[Arrival, list[concurrent.futures.Future[None]]]  # a message, its parts' reads in flight
+
 
 def read_threads(device: torch.device) -> int:
     """How many threads rank 0's reader uses for the stream to ``device``'s meshes."""
     if device.type == "cpu":
         return 1
     return max(1, min(ACCELERATOR_READ_THREADS, os.cpu_count() or 1))
-
-
-@dataclass
-class Staged:
-    """A message whose bytes are ready: in ``slot`` (a staging buffer) or already at ``direct``."""
-
-    message: Message
-    data: torch.Tensor  # uint8, exactly message.nbytes
-    slot: int | None  # staging slot index (or ring token) to release, or None when read in place
-    reads: list[concurrent.futures.Future[None]] | None = None  # its parts' reads still in flight
 
 
 class _Ring:
@@ -97,18 +89,16 @@ class _Ring:
 
 
 class Reader:
-    """(rank 0) Background reader: iterate it for :class:`Staged` messages in order and
+    """(rank 0) Background reader: iterate it for each message's :class:`~._sink.Arrival`, in order, and
     :meth:`release` each; iterating re-raises an error of the reader thread itself.
 
     Reads go through ``files`` (path -> ``_files.OpenFile``), never a re-opened path; each file's
     identity is checked when the reader leaves it (its last reads done) and every file's once more at
     the end. The first failure (I/O error, changed file, allocation) is kept in :attr:`failed`; the
     remaining messages still flow, unread, so that every rank completes the same messages. With
-    ``ring`` (the pinned buffer ``buffers`` are views of) ``Staged.slot`` is a ring token: the consumer
+    ``ring`` (the pinned buffer ``buffers`` are views of) ``Arrival.slot`` is a ring token: the consumer
     must release each message before asking for the next, or the reader stalls.
     """
-
-    _DONE = object()
 
     def __init__(
         self,
@@ -133,7 +123,7 @@ class Reader:
             for i in range(len(buffers)):
                 self._free.put((i, None))
         ahead = _RING_MESSAGES if self._ring is not None else len(buffers)
-        self._ready: queue.Queue[object] = queue.Queue(maxsize=ahead + 1)
+        self._ready: queue.Queue[_Ready | None] = queue.Queue(maxsize=ahead + 1)  # None: the end
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.failed: BaseException | None = None  # the first failure (I/O error, file changed, ...)
@@ -221,7 +211,7 @@ class Reader:
                     if slot is None:
                         return
                     data = self._buffers[slot][: message.nbytes]
-                reads = None
+                reads: list[concurrent.futures.Future[None]] = []
                 if self.failed is None:
                     try:
                         if self._pool is None:
@@ -230,14 +220,14 @@ class Reader:
                             reads = self._submit(message, data)
                     except Exception as exc:
                         self._fail(exc)
-                self._put(Staged(message, data, slot, reads))
+                self._put((Arrival(message, data, slot, in_target=slot is None), reads))
             concurrent.futures.wait(self._inflight)  # the last reads done before the last checks
             for path in self._files:  # every file, once more, after the last read
                 self._check(path)
         except BaseException as exc:  # handed to the consumer, re-raised there
             self._error = exc
         finally:
-            self._put(self._DONE)
+            self._put(None)
 
     def _get_slot(self) -> int | None:
         released = self._released()
@@ -257,7 +247,7 @@ class Reader:
                 continue
         return None
 
-    def _put(self, item: object) -> None:
+    def _put(self, item: _Ready | None) -> None:
         while not self._stop.is_set():
             try:
                 self._ready.put(item, timeout=0.1)
@@ -271,16 +261,17 @@ class Reader:
         if slot is not None:
             self._free.put((slot, copied))
 
-    def __iter__(self) -> Iterator[Staged]:
+    def __iter__(self) -> Iterator[Arrival]:
         while True:
             item = self._ready.get()
-            if item is self._DONE:
+            if item is None:
                 if self._error is not None:
                     raise self._error
                 return
-            for read in item.reads or ():  # type: ignore[attr-defined]
+            arrival, reads = item
+            for read in reads:
                 read.result()  # never raises: a part's failure is kept in `failed`
-            yield item  # type: ignore[misc]
+            yield arrival
 
     def close(self) -> None:
         self._stop.set()

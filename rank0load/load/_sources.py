@@ -74,7 +74,7 @@ class FileSource:
             read_threads(sink.device),
             staging.host,
         )
-        self._by_round = ByRound(iter(self.reader), lambda s: s.message.index)
+        self._by_round = ByRound(iter(self.reader), lambda a: a.message.index)
 
     def _direct(self, message: Message) -> torch.Tensor | None:
         """Where rank 0's own rows are read in place: its shard, when on the CPU."""
@@ -85,8 +85,7 @@ class FileSource:
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop``."""
-        for staged in self._by_round.until(stop):
-            yield Arrival(staged.message, staged.data, staged.slot, in_target=staged.slot is None)
+        return self._by_round.until(stop)
 
     def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
         """Hand ``slot`` back to the reader (``copied``: see ``_readahead.Reader.release``)."""
