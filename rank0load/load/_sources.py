@@ -38,14 +38,12 @@ class ByRound(Generic[T]):
 
     def __init__(self, items: Iterator[T], index_of: Callable[[T], int]) -> None:
         self._items, self._index_of = items, index_of
-        self._next: T | None = None
-        self._done = False
+        self._next: T | None = None  # the next item, once looked at
 
     def until(self, stop: int) -> Iterator[T]:
         while True:
-            if self._next is None and not self._done:
+            if self._next is None:  # an exhausted iterator keeps answering None
                 self._next = next(self._items, None)
-                self._done = self._next is None
             if self._next is None or self._index_of(self._next) >= stop:
                 return
             item, self._next = self._next, None
