@@ -117,17 +117,14 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
     unless ``own_together``: then consecutive own pieces are grouped too, and any other piece closes
     their group first, so that nothing another rank sees moves in another order."""
     gaps = _Gaps.of(plan)
-    open_: dict[int, tuple[list[Piece], list[int]]] = {}  # lane -> its open group: pieces, offsets
-
-    def close(lane: int) -> Message:
-        group, offsets = open_.pop(lane)
-        return Message(tuple(group), tuple(offsets), offsets[-1] + group[-1].nbytes)
+    open_: dict[int, list[Piece]] = {}  # lane -> its open group
+    ends: dict[int, int] = {}  # lane -> where its open group's bytes end, laid out as Message.packed does
 
     round_ = -1
     for piece in pieces:
         lane = _lane(piece)
         if lane != _ALONE and _ALONE in open_:  # rank 0's own pieces never wait behind another's
-            yield close(_ALONE)
+            yield Message.packed(open_.pop(_ALONE))
         # The lanes this piece may separate (see _Gaps.apart): every one at a round's first piece, a
         # broadcast or a BLOCK piece; else only its own and the broadcast one.
         if gaps.round_of[piece.index] != round_ or lane in (BROADCAST, _BLOCK):
@@ -135,20 +132,16 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
         else:
             suspects = [other for other in (BROADCAST, lane) if other in open_]
         for other in suspects:
-            if gaps.apart(open_[other][0][-1], other, piece, lane):
-                yield close(other)
+            if gaps.apart(open_[other][-1], other, piece, lane):
+                yield Message.packed(open_.pop(other))
         if lane == _BLOCK or lane == _ALONE and not own_together:
             yield Message.of(piece)
             continue
-        at = 0
-        if lane in open_:
-            group, offsets = open_[lane]
-            at = aligned(offsets[-1] + group[-1].nbytes)
-            if at + piece.nbytes > plan.piece_bytes:
-                yield close(lane)
-                at = 0
-        group, offsets = open_.setdefault(lane, ([], []))
-        group.append(piece)
-        offsets.append(at)
+        at = aligned(ends[lane]) if lane in open_ else 0
+        if lane in open_ and at + piece.nbytes > plan.piece_bytes:
+            yield Message.packed(open_.pop(lane))
+            at = 0
+        open_.setdefault(lane, []).append(piece)
+        ends[lane] = at + piece.nbytes
     for lane in sorted(open_):
-        yield close(lane)
+        yield Message.packed(open_.pop(lane))
