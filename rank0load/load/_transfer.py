@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from ..common import _distribute
 from ..common._distribute import Rounds, settled
-from ..common._progress import no_progress
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
 from ._pieces import Route
@@ -39,9 +38,9 @@ def stream(
     targets: list[Target],
     staging: Staging,
     mesh_device: torch.device,
-    files: Mapping[str, Any] | None = None,
-    on_bytes: Callable[[int], None] = no_progress,
-    local: LocalReads | None = None,
+    files: Mapping[str, Any],
+    on_bytes: Callable[[int], None],
+    local: LocalReads,
 ) -> None:
     """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``. ``local``:
     the ranks that read their own bytes (rank 0 sends them only the broadcasts, none when all do).
@@ -54,7 +53,7 @@ def stream(
         LoadError,
         "No model was returned; fix the cause and load again.",
     ) as outcome:
-        source, handle = _endpoints(plan, staging, sink, files or {}, on_bytes, local)
+        source, handle = _endpoints(plan, staging, sink, files, on_bytes, local)
         try:
             rounds = Rounds(plan.rounds, sink.faults)
             for _, stop in rounds:
@@ -74,19 +73,17 @@ def _endpoints(
     sink: Sink,
     files: Mapping[str, Any],
     on_bytes: Callable[[int], None],
-    local: LocalReads | None,
+    local: LocalReads,
 ) -> tuple[FileSource | ReceiveSource | OwnSource, Callable[[Arrival], None]]:
     """(all ranks) This rank's source and what takes each arrival: :class:`OwnSource` on every rank
     when each reads its own bytes into CPU shards, else :class:`_Sender` on rank 0, receives elsewhere."""
-    own = local.reader(plan, staging, sink, files) if local is not None else None
+    own = local.reader(plan, staging, sink, files)
     source: FileSource | ReceiveSource | OwnSource
     if own is not None and own.everything and sink.device.type == "cpu":  # the same on every rank
         source = OwnSource(plan, sink, own, on_bytes)
     elif dist.get_rank() == 0:
-        pieces = local.rank0_pieces(plan, on_bytes) if local is not None else plan.pieces(0)
-        source = FileSource(plan, staging, files, sink, pieces)
-        readers = local.readers if local is not None else frozenset()
-        return source, _Sender(plan, staging, sink, source, readers, on_bytes)
+        source = FileSource(plan, staging, files, sink, local.rank0_pieces(plan, on_bytes))
+        return source, _Sender(plan, staging, sink, source, local.everyone, on_bytes)
     else:
         source = ReceiveSource(plan, staging, sink, own)
     return source, functools.partial(_into_sink, sink, source)
@@ -105,8 +102,8 @@ def _into_sink(sink: Sink, source: ReceiveSource | OwnSource, arrival: Arrival) 
 
 
 class _Sender:
-    """(rank 0) Hands each arrival on to the ranks it serves (not ``readers``, nor broadcasts when
-    they are all the other ranks), then into its own sink. On an accelerator mesh the copies out of
+    """(rank 0) Hands each arrival on to the ranks it serves (not the local readers, nor broadcasts
+    when ``sends_nothing``: they are all the other ranks), then into its own sink. On an accelerator mesh the copies out of
     the pinned staging are non-blocking on the current stream (later reads of the shards are ordered
     after them); the reader waits for them (:meth:`_done_with`); the last round synchronises the stream."""
 
@@ -116,12 +113,12 @@ class _Sender:
         staging: Staging,
         sink: Sink,
         source: FileSource,
-        readers: frozenset[int],
+        sends_nothing: bool,
         on_bytes: Callable[[int], None],
     ) -> None:
         self.plan, self.staging, self.sink, self.source, self.on_bytes = plan, staging, sink, source, on_bytes
         self.on_cpu = sink.device.type == "cpu"
-        self.sends_nothing = len(readers) == dist.get_world_size() - 1  # no one to send anything to
+        self.sends_nothing = sends_nothing
         self.pending = InFlight()  # sends, each handing its slot back to the reader once done
 
     def __call__(self, arrival: Arrival) -> None:
