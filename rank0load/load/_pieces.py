@@ -6,13 +6,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import torch
-from torch.distributed.tensor import DTensor
-
 from ..common._blocks import Chunk, Part
-from ..model._layout import ROWS_OK, RUNS_OK
 
-__all__ = ["Kind", "Piece", "Route", "kind_of"]
+__all__ = ["Kind", "Piece", "Route"]
 
 
 class Kind(enum.Enum):
@@ -46,14 +42,3 @@ class Piece:
     kind: Kind
     chunk: Chunk | None = None  # FAN_OUT: the chunk it reads
     parts: tuple[Part, ...] = ()  # FAN_OUT: the parts this rank cuts from it, by rank, then row
-
-
-def kind_of(target: torch.Tensor, flags: int) -> Kind:
-    """The kind every rank takes for ``target`` given the flags AND-ed over all ranks."""
-    if not isinstance(target, DTensor):
-        return Kind.PLAIN
-    if flags & ROWS_OK:
-        return Kind.SHARDED
-    if flags & RUNS_OK:
-        return Kind.BLOCK
-    return Kind.GENERIC

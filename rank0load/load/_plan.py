@@ -35,8 +35,8 @@ from ..checkpoint._fp8 import scale_span
 from ..common._blocks import Runs, block_chunks, chunk_dim
 from ..common._distribute import round_ends
 from ..common._staging import ALIGN, ROUND_PIECES, block_half
-from ..model._layout import placements_on, rank_coordinates, rows_of, runs_at
-from ._pieces import Kind, Piece, Route, kind_of
+from ..model._layout import ROWS_OK, RUNS_OK, placements_on, rank_coordinates, rows_of, runs_at
+from ._pieces import Kind, Piece, Route
 
 __all__ = ["Plan", "build_plan", "fits_block"]
 
@@ -174,8 +174,13 @@ def build_plan(
     kinds = []
     placements: list[tuple[Placement, ...] | None] = []
     for entry, target, f in zip(entries, targets, flags, strict=True):
-        kind = kind_of(target, f)
-        if kind is Kind.BLOCK and not fits_block(entry, piece_bytes):
+        if not isinstance(target, DTensor):
+            kind = Kind.PLAIN
+        elif f & ROWS_OK:
+            kind = Kind.SHARDED
+        elif f & RUNS_OK and fits_block(entry, piece_bytes):
+            kind = Kind.BLOCK
+        else:
             kind = Kind.GENERIC
         kinds.append(kind)
         placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)
