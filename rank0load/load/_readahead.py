@@ -149,24 +149,19 @@ class Reader:
                 extents.append((path, offset, nbytes, at + into))
         return _reads.runs(extents, data)
 
-    def _read(self, message: Message, data: torch.Tensor) -> None:
-        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans."""
-        for path, offset, views in self._runs(message, data):
-            if path != self._current:  # the manifest is in file order: leaving a file, check it
-                self._check(self._current)
-                self._current = path
-            self._read_run(path, offset, views)
-
     def _submit(self, message: Message, data: torch.Tensor) -> list[concurrent.futures.Future[None]]:
-        """(``threads`` > 1) Hand ``message``'s reads to the threads, in parts; returns them."""
-        assert self._pool is not None
+        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans: here, or
+        (``threads`` > 1) handed to the threads in parts, which it returns."""
         parts: list[concurrent.futures.Future[None]] = []
         for path, offset, views in self._runs(message, data):
-            if path != self._current:  # leaving a file: check it once its last reads are done
+            if path != self._current:  # leaving a file (in manifest order): check it after its last reads
                 concurrent.futures.wait(self._inflight)
                 self._inflight = []
                 self._check(self._current)
                 self._current = path
+            if self._pool is None:
+                self._read_run(path, offset, views)
+                continue
             for part in _reads.split_runs([(path, offset, views)], _PART_BYTES):
                 parts.append(self._pool.submit(self._read_part, *part))
         self._inflight = [f for f in self._inflight if not f.done()] + parts
@@ -214,10 +209,7 @@ class Reader:
                 reads: list[concurrent.futures.Future[None]] = []
                 if self.failed is None:
                     try:
-                        if self._pool is None:
-                            self._read(message, data)
-                        else:
-                            reads = self._submit(message, data)
+                        reads = self._submit(message, data)
                     except Exception as exc:
                         self._fail(exc)
                 self._put((Arrival(message, data, slot, in_target=slot is None), reads))
