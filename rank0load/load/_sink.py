@@ -83,14 +83,10 @@ def allocate_staging(
     rank: int, piece_bytes: int, mesh_device: torch.device, max_staging_bytes: int
 ) -> Staging:
     """(all ranks) Reserve the staging (no page touched: RSS grows only with use)."""
-    on_cpu = mesh_device.type == "cpu"
-    where = torch.device("cpu") if rank == 0 else mesh_device
-    pin = rank == 0 and not on_cpu
-    if not pin:
-        slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes)
-        return Staging(slots, None)
+    if rank != 0 or mesh_device.type == "cpu":  # on the mesh device (rank 0 of a CPU mesh: the CPU)
+        return Staging(reserve(SLOTS, piece_bytes, mesh_device, max_staging_bytes), None)
     # rank 0 of an accelerator mesh: one pinned ring (_readahead._Ring) and the device buffer
-    host = reserve(1, SLOTS * piece_bytes, where, max_staging_bytes, pin)[0]
+    host = reserve(1, SLOTS * piece_bytes, torch.device("cpu"), max_staging_bytes, pin=True)[0]
     device = reserve(1, piece_bytes, mesh_device, max_staging_bytes)[0]
     return Staging(list(host.split(piece_bytes)), device, host)
 
