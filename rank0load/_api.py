@@ -255,7 +255,7 @@ def _prepare(
         mesh,
         max_staging_bytes // SLOTS,
     )
-    staging = _sink.allocate_staging(dist.get_rank(), plan.piece_bytes, mesh_device, max_staging_bytes)
+    staging = _sink.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
     return plan, [_sink.target_of(found[e.key]) for e in entries], staging
 
 

@@ -36,7 +36,6 @@ __all__ = [
     "Outcome",
     "Rounds",
     "TransferEnd",
-    "broadcast",
     "Faults",
     "attempt",
     "from_rank0",
@@ -162,11 +161,6 @@ def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
     return t
 
 
-def broadcast(t: torch.Tensor, src: int) -> None:
-    """(all ranks) ``t`` from ``src`` into ``t`` everywhere."""
-    dist.broadcast(t, src=src)
-
-
 # Python objects travel pickled in uint8 tensors (broadcast_object_list would need numpy).
 
 
@@ -185,10 +179,10 @@ def _broadcast_object(obj: object, src: int = 0, written: io.BytesIO | None = No
         written = written if written is not None else _pickled(obj)
         payload = torch.frombuffer(written.getbuffer(), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    broadcast(size, src)
+    dist.broadcast(size, src=src)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    broadcast(payload, src)
+    dist.broadcast(payload, src=src)
     if dist.get_rank() == src:
         return obj
     return pickle.loads(host_bytes(payload.cpu().contiguous()))

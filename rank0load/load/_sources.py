@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..common import _distribute
 from ..common._staging import InFlight
 from ._messages import Message, messages
 from ._pieces import Piece, Route
@@ -129,7 +128,7 @@ class ReceiveSource:
             elif message.dst < 0:  # BROADCAST, SCALES: once the receives before are done
                 yield from self._completed(keep=0)
                 arrival = yield from self._landing(message, direct=len(message.pieces) == 1)
-                _distribute.broadcast(arrival.data, 0)
+                dist.broadcast(arrival.data, src=0)
                 yield arrival
             else:  # a point-to-point receive, posted
                 one = len(message.pieces) == 1 and piece.route is Route.TO_RANK

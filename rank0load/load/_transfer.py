@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..common import _distribute
 from ..common._distribute import Rounds, settled
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
@@ -136,7 +135,7 @@ class _Sender:
             self._sent(dist.isend(data, dst=message.dst), slot_to_free)
         else:  # BROADCAST, SCALES
             if not self.sends_nothing:
-                _distribute.broadcast(data, 0)
+                dist.broadcast(data, src=0)
             self.sink.take(message, data)
             self._done_with(slot_to_free)
         self.pending.drain(keep=max(1, len(self.staging.slots) - 1))
