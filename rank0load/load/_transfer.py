@@ -102,9 +102,10 @@ def _into_sink(sink: Sink, source: ReceiveSource | OwnSource, arrival: Arrival) 
 
 class _Sender:
     """(rank 0) Hands each arrival on to the ranks it serves (not the local readers, nor broadcasts
-    when ``sends_nothing``: they are all the other ranks), then into its own sink. On an accelerator mesh the copies out of
-    the pinned staging are non-blocking on the current stream (later reads of the shards are ordered
-    after them); the reader waits for them (:meth:`_done_with`); the last round synchronises the stream."""
+    when ``sends_nothing``: they are all the other ranks), then into its own sink. On an accelerator
+    mesh the copies out of the pinned staging are non-blocking on the current stream (later reads of
+    the shards are ordered after them); the reader waits for them (:meth:`_done_with`); the last
+    round synchronises the stream."""
 
     def __init__(
         self,

@@ -21,7 +21,6 @@ from ..common import _distribute
 from ..common._blocks import Chunk, Part
 from ..common._distribute import Rounds, settled
 from ..common._memory import reserve
-from ..common._progress import no_progress
 from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
@@ -71,7 +70,7 @@ def stream(
     tensors: dict[str, torch.Tensor],
     outputs: Outputs | None,
     staging: Staging,
-    on_bytes: Callable[[int], None] = no_progress,
+    on_bytes: Callable[[int], None],
 ) -> tuple[str, ...]:
     """(all ranks) Move every item's bytes into rank 0's files (``outputs``, rank 0 only). Returns the
     keys gathered whole. Raises the same SaveError on every rank if any rank failed."""
