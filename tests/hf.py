@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
+import pytest
 import torch
+
+TRANSFORMERS = version("transformers")
+
+
+def needs_transformers_5(what: str) -> pytest.MarkDecorator:
+    """Skip on transformers 4.x a test of what only transformers 5 has (fused MoE experts, MiniMax-M2,
+    its conversion mapping); the 4.57 CI leg tests 4.57's own models in the files marked transformers."""
+    return pytest.mark.skipif(
+        int(TRANSFORMERS.split(".")[0]) < 5, reason=f"transformers {TRANSFORMERS} has no {what}"
+    )
 
 
 def _quiet() -> None:

@@ -30,13 +30,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests import _dist
+from tests import _dist, hf
 from tests import moe_models as mm
 from tests.fakes import hide
 from tests.models import assert_same, gather, reference
 
 # two spawns (2 and 3 ranks) of 27 loads each: about a minute
-pytestmark = [pytest.mark.slow, pytest.mark.torch_range]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torch_range,
+    hf.needs_transformers_5("fused MoE experts (nor MiniMax-M2)"),
+]
 
 FP8_FAMILIES = ("minimax_m2", "deepseek_v3")
 BLOCKS = {"b128": (128, 128), "b16": (16, 16)}

@@ -25,6 +25,7 @@ from benchmarks import bench
 from benchmarks.bench import moe
 from benchmarks.bench.methods import METHODS
 from benchmarks.bench.model import config_for_size, tensor_digest, tensor_specs
+from tests import hf
 
 SIZE = "0.005"  # GB: hidden 256, 2 layers, vocab 4000, 3 shards
 
@@ -171,6 +172,7 @@ def moe_smoke(tmp_path_factory):
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("conversion mapping for fused MoE experts")
 def test_moe_every_method_reports_and_verifies(moe_smoke):
     rc, doc, _, _ = moe_smoke
     assert rc == 0
@@ -208,6 +210,7 @@ def test_moe_readme_section_added(moe_smoke):
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("conversion mapping for fused MoE experts")
 def test_moe_checkpoint_is_what_save_pretrained_writes(tmp_path):
     """The writer's keys, dtypes and shapes are save_pretrained's for the same config (per-expert
     layout), and transformers' own from_pretrained of it matches every recorded digest (fused
@@ -243,6 +246,7 @@ def test_moe_checkpoint_is_what_save_pretrained_writes(tmp_path):
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("conversion mapping for fused MoE experts")
 def test_moe_verification_catches_a_wrong_expert(moe_smoke, tmp_path):
     """One expert's up_proj damaged on disk: the fused gate_up_proj it lands in fails verification."""
     _, doc, _, _ = moe_smoke
@@ -378,6 +382,7 @@ def _tiny_minimax():
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("MiniMax-M2 (nor its conversion mapping)")
 def test_minimax_checkpoint_is_the_hub_fp8_layout(tmp_path):
     """The writer's keys, shapes and dtypes are those of transformers' own tiny MiniMax-M2 saved with
     save_pretrained and FP8-quantised in the Hub's layout (tests/moe_models.save_fp8), config.json says
@@ -435,6 +440,7 @@ def minimax_smoke(tmp_path_factory):
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("MiniMax-M2 (nor its conversion mapping)")
 def test_minimax_every_method_reports_and_verifies(minimax_smoke):
     from benchmarks.bench.minimax_methods import MINIMAX_METHODS
 
@@ -478,6 +484,7 @@ def test_minimax_every_method_reports_and_verifies(minimax_smoke):
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("MiniMax-M2 (nor its conversion mapping)")
 def test_minimax_verification_catches_a_wrong_expert(minimax_smoke, tmp_path):
     """One float8 byte of expert 3's w3 (owned by rank 1) damaged on disk: rank0load and the floor
     both fail verification on the fused gate_up_proj it lands in: a fast wrong floor never counts."""

@@ -376,6 +376,7 @@ def _moe_save(rank: int, world: int, name: str, source: str, out: str) -> dict:
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("fused MoE experts")
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_moe_back_to_per_expert_tensors(tmp_path, name: str, world: int) -> None:

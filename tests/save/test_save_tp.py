@@ -309,6 +309,7 @@ def _moe(rank: int, world: int, source: str, out: str, staging: int) -> dict:
 
 
 @pytest.mark.slow
+@hf.needs_transformers_5("fused MoE experts")
 @pytest.mark.parametrize("staging", [5120, 16 << 20])
 def test_moe_experts_sharded_on_dim_1_saved_per_expert(tmp_path, staging: int) -> None:
     """Fused experts (gate_up_proj [5, 48, 32], down_proj [5, 32, 24]) under FSDP2's Shard(1) on 2
