@@ -54,15 +54,13 @@ class Staging:
 
 def allocate_staging(piece_bytes: int, mesh_device: torch.device, max_staging_bytes: int) -> Staging:
     """(all ranks) Reserve the staging (``_memory.reserve``); raises SaveError when it cannot be had."""
-    rank0, on_cpu = dist.get_rank() == 0, mesh_device.type == "cpu"
-    where = torch.device("cpu") if rank0 else mesh_device
-    slots = reserve(SLOTS, piece_bytes, where, max_staging_bytes, error=SaveError)
-    device = (
-        []
-        if on_cpu or not rank0
-        else reserve(SLOTS, piece_bytes, mesh_device, max_staging_bytes, error=SaveError)
-    )
-    return Staging(slots, device)
+
+    def slots(device: torch.device) -> list[torch.Tensor]:
+        return reserve(SLOTS, piece_bytes, device, max_staging_bytes, error=SaveError)
+
+    if dist.get_rank() != 0:
+        return Staging(slots(mesh_device), [])
+    return Staging(slots(torch.device("cpu")), [] if mesh_device.type == "cpu" else slots(mesh_device))
 
 
 def stream(
