@@ -41,7 +41,7 @@ def aligned(nbytes: int) -> int:
 
 def block_half(piece_bytes: int) -> int:
     """Bytes of a staging slot a chunk of whole rows may fill (an ALIGN multiple); its blocks go after."""
-    return (piece_bytes // ALIGN * ALIGN) // 2 // ALIGN * ALIGN
+    return piece_bytes // 2 // ALIGN * ALIGN
 
 
 class AllOf:
