@@ -18,9 +18,8 @@ from dataclasses import dataclass
 __all__ = ["Blocks", "Chunk", "Part", "Runs", "block_chunks", "chunk_dim"]
 
 Runs = tuple[tuple[tuple[int, int], ...], ...]  # per tensor dimension: [start, stop) runs of global indices
-Blocks = tuple[
-    tuple[int, Runs], ...
-]  # (global rank, its block: the global index runs it holds per dimension)
+# (global rank, its block: the global index runs it holds per dimension)
+Blocks = tuple[tuple[int, Runs], ...]
 
 
 @dataclass(frozen=True)
