@@ -78,7 +78,7 @@ def stream(
     with settled(faults, "writing the checkpoint", _TODO, SaveError, _TODO) as outcome:
         if dist.get_rank() == 0:
             assert outputs is not None
-            outcome.first = _rank0(plan, tensors, outputs, staging, faults, gathered, on_bytes)
+            outcome.first = _Collector(plan, outputs, staging, faults).run(tensors, gathered, on_bytes)
         else:
             outcome.first = _sender(plan, tensors, staging, faults, gathered)
     return tuple(gathered)
@@ -111,8 +111,37 @@ class _Collector:
     ) -> None:
         self.writer = Writer(outputs.fds, len(staging.slots), faults)
         self.pending = InFlight()
-        self.staging, self.faults = staging, faults
+        self.plan, self.staging, self.faults = plan, staging, faults
         self.half = block_half(plan.piece_bytes)
+
+    def run(
+        self, tensors: dict[str, torch.Tensor], gathered: list[str], on_bytes: Callable[[int], None]
+    ) -> int:
+        """Receive ahead into the slots, write rank 0's own pieces from its tensors, round by round;
+        returns the first failing rank (world: none)."""
+        plan = self.plan
+        try:
+            rounds = Rounds(plan.rounds, self.faults)
+            for begin, stop in rounds:
+                for index in range(begin, stop):
+                    item = plan.items[index]
+                    source = _source(item, tensors[item.key], gathered, self.pending)
+                    if item.kind is SaveKind.BLOCK:
+                        for chunk, parts in plan.chunks(index):
+                            self.chunk(item, source, chunk, parts)
+                            on_bytes(chunk.nbytes)
+                        continue
+                    for piece in plan.pieces(index):
+                        if piece.src == 0:
+                            self.own(piece, source, item)
+                        else:
+                            self.receive(item, piece)
+                        on_bytes(piece.nbytes)
+                self.pending.drain()
+                self.writer.jobs.join()
+            return rounds.first
+        finally:
+            self.writer.close()
 
     def take(self) -> int:
         """A free slot, completing the oldest receives until the writer frees one."""
@@ -178,42 +207,6 @@ class _Collector:
             self.writer.put(item, chunk.start, host_bytes(host[: chunk.nbytes]), slot)
 
         self.pending.add(AllOf(works), then)
-
-
-def _rank0(
-    plan: SavePlan,
-    tensors: dict[str, torch.Tensor],
-    outputs: Outputs,
-    staging: Staging,
-    faults: _distribute.Faults,
-    gathered: list[str],
-    on_bytes: Callable[[int], None],
-) -> int:
-    """(rank 0) Receive ahead into the slots, write its own pieces from its tensors, round by round
-    (:class:`_Collector`); returns the first failing rank (world: none)."""
-    collector = _Collector(plan, outputs, staging, faults)
-    try:
-        rounds = Rounds(plan.rounds, faults)
-        for begin, stop in rounds:
-            for index in range(begin, stop):
-                item = plan.items[index]
-                source = _source(item, tensors[item.key], gathered, collector.pending)
-                if item.kind is SaveKind.BLOCK:
-                    for chunk, parts in plan.chunks(index):
-                        collector.chunk(item, source, chunk, parts)
-                        on_bytes(chunk.nbytes)
-                    continue
-                for piece in plan.pieces(index):
-                    if piece.src == 0:
-                        collector.own(piece, source, item)
-                    else:
-                        collector.receive(item, piece)
-                    on_bytes(piece.nbytes)
-            collector.pending.drain()
-            collector.writer.jobs.join()
-        return rounds.first
-    finally:
-        collector.writer.close()
 
 
 def _sender(
