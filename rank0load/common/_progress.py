@@ -48,11 +48,8 @@ def progress_bar(total_bytes: int, show: bool) -> Iterator[Callable[[int], None]
     if not terminal:
         yield no_progress
         return
-    try:
-        from huggingface_hub.utils import tqdm
-    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
-        yield no_progress
-        return
+    from huggingface_hub.utils import tqdm  # a dependency; imported only when a bar is drawn
+
     bar = tqdm(
         total=total_bytes,
         unit="B",
