@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -26,7 +27,8 @@ _PAGE = mmap.PAGESIZE
 _madvise: object = None  # the libc function once found; False when unavailable
 
 
-def _libc(name: str, argtypes: list[type]) -> object:
+@functools.cache
+def _libc(name: str, argtypes: tuple[type, ...]) -> object:
     """The C library's function ``name``, returning an int (Linux); False where there is none."""
     if not sys.platform.startswith("linux"):
         return False
@@ -41,7 +43,7 @@ def _libc(name: str, argtypes: list[type]) -> object:
 def _populate(address: int, length: int) -> bool:
     global _madvise
     if _madvise is None:
-        _madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+        _madvise = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     if _madvise is not False and _madvise(address, length, _MADV_POPULATE_WRITE) == 0:  # type: ignore[operator]
         return True
     _madvise = False  # none, or EINVAL before Linux 5.14: zero-fill from now on
@@ -142,17 +144,12 @@ def fault_in(tensors: Iterable[torch.Tensor]) -> FaultIn:
     return FaultIn(todo)
 
 
-_malloc_trim: object = None  # glibc's malloc_trim once found; False where there is none
-
-
 def trim_heap() -> None:
     """(any rank) Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``; elsewhere
     nothing); no allocator setting changes."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        _malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
-    if _malloc_trim:
-        _malloc_trim(0)  # type: ignore[operator]
+    malloc_trim = _libc("malloc_trim", (ctypes.c_size_t,))
+    if malloc_trim:
+        malloc_trim(0)  # type: ignore[operator]
 
 
 def reserve(
