@@ -254,8 +254,6 @@ class Handover:
                     "(their LoadReport.local_status says why)",
                     fell_back,
                 )
-        if self.files is not None:
-            self.status = "local: read its own bytes through rank 0's descriptors"
         return LocalReads(readers, self.files, self.status)
 
     def close(self) -> None:
@@ -304,4 +302,4 @@ def hand_over(
         for fd in fds:
             os.close(fd)
         return Handover(offer, status=f"stream: {type(exc).__name__}: {exc}")
-    return Handover(offer, files=files)
+    return Handover(offer, files=files, status="local: read its own bytes through rank 0's descriptors")
