@@ -82,7 +82,7 @@ class Server:
     def __init__(self, sock: socket.socket, offer: Offer, fds: list[int]) -> None:
         self.offer = offer
         self._sock, self._fds = sock, fds
-        self._allowed: dict[int, tuple[int, int]] = {}  # rank -> (pid, uid), ranks on this host
+        self.allowed: dict[int, tuple[int, int]] = {}  # rank -> (pid, uid), ranks on this host
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.served: set[int] = set()
@@ -111,7 +111,7 @@ class Server:
 
     def serve(self, allowed: dict[int, tuple[int, int]]) -> None:
         """Start handing the descriptors to the ranks in ``allowed`` (rank -> pid, uid)."""
-        self._allowed = allowed
+        self.allowed = allowed
         self._start(self._accept)
 
     def _start(self, target: Callable[..., None], *args: object) -> None:
@@ -155,10 +155,10 @@ class Server:
         rank, token = _HELLO.unpack(hello)
         if not hmac.compare_digest(token, self.offer.token):
             return f"pid {pid} (uid {uid}) claimed rank {rank} without this load's token"
-        if self._allowed.get(rank) != (pid, uid):
+        if self.allowed.get(rank) != (pid, uid):
             return (
                 f"pid {pid} (uid {uid}) claimed rank {rank}, which reported "
-                f"{self._allowed.get(rank, 'another host')} (pid, uid): not a rank of this job on this host"
+                f"{self.allowed.get(rank, 'another host')} (pid, uid): not a rank of this job on this host"
             )
         with self._lock:
             if rank in self.served:
@@ -237,7 +237,6 @@ class Handover:
     server: Server | None = None  # rank 0
     files: LocalFiles | None = None  # a rank on rank 0's host that holds the descriptors
     status: str = ""  # this rank's side of the story, for LoadReport.local_status
-    on_host: tuple[int, ...] = ()  # (rank 0) the ranks that reported rank 0's host
 
     def decide(self) -> LocalReads:
         """(all ranks) Which ranks read locally: each rank's bit, OR-ed over the ranks; rank 0 then
@@ -247,7 +246,7 @@ class Handover:
         readers = _distribute.ranks_where(self.files is not None, "agreeing on node-local reads")
         if self.server is not None:
             self.server.stop()  # every rank has had its try: the hand-over is over
-            fell_back = sorted(set(self.on_host) - readers)
+            fell_back = sorted(self.server.allowed.keys() - readers)
             if fell_back:
                 logger.warning(
                     "rank0load: ranks %s on rank 0's host take the stream instead of reading locally "
@@ -286,7 +285,7 @@ def hand_over(
         assert server is not None and roster is not None  # rank 0 made the offer; gather returns on rank 0
         allowed = {r: (pid, uid) for r, (same, pid, uid) in enumerate(roster) if same and r != 0}
         server.serve(allowed)
-        return Handover(offer, server, status="rank 0", on_host=tuple(sorted(allowed)))
+        return Handover(offer, server, status="rank 0")
     if not here:
         return Handover(offer, status="stream: not on rank 0's host")
     try:
