@@ -64,11 +64,8 @@ class KeyMatch:
     unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
 
-def unconsumed(
-    match: KeyMatch, layout: ModelLayout, quantised: AbstractSet[str] | None = None
-) -> tuple[str, ...]:
-    """``match.unexpected`` less the scale grids of float8 tensors that will be dequantised."""
-    quantised = quantised_keys(match, layout) if quantised is None else quantised
+def unconsumed(match: KeyMatch, quantised: AbstractSet[str]) -> tuple[str, ...]:
+    """``match.unexpected`` less the scale grids of the float8 tensors ``quantised`` (dequantised)."""
     # Tested key by key in C with no set of names made: that would raise rank 0's peak.
     unexpected = match.unexpected
     scale = map(operator.methodcaller("endswith", SCALE_SUFFIX), unexpected)

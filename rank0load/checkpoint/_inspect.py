@@ -155,7 +155,7 @@ def inspect_checkpoint(
         model_tensors=len(layout.tensors),
         matched=len(match.by_model_key) + len(match.stacked),
         missing=match.missing,
-        unexpected=unconsumed(match, layout),
+        unexpected=unconsumed(match, quantised),
         mismatched=tuple(sorted(mismatched)),
         ignored=match.ignored,
         converted=converted,

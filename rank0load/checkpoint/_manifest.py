@@ -249,7 +249,7 @@ def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str],
         stacked={k: v for k, v in match.stacked.items() if k not in stacked},
     )
     built = build_entries(whole, layout, headers, load.block, quantised=quantised, files=load.files)
-    unexpected = unconsumed(match, layout, quantised)
+    unexpected = unconsumed(match, quantised)
     pending = itertools.chain((t for m in stacked.values() for _, t in m), (f[0] for f in single.values()))
     scales = [
         headers[k] for k in (t.key + SCALE_SUFFIX for t in pending if t.key in quantised) if k in headers
