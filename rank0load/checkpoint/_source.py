@@ -87,7 +87,7 @@ def resolve(
             snapshot = _from_hub(path, revision, _not_local(path), subfolder)
             # snapshots link into blobs/: files must stay inside the repo's cache folder
             boundary = os.path.realpath(os.path.join(snapshot, "..", ".."))
-            return _from_folder(snapshot, subfolder, boundary)
+            return _from_dir(snapshot, subfolder, boundary)
         raise CheckpointNotFoundError(
             f"checkpoint {path!r} does not exist. Pass a directory, a .safetensors file, a "
             "*.safetensors.index.json file, or a Hugging Face Hub repo id ('org/name')."
@@ -99,7 +99,7 @@ def resolve(
             "or pass a Hub repo id ('org/name') that is not also a local path."
         )
     if stat.S_ISDIR(mode):
-        return _from_folder(path, subfolder, _cache_repo(path))
+        return _from_dir(path, subfolder, _cache_repo(path))
     if subfolder is not None:
         raise CheckpointNotFoundError(
             f"subfolder={subfolder!r} names a folder of a checkpoint directory, but checkpoint {path!r} is "
@@ -126,9 +126,19 @@ def _cache_repo(directory: str) -> str | None:
     return None
 
 
-def _from_dir(path: str, boundary: str | None) -> Source:
-    """Precedence as transformers' ``from_pretrained``: ``model.safetensors``, then
+def _from_dir(path: str, subfolder: str | None, boundary: str | None) -> Source:
+    """The checkpoint in directory ``path``, or in its folder ``subfolder`` (a pipeline's component).
+    Precedence as transformers' ``from_pretrained``: ``model.safetensors``, then
     ``model.safetensors.index.json``, then a single other index, then every ``*.safetensors`` file."""
+    if subfolder is not None:
+        if not os.path.isdir(os.path.join(path, subfolder)):
+            held = _weight_folders(path)
+            listed = f"; its folders holding weights: {', '.join(f'{n}/' for n in held)}" if held else ""
+            raise CheckpointNotFoundError(
+                f"checkpoint {path!r} has no folder {subfolder!r} (subfolder=){listed}. "
+                "Check the folder's name."
+            )
+        path = os.path.join(path, subfolder)
     try:
         names = sorted(os.listdir(path))
     except OSError as exc:
@@ -175,20 +185,6 @@ def _check_subfolder(path: str, subfolder: object) -> None:
             f"subfolder={subfolder!r} for checkpoint {path!r}: expected the name of a folder inside it, "
             "such as 'transformer' (no absolute path, drive or '..')"
         )
-
-
-def _from_folder(path: str, subfolder: str | None, boundary: str | None) -> Source:
-    """The checkpoint in directory ``path``, or in its folder ``subfolder`` (a pipeline's component)."""
-    if subfolder is None:
-        return _from_dir(path, boundary)
-    folder = os.path.join(path, subfolder)
-    if not os.path.isdir(folder):
-        held = _weight_folders(path)
-        listed = f"; its folders holding weights: {', '.join(f'{n}/' for n in held)}" if held else ""
-        raise CheckpointNotFoundError(
-            f"checkpoint {path!r} has no folder {subfolder!r} (subfolder=){listed}. Check the folder's name."
-        )
-    return _from_dir(folder, boundary)
 
 
 def _weight_folders(path: str) -> list[str]:
