@@ -174,7 +174,7 @@ def _assemble(
     members: tuple[tuple[ConversionMatch, TensorHeader], ...],
     shape: tuple[int, ...],
     dtype: torch.dtype,
-    quantised: AbstractSet[str] = frozenset(),
+    quantised: AbstractSet[str],
 ) -> Entry:
     """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
     ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in

@@ -56,9 +56,9 @@ def escapes(name: str) -> bool:
     )
 
 
-def inside(root: str, name: object, where: str, boundary: str | None = None) -> str:
+def inside(root: str, name: object, where: str, boundary: str | None) -> str:
     """Absolute path of ``name`` under ``root``, a regular file; refuse anything that escapes
-    ``boundary`` (default ``root``; a Hub cache's repo folder, whose snapshots link into its blobs)."""
+    ``boundary`` (None: ``root``; a Hub cache's repo folder, whose snapshots link into its blobs)."""
     if not isinstance(name, str) or not name:
         raise CheckpointFormatError(
             f"{where}: file name {name!r} is not a non-empty string. Re-download or re-save the checkpoint."
@@ -137,9 +137,9 @@ def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ..
     return root, files, mapped
 
 
-def read_index(index_path: str, boundary: str | None = None) -> tuple[str, tuple[str, ...], Listing]:
+def read_index(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ...], Listing]:
     """(rank 0) The index's directory, its files (absolute paths, sorted) and what it lists for
-    each of them, checked: each file name stays inside ``boundary`` (default: that directory)."""
+    each of them, checked: each file name stays inside ``boundary`` (None: that directory)."""
     root, files, mapped = _read_map(index_path, boundary)
     per_file: dict[str, list[str]] = {f: [] for f in files}
     for key, path in mapped.items():

@@ -217,7 +217,7 @@ def _pipeline_root(path: str) -> CheckpointNotFoundError:
     )
 
 
-def _from_index(index_path: str, boundary: str | None = None) -> Source:
+def _from_index(index_path: str, boundary: str | None) -> Source:
     root, files, listing = read_index(index_path, boundary)
     return Source(root, files, listing, index_path)
 
@@ -235,7 +235,7 @@ def _not_local(path: str) -> str:
     return f"checkpoint {path!r} does not exist as a local path ({where}), so it was tried as a Hugging Face Hub repo id"
 
 
-def _from_hub(repo_id: str, revision: str | None, not_local: str, subfolder: str | None = None) -> str:
+def _from_hub(repo_id: str, revision: str | None, not_local: str, subfolder: str | None) -> str:
     """(rank 0) The local snapshot folder of a Hub repo, downloading what the cache lacks (honours
     ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``). Only :data:`HUB_PATTERNS` are
     fetched (within ``subfolder``, if given); ``not_local`` starts every error."""
