@@ -13,7 +13,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -50,16 +50,15 @@ RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tenso
 @dataclass(frozen=True)
 class Manifest:
     entries: tuple[Entry, ...]
-    missing: tuple[str, ...] = ()  # canonical model keys absent from the checkpoint (strict=False)
-    # canonical keys absent from the checkpoint that keep the values model_fn built (PEFT adapters)
-    kept: tuple[str, ...] = ()
-    unexpected: tuple[str, ...] = ()  # checkpoint keys skipped (strict=False)
-    ignored: tuple[str, ...] = ()  # checkpoint keys held by the model as non-persistent buffers
-    files: tuple[str, ...] = field(default=())
-    total_bytes: int = 0
+    missing: tuple[str, ...]  # canonical model keys absent from the checkpoint (strict=False)
+    kept: tuple[str, ...]  # canonical keys absent from the checkpoint that keep model_fn's values (PEFT)
+    unexpected: tuple[str, ...]  # checkpoint keys skipped (strict=False)
+    ignored: tuple[str, ...]  # checkpoint keys held by the model as non-persistent buffers
+    files: tuple[str, ...]
+    total_bytes: int
     # (elements of the parameters initialised rather than loaded, elements of all parameters)
-    initialised: tuple[int, int] = (0, 0)
-    runs: int = 0  # runs of files whose headers were matched together
+    initialised: tuple[int, int]
+    runs: int  # runs of files whose headers were matched together
 
 
 @dataclass(frozen=True)
