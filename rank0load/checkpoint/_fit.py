@@ -8,7 +8,7 @@ import operator
 import os
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,9 +59,9 @@ class KeyMatch:
     ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
     missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted (kept ones aside)
     # canonical model key -> the checkpoint tensors a conversion assembles it from
-    stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]] = field(default_factory=dict)
+    stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]]
     # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)
-    unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    unsupported: dict[str, tuple[str, str, str]]
 
 
 def unconsumed(match: KeyMatch, quantised: AbstractSet[str]) -> tuple[str, ...]:
