@@ -53,15 +53,9 @@ def file_tensors(
             f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
             f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
         )
-    if source.listing is not None and not source.listing.agrees(path, tensors):
-        _disagreement(source, source.listing.read_map(), path, tensors)
-    return tensors
-
-
-def _disagreement(
-    source: Source, listed: dict[str, str], path: str, tensors: dict[str, TensorHeader]
-) -> None:
-    """Raise the error naming a key of ``tensors`` that ``listed`` lacks or puts in another file."""
+    if source.listing is None or source.listing.agrees(path, tensors):
+        return tensors
+    listed = source.listing.read_map()  # the error names a key the index lacks or puts elsewhere
     unlisted = [k for k in tensors if k not in listed]
     if unlisted:
         raise CheckpointFormatError(
@@ -75,4 +69,4 @@ def _disagreement(
             f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
             f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
         )
-    # else the index lists more keys in this file than it holds: raised once all files are read
+    return tensors  # the index lists more keys in this file than it holds: raised once all are read
