@@ -110,7 +110,7 @@ def open_checkpoint(
     ckpt_path: str | os.PathLike[str],
     revision: str | None,
     stack: contextlib.ExitStack,
-    adapters: Callable[[], Sequence[Adapter]] = lambda: (),
+    adapters: Callable[[], Sequence[Adapter]],
 ) -> Checkpoint:
     """(rank 0) Resolve the checkpoint (and ``adapters()``) and open their files once (closed by
     ``stack``). Raises a LoadError (anything unforeseen is wrapped in one)."""
