@@ -95,8 +95,9 @@ def _index_error(index_path: str, problem: str) -> CheckpointFormatError:
     )
 
 
-def _read_index(index_path: str) -> object:
-    """The index's JSON, read through one descriptor of a regular file (never blocks on a FIFO)."""
+def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """(root, files, checkpoint key -> absolute file path) of an index, checked; the index is read
+    through one descriptor of a regular file (never blocks on a FIFO)."""
     with OpenFile.open(index_path) as f:
         size = f.identity.size
         if size > _MAX_INDEX_BYTES:
@@ -106,12 +107,7 @@ def _read_index(index_path: str) -> object:
         raw = [read_exact(f.fd, size, 0, index_path)]
         f.check()
     # popped, not named: parse_json holds the only reference and frees the bytes (rank 0's peak)
-    return parse_json(raw.pop(), "index", lambda problem: _index_error(index_path, problem))
-
-
-def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ...], dict[str, str]]:
-    """(root, files, checkpoint key -> absolute file path) of an index, checked."""
-    index = _read_index(index_path)
+    index = parse_json(raw.pop(), "index", lambda problem: _index_error(index_path, problem))
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise _index_error(index_path, "index has no 'weight_map' object mapping tensor names to files")

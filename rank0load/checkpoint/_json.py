@@ -38,7 +38,7 @@ def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> objec
     ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index")."""
     try:
         text = raw.decode("utf-8")
-        del raw  # the caller's reference may be the last other one (see _index._read_index)
+        del raw  # the caller's reference may be the last other one (see _index._read_map)
         found = json.loads(text)
         # Each key is followed by one ':', as is each ':' in a string: if the top two levels' keys
         # equal the colons, no key repeats; otherwise parse again with the slower hook.
