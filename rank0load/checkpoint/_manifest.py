@@ -190,13 +190,14 @@ def read_manifest(
     }
     runs: list[_Run] = []
     listing = source.listing
-    every: list[str] | None = [] if listing is None and len(source.files) > 1 else None
+    every: list[str | tuple[str, ...]] | None = [] if listing is None and len(source.files) > 1 else None
     count, headers = 0, dict[str, TensorHeader]()
     for i, path in enumerate(source.files):
         tensors = file_tensors(source, path, files[path], headers)  # checked within the run
         count += len(tensors)
         if every is not None:  # no index: a key stored in files of two runs is found at the end
-            every.append("\n".join(tensors))
+            joined = "\n".join(tensors)  # one string a file, unless a key holds a newline
+            every.append(joined if joined.count("\n") == len(tensors) - 1 else tuple(tensors))
         if own and not own.keys().isdisjoint(tensors):
             key = next(k for k in tensors if k in own)
             raise CheckpointFormatError(
@@ -208,7 +209,7 @@ def read_manifest(
         if len(headers) >= RUN_TENSORS or i == len(source.files) - 1:
             runs.append(_run(headers, load, key_map))
             headers = {}  # the run's header objects freed before the next run's are made
-    if listing is not None and count != listing.total or every is not None and _stored_twice(every, count):
+    if listing is not None and count != listing.total or every is not None and _stored_twice(every):
         read_headers(source, files)  # raises, naming the key (the files read again, as a whole)
         raise CheckpointChangedError(
             f"{source.description}: the checkpoint changed while it was loaded. Load again once it is written."
@@ -220,10 +221,10 @@ def read_manifest(
     return _merge(runs, load, strict, key_map, description, every_file)
 
 
-def _stored_twice(every: list[str], count: int) -> bool:
-    """Whether a key is in two files' ``every`` (each file's keys joined by newlines)."""
-    keys = list(itertools.chain.from_iterable(k.split("\n") for k in every if k))
-    return len(set(keys)) != len(keys) or len(keys) != count
+def _stored_twice(every: list[str | tuple[str, ...]]) -> bool:
+    """Whether a key is in two files' ``every`` (each file's keys joined by newlines, or a tuple)."""
+    keys = [k for held in every for k in (held.split("\n") if isinstance(held, str) else held)]
+    return len(set(keys)) != len(keys)
 
 
 def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str], str | None] | None) -> _Run:

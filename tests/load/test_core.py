@@ -100,6 +100,23 @@ def test_key_map(tmp_path, toy_reference):
         assert r["report"].ignored == ("debug.note",)
 
 
+@pytest.mark.slow
+def test_key_with_a_newline_in_files_without_an_index(tmp_path, toy_reference):
+    """Two files and no index: an unexpected key holding a newline is one key (strict=False skips
+    it), not a key stored twice nor a checkpoint that changed during the load."""
+    from safetensors.torch import save_file
+
+    state = toy_state()
+    keys = sorted(state)
+    save_file({k: state[k] for k in keys[:4]}, str(tmp_path / "a.safetensors"))
+    rest = {k: state[k] for k in keys[4:]}
+    save_file({**rest, "odd\nkey": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
+    results = _dist.ok(_dist.run(_load, 2, str(tmp_path), {"strict": False}))
+    for r in results:
+        assert_same(r["tensors"], toy_reference)
+        assert r["report"].unexpected == ("odd\nkey",)
+
+
 class WithHead(nn.Module):
     """A pretrained body (the Toy) plus a new head and norm the checkpoint does not have."""
 
