@@ -52,45 +52,36 @@ def stream(
         LoadError,
         "No model was returned; fix the cause and load again.",
     ) as outcome:
-        source, handle = _endpoints(plan, staging, sink, files, on_bytes, local)
+        # the same on every rank: each reads its own bytes into CPU shards, or rank 0 sends to the others
+        own = local.reader(plan, staging, sink, files)
+        source: FileSource | ReceiveSource | OwnSource
+        sender: _Sender | None = None
+        if own is not None and own.everything and sink.device.type == "cpu":
+            source = OwnSource(plan, sink, own, on_bytes)
+        elif dist.get_rank() == 0:
+            source = FileSource(plan, staging, files, sink, local.rank0_pieces(plan, on_bytes))
+            sender = _Sender(plan, staging, sink, source, local.everyone, on_bytes)
+        else:
+            source = ReceiveSource(plan, staging, sink, own)
         try:
             rounds = Rounds(plan.rounds, sink.faults)
             for _, stop in rounds:
                 for arrival in source.until(stop):
-                    handle(arrival)
-                if isinstance(handle, _Sender):
-                    handle.round_end(last=stop == len(plan.entries))
+                    if sender is not None:
+                        sender(arrival)
+                    else:
+                        _into_sink(sink, source, arrival)
+                if sender is not None:
+                    sender.round_end(last=stop == len(plan.entries))
                 source.round_end(stop)
             outcome.first = rounds.first
         finally:
             source.close()
 
 
-def _endpoints(
-    plan: Plan,
-    staging: Staging,
-    sink: Sink,
-    files: Mapping[str, Any],
-    on_bytes: Callable[[int], None],
-    local: LocalReads,
-) -> tuple[FileSource | ReceiveSource | OwnSource, Callable[[Arrival], None]]:
-    """(all ranks) This rank's source and what takes each arrival: :class:`OwnSource` on every rank
-    when each reads its own bytes into CPU shards, else :class:`_Sender` on rank 0, receives elsewhere."""
-    own = local.reader(plan, staging, sink, files)
-    source: FileSource | ReceiveSource | OwnSource
-    if own is not None and own.everything and sink.device.type == "cpu":  # the same on every rank
-        source = OwnSource(plan, sink, own, on_bytes)
-    elif dist.get_rank() == 0:
-        source = FileSource(plan, staging, files, sink, local.rank0_pieces(plan, on_bytes))
-        return source, _Sender(plan, staging, sink, source, local.everyone, on_bytes)
-    else:
-        source = ReceiveSource(plan, staging, sink, own)
-    return source, functools.partial(_into_sink, sink, source)
-
-
-def _into_sink(sink: Sink, source: ReceiveSource | OwnSource, arrival: Arrival) -> None:
-    """An arrival into this rank's sink (a BLOCK chunk through :func:`fan_out`, its sends waited for,
-    anything else through :meth:`Sink.take`); its slot back to the source."""
+def _into_sink(sink: Sink, source: FileSource | ReceiveSource | OwnSource, arrival: Arrival) -> None:
+    """(ranks but a sending rank 0) An arrival into this rank's sink (a BLOCK chunk through
+    :func:`fan_out`, its sends waited for, anything else through :meth:`Sink.take`); its slot back."""
     piece = arrival.message.first
     if piece.route is Route.FAN_OUT:
         assert arrival.pack_buffer is not None
@@ -126,8 +117,13 @@ class _Sender:
         piece, own = message.first, message.dst == 0
         if not self.on_cpu and (not own or self.sink.converts(message)):
             data, slot_to_free = self._on_device(arrival), None
-        if piece.route is Route.FAN_OUT:
-            self._fan_out(arrival, data, slot_to_free)
+        if piece.route is Route.FAN_OUT:  # cut into the parts: its own written, the others sent
+            pack_buffer = (
+                self.staging.device_buffer if slot_to_free is None else self.staging.slots[slot_to_free]
+            )
+            assert pack_buffer is not None  # in the buffer ``data`` is in, after the chunk
+            half = block_half(self.plan.piece_bytes)
+            self._sent(fan_out(piece, data, pack_buffer[half:], self.sink), slot_to_free)
         elif own:
             if not arrival.in_target:
                 self.sink.take(message, data, non_blocking=not self.on_cpu)
@@ -152,16 +148,6 @@ class _Sender:
         data.copy_(arrival.data, non_blocking=True)
         self._done_with(arrival.slot)
         return data
-
-    def _fan_out(self, arrival: Arrival, data: torch.Tensor, slot_to_free: int | None) -> None:
-        """A BLOCK chunk cut into the served ranks' parts: its own written, the others sent."""
-        slot, piece = arrival.slot, arrival.message.first
-        pack_buffer = (
-            self.staging.slots[slot] if self.on_cpu and slot is not None else self.staging.device_buffer
-        )
-        assert pack_buffer is not None
-        half = block_half(self.plan.piece_bytes)
-        self._sent(fan_out(piece, data, pack_buffer[half:], self.sink), slot_to_free)
 
     def _sent(self, work: Any, slot: int | None) -> None:
         self.pending.add(work, functools.partial(self.source.release, slot))
