@@ -22,7 +22,7 @@ from ..checkpoint._files import opened
 from . import _reads
 from ._messages import Message
 from ._pieces import Route
-from ._sink import Arrival
+from ._sink import Arrival, Staging
 
 __all__ = ["Reader", "read_threads"]
 
@@ -96,8 +96,8 @@ class Reader:
     identity is checked when the reader leaves it (its last reads done) and every file's once more at
     the end. The first failure (I/O error, changed file, allocation) is kept in :attr:`failed`; the
     remaining messages still flow, unread, so that every rank completes the same messages. With
-    ``ring`` (the pinned buffer ``buffers`` are views of) ``Arrival.slot`` is a ring token: the consumer
-    must release each message before asking for the next, or the reader stalls.
+    ``staging.host`` and several ``threads``, ``Arrival.slot`` is a ring token: the consumer must
+    release each message before asking for the next, or the reader stalls.
     """
 
     def __init__(
@@ -106,23 +106,22 @@ class Reader:
         entries: Sequence[Entry],
         files: Mapping[str, Any],
         direct: Callable[[Message], torch.Tensor | None],
-        buffers: list[torch.Tensor],
-        threads: int = 1,
-        ring: torch.Tensor | None = None,
+        staging: Staging,
+        threads: int,
     ) -> None:
         self._messages = messages
         self._entries = entries
         self._current: str | None = None  # the file read last
         self._files = files
         self._direct = direct
-        self._buffers = buffers
+        self._buffers = staging.slots
         # free slots, each with the event after which its last copy to the device is done (or None)
         self._free: queue.Queue[tuple[int, torch.Event | None]] = queue.Queue()
-        self._ring = _Ring(ring) if ring is not None and threads > 1 else None
+        self._ring = _Ring(staging.host) if staging.host is not None and threads > 1 else None
         if self._ring is None:
-            for i in range(len(buffers)):
+            for i in range(len(staging.slots)):
                 self._free.put((i, None))
-        ahead = _RING_MESSAGES if self._ring is not None else len(buffers)
+        ahead = _RING_MESSAGES if self._ring is not None else len(staging.slots)
         self._ready: queue.Queue[_Ready | None] = queue.Queue(maxsize=ahead + 1)  # None: the end
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -140,20 +139,16 @@ class Reader:
         if self.failed is None:
             self.failed = exc
 
-    def _runs(self, message: Message, data: torch.Tensor) -> list[tuple[str, int, list[memoryview]]]:
-        """The runs of file bytes that fill ``data`` with ``message``'s pieces (see :func:`runs`)."""
+    def _submit(self, message: Message, data: torch.Tensor) -> list[concurrent.futures.Future[None]]:
+        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans: here, or
+        (``threads`` > 1) handed to the threads in parts, which it returns."""
         extents = []  # shifted to their place in the message, so that adjacent ones merge
         for piece, at in message.parts():
             entry, scales = self._entries[piece.index], piece.route is Route.SCALES
             for path, offset, nbytes, into in entry.extents(piece.start, piece.nbytes, scales):
                 extents.append((path, offset, nbytes, at + into))
-        return _reads.runs(extents, data)
-
-    def _submit(self, message: Message, data: torch.Tensor) -> list[concurrent.futures.Future[None]]:
-        """Read ``message`` into ``data``, from the one or several checkpoint tensors it spans: here, or
-        (``threads`` > 1) handed to the threads in parts, which it returns."""
         parts: list[concurrent.futures.Future[None]] = []
-        for path, offset, views in self._runs(message, data):
+        for path, offset, views in _reads.runs(extents, data):
             if path != self._current:  # leaving a file (in manifest order): check it after its last reads
                 concurrent.futures.wait(self._inflight)
                 self._inflight = []

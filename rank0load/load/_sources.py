@@ -67,9 +67,8 @@ class FileSource:
             plan.entries,
             files,
             self._direct,
-            staging.slots,
+            staging,
             read_threads(sink.device),
-            staging.host,
         )
         self._by_round = ByRound(iter(self.reader), lambda a: a.message.index)
 
