@@ -300,25 +300,24 @@ class Sink:
         if not dst.is_contiguous():
             raise InternalError("internal error: a write into a non-contiguous tensor")  # ensured by _model
         start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
+        flat = dst.view(-1)
+        if not self.entries[piece.index].scales:
+            flat[start : start + values.numel()].copy_(values, non_blocking=non_blocking)
+            return
         block = piece.kind is Kind.BLOCK  # this rank's block: not one run of the entry's elements
-        step = max(1, values.numel())
-        if self.entries[piece.index].scales:
-            step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
-            if dst.device.type != "cpu":
-                step <<= _DEVICE_STEP_SHIFT
-        flat, scaled = dst.view(-1), bool(self.entries[piece.index].scales)
+        step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
+        if dst.device.type != "cpu":
+            step <<= _DEVICE_STEP_SHIFT
         in_place = dst.device == values.device
-        for at in range(0, values.numel(), step):  # float8: float32 temporaries of one step at a time
+        for at in range(0, values.numel(), step):  # float32 temporaries of one step at a time
             some = values[at : at + step]
             into = flat[start + at : start + at + some.numel()]
-            if block and scaled:
+            if block:
                 into.copy_(self._decode_block(piece.index, some, start + at))
-            elif scaled and in_place:  # the products written straight into the shard
+            elif in_place:  # the products written straight into the shard
                 self._decode(piece.index, some, first + at, into)
-            elif scaled:
-                into.copy_(self._decode(piece.index, some, first + at))
             else:
-                into.copy_(some, non_blocking=non_blocking)
+                into.copy_(self._decode(piece.index, some, first + at))
 
     def _decode(
         self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None
