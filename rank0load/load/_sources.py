@@ -166,9 +166,6 @@ class ReceiveSource:
         if self.local is not None:
             self.local.round_end()
 
-    def close(self) -> None:
-        pass
-
 
 class OwnSource:
     """(every rank, when each reads its own bytes into CPU shards) No message: this rank's pieces read
@@ -195,6 +192,3 @@ class OwnSource:
         self.reader.round_end()
         if stop == self._last:
             self.reader.finish()
-
-    def close(self) -> None:
-        pass

@@ -76,7 +76,8 @@ def stream(
                 source.round_end(stop)
             outcome.first = rounds.first
         finally:
-            source.close()
+            if sender is not None:  # rank 0's reader thread
+                sender.source.close()
 
 
 def _into_sink(sink: Sink, source: FileSource | ReceiveSource | OwnSource, arrival: Arrival) -> None:
