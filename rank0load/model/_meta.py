@@ -239,39 +239,34 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
     names of the parameters model_fn built with real values (``build_on_meta``)."""
     tensors: dict[str, TensorInfo] = {}
     aliases: dict[str, str] = {}
-    groups: dict[int, list[str]] = {}
-    first_name: dict[int, str] = {}
+    groups: dict[int, list[str]] = {}  # id(tensor) -> its names, the first one canonical
     initialisable: set[str] = set()
-    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not one lookup per parameter
-
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-        if id(param) in first_name:
-            aliases[name] = first_name[id(param)]
-            continue
-        first_name[id(param)] = name
-        tensors[name] = TensorInfo(
-            tuple(param.shape), param.dtype, is_param=True, is_dtensor=isinstance(param, DTensor)
-        )
-        owner = name.rpartition(".")[0]
-        if _initialiser(model, owner, modules[owner]):
-            initialisable.add(name)
-
     non_persistent: set[str] = set()
-    for module_name, module in model.named_modules(remove_duplicate=False):
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not one lookup per parameter
+    named: list[tuple[str, torch.Tensor, bool]] = [
+        (name, param, True) for name, param in model.named_parameters(remove_duplicate=False)
+    ]
+    for module_name, module in modules.items():
         for leaf, buf in module._buffers.items():
             if buf is None:
                 continue
             name = f"{module_name}.{leaf}" if module_name else leaf
             if leaf in non_persistent_buffers(module):
                 non_persistent.add(name)
-                continue
-            groups.setdefault(id(buf), []).append(name)
-            if id(buf) in first_name:
-                aliases[name] = first_name[id(buf)]
-                continue
-            first_name[id(buf)] = name
-            tensors[name] = TensorInfo(tuple(buf.shape), buf.dtype, is_param=False, is_dtensor=False)
+            else:
+                named.append((name, buf, False))
+
+    for name, tensor, is_param in named:
+        names = groups.setdefault(id(tensor), [])
+        names.append(name)
+        if len(names) > 1:
+            aliases[name] = names[0]
+            continue
+        is_dtensor = is_param and isinstance(tensor, DTensor)
+        tensors[name] = TensorInfo(tuple(tensor.shape), tensor.dtype, is_param, is_dtensor)
+        owner = name.rpartition(".")[0]
+        if is_param and _initialiser(model, owner, modules[owner]):
+            initialisable.add(name)
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     for name in [*tensors, *aliases]:  # wrapper-free and PEFT base names, overriding no existing name
