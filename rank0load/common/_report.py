@@ -159,24 +159,18 @@ def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
             100 * report.initialised_fraction,
             ", ".join(report.missing[:5]),
         )
-    if report.kept:
-        logger.info(
+    for level, message, keys, shown in (
+        (
+            logging.INFO,
             "kept %d tensors as model_fn built them (PEFT adapters the checkpoint lacks): %s",
-            len(report.kept),
-            ", ".join(report.kept[:5]),
-        )
-    if report.missing:
-        logger.warning(
-            "initialised %d tensors absent from the checkpoint: %s",
-            len(report.missing),
-            ", ".join(report.missing[:10]),
-        )
-    if report.unexpected:
-        logger.warning(
-            "skipped %d unexpected checkpoint keys: %s",
-            len(report.unexpected),
-            ", ".join(report.unexpected[:10]),
-        )
+            report.kept,
+            5,
+        ),
+        (logging.WARNING, "initialised %d tensors absent from the checkpoint: %s", report.missing, 10),
+        (logging.WARNING, "skipped %d unexpected checkpoint keys: %s", report.unexpected, 10),
+    ):
+        if keys:
+            logger.log(level, message, len(keys), ", ".join(keys[:shown]))
     whole = report.broadcast_whole
     if whole:
         largest = max(whole, key=lambda k: sizes[k])
