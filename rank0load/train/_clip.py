@@ -150,7 +150,9 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan or inf; ``foreach=True`` on a
             device without ``_foreach`` kernels.
     """
-    params = _parameter_list(parameters)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if isinstance(parameters, types.GeneratorType) and not params:
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2)
     p = float(norm_type)
     if math.isnan(p) or p <= 0:
         raise ValueError(
@@ -175,17 +177,6 @@ def clip_grad_norm_(
         )
     _clip_(present, max_norm, total, foreach)
     return total
-
-
-def _parameter_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """``parameters`` as a list, with torch's warning for an empty generator."""
-    if isinstance(parameters, torch.Tensor):
-        return [parameters]
-    params = list(parameters)
-    if isinstance(parameters, types.GeneratorType) and not params:
-        # stacklevel 3: the frame stacklevel=2 names from inside clip_grad_norm_ (the warning is unchanged)
-        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
-    return params
 
 
 def _buckets(params: list[torch.Tensor]) -> tuple[_Buckets, list[torch.Tensor]]:
