@@ -68,59 +68,48 @@ def _build_once(
     return model
 
 
-# In-place operations that only set a tensor's values: on meta (no values) they change nothing.
-_VALUE_ONLY = frozenset(
+# In-place Tensor methods that only set a tensor's values: on meta (no values) they change nothing.
+_VALUE_ONLY_METHODS = frozenset(
     getattr(torch.Tensor, name)
     for name in (
         "normal_", "uniform_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_",
         "bernoulli_", "erfinv_", "clamp_", "clamp_min_", "clamp_max_", "zero_", "fill_",
     )
-) | frozenset(
-    (nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.constant_, nn.init.ones_, nn.init.zeros_)
 )  # fmt: skip
-# torch.nn.init functions that raise on tensors of fewer than 2 dimensions (fans undefined)
-_VALUE_ONLY_2D = frozenset(
-    (nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_)
-)
+# torch.nn.init's value-only functions, and transformers 5's guarded stand-ins for them
+# (guard_torch_init_functions), by name -> the fewest dimensions they accept (fan-based ones: 2)
+_VALUE_ONLY_INIT = {
+    "uniform_": 0, "normal_": 0, "trunc_normal_": 0, "constant_": 0, "ones_": 0, "zeros_": 0,
+    "kaiming_uniform_": 2, "kaiming_normal_": 2, "xavier_uniform_": 2, "xavier_normal_": 2,
+}  # fmt: skip
+_INIT_MODULES = ("torch.nn.init", "transformers.initialization")
 
 
-_VALUE_ONLY_NAMES = frozenset(
-    f.__name__ for f in _VALUE_ONLY if getattr(f, "__module__", None) == "torch.nn.init"
-)
-_VALUE_ONLY_2D_NAMES = frozenset(f.__name__ for f in _VALUE_ONLY_2D)
-# transformers 5's guarded stand-ins for torch.nn.init's functions (guard_torch_init_functions),
-# recognised by module and name.
-_HF_INIT = "transformers.initialization"
-
-
-def _kind(func: object) -> int:
-    """2: a value-only initialiser that needs 2 dimensions; 1: one that does not; 0: anything else."""
-    if func in _VALUE_ONLY_2D:
-        return 2
-    if func in _VALUE_ONLY:
-        return 1
-    if getattr(func, "__module__", None) == _HF_INIT:
-        name = getattr(func, "__name__", "")
-        return 2 if name in _VALUE_ONLY_2D_NAMES else 1 if name in _VALUE_ONLY_NAMES else 0
-    return 0
+def _min_dims(func: object) -> int | None:
+    """The fewest dimensions a value-only initialiser accepts; None for any other function."""
+    if func in _VALUE_ONLY_METHODS:
+        return 0
+    if getattr(func, "__module__", None) in _INIT_MODULES:
+        return _VALUE_ONLY_INIT.get(getattr(func, "__name__", ""))
+    return None
 
 
 class _MetaValuesSkipped(TorchFunctionMode):
-    """Value-only initialisers (:data:`_VALUE_ONLY`, and ``_HF_INIT``'s) return at once on a floating
-    meta tensor with no other tensor argument (fan-based ones from 2 dimensions up, below which they
-    raise): torch runs some on meta through slow Python references. The random stream is untouched."""
+    """Value-only initialisers (:func:`_min_dims`) return at once on a floating meta tensor with no
+    other tensor argument (fan-based ones from 2 dimensions up, below which they raise): torch runs
+    some on meta through slow Python references. The random stream is untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        kind = _kind(func)
-        if kind:
+        dims = _min_dims(func)
+        if dims is not None:
             target = args[0] if args else kwargs.get("tensor")
             others = [*args[1:], *(v for k, v in kwargs.items() if k != "tensor" or args)]
             if (
                 isinstance(target, torch.Tensor)
                 and target.is_meta
                 and target.is_floating_point()
-                and (kind == 1 or target.dim() >= 2)
+                and target.dim() >= dims
                 and not any(isinstance(a, torch.Tensor) for a in others)
             ):
                 return target
