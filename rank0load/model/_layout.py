@@ -39,21 +39,16 @@ ROWS_OK = 1  # this rank's shard is the row range rows_of() computes
 RUNS_OK = 2  # this rank's shard is the block runs_at() computes
 
 
-def _chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
-    """torch.chunk semantics (what DTensor's Shard and FSDP2 use): ceil-sized chunks, trailing empty."""
-    size = math.ceil((stop - start) / parts)
-    lo = min(start + index * size, stop)
-    return lo, min(lo + size, stop)
-
-
 def rows_of(
     mesh_shape: Sequence[int], placements: Sequence[object], nrows: int, coord: Sequence[int]
 ) -> tuple[int, int]:
     """The row range [lo, hi) that the rank at mesh coordinate ``coord`` holds."""
     lo, hi = 0, nrows
     for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            lo, hi = _chunk(lo, hi, mesh_shape[dim], coord[dim])
+        if isinstance(placement, Shard):  # torch.chunk's split, as DTensor's and FSDP2's: ceil-sized chunks
+            size = math.ceil((hi - lo) / mesh_shape[dim])
+            lo = min(lo + coord[dim] * size, hi)
+            hi = min(lo + size, hi)
     return lo, hi
 
 
