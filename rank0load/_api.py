@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -206,7 +207,34 @@ def _finished(
     _model.finish(built.model, built.layout)
     _model.guard_added_parameters(built.model, built.layout)
     clock("finish")
-    report = LoadReport.of(manifest, plan, clock, peak_rss_bytes(), local, fsdp_plan(built.model))
+    report = LoadReport(
+        tensors=len(manifest.entries),
+        bytes=manifest.total_bytes,
+        seconds=time.perf_counter() - clock.started,
+        stream_seconds=clock.phases.get("stream", 0.0),
+        missing=manifest.missing,
+        kept=manifest.kept,
+        initialised_fraction=manifest.initialised[0] / max(1, manifest.initialised[1]),
+        unexpected=manifest.unexpected,
+        ignored=manifest.ignored,
+        broadcast_whole=plan.broadcast_whole,
+        kinds={e.key: k.value for e, k in zip(plan.entries, plan.kinds)},
+        assembled=(
+            sum(len(e.parts) for e in manifest.entries if e.parts),
+            sum(1 for e in manifest.entries if e.parts),
+        ),
+        dequantised=sum(1 for e in manifest.entries if e.scales),
+        files=manifest.files,
+        phases=clock.phases,
+        peak_rss_bytes=peak_rss_bytes(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        manifest_runs=manifest.runs,
+        local_read=local.files is not None,
+        local_readers=tuple(sorted(local.readers)),
+        local_status=local.status,
+        fsdp_groups=fsdp_plan(built.model),
+    )
     built.model.rank0load_report = report  # type: ignore[assignment]
     if dist.get_rank() == 0:
         log_summary(report, {e.key: e.nbytes for e in manifest.entries})

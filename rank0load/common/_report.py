@@ -6,10 +6,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..integrations._compat import fsdp_group_params
@@ -89,46 +87,6 @@ class LoadReport:
     manifest_runs: int = 0
     # the model's FSDP2 groups as sharded, root first; the same on every rank
     fsdp_groups: tuple[FSDPGroup, ...] = ()
-
-    @classmethod
-    def of(
-        cls,
-        manifest: Any,
-        plan: Any,
-        clock: Clock,
-        peak_rss: int,
-        local: Any,
-        groups: tuple[FSDPGroup, ...],
-    ) -> LoadReport:
-        """(all ranks) The report of a just-finished load (``local``: ``_localread.LocalReads``)."""
-        return cls(
-            tensors=len(manifest.entries),
-            bytes=manifest.total_bytes,
-            seconds=time.perf_counter() - clock.started,
-            stream_seconds=clock.phases.get("stream", 0.0),
-            missing=manifest.missing,
-            kept=manifest.kept,
-            initialised_fraction=manifest.initialised[0] / max(1, manifest.initialised[1]),
-            unexpected=manifest.unexpected,
-            ignored=manifest.ignored,
-            broadcast_whole=plan.broadcast_whole,
-            kinds={e.key: k.value for e, k in zip(plan.entries, plan.kinds)},
-            assembled=(
-                sum(len(e.parts) for e in manifest.entries if e.parts),
-                sum(1 for e in manifest.entries if e.parts),
-            ),
-            dequantised=sum(1 for e in manifest.entries if e.scales),
-            files=manifest.files,
-            phases=clock.phases,
-            peak_rss_bytes=peak_rss,
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            manifest_runs=manifest.runs,
-            local_read=local.files is not None,
-            local_readers=tuple(sorted(local.readers)),
-            local_status=local.status,
-            fsdp_groups=groups,
-        )
 
     @property
     def gb_per_s(self) -> float:
