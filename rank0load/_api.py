@@ -112,7 +112,9 @@ def load_sharded(
     if mesh is None:
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
     if max_staging_bytes is None:
-        max_staging_bytes = _options.default_staging_bytes(mesh.device_type)
+        max_staging_bytes = (
+            DEFAULT_STAGING_BYTES if mesh.device_type == "cpu" else _options.ACCELERATOR_STAGING_BYTES
+        )
     options = {
         "strict": strict,
         "dtype": dtype,

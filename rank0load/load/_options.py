@@ -14,17 +14,11 @@ __all__ = [
     "ACCELERATOR_STAGING_BYTES",
     "check_mesh",
     "check_options",
-    "default_staging_bytes",
 ]
 
-# rank 0 stages in pinned host memory and copies to the device: more staging keeps its readers ahead
+# max_staging_bytes' default on an accelerator mesh (DEFAULT_STAGING_BYTES on a CPU one): rank 0
+# stages in pinned host memory and copies to the device, and more staging keeps its readers ahead
 ACCELERATOR_STAGING_BYTES = 256 << 20
-
-
-def default_staging_bytes(device_type: str) -> int:
-    """``max_staging_bytes`` when the caller gives none: 16 MiB on a CPU mesh, 256 MiB on an
-    accelerator mesh (rank 0's pinned host slots, the other ranks' device slots)."""
-    return DEFAULT_STAGING_BYTES if device_type == "cpu" else ACCELERATOR_STAGING_BYTES
 
 
 def check_options(dtype: object, max_staging_bytes: object, local_reads: object) -> None:
