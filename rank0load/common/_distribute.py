@@ -35,7 +35,6 @@ __all__ = [
     "NO_DATA_MOVED",
     "Outcome",
     "Rounds",
-    "TransferEnd",
     "Faults",
     "attempt",
     "from_rank0",
@@ -369,21 +368,15 @@ class Rounds:
             begin = stop
 
 
-@dataclass
-class TransferEnd:
-    """What a transfer under :func:`settled` sets: the first failing rank, or the world size."""
-
-    first: int
-
-
 @contextlib.contextmanager
 def settled(
-    faults: Faults, stage: str, todo: str, wrap: type[LoadError], peer_todo: str
-) -> Iterator[TransferEnd]:
-    """(all ranks) ``with settled(...) as outcome:`` run a transfer that sets ``outcome.first``; then
-    raise that rank's error on every rank (``todo``), or this rank's peer failure (``peer_todo``)."""
-    outcome = TransferEnd(dist.get_world_size())
+    faults: Faults, ends: Sequence[int], stage: str, todo: str, wrap: type[LoadError], peer_todo: str
+) -> Iterator[Rounds]:
+    """(all ranks) ``with settled(...) as rounds:`` run a transfer over ``Rounds(ends, faults)``; then
+    raise the first failing rank's error on every rank (``todo``), or this rank's peer failure
+    (``peer_todo``)."""
+    rounds = Rounds(ends, faults)
     with peer_failures(stage, wrap, peer_todo):  # a rank died or stalled, or the network broke
-        yield outcome
-        if outcome.first < dist.get_world_size():
-            _raise_failure(outcome.first, faults.error, stage, todo, wrap=wrap)
+        yield rounds
+        if rounds.first < dist.get_world_size():
+            _raise_failure(rounds.first, faults.error, stage, todo, wrap=wrap)

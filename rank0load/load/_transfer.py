@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..common._distribute import Rounds, settled
+from ..common._distribute import settled
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
 from ._pieces import Route
@@ -47,11 +47,12 @@ def stream(
     sink = Sink(plan, targets, mesh_device)
     with settled(
         sink.faults,
+        plan.rounds,
         "moving tensor data",
         "No model was returned; the process group is still usable: fix the cause and load again.",
         LoadError,
         "No model was returned; fix the cause and load again.",
-    ) as outcome:
+    ) as rounds:
         # the same on every rank: each reads its own bytes into CPU shards, or rank 0 sends to the others
         own = local.reader(plan, staging, sink, files)
         source: FileSource | ReceiveSource | OwnSource
@@ -64,7 +65,6 @@ def stream(
         else:
             source = ReceiveSource(plan, staging, sink, own)
         try:
-            rounds = Rounds(plan.rounds, sink.faults)
             for _, stop in rounds:
                 for arrival in source.until(stop):
                     if sender is not None:
@@ -74,7 +74,6 @@ def stream(
                 if sender is not None:
                     sender.round_end(last=stop == len(plan.entries))
                 source.round_end(stop)
-            outcome.first = rounds.first
         finally:
             if sender is not None:  # rank 0's reader thread
                 sender.source.close()

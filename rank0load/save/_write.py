@@ -75,12 +75,12 @@ def stream(
     faults = _distribute.Faults()
     gathered: list[str] = []
 
-    with settled(faults, "writing the checkpoint", _TODO, SaveError, _TODO) as outcome:
+    with settled(faults, plan.rounds, "writing the checkpoint", _TODO, SaveError, _TODO) as rounds:
         if dist.get_rank() == 0:
             assert outputs is not None
-            outcome.first = _Collector(plan, outputs, staging, faults).run(tensors, gathered, on_bytes)
+            _Collector(plan, outputs, staging, faults).run(rounds, tensors, gathered, on_bytes)
         else:
-            outcome.first = _sender(plan, tensors, staging, faults, gathered)
+            _sender(plan, rounds, tensors, staging, faults, gathered)
     return tuple(gathered)
 
 
@@ -115,13 +115,15 @@ class _Collector:
         self.half = block_half(plan.piece_bytes)
 
     def run(
-        self, tensors: dict[str, torch.Tensor], gathered: list[str], on_bytes: Callable[[int], None]
-    ) -> int:
-        """Receive ahead into the slots, write rank 0's own pieces from its tensors, round by round;
-        returns the first failing rank (world: none)."""
+        self,
+        rounds: Rounds,
+        tensors: dict[str, torch.Tensor],
+        gathered: list[str],
+        on_bytes: Callable[[int], None],
+    ) -> None:
+        """Receive ahead into the slots, write rank 0's own pieces from its tensors, round by round."""
         plan = self.plan
         try:
-            rounds = Rounds(plan.rounds, self.faults)
             for begin, stop in rounds:
                 for index in range(begin, stop):
                     item = plan.items[index]
@@ -139,7 +141,6 @@ class _Collector:
                         on_bytes(piece.nbytes)
                 self.pending.drain()
                 self.writer.jobs.join()
-            return rounds.first
         finally:
             self.writer.close()
 
@@ -211,18 +212,18 @@ class _Collector:
 
 def _sender(
     plan: SavePlan,
+    rounds: Rounds,
     tensors: dict[str, torch.Tensor],
     staging: Staging,
     faults: _distribute.Faults,
     gathered: list[str],
-) -> int:
-    """(ranks other than 0) Send this rank's pieces, cast into a staging slot when the saved dtype
-    differs, with up to ``SLOTS`` sends in flight; returns the first failing rank (world: none)."""
+) -> None:
+    """(ranks other than 0) Send this rank's pieces, round by round, cast into a staging slot when the
+    saved dtype differs, with up to ``SLOTS`` sends in flight."""
     me = dist.get_rank()
     free = collections.deque(range(len(staging.slots)))
     pending = InFlight()  # sends, each freeing its slot (if it used one) once done
 
-    rounds = Rounds(plan.rounds, faults)
     for begin, stop in rounds:
         for index in range(begin, stop):
             item = plan.items[index]
@@ -246,4 +247,3 @@ def _sender(
                 )
                 pending.drain(keep=len(staging.slots))
         pending.drain()
-    return rounds.first
