@@ -53,7 +53,7 @@ class _Checkpoint:
     generation: dict[str, Any] | None  # generation_config.json, None when the checkpoint has none
     overrides: dict[str, Any]  # rank 0's config_overrides
     stored_dtype: str | None  # safetensors dtype of the first floating tensor, read only for dtype="auto"
-    code: _remote_code.RemoteCode | None = None  # trust_remote_code=True: the code; None: not trusted
+    code: _remote_code.RemoteCode | None = None  # an Auto class's trusted code; None: not trusted
 
 
 def load_pretrained(
@@ -122,10 +122,8 @@ def load_pretrained(
     _distribute.require_process_group()
     diffusers = _compat.is_diffusers_class(model_cls)  # the same answer on every rank
     # the auto_map entries whose code rank 0 reads: an Auto class's and its config's
-    code = None
-    if trust_remote_code and not diffusers:
-        auto = hasattr(model_cls, "from_config") and hasattr(model_cls, "_model_mapping")
-        code = ("AutoConfig", model_cls.__name__) if auto else ()
+    auto = hasattr(model_cls, "from_config") and hasattr(model_cls, "_model_mapping")
+    code = ("AutoConfig", model_cls.__name__) if trust_remote_code and auto and not diffusers else None
     path: str | os.PathLike[str] = ckpt_path  # rank 0 resolves it; the other ranks never look at it
 
     def read() -> _Checkpoint:  # rank 0

@@ -72,7 +72,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
 
     raw = dict(checkpoint.config)
     _check_quantization(raw.pop("quantization_config", None), checkpoint.where)
-    code = checkpoint.code  # None: trust_remote_code=False
+    code = checkpoint.code  # None: trust_remote_code=False, or not an Auto class
     if code is not None and code.files:
         _remote_code.install(code)
     config_class = _config_class(model_cls, raw, checkpoint.where, code)

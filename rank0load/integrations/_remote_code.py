@@ -66,8 +66,6 @@ def read(
         CheckpointNotFoundError: a module file (or one it imports relatively) that cannot be read.
         ModelMismatchError: the code imports a package that is not installed.
     """
-    if not wanted:
-        return RemoteCode((), {})
     if not isinstance(auto_map, dict):
         raise CheckpointFormatError(
             f"{where}: auto_map is a JSON {type(auto_map).__name__}, expected an object of Auto class "
