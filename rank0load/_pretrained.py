@@ -162,9 +162,9 @@ def _read(
     revision: str | None,
     dtype: object,
     overrides: dict[str, Any] | None,
-    subfolder: str | None = None,
-    generation: bool = True,
-    code: tuple[str, ...] | None = None,
+    subfolder: str | None,
+    generation: bool,
+    code: tuple[str, ...] | None,
 ) -> tuple[_Checkpoint, str | os.PathLike[str]]:
     """(rank 0) Resolve ``ckpt_path`` as ``load_sharded`` does and read ``config.json``; with
     ``generation``, ``generation_config.json``; with ``dtype="auto"`` and no config dtype, the first
@@ -180,19 +180,17 @@ def _read(
     source = resolve(ckpt_path, revision, subfolder)
     hub = not os.path.exists(ckpt_path)  # resolve() tries the Hub only for a path that is not here
     where = os.path.join(source.root, "config.json")
-    config = _json(where, required=True)
-    assert config is not None  # required: _json raised otherwise
+    config = _json(where)
     stored = None
     if dtype == "auto" and config.get("dtype") is None and config.get("torch_dtype") is None:
         headers, _ = read_header(source.files[0])
         stored = next((headers[k].dtype for k in sorted(headers) if headers[k].dtype in FLOAT_WIRE), None)
+    generation_json = os.path.join(source.root, "generation_config.json")
     read = _Checkpoint(
         name=os.fspath(ckpt_path),
         where=where,
         config=config,
-        generation=_json(os.path.join(source.root, "generation_config.json"), required=False)
-        if generation
-        else None,
+        generation=_json(generation_json) if generation and os.path.lexists(generation_json) else None,
         overrides=dict(overrides or {}),
         stored_dtype=stored,
         code=None
@@ -205,10 +203,8 @@ def _read(
     return read, Resolved(path, source)  # load_sharded takes the source as it is
 
 
-def _json(path: str, required: bool) -> dict[str, Any] | None:
-    """(rank 0) A JSON object from the regular file ``path``, or None when absent and not ``required``."""
-    if not required and not os.path.lexists(path):
-        return None
+def _json(path: str) -> dict[str, Any]:
+    """(rank 0) A JSON object from the regular file ``path``."""
     try:
         with OpenFile.open(path) as f:
             if f.identity.size > _MAX_CONFIG_BYTES:
