@@ -33,11 +33,8 @@ def hf_has_conversion_mapping() -> bool:
 
 
 def hf_legacy_rename(model: nn.Module, key: str) -> str:
-    """transformers 4.x's ``_fix_state_dict_key_on_load``; ``key`` itself where the model has none."""
-    fix = getattr(type(model), "_fix_state_dict_key_on_load", None)
-    if fix is None:
-        return key
-    renamed, _ = fix(key)
+    """transformers 4.57's ``PreTrainedModel._fix_state_dict_key_on_load`` (a staticmethod)."""
+    renamed, _ = type(model)._fix_state_dict_key_on_load(key)  # type: ignore[attr-defined]
     return str(renamed)
 
 
