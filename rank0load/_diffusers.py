@@ -1,9 +1,8 @@
 """``load_pretrained`` for a diffusers model class (a ``ModelMixin`` subclass: Flux, SD3, Wan, ...).
 
-(all ranks) :func:`load`, from rank 0's ``config.json`` (``_pretrained._read``): :func:`configure`
-            under ``_distribute.run`` (overrides checked against the class's ``__init__``, the
-            dtype), then ``load_sharded(dtype=...)`` with :func:`build` as its meta build
-            (``_keep_in_fp32_modules`` kept in float32). These two are the only collectives.
+(all ranks, from rank 0's ``config.json``, as ``_pretrained.load_pretrained`` calls them) :func:`configure`:
+overrides checked against the class's ``__init__``, the dtype; :func:`build`: the meta build of
+``load_sharded(dtype=...)`` (``_keep_in_fp32_modules`` kept in float32). No collectives.
 Nothing here imports diffusers.
 """
 
@@ -11,42 +10,18 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from ._api import load_sharded
-from .common import _distribute
 from .common._failure import user_code
 from .errors import LoadError, ModelMismatchError
 
-__all__ = ["build", "configure", "load"]
+__all__ = ["build", "configure"]
 
 logger = logging.getLogger(__name__)
-
-
-def load(
-    model_cls: Any,
-    checkpoint: Any,
-    path: str | os.PathLike[str],
-    mesh: DeviceMesh | None,
-    dtype: object,
-    load_sharded_kwargs: dict[str, Any],
-) -> nn.Module:
-    """(all ranks) The model from rank 0's ``checkpoint``, loaded from ``path`` (rank 0's), in eval mode."""
-    c = checkpoint
-    chosen = _distribute.run(
-        lambda: configure(model_cls, c.config, c.overrides, c.where, dtype),
-        "building the model's config",
-        _distribute.NO_DATA_MOVED,
-        wrap=LoadError,
-    )
-    model = load_sharded(lambda: build(model_cls, c), path, mesh, dtype=chosen, **load_sharded_kwargs)
-    return model.eval()
 
 
 def configure(

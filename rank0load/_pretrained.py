@@ -4,13 +4,16 @@
 (all ranks) :func:`_check_arguments`: bad arguments raise on every rank, before any collective.
 (rank 0)    :func:`_read`: the checkpoint resolved, its configs (and remote code) read.
 (all ranks) ``_distribute.from_rank0``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
-(all ranks) ``_transformers.load`` or ``_diffusers.load``, then ``load_sharded`` with the path rank 0
-            resolved (``_source.Resolved``: the Hub and the index are read once).
+(all ranks) ``_distribute.run``: ``_transformers.configure`` or ``_diffusers.configure`` (a failure on
+            any rank raised everywhere); then ``load_sharded`` with that module's ``build`` as its meta
+            build and the path rank 0 resolved (``_source.Resolved``: the Hub and the index are read once).
+            These two are the only collectives after the read.
 Other ranks never read the checkpoint, the Hugging Face cache or the network.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -137,9 +140,26 @@ def load_pretrained(
             f"rank 0 could not read the config of {os.fspath(ckpt_path)!r}: {type(exc).__name__}: {exc}"
         ),
     )
+
+    def configure() -> Any:  # all ranks, from rank 0's checkpoint: a Configured, or a diffusers dtype
+        if diffusers:
+            return _diffusers.configure(
+                model_cls, checkpoint.config, checkpoint.overrides, checkpoint.where, dtype
+            )
+        return _transformers.configure(model_cls, checkpoint, dtype)
+
+    configured = _distribute.run(
+        configure, "building the model's config", _distribute.NO_DATA_MOVED, wrap=LoadError
+    )
     if diffusers:
-        return _diffusers.load(model_cls, checkpoint, path, mesh, dtype, load_sharded_kwargs)
-    return _transformers.load(model_cls, checkpoint, path, mesh, dtype, peft_config, load_sharded_kwargs)
+        build = functools.partial(_diffusers.build, model_cls, checkpoint)
+        return load_sharded(build, path, mesh, dtype=configured, **load_sharded_kwargs).eval()
+    build = functools.partial(_transformers.build, model_cls, configured, peft_config)
+    model = load_sharded(build, path, mesh, **load_sharded_kwargs)
+    base: Any = _compat.peft_base_model(model)
+    if configured.generation is not None and base.can_generate():
+        base.generation_config = configured.generation
+    return model.eval()
 
 
 def _check_arguments(trust_remote_code: object, load_sharded_kwargs: dict[str, Any]) -> None:

@@ -1,32 +1,28 @@
 """``load_pretrained`` for a transformers model class (an Auto class or a ``PreTrainedModel`` subclass).
 
-(all ranks) :func:`load`, from rank 0's configs (``_pretrained._read``): :func:`configure` under
-            ``_distribute.run`` (remote code installed, config class, ``config_overrides``, dtype,
-            generation config, model class; a failure on any rank raised everywhere), then
-            ``load_sharded`` with :func:`build` as its meta build. These two are the only collectives.
+(all ranks, from rank 0's configs, as ``_pretrained.load_pretrained`` calls them) :func:`configure`:
+remote code installed, config class, ``config_overrides``, dtype, generation config, model class;
+:func:`build`: ``load_sharded``'s meta build. No collectives.
 transformers is imported inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from ._api import load_sharded
 from .checkpoint._format import DTYPES
-from .common import _distribute, _failure
+from .common import _failure
 from .errors import LoadError, ModelMismatchError
 from .integrations import _compat, _remote_code
 from .load._model import cast, set_config_dtype
 
-__all__ = ["Configured", "build", "configure", "load"]
+__all__ = ["Configured", "build", "configure"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,32 +38,9 @@ class Configured:
     model_cls: Any = None  # the class to build, when not load_pretrained's model_cls: remote code's
 
 
-def load(
-    model_cls: Any,
-    checkpoint: Any,
-    path: str | os.PathLike[str],
-    mesh: DeviceMesh | None,
-    dtype: object,
-    peft_config: Any,
-    load_sharded_kwargs: dict[str, Any],
-) -> nn.Module:
-    """(all ranks) The model from rank 0's ``checkpoint`` (``_pretrained._Checkpoint``), loaded from
-    ``path`` (used on rank 0), ``get_peft_model``-wrapped with a ``peft_config``, in eval mode."""
-    configured = _distribute.run(
-        lambda: configure(model_cls, checkpoint, dtype),
-        "building the model's config",
-        _distribute.NO_DATA_MOVED,
-        wrap=LoadError,
-    )
-    model = load_sharded(lambda: build(model_cls, configured, peft_config), path, mesh, **load_sharded_kwargs)
-    base: Any = _compat.peft_base_model(model)
-    if configured.generation is not None and base.can_generate():
-        base.generation_config = configured.generation
-    return model.eval()
-
-
 def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
-    """(all ranks, from the same ``checkpoint``) The config, the dtype and the generation config."""
+    """(all ranks, from the same ``checkpoint``: ``_pretrained._Checkpoint``) The config, the dtype and
+    the generation config."""
     from transformers import GenerationConfig
 
     raw = dict(checkpoint.config)
