@@ -55,12 +55,14 @@ __all__ = [
 
 def host_bytes(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous uint8 CPU tensor's bytes, without numpy (else ValueError).
-    The caller keeps ``t`` alive while the view is in use."""
+    The view, and every slice of it, keeps ``t`` alive."""
     if not (t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()):
         raise ValueError(f"host_bytes needs a contiguous uint8 CPU tensor, got {t.dtype} on {t.device}")
     if t.numel() == 0:
         return memoryview(bytearray())
-    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+    array = (ctypes.c_char * t.numel()).from_address(t.data_ptr())
+    array.owner = t  # type: ignore[attr-defined]  # from_address holds no reference: the view holds the array
+    return memoryview(array).cast("B")
 
 
 def foreach_supported(device: torch.device) -> bool:

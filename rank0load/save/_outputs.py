@@ -12,7 +12,6 @@ import secrets
 import shutil
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..common import _distribute
 from ._saveplan import SaveItem, SavePlan
@@ -163,20 +162,18 @@ class Writer:
 
     def __init__(self, fds: list[int], slots: int, faults: _distribute.Faults) -> None:
         self.fds, self.faults = fds, faults
-        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None, Any] | None] = (
-            queue.Queue()
-        )
+        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None] | None] = queue.Queue()
         self.free: queue.Queue[int] = queue.Queue()
         for slot in range(slots):
             self.free.put(slot)
         self.thread = threading.Thread(target=self._run, name="rank0load-writer", daemon=True)
         self.thread.start()
 
-    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None, keep: Any = None) -> None:
+    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None) -> None:
         """Queue bytes [start, start + len(data)) of ``item`` for its saved tensors (one or more);
-        ``slot`` is handed back once written, ``keep`` kept alive until then."""
+        ``slot`` is handed back once written."""
         writes = [(self.fds[f], data[lo:hi], at) for f, at, lo, hi in item.writes(start, len(data))]
-        self.jobs.put((writes, slot, keep))
+        self.jobs.put((writes, slot))
 
     def _run(self) -> None:
         while True:
@@ -184,7 +181,7 @@ class Writer:
             try:
                 if job is None:
                     return
-                writes, slot, _keep = job
+                writes, slot = job
                 for fd, data, offset in writes:
                     self.faults.run(_pwrite_all, fd, data, offset)
                 if slot is not None:

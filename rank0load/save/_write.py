@@ -169,8 +169,7 @@ class _Collector:
         wire = DTYPES[item.dtype]
         values = source[_elements(piece, wire)]
         if values.dtype == wire and values.device.type == "cpu" and values.is_contiguous():
-            data = host_bytes(values.view(torch.uint8))
-            self.writer.put(item, piece.start, data, None, keep=values)
+            self.writer.put(item, piece.start, host_bytes(values.view(torch.uint8)), None)
             return
         slot = self.take()
         buffer = self.staging.slots[slot][: piece.nbytes]

@@ -6,7 +6,9 @@ size-2 dimension leaves the last rank empty)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -239,6 +241,20 @@ def test_strided_shard_is_neither_shard_nor_is_shard():
     (were that to change, rank0load.train._clip._shard_groups could test Shard alone)."""
     strided = StridedShard(0, split_factor=2)
     assert not isinstance(strided, Shard) and not strided.is_shard() and not strided.is_replicate()
+
+
+def test_host_bytes_keeps_its_tensor_alive():
+    # A view that outlives its tensor would read or write freed memory: _broadcast_object unpickles
+    # host_bytes(payload.cpu()), a temporary copy on an accelerator mesh.
+    t = torch.arange(6, dtype=torch.uint8)
+    alive = weakref.ref(t)
+    view = host_bytes(t)[2:5]
+    del t
+    gc.collect()
+    assert alive() is not None and bytes(view) == bytes([2, 3, 4])
+    del view
+    gc.collect()
+    assert alive() is None  # and nothing more: the view is the tensor's last owner
 
 
 def test_host_bytes_is_a_writable_alias():
