@@ -132,8 +132,8 @@ def fsdp_groups(
 
 def fsdp_group_params(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
     """Every FSDP2 group in ``model``, in ``named_modules()`` order: (qualified name, module, sharded
-    DTensor parameters). Private: ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``
-    (or older ``_fsdp_param_group``), ``FSDPParam.sharded_param``."""
+    DTensor parameters). Private: ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``,
+    ``FSDPParam.sharded_param``."""
     return [
         (name, module, [fp.sharded_param for fp in params])
         for name, module, params in _fsdp_param_groups(model)
@@ -148,11 +148,7 @@ def _fsdp_param_groups(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[
         state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
         if state is None:
             continue
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            single = state._fsdp_param_group
-            groups = [single] if single is not None else []
-        for group in groups:
+        for group in state._fsdp_param_groups:
             yield name, module, group.fsdp_params
 
 
