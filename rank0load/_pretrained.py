@@ -215,9 +215,7 @@ def _read(
         stored_dtype=stored,
         code=None
         if code is None
-        else _remote_code.read(
-            os.fspath(ckpt_path), source.root, hub, subfolder, config.get("auto_map", {}), code, where
-        ),
+        else _remote_code.read(os.fspath(ckpt_path), hub, subfolder, config.get("auto_map", {}), code, where),
     )
     path = source.root if hub else ckpt_path if subfolder is None else os.path.join(ckpt_path, subfolder)
     return read, Resolved(path, source)  # load_sharded takes the source as it is

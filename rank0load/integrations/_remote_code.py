@@ -50,7 +50,6 @@ class RemoteCode:
 
 def read(
     ckpt_path: str,
-    root: str,
     hub: bool,
     subfolder: str | None,
     auto_map: object,
@@ -58,8 +57,8 @@ def read(
     where: str,
 ) -> RemoteCode:
     """(rank 0) The code of the ``wanted`` entries of ``auto_map`` (those it has), for the checkpoint
-    ``ckpt_path`` whose ``config.json`` is in ``root`` (with ``hub``, a snapshot: the code at its
-    commit). ``where``: config.json's path, for messages.
+    ``ckpt_path`` whose ``config.json`` is ``where`` (with ``hub``, in a snapshot: the code at its
+    commit; ``where`` also names it in messages).
 
     Raises:
         CheckpointFormatError: an ``auto_map`` that is not an object, an entry not ``module.Class``.
@@ -76,7 +75,7 @@ def read(
 
     if hub:  # the repo id, at the commit the weights come from; a subfolder's code is in its folder
         location: str = ckpt_path
-        revision = extract_commit_hash(os.path.join(root, "config.json"), None)
+        revision = extract_commit_hash(where, None)
         prefix = f"{subfolder.strip('/')}/" if subfolder else ""
     else:  # the folder holding config.json, as the user spelt it: from_pretrained names modules after it
         location = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))

@@ -423,9 +423,7 @@ def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
     assert hf_auto_class(type(model)) == expected, "review _compat.hf_remote_auto_class"
     assert hf_remote_auto_class(has_local_code=False)
 
-    read = _remote_code.read(
-        folder, folder, False, None, auto_map, ("AutoConfig", "AutoModelForCausalLM"), "c"
-    )
+    read = _remote_code.read(folder, False, None, auto_map, ("AutoConfig", "AutoModelForCausalLM"), "c")
     (entry,) = read.classes
     assert read.files == {entry.module: code.encode()}
     found = _remote_code.import_class(entry, transformers.PreTrainedModel, "c")
