@@ -145,10 +145,8 @@ def _fsdp_param_groups(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[
     from torch.distributed.fsdp import FSDPModule
 
     for name, module in model.named_modules():
-        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
-        if state is None:
-            continue
-        for group in state._fsdp_param_groups:
+        groups = module._get_fsdp_state()._fsdp_param_groups if isinstance(module, FSDPModule) else []
+        for group in groups:
             yield name, module, group.fsdp_params
 
 
