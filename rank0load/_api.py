@@ -121,18 +121,26 @@ def load_sharded(
         "max_staging_bytes": max_staging_bytes,
         "local_reads": local_reads,
     }
-    rng = _distribute.rank0_rng_state(_distribute.mesh_device(mesh.device_type))  # PEFT's draws
+    mesh_device = _distribute.mesh_device(mesh.device_type)
+    rng = _distribute.rank0_rng_state(mesh_device)  # PEFT's draws
     building = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
     clock("build")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
         opened.enter_context(_gc_paused())
-        mesh_device = _distribute.mesh_device(mesh.device_type)
-        allocating = _allocate(building.value, mesh_device, opened)
+        model = building.value.model if building.value is not None else None  # None: agree raises
+        allocating = _allocate(model, mesh_device, opened)
         clock("allocate")
         # rank 0 opens the checkpoint while slower ranks build; a failure is raised with the manifest's
         checkpoint = _distribute.Outcome[Checkpoint]()
-        if rank == 0 and building.value is not None:
-            checkpoint = _open(building.value, ckpt_path, revision, opened, adapter)
+        if rank == 0 and model is not None:
+            checkpoint = _distribute.attempt(
+                lambda: open_checkpoint(
+                    ckpt_path,
+                    revision,
+                    opened,
+                    lambda: adapters_of(model, adapter) if adapter is not None else (),
+                )
+            )
         clock("headers")
         built, flags = _distribute.agree(building)
         clock("agree")
@@ -173,33 +181,15 @@ def load_sharded(
 
 
 def _allocate(
-    built: _model.Built | None, mesh_device: torch.device, opened: contextlib.ExitStack
+    model: nn.Module | None, mesh_device: torch.device, opened: contextlib.ExitStack
 ) -> _distribute.Outcome[FaultIn]:
     """(all ranks) The shards allocated, a thread faulting them in; a failure is raised in ``_prepare``."""
-    if built is None:
+    if model is None:
         return _distribute.Outcome()
-    faulting = _distribute.attempt(lambda: _model.materialise(built.model, mesh_device))
+    faulting = _distribute.attempt(lambda: _model.materialise(model, mesh_device))
     if faulting.value is not None:
         opened.callback(faulting.value.close)
     return faulting
-
-
-def _open(
-    built: _model.Built,
-    ckpt_path: str | os.PathLike[str],
-    revision: str | None,
-    opened: contextlib.ExitStack,
-    adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None,
-) -> _distribute.Outcome[Checkpoint]:
-    """(rank 0) The checkpoint and ``adapter``'s files opened (kept open by ``opened``), or the error."""
-    return _distribute.attempt(
-        lambda: open_checkpoint(
-            ckpt_path,
-            revision,
-            opened,
-            lambda: adapters_of(built.model, adapter) if adapter is not None else (),
-        )
-    )
 
 
 def _finished(
