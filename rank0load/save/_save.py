@@ -145,7 +145,10 @@ def save_sharded(
         lambda exc: SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}"),
     )
     clock("plan")
-    mesh_device = _mesh_device(tensors)
+    dtensors = (t for t in tensors.values() if isinstance(t, DTensor))
+    mesh_device = next(
+        (_distribute.mesh_device(t.device_mesh.device_type) for t in dtensors), torch.device("cpu")
+    )
 
     def prepare() -> tuple[_write.Staging, _outputs.Outputs | None]:
         staging = _write.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
@@ -218,13 +221,6 @@ def _flags(t: torch.Tensor) -> int:
     if not isinstance(t, DTensor) or not local_tensor(t).is_contiguous():
         return 0
     return layout_flags(t, t.device_mesh) & (ROWS_OK | RUNS_OK)
-
-
-def _mesh_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    for t in tensors.values():
-        if isinstance(t, DTensor):
-            return _distribute.mesh_device(t.device_mesh.device_type)
-    return torch.device("cpu")
 
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
