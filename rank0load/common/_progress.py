@@ -17,13 +17,13 @@ logger = logging.getLogger(__name__)
 
 def peak_rss_bytes() -> int:
     """(any rank) This process's peak resident set size in bytes (``VmHWM``, else ``getrusage``)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open("/proc/self/status", encoding="ascii") as f,
+    ):
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     try:
         import resource
 
