@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..common._report import FSDPGroup, fsdp_plan
 from ..errors import LoadError, ModelMismatchError
@@ -196,8 +197,6 @@ def _fsdp_groups(model: nn.Module) -> tuple[tuple[FSDPGroup, ...] | None, str, s
     ``model`` (on meta; sharded in place); not listed when this process already has a process group."""
     if not dist.is_available() or dist.is_initialized():
         return None, "this process already has a process group", ""
-    from torch.distributed.device_mesh import init_device_mesh
-
     # fully_shard on meta issues no collectives, and the groups are the same at any world size
     dist.init_process_group(
         "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
