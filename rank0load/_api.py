@@ -167,7 +167,7 @@ def load_sharded(
         slot = max_staging_bytes // SLOTS
         handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
         opened.callback(handover.close)
-        plan, targets, staging = _distribute.run(
+        plan, sink, staging = _distribute.run(
             lambda: _prepare(built, manifest, flags, mesh, mesh_device, max_staging_bytes, allocating),
             "allocating or initialising the model",
             _distribute.NO_DATA_MOVED,
@@ -175,7 +175,7 @@ def load_sharded(
         local = handover.decide()
         clock("plan")
         with progress_bar(manifest.total_bytes, show=rank == 0) as on_bytes:
-            _transfer.stream(plan, targets, staging, mesh_device, files, on_bytes, local)
+            _transfer.stream(sink, staging, files, on_bytes, local)
         clock("stream")
     return _finished(built, manifest, plan, clock, local)
 
@@ -260,23 +260,25 @@ def _prepare(
     mesh_device: torch.device,
     max_staging_bytes: int,
     allocating: _distribute.Outcome[FaultIn],
-) -> tuple[Plan, list[_sink.Target], _sink.Staging]:
-    """(all ranks) Once the shards are resident: initialise what the checkpoint lacks, stage, plan."""
+) -> tuple[Plan, _sink.Sink, _sink.Staging]:
+    """(all ranks) Once the shards are resident: initialise what the checkpoint lacks, plan, and make
+    the sink and the staging the stream lands in."""
     allocating.get().wait()
     _model.init_missing(built.model, built.layout, manifest.missing)
     _model.apply_built(built.model, built.real_values, manifest.kept)
     found = _model.targets(built.model, built.layout)
     agreed = dict(zip(built.flags, flags))
     entries = manifest.entries
+    targets = [found[e.key] for e in entries]
     plan = build_plan(
         entries,
-        [found[e.key] for e in entries],
+        targets,
         [agreed[e.key] for e in entries],
         mesh,
         max_staging_bytes // SLOTS,
     )
     staging = _sink.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
-    return plan, [_sink.target_of(found[e.key]) for e in entries], staging
+    return plan, _sink.Sink(plan, targets, mesh_device), staging
 
 
 @contextlib.contextmanager

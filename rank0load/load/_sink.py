@@ -33,29 +33,15 @@ __all__ = [
     "Arrival",
     "Sink",
     "Staging",
-    "Target",
     "allocate_staging",
     "cut",
     "fan_out",
-    "target_of",
 ]
 
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
 _BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
 # on an accelerator (device temporaries, a dozen kernel launches a step): steps 64 times as large
 _DEVICE_STEP_SHIFT = 6
-
-
-@dataclass
-class Target:
-    """Where one entry lands on this rank."""
-
-    tensor: torch.Tensor  # the local tensor (DTensor's local shard, or the plain tensor)
-    dtensor: DTensor | None  # the parameter, for GENERIC entries
-
-
-def target_of(t: torch.Tensor) -> Target:
-    return Target(local_tensor(t), t) if isinstance(t, DTensor) else Target(t.data, None)
 
 
 @dataclass
@@ -111,8 +97,10 @@ class Sink:
     assemble float8 scale grids and GENERIC entries (cut with ``src_data_rank=None``: no communication).
     Failures are noted in :attr:`faults`, not raised; after the first it does nothing more."""
 
-    def __init__(self, plan: Plan, targets: list[Target], device: torch.device) -> None:
-        self.plan, self.entries, self.targets = plan, plan.entries, targets
+    def __init__(self, plan: Plan, params: list[torch.Tensor], device: torch.device) -> None:
+        self.plan, self.entries, self.params = plan, plan.entries, params  # the model's, by entry
+        # where each entry lands on this rank: a DTensor's local shard, or the plain tensor's data
+        self.targets = [local_tensor(t) if isinstance(t, DTensor) else t.data for t in params]
         self.wires = [DTYPES[e.dtype] for e in plan.entries]
         self.device = device
         self.me = dist.get_rank()
@@ -124,7 +112,7 @@ class Sink:
     def converts(self, message: Message) -> bool:
         """Whether some piece of ``message`` is cast or dequantised on its way into its target."""
         return any(
-            self.entries[p.index].scales or self.targets[p.index].tensor.dtype != self.wires[p.index]
+            self.entries[p.index].scales or self.targets[p.index].dtype != self.wires[p.index]
             for p in message.pieces
             if p.route is not Route.SCALES
         )
@@ -153,7 +141,7 @@ class Sink:
         ``rows`` this rank's whole CPU shard (floating dtype), ``scales`` exactly the grid rows they need."""
         if scales.route is not Route.SCALES or rows.route is not Route.TO_RANK or scales.index != rows.index:
             return None
-        entry, target = self.entries[rows.index], self.targets[rows.index].tensor
+        entry, target = self.entries[rows.index], self.targets[rows.index]
         if (
             rows.kind is not Kind.SHARDED
             or not entry.scales
@@ -254,7 +242,7 @@ class Sink:
         for at in range(0, n, per):
             out = dequantize_stacked(values[at : at + per], grids[at : at + per], lo, entry.block)
             for j, (piece, _) in enumerate(parts[2 * at + 1 : 2 * (at + per) : 2]):
-                self.targets[piece.index].tensor.view(k, cols).copy_(out[j])
+                self.targets[piece.index].view(k, cols).copy_(out[j])
 
     def direct_view(self, piece: Piece, on: torch.device | None = None) -> torch.Tensor | None:
         """Where ``piece`` can land without staging; None: stage it. Nothing after this rank's
@@ -263,7 +251,7 @@ class Sink:
         mesh device)."""
         if self.faults.error is not None:
             return None
-        entry, t = self.entries[piece.index], self.targets[piece.index].tensor
+        entry, t = self.entries[piece.index], self.targets[piece.index]
         try:
             if piece.route is Route.SCALES:
                 return self.scales.land(piece, entry.scale_nbytes)
@@ -296,7 +284,7 @@ class Sink:
         ``non_blocking`` (rank 0's pinned slots into device shards): a plain copy is only queued on the
         current stream; the caller keeps ``data`` unchanged until an event recorded after it completes.
         Raises; callers run it through :attr:`faults`."""
-        wire, dst = self.wires[piece.index], self.targets[piece.index].tensor
+        wire, dst = self.wires[piece.index], self.targets[piece.index]
         if not dst.is_contiguous():
             raise InternalError("internal error: a write into a non-contiguous tensor")  # ensured by _model
         start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
@@ -343,14 +331,13 @@ class Sink:
         return dequantize_at(values, flat, list(entry.part_rows), entry.shape[-1], entry.block, grids)
 
     def _cut_whole(self, index: int) -> None:
-        target = self.targets[index]
-        dt = target.dtensor
-        if dt is None or self.whole.buffer is None:
+        dt = self.params[index]
+        if not isinstance(dt, DTensor) or self.whole.buffer is None:
             raise InternalError("internal error: GENERIC entry without a DTensor target")
         value = self._decode(index, self.whole.buffer.view(self.wires[index]), 0)
         value = value.reshape(dt.shape).to(dtype=dt.dtype)
         local = distribute_tensor(value, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
-        target.tensor.copy_(local)
+        self.targets[index].copy_(local)
         self.whole.buffer = None
 
 

@@ -23,7 +23,7 @@ from ..common._staging import InFlight, block_half
 from ..errors import LoadError
 from ._pieces import Route
 from ._plan import Plan
-from ._sink import Arrival, Sink, Staging, Target, fan_out
+from ._sink import Arrival, Sink, Staging, fan_out
 from ._sources import FileSource, OwnSource, ReceiveSource
 
 if TYPE_CHECKING:
@@ -33,18 +33,16 @@ __all__ = ["stream"]
 
 
 def stream(
-    plan: Plan,
-    targets: list[Target],
+    sink: Sink,
     staging: Staging,
-    mesh_device: torch.device,
     files: Mapping[str, Any],
     on_bytes: Callable[[int], None],
     local: LocalReads,
 ) -> None:
-    """(all ranks) Move every piece of ``plan`` to its destination; rank 0 reads from ``files``. ``local``:
+    """(all ranks) Move every piece of ``sink.plan`` into ``sink``; rank 0 reads from ``files``. ``local``:
     the ranks that read their own bytes (rank 0 sends them only the broadcasts, none when all do).
     Raises the same error on every rank if any rank failed."""
-    sink = Sink(plan, targets, mesh_device)
+    plan = sink.plan
     with settled(
         sink.faults,
         plan.rounds,
