@@ -1,9 +1,10 @@
 """Where a message's bytes come from on this rank: one interface for the ways they arrive (all ranks).
 
 A source yields each message of a round, in order, as an :class:`~._sink.Arrival`: :class:`FileSource`
-on rank 0, :class:`ReceiveSource` on the others, :class:`OwnSource` on every rank when each reads its
-own bytes into CPU shards; the consumer gives each buffer back with ``release``. A source's failures
-are the sink's local failures: the round's messages still flow, unread.
+on rank 0, which hands each on itself (:meth:`FileSource.send`), :class:`ReceiveSource` on the others,
+:class:`OwnSource` on every rank when each reads its own bytes into CPU shards, whose consumer gives
+each buffer back with ``release``. A source's failures are the sink's local failures: the round's
+messages still flow, unread.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..common._staging import InFlight
+from ..common._staging import InFlight, block_half
 from ._messages import Message, messages
 from ._pieces import Piece, Route
 from ._plan import Plan
 from ._readahead import Reader, read_threads
-from ._sink import Arrival, Sink, Staging
+from ._sink import Arrival, Sink, Staging, fan_out
 
 if TYPE_CHECKING:
     from ._localread import LocalReader
@@ -56,12 +57,27 @@ def own_together(device: torch.device) -> bool:
 
 class FileSource:
     """(rank 0) ``pieces`` (not the local readers') read by its reader thread, one arrival per message,
-    in order. On an accelerator mesh each arrival must be released before the next is asked for (the ring)."""
+    in order; :meth:`send` hands each on to the ranks it serves (not the local readers, nor broadcasts
+    when ``sends_nothing``: they are all the other ranks), then into its own sink. On an accelerator
+    mesh the copies out of the pinned staging are non-blocking on the current stream (later reads of
+    the shards are ordered after them); the reader waits for them (:meth:`_done_with`); the last round
+    synchronises the stream."""
 
     def __init__(
-        self, plan: Plan, staging: Staging, files: Mapping[str, Any], sink: Sink, pieces: Iterator[Piece]
+        self,
+        plan: Plan,
+        staging: Staging,
+        files: Mapping[str, Any],
+        sink: Sink,
+        pieces: Iterator[Piece],
+        sends_nothing: bool,
+        on_bytes: Callable[[int], None],
     ) -> None:
-        self.sink, self._last = sink, len(plan.entries)
+        self.plan, self.staging, self.sink, self.on_bytes = plan, staging, sink, on_bytes
+        self.on_cpu = sink.device.type == "cpu"
+        self.sends_nothing = sends_nothing
+        self.pending = InFlight()  # sends, each handing its slot back to the reader once done
+        self._last = len(plan.entries)
         self.reader = Reader(
             messages(plan, pieces, own_together=own_together(sink.device)),
             plan.entries,
@@ -80,16 +96,68 @@ class FileSource:
         return self.sink.direct_view(piece, on=_CPU)
 
     def until(self, stop: int) -> Iterator[Arrival]:
-        """The arrivals of the round that ends before entry ``stop``."""
+        """The arrivals of the round that ends before entry ``stop``; on an accelerator mesh each must
+        be sent before the next is asked for (the ring)."""
         return self._by_round.until(stop)
 
-    def release(self, slot: int | None, copied: torch.Event | None = None) -> None:
-        """Hand ``slot`` back to the reader (``copied``: see ``_readahead.Reader.release``)."""
-        self.reader.release(slot, copied)
+    def send(self, arrival: Arrival) -> None:
+        message, data, slot_to_free = arrival.message, arrival.data, arrival.slot
+        piece, own = message.first, message.dst == 0
+        if not self.on_cpu and (not own or self.sink.converts(message)):
+            data, slot_to_free = self._on_device(arrival), None
+        if piece.route is Route.FAN_OUT:  # cut into the parts: its own written, the others sent
+            pack_buffer = (
+                self.staging.device_buffer if slot_to_free is None else self.staging.slots[slot_to_free]
+            )
+            assert pack_buffer is not None  # in the buffer ``data`` is in, after the chunk
+            half = block_half(self.plan.piece_bytes)
+            self._sent(fan_out(piece, data, pack_buffer[half:], self.sink), slot_to_free)
+        elif own:
+            if not arrival.in_target:
+                self.sink.take(message, data, non_blocking=not self.on_cpu)
+            self._done_with(slot_to_free)
+        elif message.dst > 0:
+            self._sent(dist.isend(data, dst=message.dst), slot_to_free)
+        else:  # BROADCAST, SCALES
+            if not self.sends_nothing:
+                dist.broadcast(data, src=0)
+            self.sink.take(message, data)
+            self._done_with(slot_to_free)
+        self.pending.drain(keep=max(1, len(self.staging.slots) - 1))
+        self.on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
+
+    def _on_device(self, arrival: Arrival) -> torch.Tensor:
+        """The message's bytes copied into the one device buffer once earlier sends from it are done
+        (rank 0's own pieces too when cast or dequantised: on the device, not the host). Later work
+        reads the buffer on the same stream: the slot is free once this copy is."""
+        self.pending.drain()
+        assert self.staging.device_buffer is not None
+        data = self.staging.device_buffer[: arrival.message.nbytes]
+        data.copy_(arrival.data, non_blocking=True)
+        self._done_with(arrival.slot)
+        return data
+
+    def _sent(self, work: Any, slot: int | None) -> None:
+        self.pending.add(work, functools.partial(self.reader.release, slot))
+
+    def _done_with(self, slot: int | None) -> None:
+        """``slot``'s bytes are used: handed back (on an accelerator, whose copies are only queued,
+        with an event recorded now). On an accelerator every message's slot comes back here before the
+        next message is asked for, as the ring needs: sends go from the device buffer, not the slot."""
+        if self.on_cpu or slot is None:
+            self.reader.release(slot)
+            return
+        copies = torch.Event(device=self.sink.device)
+        copies.record()
+        self.reader.release(slot, copies)
 
     def round_end(self, stop: int) -> None:
-        """The reader's first failure noted as this rank's (at the last round, after its last file checks)."""
+        """Wait for the round's sends; after the last round, for the queued copies and the reader's last
+        file checks too. The reader's first failure noted as this rank's."""
+        self.pending.drain()
         if stop == self._last:
+            if not self.on_cpu:
+                self.sink.faults.run(torch.accelerator.current_stream(self.sink.device).synchronize)
             for _ in self._by_round.until(stop + 1):  # the reader's last checks come with its end
                 pass
         if self.sink.faults.error is None and self.reader.failed is not None:
