@@ -38,7 +38,7 @@ from . import _outputs, _write
 from ._configs import adapter_layout, finish, layout_of
 from ._saveplan import Revert, SavePlan, parse_size, plan_save
 
-__all__ = ["SaveReport", "parse_size", "plan_save", "save_sharded"]
+__all__ = ["SaveReport", "save_sharded"]
 
 logger = logging.getLogger(__name__)
 

@@ -28,17 +28,7 @@ from ..model._meta import ModelLayout, strip_wrappers
 from ._saveblock import blocks_of
 from ._saveblock import senders as replica_senders
 
-__all__ = [
-    "Piece",
-    "SaveItem",
-    "Revert",
-    "SaveKind",
-    "SavePlan",
-    "Saved",
-    "file_names",
-    "parse_size",
-    "plan_save",
-]
+__all__ = ["Piece", "Revert", "SaveItem", "SaveKind", "SavePlan", "Saved", "parse_size", "plan_save"]
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # a saved name and shape -> the names and shapes it is saved as (equal byte ranges, in order)
