@@ -63,7 +63,7 @@ class InFlight:
     def __init__(self) -> None:
         self._queue: collections.deque[tuple[Any, Callable[[], None] | None]] = collections.deque()
 
-    def add(self, work: Any, then: Callable[[], None] | None = None) -> None:
+    def add(self, work: Any, then: Callable[[], None] | None) -> None:
         """``work``: anything with ``wait()`` (a torch.distributed Work, :class:`AllOf`)."""
         self._queue.append((work, then))
 

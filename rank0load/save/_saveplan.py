@@ -72,10 +72,10 @@ class SaveItem:
     shape: tuple[int, ...]  # the model tensor's
     nbytes: int
     kind: SaveKind
-    senders: _Senders = ()  # ROWS: (rank, first row, end row), by row
-    saved: tuple[Saved, ...] = ()  # by start; their byte ranges tile [0, nbytes)
+    senders: _Senders  # ROWS: (rank, first row, end row), by row
+    saved: tuple[Saved, ...]  # by start; their byte ranges tile [0, nbytes)
     # BLOCK: (rank, its global index runs per dimension), one replica per Replicate mesh dimension
-    blocks: Blocks = ()
+    blocks: Blocks
 
     def sends(self, rank: int) -> bool:
         """Whether ``rank`` sends any of this item's bytes (GATHER and PLAIN: rank 0 alone writes)."""
@@ -111,9 +111,9 @@ class SavePlan:
     items: tuple[SaveItem, ...]  # by their first saved tensor's file and offset
     rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
     piece_bytes: int  # the largest message
-    skipped: tuple[str, ...] = ()  # model keys key_map dropped
+    skipped: tuple[str, ...]  # model keys key_map dropped
     # what every file name starts with: "model", or "diffusion_pytorch_model" (diffusers)
-    stem: str = "model"
+    stem: str
     total_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -171,10 +171,10 @@ def plan_save(
     flags: tuple[int, ...],
     key_map: Callable[[str], str | None] | None,
     options: dict[str, Any],
-    revert: Revert | None = None,
+    revert: Revert | None,
     *,
-    stem: str = "model",
-    single_file: bool = False,
+    stem: str,
+    single_file: bool,
 ) -> SavePlan:
     """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
     ``revert``: see :data:`Revert`. ``stem``: the files' names (:func:`file_names`); ``single_file``:
