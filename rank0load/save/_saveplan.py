@@ -55,7 +55,6 @@ class Saved:
     """One tensor of the saved files: bytes [start, start + nbytes) of its item, row-major."""
 
     name: str  # the saved name
-    shape: tuple[int, ...]
     file: int  # index into SavePlan.files
     offset: int  # absolute offset of its first byte in that file
     start: int  # byte offset within the item
@@ -277,9 +276,9 @@ def _lay_out(rows: list[_Row], limit: int) -> tuple[tuple[bytes, ...], tuple[Sav
         text += b" " * (-len(text) % 8)
         headers.append(len(text).to_bytes(8, "little") + text)
         for u in order:
-            r, name, shape, start, nbytes = units[u]
+            r, name, _, start, nbytes = units[u]
             offset = len(headers[-1]) + header[name]["data_offsets"][0]
-            saved[r].append(Saved(name, shape, file, offset, start, nbytes))
+            saved[r].append(Saved(name, file, offset, start, nbytes))
     items = [
         replace(row[0], saved=tuple(sorted(spans, key=lambda s: s.start))) for row, spans in zip(rows, saved)
     ]
