@@ -276,10 +276,9 @@ def _check_stacks(
         )
 
 
-def _check_tied_equal(
-    model_key: str, found: tuple[TensorHeader, ...], files: Mapping[str, OpenFile], chunk: int = 8 << 20
-) -> None:
+def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], files: Mapping[str, OpenFile]) -> None:
     """Several stored names of one tied parameter must hold the same bytes (read through ``files``)."""
+    chunk = 8 << 20
     first = found[0]
     fa = files[first.file].fd
     for other in found[1:]:
