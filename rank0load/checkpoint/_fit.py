@@ -153,7 +153,7 @@ def _with_scales(
     # the checks depend on shapes and the scale's dtype alone: made once per kind of part
     kinds = list(zip(map(_SHAPE, parts), map(_SHAPE, scales), map(_DTYPE, scales)))
     first_of = dict(zip(reversed(kinds), reversed(parts)))  # each kind's first part, named in errors
-    blocks = {fp8_scale_for(entry.key, first_of[k], headers, block, dtype)[1] for k in dict.fromkeys(kinds)}
+    blocks = {fp8_scale_for(entry.key, first_of[k], headers, block, dtype) for k in dict.fromkeys(kinds)}
     if len(blocks) > 1:
         raise ModelMismatchError(
             f"model tensor {entry.key!r}: its float8 parts use different block sizes {sorted(blocks)}"

@@ -78,10 +78,10 @@ def scale_for(
     headers: dict[str, TensorHeader],
     block: tuple[int, int] | None,
     dtype: torch.dtype,
-) -> tuple[TensorHeader, tuple[int, int]]:
-    """(rank 0) The ``weight_scale_inv`` of float8 ``weight`` (checkpoint key ``weight.key``), checked
-    against its shape, and the block size. Raises ModelMismatchError naming what is wrong: a float8
-    weight is never loaded unscaled into a floating model."""
+) -> tuple[int, int]:
+    """(rank 0) The block size of float8 ``weight`` (checkpoint key ``weight.key``), its ``weight_scale_inv``
+    checked against its shape. Raises ModelMismatchError naming what is wrong: a float8 weight is never
+    loaded unscaled into a floating model."""
     scale = headers.get(weight.key + SCALE_SUFFIX)
     if scale is None:
         where = os.path.basename(weight.file)
@@ -106,7 +106,7 @@ def scale_for(
             f"{scale.shape}, but {weight.key!r} {weight.shape} in blocks of {block} needs {want}. "
             "The checkpoint's scales do not fit its weights (or config.json's weight_block_size is wrong)."
         )
-    return scale, block
+    return block
 
 
 def _infer(size: int, blocks: int) -> int:
