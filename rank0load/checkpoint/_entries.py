@@ -126,7 +126,7 @@ class Entry:
     def scale_nbytes(self) -> int:
         return self.scales.nbytes
 
-    def extents(self, start: int, nbytes: int, scales: bool = False) -> list[tuple[str, int, int, int]]:
+    def extents(self, start: int, nbytes: int, scales: bool) -> list[tuple[str, int, int, int]]:
         """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)
         (of its scale grids, with ``scales``)."""
         parts = self.scales if scales else self.parts
