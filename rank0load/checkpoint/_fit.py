@@ -57,7 +57,6 @@ class KeyMatch:
     by_model_key: dict[str, tuple[TensorHeader, ...]]
     unexpected: tuple[str, ...]  # checkpoint keys the model lacks, sorted
     ignored: tuple[str, ...]  # checkpoint keys key_map dropped or non-persistent in the model, sorted
-    missing: tuple[str, ...]  # canonical model keys no checkpoint key maps to, sorted (kept ones aside)
     # canonical model key -> the checkpoint tensors a conversion assembles it from
     stacked: dict[str, tuple[tuple[ConversionMatch, TensorHeader], ...]]
     # canonical model key -> (checkpoint key, conversion, why rank0load cannot do it)

@@ -133,10 +133,12 @@ def inspect_checkpoint(
     layout = describe(model, built)
     keys = list(layout.tensors) + list(layout.aliases)
     match = match_keys(headers, layout, key_map, conversions_for(model, keys, conversions))
+    found = match.by_model_key.keys() | match.stacked.keys()  # kept ones aside, as a load keeps them
+    missing = tuple(sorted(k for k in layout.tensors if k not in found and k not in layout.built))
     mismatched: list[str] = [
         f"model tensor {target!r} would come from {ckpt_key!r} through {rule}, which {why}"
         for target, (ckpt_key, rule, why) in sorted(match.unsupported.items())
-        if target in match.missing
+        if target in missing
     ]
     quantised = quantised_keys(match, layout)
     block = fp8_block_size(source.root) if quantised else None
@@ -155,7 +157,7 @@ def inspect_checkpoint(
         model_checked=True,
         model_tensors=len(layout.tensors),
         matched=len(match.by_model_key) + len(match.stacked),
-        missing=match.missing,
+        missing=missing,
         unexpected=unconsumed(match, quantised),
         mismatched=tuple(sorted(mismatched)),
         ignored=match.ignored,

@@ -294,7 +294,7 @@ def _merge(
     absent = [k for k in layout.tensors if k not in found]
     missing = tuple(sorted(k for k in absent if k not in layout.built))
     unsupported = {k: why for r in reversed(runs) for k, why in r.unsupported.items()}  # first run's wins
-    pending = KeyMatch(single, (), (), (), {k: tuple(v) for k, v in stacked.items()}, {})
+    pending = KeyMatch(single, (), (), {k: tuple(v) for k, v in stacked.items()}, {})
     quantised = quantised_keys(pending, layout)
     consumed = {k + SCALE_SUFFIX for k in quantised}
     unexpected = tuple(sorted(k for r in runs for k in r.unexpected if k not in consumed))

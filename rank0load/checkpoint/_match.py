@@ -59,12 +59,10 @@ def match_keys(
     both = sorted(set(stacked) & set(by_model_key))
     if both:
         raise ModelMismatchError(both_layouts(both))
-    absent = [k for k in layout.tensors if k not in by_model_key and k not in stacked]
     return KeyMatch(
         by_model_key={k: tuple(found) for k, found in by_model_key.items()},
         unexpected=tuple(sorted(unexpected)),
         ignored=tuple(sorted(ignored)),
-        missing=tuple(sorted(k for k in absent if k not in layout.built)),
         stacked={k: tuple(found) for k, found in stacked.items()},
         unsupported=unsupported,
     )
