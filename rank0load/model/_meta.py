@@ -216,13 +216,6 @@ def resolve_module(model: nn.Module, key: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(prefix) if prefix else model), leaf
 
 
-def _initialiser(model: nn.Module, module_name: str, module: nn.Module) -> bool:
-    """Whether ``module``, which owns a parameter, can be re-initialised (``_model.init_missing``)."""
-    return (
-        callable(getattr(module, "reset_parameters", None)) or hf_init_weights(model, module_name) is not None
-    )
-
-
 def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
     """(all ranks) Describe the state-dict tensors of a (possibly sharded) meta model; ``built``: the
     names of the parameters model_fn built with real values (``build_on_meta``)."""
@@ -254,7 +247,10 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
         is_dtensor = is_param and isinstance(tensor, DTensor)
         tensors[name] = TensorInfo(tuple(tensor.shape), tensor.dtype, is_param, is_dtensor)
         owner = name.rpartition(".")[0]
-        if is_param and _initialiser(model, owner, modules[owner]):
+        if is_param and (  # what _model.init_missing can re-initialise
+            callable(getattr(modules[owner], "reset_parameters", None))
+            or hf_init_weights(model, owner) is not None
+        ):
             initialisable.add(name)
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
