@@ -7,7 +7,7 @@ stream :func:`finish` and :func:`guard_added_parameters`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,10 +56,10 @@ class Built:
     model: nn.Module
     layout: ModelLayout
     flags: dict[str, int]  # canonical key -> _layout.layout_flags on this rank
-    proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
-    conversions: list[Any] = field(default_factory=list)  # _convert: for rank 0's manifest
+    conversions: list[Any]  # _convert: for rank 0's manifest
     # canonical key -> the value model_fn built it with (PEFT adapters), full size, on the CPU
-    real_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    real_values: dict[str, torch.Tensor]
+    proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
 
 
 def build_sharded(
@@ -67,8 +67,8 @@ def build_sharded(
     mesh: DeviceMesh,
     shard_fn: Callable[[nn.Module, DeviceMesh], object] | None,
     dtype: torch.dtype | None,
-    conversions: Sequence[Any] = (),
-    rng_state: torch.Tensor | None = None,
+    conversions: Sequence[Any],
+    rng_state: torch.Tensor | None,
 ) -> Built:
     """(all ranks) ``model_fn()`` on meta (PEFT adapters built for real from ``rng_state``), cast
     to ``dtype``, sharded by ``shard_fn`` (or the default policy), described with each tensor's
@@ -96,10 +96,9 @@ def build_sharded(
         user_code("shard_fn", shard_fn, model, mesh)
     prepare_groups(model, routed)
     layout = describe(model, values)
-    found = targets(model, layout)
-    flags = layout_flags_of(found, mesh)
-    built = {layout.canonical(k) or k: v for k, v in values.items()}
-    return Built(model, layout, flags, conversions=found_conversions, real_values=built)
+    flags = layout_flags_of(targets(model, layout), mesh)
+    real_values = {layout.canonical(k) or k: v for k, v in values.items()}
+    return Built(model, layout, flags, found_conversions, real_values)
 
 
 def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:
