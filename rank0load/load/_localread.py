@@ -163,8 +163,15 @@ class LocalReader:
 
     def _arrival(self, piece: Piece) -> Arrival | None:
         message = Message.of(piece)
-        if piece.route is Route.FAN_OUT:
-            return self._chunk(piece, message)
+        if piece.route is Route.FAN_OUT:  # the chunk's rows that hold this rank's parts (its own alone)
+            chunk, mine = piece.chunk, piece.parts
+            if chunk is None or not mine:
+                return None
+            row = chunk.nbytes // chunk.shape[0]
+            lo, hi = min(p.rows[0] for p in mine), max(p.rows[1] for p in mine)
+            rows = replace(piece, start=piece.start + lo * row, nbytes=(hi - lo) * row)
+            pack_buffer = self.slot[block_half(self.plan.piece_bytes) :]
+            return Arrival(message, self._staged(rows), pack_buffer=pack_buffer, first_row=lo)
         into = self.sink.direct_view(piece)
         if into is not None and into.device.type == "cpu":
             self._read(piece, into)
@@ -181,18 +188,6 @@ class LocalReader:
         """Check every file once more after the last read: one replaced after its round fails the load."""
         self.touched = set(self.files.paths())
         self.round_end()
-
-    def _chunk(self, piece: Piece, message: Message) -> Arrival | None:
-        """The rows of a BLOCK chunk that hold this rank's parts (``piece.parts``: its own alone),
-        read (None: it holds none)."""
-        chunk, mine = piece.chunk, piece.parts
-        if chunk is None or not mine:
-            return None
-        row = chunk.nbytes // chunk.shape[0]
-        lo, hi = min(p.rows[0] for p in mine), max(p.rows[1] for p in mine)
-        rows = replace(piece, start=piece.start + lo * row, nbytes=(hi - lo) * row)
-        pack_buffer = self.slot[block_half(self.plan.piece_bytes) :]
-        return Arrival(message, self._staged(rows), pack_buffer=pack_buffer, first_row=lo)
 
     def _staged(self, piece: Piece) -> torch.Tensor:
         """``piece``'s bytes in the staging slot (through the pinned host buffer, on an accelerator)."""
