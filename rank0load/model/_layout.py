@@ -105,10 +105,10 @@ def layout_flags_of(targets: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[
     return out
 
 
-def layout_flags(target: torch.Tensor, mesh: DeviceMesh) -> int:
+def layout_flags(target: DTensor, mesh: DeviceMesh) -> int:
     """(all ranks) Which fast paths this rank's shard of ``target`` allows (``ROWS_OK | RUNS_OK``),
     0 for none. Raises RankMismatchError as :func:`placements_on`."""
-    if not isinstance(target, DTensor) or target.ndim == 0:
+    if target.ndim == 0:
         return 0
     placements = placements_on(target, mesh)
     coord = mesh.get_coordinate()
