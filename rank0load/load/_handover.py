@@ -234,9 +234,9 @@ class Handover:
     """(all ranks) One load's hand-over, between :func:`hand_over` and :meth:`decide`."""
 
     offer: Offer | None
+    status: str  # this rank's side of the story, for LoadReport.local_status
     server: Server | None = None  # rank 0
     files: LocalFiles | None = None  # a rank on rank 0's host that holds the descriptors
-    status: str = ""  # this rank's side of the story, for LoadReport.local_status
 
     def decide(self) -> LocalReads:
         """(all ranks) Which ranks read locally: each rank's bit, OR-ed over the ranks; rank 0 then
@@ -285,7 +285,7 @@ def hand_over(
         assert server is not None and roster is not None  # rank 0 made the offer; gather returns on rank 0
         allowed = {r: (pid, uid) for r, (same, pid, uid) in enumerate(roster) if same and r != 0}
         server.serve(allowed)
-        return Handover(offer, server, status="rank 0")
+        return Handover(offer, status="rank 0", server=server)
     if not here:
         return Handover(offer, status="stream: not on rank 0's host")
     try:

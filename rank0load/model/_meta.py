@@ -153,7 +153,7 @@ class ModelLayout:
     non_persistent: frozenset[str]  # buffers the model keeps out of its state dict
     initialisable: frozenset[str]  # canonical parameter keys the model can initialise itself
     # parameters model_fn built real (PEFT adapters): kept where the checkpoint lacks them, strict or not
-    built: frozenset[str] = frozenset()
+    built: frozenset[str]
 
     def canonical(self, key: str) -> str | None:
         """The canonical model key for a checkpoint key (after ``key_map``), or None. Wrapper segments
