@@ -16,17 +16,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..checkpoint._format import DTYPES
 from ..common._blocks import Blocks, Chunk, Part, block_chunks
 from ..common._distribute import round_ends
 from ..common._staging import ROUND_PIECES, block_half, slot_bytes
 from ..errors import SaveError
-from ..model._layout import ROWS_OK, RUNS_OK, rows_of
+from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of, runs_at
 from ..model._meta import ModelLayout, strip_wrappers
-from ._saveblock import blocks_of
-from ._saveblock import senders as replica_senders
 
 __all__ = ["Piece", "Revert", "SaveItem", "SaveKind", "SavePlan", "Saved", "parse_size", "plan_save"]
 
@@ -227,6 +225,30 @@ def _senders(t: DTensor) -> _Senders:
         if hi > lo:
             out.append((rank, lo, hi))
     return tuple(sorted(out, key=lambda s: s[1]))
+
+
+def replica_senders(t: DTensor) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(rank 0) The ranks that send ``t``'s bytes, with their mesh coordinates: the replica at
+    coordinate 0 of every ``Replicate`` mesh dimension. On a sub-mesh (``mesh["dp"]``) the ranks of
+    rank 0's slice send; the other slices are replicas."""
+    replicated = [d for d, p in enumerate(t.placements) if type(p) is Replicate]
+    for rank, coord in rank_coordinates(t.device_mesh):
+        if all(coord[d] == 0 for d in replicated):
+            yield rank, coord
+
+
+def blocks_of(t: DTensor) -> Blocks:
+    """(rank 0) Who sends which block of ``t`` (:func:`replica_senders`), with the cross product of index
+    runs it holds; ranks holding nothing left out."""
+    mesh, placements = t.device_mesh, t.placements
+    out = []
+    for rank, coord in replica_senders(t):
+        runs = runs_at(placements, tuple(mesh.shape), coord, tuple(t.shape))
+        if runs is None:  # every rank reported RUNS_OK for it: a bug, not a user error
+            raise SaveError(f"no block layout for placements {placements} of shape {tuple(t.shape)}")
+        if all(runs):
+            out.append((rank, runs))
+    return tuple(out)
 
 
 def _split(sizes: list[int], limit: int) -> list[list[int]]:

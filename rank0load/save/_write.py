@@ -25,7 +25,6 @@ from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
-from ._saveblock import place
 from ._saveplan import Piece, SaveItem, SaveKind, SavePlan
 
 __all__ = ["Staging", "allocate_staging", "settle", "stream"]
@@ -207,6 +206,21 @@ class _Collector:
             self.writer.put(item, chunk.start, host_bytes(host[: chunk.nbytes]), slot)
 
         self.pending.add(AllOf(works), then)
+
+
+def place(rows: torch.Tensor, block: torch.Tensor, part: Part) -> None:
+    """(rank 0) Copy a sender's ``block`` (``part.shape``) into ``rows``, a chunk laid out as full rows
+    (``Chunk.shape``): rows ``part.rows``, on each later dimension the sender's runs, cast if needed."""
+    target = rows[part.rows[0] : part.rows[1]]
+    spans = []  # per later dimension: (global start, local start, length) of each run
+    for runs in part.inner:
+        local_starts = itertools.accumulate((b - a for a, b in runs), initial=0)
+        spans.append([(a, local, b - a) for (a, b), local in zip(runs, local_starts)])
+    for combination in itertools.product(*spans):
+        into, values = target, block
+        for dim, (start, local, length) in enumerate(combination, start=1):
+            into, values = into.narrow(dim, start, length), values.narrow(dim, local, length)
+        into.copy_(values)
 
 
 def _sender(

@@ -56,7 +56,8 @@ def test_chunks_rebuild_the_tensor_from_every_rank_shard(shape, placements, mesh
     cut here with DTensor's split) fill the chunk's receive area exactly once, and placing them
     gives the tensor bit for bit; for half-slots from one element to the whole tensor, and a cast."""
     from rank0load.common._blocks import block_chunks
-    from rank0load.save._saveblock import blocks_of, place
+    from rank0load.save._saveplan import blocks_of
+    from rank0load.save._write import place
 
     # What blocks_of reads of a DTensor, for a mesh no process group backs.
     mesh = SimpleNamespace(mesh=torch.arange(math.prod(mesh_shape)).reshape(mesh_shape), shape=mesh_shape)
