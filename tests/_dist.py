@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import threading
@@ -62,6 +64,9 @@ def _entry(
     backend: str = "gloo",
 ) -> None:
     os.environ.update(env)
+    # SIGUSR1 writes every thread's Python stack: what spawn shows of a rank that hangs
+    stacks = open(out + ".stack", "w")  # open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -153,12 +158,13 @@ def spawn(
             p.join(max(0.0, started + timeout - time.monotonic()))
         elapsed = time.monotonic() - started
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        stacks = _stacks(procs, hung, outs) if hung else ""
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
         if hung:
-            pytest.fail(f"ranks {hung} of {world} still running after {timeout} s: a hang")
+            pytest.fail(f"ranks {hung} of {world} still running after {timeout} s: a hang\n\n{stacks}")
         results = []
         for path in outs:
             if os.path.exists(path):
@@ -167,6 +173,20 @@ def spawn(
             else:
                 results.append(None)
         return results, [p.exitcode for p in procs], elapsed
+
+
+def _stacks(procs: list[Any], hung: list[int], outs: list[str]) -> str:
+    """Where each of the ``hung`` ranks is: every thread's Python stack (SIGUSR1, see ``_entry``), and
+    whether ``fn`` had returned (its result written)."""
+    for r in hung:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(2)  # faulthandler writes from its C signal handler: a rank blocked in C shows its caller
+    report = []
+    for r in hung:
+        where = "after fn returned" if os.path.exists(outs[r]) else "inside fn"
+        with open(outs[r] + ".stack") as f:
+            report.append(f"rank {r}, {where}:\n{f.read() or '(nothing written)'}")
+    return "\n".join(report)
 
 
 def run(
