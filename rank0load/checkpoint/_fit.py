@@ -18,8 +18,7 @@ from ..model._meta import ModelLayout
 from ._entries import Entry, Parts
 from ._files import OpenFile, read_exact
 from ._format import DTYPES, TensorHeader
-from ._fp8 import FP8_WIRE, SCALE_SUFFIX
-from ._fp8 import scale_for as fp8_scale_for
+from ._fp8 import FP8_WIRE, SCALE_SUFFIX, checked_block
 
 _KEY, _DTYPE, _SHAPE, _NBYTES = map(operator.attrgetter, ("key", "dtype", "shape", "nbytes"))
 _EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
@@ -148,11 +147,11 @@ def _with_scales(
     """``entry`` (float8 parts) with each part's scale grid, checked; dequantised on arrival."""
     scales = list(map(headers.get, map(operator.add, map(_KEY, parts), itertools.repeat(SCALE_SUFFIX))))
     if None in scales:  # raises, naming the first weight without a scale
-        fp8_scale_for(entry.key, parts[scales.index(None)], headers, block, dtype)
+        checked_block(entry.key, parts[scales.index(None)], headers, block, dtype)
     # the checks depend on shapes and the scale's dtype alone: made once per kind of part
     kinds = list(zip(map(_SHAPE, parts), map(_SHAPE, scales), map(_DTYPE, scales)))
     first_of = dict(zip(reversed(kinds), reversed(parts)))  # each kind's first part, named in errors
-    blocks = {fp8_scale_for(entry.key, first_of[k], headers, block, dtype) for k in dict.fromkeys(kinds)}
+    blocks = {checked_block(entry.key, first_of[k], headers, block, dtype) for k in dict.fromkeys(kinds)}
     if len(blocks) > 1:
         raise ModelMismatchError(
             f"model tensor {entry.key!r}: its float8 parts use different block sizes {sorted(blocks)}"

@@ -5,7 +5,7 @@ A quantised weight ``w`` [R, C] is stored as float8 with ``w_scale_inv`` float32
 model's dtype, bit for bit as transformers' ``Fp8Dequantize``. The wire carries the float8 bytes (one
 per element) and the scales (4 bytes per ``bm * bn`` block); each rank dequantises what it receives.
 
-(rank 0) :func:`block_size`, :func:`scale_for`. (all ranks) :func:`scale_span` and the dequantisers.
+(rank 0) :func:`block_size`, :func:`checked_block`. (all ranks) :func:`scale_span` and the dequantisers.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ __all__ = [
     "FP8_WIRE",
     "SCALE_SUFFIX",
     "block_size",
+    "checked_block",
     "dequantize",
     "dequantize_at",
     "dequantize_stacked",
-    "scale_for",
     "scale_span",
     "to_float32",
 ]
@@ -72,7 +72,7 @@ def block_size(root: str) -> tuple[int, int] | None:
     return None
 
 
-def scale_for(
+def checked_block(
     key: str,
     weight: TensorHeader,
     headers: dict[str, TensorHeader],

@@ -220,14 +220,14 @@ def _kind(t: torch.Tensor, flags: int) -> SaveKind:
 def _senders(t: DTensor) -> _Senders:
     """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor, each its own row range."""
     out = []
-    for rank, coord in replica_senders(t):
+    for rank, coord in _replica_senders(t):
         lo, hi = rows_of(tuple(t.device_mesh.shape), t.placements, t.shape[0], coord)
         if hi > lo:
             out.append((rank, lo, hi))
     return tuple(sorted(out, key=lambda s: s[1]))
 
 
-def replica_senders(t: DTensor) -> Iterator[tuple[int, tuple[int, ...]]]:
+def _replica_senders(t: DTensor) -> Iterator[tuple[int, tuple[int, ...]]]:
     """(rank 0) The ranks that send ``t``'s bytes, with their mesh coordinates: the replica at
     coordinate 0 of every ``Replicate`` mesh dimension. On a sub-mesh (``mesh["dp"]``) the ranks of
     rank 0's slice send; the other slices are replicas."""
@@ -238,11 +238,11 @@ def replica_senders(t: DTensor) -> Iterator[tuple[int, tuple[int, ...]]]:
 
 
 def blocks_of(t: DTensor) -> Blocks:
-    """(rank 0) Who sends which block of ``t`` (:func:`replica_senders`), with the cross product of index
+    """(rank 0) Who sends which block of ``t`` (:func:`_replica_senders`), with the cross product of index
     runs it holds; ranks holding nothing left out."""
     mesh, placements = t.device_mesh, t.placements
     out = []
-    for rank, coord in replica_senders(t):
+    for rank, coord in _replica_senders(t):
         runs = runs_at(placements, tuple(mesh.shape), coord, tuple(t.shape))
         if runs is None:  # every rank reported RUNS_OK for it: a bug, not a user error
             raise SaveError(f"no block layout for placements {placements} of shape {tuple(t.shape)}")
