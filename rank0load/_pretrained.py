@@ -203,7 +203,7 @@ def _read(
     config = _json(where)
     stored = None
     if dtype == "auto" and config.get("dtype") is None and config.get("torch_dtype") is None:
-        headers, _ = read_header(source.files[0])
+        headers = read_header(source.files[0])
         stored = next((headers[k].dtype for k in sorted(headers) if headers[k].dtype in FLOAT_WIRE), None)
     generation_json = os.path.join(source.root, "generation_config.json")
     read = _Checkpoint(

@@ -1,25 +1,30 @@
 """Reading and validating safetensors headers, without the safetensors runtime (no collectives).
 (rank 0) :func:`read_header` validates dtypes, shapes and byte ranges tiling the data section before
-any data moves. (all ranks) :data:`DTYPES` and :class:`TensorHeader` are plain data."""
+any data moves; :func:`parse_json` decodes untrusted JSON (headers, the index), finding repeated
+keys. (all ranks) :data:`DTYPES` and :class:`TensorHeader` are plain data."""
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import struct
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from ..errors import CheckpointFormatError
 from ._files import OpenFile, read_exact
-from ._json import RepeatedKeys, parse_json, short_repr
 
 __all__ = [
     "DTYPES",
     "MAX_HEADER_BYTES",
+    "RepeatedKeys",
     "TensorHeader",
+    "parse_json",
     "read_header",
+    "short_repr",
 ]
 
 # safetensors dtype string -> torch dtype. "F4" is float4_e2m1fn_x2:
@@ -62,6 +67,59 @@ class TensorHeader(NamedTuple):
     nbytes: int
 
 
+def short_repr(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RepeatedKeys(dict[str, object]):
+    """A JSON object in which some key occurs more than once (``twice`` lists them, in order)."""
+
+    twice: tuple[str, ...] = ()
+
+
+def _mark_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``' ``object_pairs_hook``: the object, a :class:`RepeatedKeys` when a key repeats."""
+    obj = dict(pairs)  # once per JSON object: the common case in C
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    twice = [key for key, _ in pairs if key in seen or seen.add(key)]  # type: ignore[func-returns-value]
+    marked = RepeatedKeys(obj)
+    marked.twice = tuple(twice)
+    return marked
+
+
+def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> object:
+    """Decode untrusted JSON; objects with a repeated key come back as :class:`RepeatedKeys`.
+
+    Invalid UTF-8 or JSON, a number too long to convert, or nesting too deep for the parser raise
+    ``fail(problem)``, where ``problem`` starts with ``what`` ("header", "index")."""
+    try:
+        text = raw.decode("utf-8")
+        del raw  # the caller's reference may be the last other one (see _source._read_map)
+        found = json.loads(text)
+        # Each key is followed by one ':', as is each ':' in a string: if the top two levels' keys
+        # equal the colons, no key repeats; otherwise parse again with the slower hook.
+        if _keys_two_deep(found) != text.count(":"):
+            found = json.loads(text, object_pairs_hook=_mark_repeated_keys)
+        return found
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"{what} is not valid JSON ({exc})"
+    except ValueError as exc:  # int("9" * 5000): Python's integer-string conversion limit
+        problem = f"{what} holds a number too long to parse ({short_repr(str(exc), 90)})"
+    except RecursionError:
+        problem = f"{what} is nested too deeply to parse"
+    raise fail(problem)
+
+
+def _keys_two_deep(found: object) -> int:
+    """The keys of ``found`` (a dict) and of the dicts among its values (-1: ``found`` is no dict)."""
+    if type(found) is not dict:
+        return -1
+    return len(found) + sum(len(v) for v in found.values() if type(v) is dict)
+
+
 def _fail(path: str, what: str) -> CheckpointFormatError:
     return CheckpointFormatError(
         f"{path}: corrupt safetensors file: {what}. "
@@ -69,8 +127,8 @@ def _fail(path: str, what: str) -> CheckpointFormatError:
     )
 
 
-def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, TensorHeader], dict[str, str]]:
-    """(rank 0) Parse and validate one file's header. Returns (tensors, ``__metadata__``).
+def read_header(file: str | os.PathLike[str] | OpenFile) -> dict[str, TensorHeader]:
+    """(rank 0) Parse and validate one file's header (``__metadata__`` too, then dropped): its tensors.
 
     Args:
         file: an :class:`OpenFile` (read through its descriptor, left open), or a path (opened,
@@ -113,7 +171,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> tuple[dict[str, Tens
         raise _fail(path, f"'__metadata__' holds key {metadata.twice[0]!r} twice")
     parsed = {key: _parse_entry(path, key, entry, data_start, data_size) for key, entry in header.items()}
     _check_coverage(path, parsed, data_start, data_size)
-    return parsed, {str(k): str(v) for k, v in metadata.items()}
+    return parsed
 
 
 def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size: int) -> TensorHeader:

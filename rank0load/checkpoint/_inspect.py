@@ -25,9 +25,8 @@ from ..model._shard import check_dtype_groups, default_shard_fn
 from ._fit import build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
-from ._headers import read_headers
 from ._match import match_keys
-from ._source import Source, resolve
+from ._source import Source, read_headers, resolve
 
 __all__ = ["FileSummary", "Inspection", "inspect_checkpoint", "load_factory"]
 

@@ -29,9 +29,8 @@ from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import SCALE_SUFFIX
 from ._fp8 import block_size as fp8_block_size
-from ._headers import file_tensors, read_headers
 from ._match import both_layouts, key_map_collision, match_keys, nothing_matched
-from ._source import Source, resolve
+from ._source import Source, file_tensors, read_headers, resolve
 
 __all__ = [
     "RUN_TENSORS",

@@ -1,7 +1,10 @@
-"""Where the checkpoint is (rank 0 only: on a multi-node job it may not exist on other nodes).
+"""Where the checkpoint is and what its headers hold (rank 0 only: on a multi-node job it may not
+exist on other nodes; or ``inspect`` in one process; no collectives).
 
 (rank 0) :func:`resolve` accepts a directory, a ``.safetensors`` file, an index ``.json`` or a Hub
-repo id (with ``subfolder``, that folder of it); files that leave the checkpoint are refused.
+repo id (with ``subfolder``, that folder of it); files that leave the checkpoint are refused. The
+index is checked (every key listed once, every file name a regular file within the checkpoint);
+:func:`read_headers` and :func:`file_tensors` check the headers against each other and the index.
 """
 
 from __future__ import annotations
@@ -10,13 +13,14 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ._files import not_regular
-from ._index import Listing, escapes, inside, read_index
+from ..errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, format_keys
+from ._files import OpenFile, not_regular, read_exact
+from ._format import RepeatedKeys, TensorHeader, parse_json, read_header, short_repr
 
-__all__ = ["Resolved", "Source", "resolve"]
+__all__ = ["Resolved", "Source", "file_tensors", "read_headers", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +29,32 @@ _INDEX = ".safetensors.index.json"
 _SINGLE = "model" + _SAFE
 _PIPELINE = "model_index.json"  # a diffusers pipeline's root: one folder per component
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# a few MB for the largest models: anything far bigger is not an index
+_MAX_INDEX_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What an index lists, enough to check headers: each file's key count and hash sum. Not the
+    map, whose strings would stay resident on rank 0 once freed; :meth:`read_map` reads it again."""
+
+    path: str  # the index file
+    boundary: str | None
+    counts: dict[str, tuple[int, int]]  # absolute file path -> (keys, sum of hash(key) mod 2**64)
+
+    def agrees(self, path: str, keys: Iterable[str]) -> bool:
+        """Whether ``keys`` (a header's) are exactly those the index lists for file ``path``
+        (two different sets of names with equal counts and equal hash sums: chance 2**-64)."""
+        keys = list(keys)
+        return self.counts.get(path) == (len(keys), _hash_sum(keys))
+
+    @property
+    def total(self) -> int:
+        return sum(n for n, _ in self.counts.values())
+
+    def read_map(self) -> dict[str, str]:
+        """The index's map again, checked: checkpoint key -> absolute file path."""
+        return _read_map(self.path, self.boundary)[2]
 
 
 @dataclass(frozen=True)
@@ -217,11 +247,6 @@ def _pipeline_root(path: str) -> CheckpointNotFoundError:
     )
 
 
-def _from_index(index_path: str, boundary: str | None) -> Source:
-    root, files, listing = read_index(index_path, boundary)
-    return Source(root, files, listing, index_path)
-
-
 # what a load needs from a Hub repo: weights, their index, and the configs load_pretrained builds from
 HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json")
 
@@ -259,3 +284,163 @@ def _from_hub(repo_id: str, revision: str | None, not_local: str, subfolder: str
             f"{where}, which could not be fetched from the Hugging Face Hub: {exc} If you meant a local "
             "path, check it."
         ) from None
+
+
+def _hash_sum(keys: Iterable[str]) -> int:
+    return sum(map(hash, keys)) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def escapes(name: str) -> bool:
+    """Whether a relative name could leave its folder: an absolute path, a drive or a ``..`` part."""
+    return (
+        os.path.isabs(name)
+        or bool(re.match(r"^[A-Za-z]:", name))
+        or ".." in name.replace("\\", "/").split("/")
+    )
+
+
+def inside(root: str, name: object, where: str, boundary: str | None) -> str:
+    """Absolute path of ``name`` under ``root``, a regular file; refuse anything that escapes
+    ``boundary`` (None: ``root``; a Hub cache's repo folder, whose snapshots link into its blobs)."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointFormatError(
+            f"{where}: file name {name!r} is not a non-empty string. Re-download or re-save the checkpoint."
+        )
+    if escapes(name):
+        raise CheckpointFormatError(
+            f"{where}: refusing file {name!r}: index entries must be relative paths inside the "
+            "checkpoint directory (no absolute paths, drives or '..')"
+        )
+    full = os.path.realpath(os.path.join(root, name))
+    boundary = boundary or root
+    if os.path.commonpath([boundary, full]) != boundary:
+        raise CheckpointFormatError(
+            f"{where}: refusing file {name!r}: it resolves to {full!r}, outside the checkpoint "
+            f"directory {boundary!r} (a symlink that escapes?)"
+        )
+    try:
+        mode = os.stat(full).st_mode
+    except OSError:
+        raise CheckpointNotFoundError(
+            f"{where}: names file {name!r}, which does not exist in {root!r}. "
+            "Was the download interrupted? Re-download the missing shard."
+        ) from None
+    if not stat.S_ISREG(mode):
+        raise not_regular(os.path.join(root, name), mode, where)
+    return full
+
+
+def _index_error(index_path: str, problem: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{index_path}: {problem}. Re-download or re-save the checkpoint (save_pretrained writes the "
+        "index last: an interrupted save leaves it incomplete), or pass a single .safetensors file "
+        "as ckpt_path."
+    )
+
+
+def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """(root, files, checkpoint key -> absolute file path) of an index, checked; the index is read
+    through one descriptor of a regular file (never blocks on a FIFO)."""
+    with OpenFile.open(index_path) as f:
+        size = f.identity.size
+        if size > _MAX_INDEX_BYTES:
+            raise _index_error(
+                index_path, f"index is {size} bytes, more than the {_MAX_INDEX_BYTES} an index can need"
+            )
+        raw = [read_exact(f.fd, size, 0, index_path)]
+        f.check()
+    # popped, not named: parse_json holds the only reference and frees the bytes (rank 0's peak)
+    index = parse_json(raw.pop(), "index", lambda problem: _index_error(index_path, problem))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise _index_error(index_path, "index has no 'weight_map' object mapping tensor names to files")
+    if isinstance(weight_map, RepeatedKeys):
+        raise _index_error(
+            index_path,
+            f"key {weight_map.twice[0]!r} is listed twice in 'weight_map' (a JSON reader keeps only the "
+            "last, so which file holds it is ambiguous)",
+        )
+    # The index's own directory, not its symlink target's (a Hub cache links the index to a blob).
+    root = os.path.realpath(os.path.dirname(os.path.abspath(index_path)))
+    if set(map(type, weight_map.values())) - {str}:  # keys are strings: JSON's object keys are
+        key, name = next((k, v) for k, v in weight_map.items() if not isinstance(v, str))
+        raise _index_error(
+            index_path,
+            f"'weight_map' maps key {key!r} to {short_repr(name)}: expected a file name (a string)",
+        )
+    resolved = {name: inside(root, name, index_path, boundary) for name in dict.fromkeys(weight_map.values())}
+    mapped = dict(zip(weight_map, map(resolved.__getitem__, weight_map.values())))
+    files = tuple(sorted(set(resolved.values())))
+    if not files:
+        raise _index_error(index_path, "'weight_map' is empty")
+    return root, files, mapped
+
+
+def _from_index(index_path: str, boundary: str | None) -> Source:
+    """(rank 0) The checkpoint an index lists: its directory, its files (absolute paths, sorted) and
+    what it lists for each of them, checked: each file name stays inside ``boundary`` (None: that
+    directory)."""
+    root, files, mapped = _read_map(index_path, boundary)
+    per_file: dict[str, list[str]] = {f: [] for f in files}
+    for key, path in mapped.items():
+        per_file[path].append(key)
+    counts = {f: (len(keys), _hash_sum(keys)) for f, keys in per_file.items()}
+    return Source(root, files, Listing(index_path, boundary, counts), index_path)
+
+
+def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
+    """(rank 0) All tensors of all files, each file's keys checked against the index if any.
+    ``files``: the source's files already opened (else each is opened by path).
+
+    Raises CheckpointFormatError (a key stored twice, a file and the index disagree, a listed key
+    no file stores) or CheckpointChangedError (the index changed during the load)."""
+    found: dict[str, TensorHeader] = {}
+    for path in source.files:
+        found.update(file_tensors(source, path, files[path] if files is not None else path, found))
+    if source.listing is not None and source.listing.total != len(found):  # listed, in no header
+        absent = next(((k, p) for k, p in source.listing.read_map().items() if k not in found), None)
+        if absent is None:  # the index read again lists only keys that are there
+            raise CheckpointChangedError(
+                f"{source.description}: the index changed while the checkpoint was loaded "
+                f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
+                "once it is written."
+            )
+        key, path = absent
+        raise CheckpointFormatError(
+            f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
+            "but no file stores it. The index and the shards disagree: re-save the checkpoint."
+        )
+    return found
+
+
+def file_tensors(
+    source: Source, path: str, file: str | OpenFile, found: Mapping[str, TensorHeader]
+) -> dict[str, TensorHeader]:
+    """(rank 0) The tensors of file ``path``, read through ``file`` (opened, or its path), checked:
+    no key among ``found`` (the files read before), exactly the keys the index lists for it. Raises
+    CheckpointFormatError (and ``read_header``'s errors)."""
+    tensors = read_header(file)
+    twice = found.keys() & tensors.keys()  # checked in C
+    if twice:
+        key = next(k for k in tensors if k in twice)
+        raise CheckpointFormatError(
+            f"key {key!r} is stored twice: in {os.path.basename(found[key].file)} and in "
+            f"{os.path.basename(path)}. Remove one copy or re-save the checkpoint."
+        )
+    if source.listing is None or source.listing.agrees(path, tensors):
+        return tensors
+    listed = source.listing.read_map()  # the error names a key the index lacks or puts elsewhere
+    unlisted = [k for k in tensors if k not in listed]
+    if unlisted:
+        raise CheckpointFormatError(
+            f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
+            f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
+        )
+    elsewhere = next(((k, listed[k]) for k in tensors if listed[k] != path), None)
+    if elsewhere is not None:
+        key, where = elsewhere
+        raise CheckpointFormatError(
+            f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
+            f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
+        )
+    return tensors  # the index lists more keys in this file than it holds: raised once all are read

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rank0load.checkpoint import _files, _headers, _source
+from rank0load.checkpoint import _files, _source
 from rank0load.checkpoint._files import FileIdentity, OpenFile, open_files
 from rank0load.checkpoint._format import MAX_HEADER_BYTES, read_header
 from rank0load.errors import (
@@ -462,7 +462,7 @@ def test_single_file_wins_over_index(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert source.files == (os.path.join(root, "model.safetensors"),)
     assert source.listing is None
     assert source.description == str(tmp_path) and source.root == root
-    assert set(_headers.read_headers(source)) == {"other"}
+    assert set(_source.read_headers(source)) == {"other"}
     records = [r for r in caplog.records if r.name == "rank0load.checkpoint._source"]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     text = records[0].getMessage()
@@ -497,7 +497,7 @@ def test_open_file_identity_and_close(tmp_path: Path) -> None:
         assert f.identity == FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         flags = os.get_blocking(f.fd), os.get_inheritable(f.fd)
         assert flags == (False, False)  # O_NONBLOCK, O_CLOEXEC
-        tensors, _ = read_header(f)  # read through the descriptor, which stays open
+        tensors = read_header(f)  # read through the descriptor, which stays open
         assert set(tensors) == {"a", "b"} and tensors["a"].file == str(path)
         f.check()
         f.check()  # no false positive: nothing changed
@@ -619,7 +619,7 @@ def test_open_files_opens_each_once_and_closes_on_failure(
 
 
 def test_headers_read_through_open_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """_headers.read_headers(source, files) reads by descriptor and never opens by path."""
+    """_source.read_headers(source, files) reads by descriptor and never opens by path."""
     sharded(tmp_path)
     source = _source.resolve(tmp_path)
     files = open_files(source.files)
@@ -629,15 +629,15 @@ def test_headers_read_through_open_files(tmp_path: Path, monkeypatch: pytest.Mon
             raise AssertionError("re-opened a checkpoint file by path")
 
         monkeypatch.setattr(OpenFile, "open", refuse)
-        found = _headers.read_headers(source, files)
+        found = _source.read_headers(source, files)
         assert set(found) == {"x", "y"}
         assert found["x"].file == source.files[0] and found["y"].file == source.files[1]
     finally:
         for f in files.values():
             f.close()
     monkeypatch.undo()
-    assert set(_headers.read_headers(source, None)) == {"x", "y"}  # the listing is not used up
-    assert set(_headers.read_headers(_source.resolve(tmp_path))) == {"x", "y"}  # by path, as before
+    assert set(_source.read_headers(source, None)) == {"x", "y"}  # the listing is not used up
+    assert set(_source.read_headers(_source.resolve(tmp_path))) == {"x", "y"}  # by path, as before
 
 
 def test_index_listing_a_missing_key(tmp_path: Path) -> None:
@@ -652,7 +652,7 @@ def test_index_listing_a_missing_key(tmp_path: Path) -> None:
     with pytest.raises(
         CheckpointFormatError, match=r"index lists key 'z' in model-00002-of-00002.safetensors, but no file"
     ):
-        _headers.read_headers(source)
+        _source.read_headers(source)
     write_index(tmp_path, names)  # rewritten after it was resolved
     with pytest.raises(CheckpointChangedError, match="the index changed while the checkpoint was loaded"):
-        _headers.read_headers(source)
+        _source.read_headers(source)
