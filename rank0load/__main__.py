@@ -131,30 +131,14 @@ def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) 
 
 
 def _json(result: Inspection) -> str:
-    largest = result.largest
+    found = {"checkpoint": result.description, **asdict(result), "fits": result.fits}
+    del found["description"]
+    found["dtypes"] = {d: {"tensors": n, "bytes": b} for d, (n, b) in result.dtypes.items()}
+    t = result.largest
+    if t is not None:
+        found["largest"] = {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes}
     return json.dumps(
-        {
-            "checkpoint": result.description,
-            "files": [asdict(f) for f in result.files],
-            "tensors": result.tensors,
-            "total_bytes": result.total_bytes,
-            "dtypes": {d: {"tensors": n, "bytes": b} for d, (n, b) in result.dtypes.items()},
-            "largest": None
-            if largest is None
-            else {
-                "key": largest.key,
-                "dtype": largest.dtype,
-                "shape": list(largest.shape),
-                "bytes": largest.nbytes,
-            },
-            "model_checked": result.model_checked,
-            "model_tensors": result.model_tensors,
-            "matched": result.matched,
-            **{name: getattr(result, name) for name, _ in _LISTS},
-            "fsdp_groups": None if result.fsdp_groups is None else [asdict(g) for g in result.fsdp_groups],
-            "fsdp_unlisted": result.fsdp_unlisted,
-            "fits": result.fits,
-        },
+        found,
         indent=2,
         default=lambda dtype: str(dtype).removeprefix("torch."),  # the groups' torch.dtypes
     )

@@ -41,7 +41,8 @@ class FileSummary:
 
 @dataclass(frozen=True)
 class Inspection:
-    """A checkpoint's contents and, when a model was given, how its keys fit that model."""
+    """A checkpoint's contents and, when a model was given, how its keys fit that model (its fields,
+    in order, are ``python -m rank0load inspect --json``'s keys, ``description`` named ``checkpoint``)."""
 
     description: str
     files: tuple[FileSummary, ...]
@@ -54,9 +55,9 @@ class Inspection:
     matched: int = 0  # model tensors the checkpoint holds (after key_map)
     missing: tuple[str, ...] = ()  # model keys the checkpoint lacks
     unexpected: tuple[str, ...] = ()  # checkpoint keys the model lacks
+    converted: tuple[str, ...] = ()  # model tensors assembled from several tensors or dequantised
     mismatched: tuple[str, ...] = ()  # one message per key whose shape/dtype cannot load
     ignored: tuple[str, ...] = ()  # checkpoint keys key_map dropped or non-persistent in the model
-    converted: tuple[str, ...] = ()  # model tensors assembled from several tensors or dequantised
     # tied parameters stored under several names ("a = b"): only a load compares their bytes
     tied_twice: tuple[str, ...] = ()
     # the default policy's FSDP groups (root first), as LoadReport.fsdp_groups; None: see fsdp_unlisted
