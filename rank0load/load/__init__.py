@@ -2,8 +2,8 @@
 
 Imports ``checkpoint``, ``model``, ``common``, ``integrations``. ``_options``: ``load_sharded``'s
 arguments checked, the staging default; ``_model``: build, allocate, initialise and finish the
-model; ``_pieces``: the plan's vocabulary (kinds, routes, pieces; a BLOCK entry's chunks and parts
-are ``common._blocks``'s, shared with the save); ``_plan``: the pieces each rank receives; ``_messages``:
+model; ``_plan``: the plan's vocabulary (kinds, routes, pieces; a BLOCK entry's chunks and parts
+are ``common._blocks``'s, shared with the save) and the pieces each rank receives; ``_messages``:
 pieces grouped into messages; ``_sources``: where a message's bytes come from on this rank (rank
 0's reader thread, ``_readahead``, and its sends; receives; a local reader, ``_localread``), one
 interface; ``_reads``: ``preadv`` at file offsets; ``_transfer``: the rounds, each arrival into the

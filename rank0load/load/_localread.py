@@ -22,8 +22,7 @@ from ..common._staging import block_half
 from ..errors import CheckpointChangedError, InternalError
 from . import _reads
 from ._messages import Message
-from ._pieces import Piece, Route
-from ._plan import Plan
+from ._plan import Piece, Plan, Route
 from ._sink import Arrival, Sink, Staging
 
 __all__ = ["LocalFiles", "LocalReader", "LocalReads"]

@@ -21,8 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..common._staging import aligned
-from ._pieces import Kind, Piece, Route
-from ._plan import Plan
+from ._plan import Kind, Piece, Plan, Route
 
 __all__ = ["BROADCAST", "Message", "messages"]
 

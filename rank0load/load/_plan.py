@@ -19,6 +19,7 @@ each): at each round's end every rank says whether it failed, so the ranks stop 
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import math
@@ -32,13 +33,45 @@ from torch.distributed.tensor import DTensor, Placement
 from ..checkpoint._entries import Entry
 from ..checkpoint._format import DTYPES
 from ..checkpoint._fp8 import scale_span
-from ..common._blocks import Runs, block_chunks, chunk_dim
+from ..common._blocks import Chunk, Part, Runs, block_chunks, chunk_dim
 from ..common._distribute import round_ends
 from ..common._staging import ALIGN, ROUND_PIECES, block_half
 from ..model._layout import ROWS_OK, RUNS_OK, placements_on, rank_coordinates, rows_of, runs_at
-from ._pieces import Kind, Piece, Route
 
-__all__ = ["Plan", "build_plan", "fits_block"]
+__all__ = ["Kind", "Piece", "Plan", "Route", "build_plan", "fits_block"]
+
+
+class Kind(enum.Enum):
+    """How an entry travels (the module docstring says each)."""
+
+    SHARDED = "sharded"
+    PLAIN = "plain"
+    BLOCK = "block"
+    GENERIC = "generic"
+
+
+class Route(enum.Enum):
+    """Where a piece goes."""
+
+    TO_RANK = "to_rank"  # point to point to ``Piece.dst`` (rank 0 itself: read in place)
+    BROADCAST = "broadcast"  # to every rank
+    FAN_OUT = "fan_out"  # a BLOCK chunk, read once and cut into its parts (rank 0, or a local reader)
+    SCALES = "scales"  # to every rank: a float8 entry's scale grids, before its data (see _fp8)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous byte range of a checkpoint entry and its place in the destination's local tensor."""
+
+    index: int  # manifest entry index
+    route: Route
+    dst: int  # global rank for Route.TO_RANK; -1 otherwise
+    start: int  # offset in the entry's bytes (``Entry.extents`` says where they are in the files)
+    nbytes: int
+    local_offset: int  # byte offset in the destination's local (wire-dtype) flat tensor; FAN_OUT: 0
+    kind: Kind
+    chunk: Chunk | None = None  # FAN_OUT: the chunk it reads
+    parts: tuple[Part, ...] = ()  # FAN_OUT: the parts this rank cuts from it, by rank, then row
 
 
 @dataclass(frozen=True)
@@ -83,49 +116,44 @@ class Plan:
         ``cut_for`` gets its own parts as TO_RANK pieces, received like row pieces."""
         if cut_for is None and me == 0:
             cut_for = [rank for rank, _ in self.coords]
-        for index, kind in enumerate(self.kinds):
-            yield from self._entry_pieces(index, kind, me, cut_for)
-
-    def _entry_pieces(
-        self, index: int, kind: Kind, me: int, cut_for: Collection[int] | None
-    ) -> Iterator[Piece]:
-        entry = self.entries[index]
-        if entry.nbytes == 0:
-            return
         step = self.piece_bytes
-        shared = entry.scale_nbytes if kind is not Kind.SHARDED else 0  # SHARDED: each rank its rows
-        for start in range(0, shared, step):  # every rank needs the scales first
-            yield Piece(index, Route.SCALES, -1, start, min(step, entry.scale_nbytes - start), start, kind)
-        if kind is Kind.BLOCK:
-            yield from self._block_pieces(index, me, cut_for)
-            return
-        if kind in (Kind.PLAIN, Kind.GENERIC):
-            for start in range(0, entry.nbytes, step):
-                n = min(step, entry.nbytes - start)
-                yield Piece(index, Route.BROADCAST, -1, start, n, start, kind)
-            return
-        placements = self.placements[index]
-        assert placements is not None  # SHARDED entries are DTensors
-        row = entry.nbytes // entry.shape[0]
-        per_rank = []
-        for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
-            lo, hi = rows_of(self.mesh_shape, placements, entry.shape[0], coord)
-            size, (first, end) = (hi - lo) * row, _scale_rows(entry, lo, hi)
-            scales = [  # before its rows
-                Piece(index, Route.SCALES, rank, at, min(step, end - at), at, kind)
-                for at in range(first, end, step)
-            ]
-            per_rank.append(
-                scales
-                + [
-                    Piece(index, Route.TO_RANK, rank, lo * row + at, min(step, size - at), at, kind)
-                    for at in range(0, size, step)
+        for index, (entry, kind) in enumerate(zip(self.entries, self.kinds)):
+            if entry.nbytes == 0:
+                continue
+            shared = entry.scale_nbytes if kind is not Kind.SHARDED else 0  # SHARDED: each rank its rows
+            for start in range(0, shared, step):  # every rank needs the scales first
+                n = min(step, entry.scale_nbytes - start)
+                yield Piece(index, Route.SCALES, -1, start, n, start, kind)
+            if kind is Kind.BLOCK:
+                yield from self._block_pieces(index, me, cut_for)
+                continue
+            if kind in (Kind.PLAIN, Kind.GENERIC):
+                for start in range(0, entry.nbytes, step):
+                    n = min(step, entry.nbytes - start)
+                    yield Piece(index, Route.BROADCAST, -1, start, n, start, kind)
+                continue
+            placements = self.placements[index]
+            assert placements is not None  # SHARDED entries are DTensors
+            row = entry.nbytes // entry.shape[0]
+            per_rank = []
+            for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
+                lo, hi = rows_of(self.mesh_shape, placements, entry.shape[0], coord)
+                size, (first, end) = (hi - lo) * row, _scale_rows(entry, lo, hi)
+                scales = [  # before its rows
+                    Piece(index, Route.SCALES, rank, at, min(step, end - at), at, kind)
+                    for at in range(first, end, step)
                 ]
-            )
-        # round-robin over destinations, so rank 0 reads its own rows while another's are on the
-        # wire; each receiver still sees its own pieces in order
-        for round_ in itertools.zip_longest(*per_rank):
-            yield from (p for p in round_ if p is not None)
+                per_rank.append(
+                    scales
+                    + [
+                        Piece(index, Route.TO_RANK, rank, lo * row + at, min(step, size - at), at, kind)
+                        for at in range(0, size, step)
+                    ]
+                )
+            # round-robin over destinations, so rank 0 reads its own rows while another's are on the
+            # wire; each receiver still sees its own pieces in order
+            for round_ in itertools.zip_longest(*per_rank):
+                yield from (p for p in round_ if p is not None)
 
     def _block_pieces(self, index: int, me: int, cut_for: Collection[int] | None) -> Iterator[Piece]:
         """BLOCK entry ``index``'s chunks, in file order: FAN_OUT pieces with the parts of the ranks

@@ -21,7 +21,7 @@ from ..checkpoint._entries import Entry
 from ..checkpoint._files import opened
 from . import _reads
 from ._messages import Message
-from ._pieces import Route
+from ._plan import Route
 from ._sink import Arrival, Staging
 
 __all__ = ["Reader", "read_threads"]

@@ -26,8 +26,7 @@ from ..errors import InternalError
 from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
 from ._messages import Message
-from ._pieces import Kind, Piece, Route
-from ._plan import Plan
+from ._plan import Kind, Piece, Plan, Route
 
 __all__ = [
     "Arrival",

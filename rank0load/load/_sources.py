@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from ..common._staging import InFlight, block_half
 from ._messages import Message, messages
-from ._pieces import Piece, Route
-from ._plan import Plan
+from ._plan import Piece, Plan, Route
 from ._readahead import Reader, read_threads
 from ._sink import Arrival, Sink, Staging, fan_out
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..common._distribute import settled
 from ..errors import LoadError
-from ._pieces import Route
+from ._plan import Route
 from ._sink import Arrival, Sink, Staging, fan_out
 from ._sources import FileSource, OwnSource, ReceiveSource
 

@@ -24,7 +24,7 @@ from rank0load.common._distribute import round_ends
 from rank0load.common._staging import ALIGN
 from rank0load.load import _plan
 from rank0load.load._messages import Message, messages
-from rank0load.load._pieces import Kind, Route
+from rank0load.load._plan import Kind, Route
 
 _PLACEMENTS = {
     Kind.SHARDED: (Shard(0),),

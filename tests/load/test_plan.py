@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from rank0load.checkpoint._entries import Entry
 from rank0load.common import _staging
 from rank0load.integrations._compat import StridedShard
-from rank0load.load import _pieces, _plan, _sink
+from rank0load.load import _plan, _sink
 from rank0load.model import _layout
 
 
@@ -31,7 +31,7 @@ def _fixed_plan(entry: Entry, per_rank: dict, piece_bytes: int) -> _plan.Plan:
 
     world = len(per_rank)
     coords = tuple((r, (r,)) for r in range(world))
-    return Fixed((entry,), (_pieces.Kind.BLOCK,), (None,), (world,), coords, piece_bytes, (1,))
+    return Fixed((entry,), (_plan.Kind.BLOCK,), (None,), (world,), coords, piece_bytes, (1,))
 
 
 @st.composite
@@ -88,7 +88,7 @@ def test_chunks_and_parts_rebuild_every_shard(layout):
     row_bytes = entry.nbytes // shape[0]
     assert sum(c.nbytes for c in chunks) == entry.nbytes  # every row read once, in order
     for c in chunks:
-        assert c.route is _pieces.Route.FAN_OUT and c.nbytes <= _staging.block_half(piece_bytes)
+        assert c.route is _plan.Route.FAN_OUT and c.nbytes <= _staging.block_half(piece_bytes)
         assert c.chunk is not None and (c.chunk.start, c.chunk.nbytes) == (c.start, c.nbytes)
         rows = c.chunk.shape[0]
         if len(c.chunk.shape) == len(shape):  # whole dimension-0 rows
@@ -119,9 +119,7 @@ def test_chunks_and_parts_rebuild_every_shard(layout):
             continue
         own = list(plan.pieces(r))
         assert [(p.local_offset, p.nbytes) for p in own] == sent[r]
-        assert all(
-            p.dst == r and p.route is _pieces.Route.TO_RANK and p.kind is _pieces.Kind.BLOCK for p in own
-        )
+        assert all(p.dst == r and p.route is _plan.Route.TO_RANK and p.kind is _plan.Kind.BLOCK for p in own)
 
 
 @st.composite
