@@ -1,10 +1,9 @@
 """Where a message's bytes come from on this rank: one interface for the ways they arrive (all ranks).
 
-A source yields each message of a round, in order, as an :class:`~._sink.Arrival`: :class:`FileSource`
-on rank 0, which hands each on itself (:meth:`FileSource.send`), :class:`ReceiveSource` on the others,
-:class:`OwnSource` on every rank when each reads its own bytes into CPU shards, whose consumer gives
-each buffer back with ``release``. A source's failures are the sink's local failures: the round's
-messages still flow, unread.
+A source yields each message of a round, in order, as an :class:`~._sink.Arrival`, and ``take``
+hands each on and gives its buffer back: :class:`FileSource` on rank 0, :class:`ReceiveSource` on
+the others, :class:`OwnSource` on every rank when each reads its own bytes into CPU shards. A
+source's failures are the sink's local failures: the round's messages still flow, unread.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def own_together(device: torch.device) -> bool:
 
 class FileSource:
     """(rank 0) ``pieces`` (not the local readers') read by its reader thread, one arrival per message,
-    in order; :meth:`send` hands each on to the ranks it serves (not the local readers, nor broadcasts
+    in order; :meth:`take` hands each on to the ranks it serves (not the local readers, nor broadcasts
     when ``sends_nothing``: they are all the other ranks), then into its own sink. On an accelerator
     mesh the copies out of the pinned staging are non-blocking on the current stream (later reads of
     the shards are ordered after them); the reader waits for them (:meth:`_done_with`); the last round
@@ -99,7 +98,7 @@ class FileSource:
         be sent before the next is asked for (the ring)."""
         return self._by_round.until(stop)
 
-    def send(self, arrival: Arrival) -> None:
+    def take(self, arrival: Arrival) -> None:
         message, data, slot_to_free = arrival.message, arrival.data, arrival.slot
         piece, own = message.first, message.dst == 0
         if not self.on_cpu and (not own or self.sink.converts(message)):
@@ -182,7 +181,7 @@ class ReceiveSource:
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop``, in the order of its messages;
-        each one's slot must be released before the next is asked for."""
+        each one taken before the next is asked for."""
         local = self.local
         for message in self._by_round.until(stop):
             piece = message.first
@@ -224,9 +223,10 @@ class ReceiveSource:
         while self._done:
             yield self._done.popleft()
 
-    def release(self, slot: int | None) -> None:
-        if slot is not None:
-            self._free.append(slot)
+    def take(self, arrival: Arrival) -> None:
+        _into_sink(self.sink, arrival)
+        if arrival.slot is not None:
+            self._free.append(arrival.slot)
 
     def round_end(self, stop: int) -> None:
         """The identity checks of the files this rank read itself in the round."""
@@ -252,10 +252,21 @@ class OwnSource:
             pieces = item.pieces if isinstance(item, Message) else (item,)
             self.on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
 
-    def release(self, slot: int | None) -> None:
-        pass  # reads are synchronous: the reader's one slot is free once an arrival is delivered
+    def take(self, arrival: Arrival) -> None:
+        _into_sink(self.sink, arrival)  # reads are synchronous: the reader's one slot is then free
 
     def round_end(self, stop: int) -> None:
         self.reader.round_end()
         if stop == self._last:
             self.reader.finish()
+
+
+def _into_sink(sink: Sink, arrival: Arrival) -> None:
+    """(ranks but a sending rank 0) An arrival into this rank's sink: a BLOCK chunk through
+    :func:`fan_out`, its sends waited for, anything else through :meth:`Sink.take`."""
+    piece = arrival.message.first
+    if piece.route is Route.FAN_OUT:
+        assert arrival.pack_buffer is not None
+        fan_out(piece, arrival.data, arrival.pack_buffer, sink, arrival.first_row).wait()
+    else:
+        sink.take(arrival.message, arrival.data, arrival.in_target)

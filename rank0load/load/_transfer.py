@@ -1,7 +1,7 @@
 """Moving the tensor data: each rank takes its messages' bytes from its source, round by round (all ranks).
 
 (all ranks) :func:`stream`: each rank hands every arrival into its sink (rank 0 first to the ranks it
-serves, :meth:`~._sources.FileSource.send`) and gives its buffer back.
+serves) and gives its buffer back (each source's ``take``).
 
 The messages are fixed by the plan: after a *local* failure (a read, cast or copy error, a changed
 file) a rank keeps sending and receiving the round's remaining messages, from and into scratch, and
@@ -11,7 +11,6 @@ error there and the process group stays usable. Only a failing collective (a pee
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +18,7 @@ import torch.distributed as dist
 
 from ..common._distribute import settled
 from ..errors import LoadError
-from ._plan import Route
-from ._sink import Arrival, Sink, Staging, fan_out
+from ._sink import Sink, Staging
 from ._sources import FileSource, OwnSource, ReceiveSource
 
 if TYPE_CHECKING:
@@ -58,28 +56,11 @@ def stream(
             source = FileSource(plan, staging, files, sink, pieces, local.everyone, on_bytes)
         else:
             source = ReceiveSource(plan, staging, sink, own)
-        take: Callable[[Arrival], None]
-        if isinstance(source, FileSource):
-            take = source.send
-        else:
-            take = functools.partial(_into_sink, sink, source)
         try:
             for _, stop in rounds:
                 for arrival in source.until(stop):
-                    take(arrival)
+                    source.take(arrival)
                 source.round_end(stop)
         finally:
             if isinstance(source, FileSource):  # rank 0's reader thread
                 source.close()
-
-
-def _into_sink(sink: Sink, source: ReceiveSource | OwnSource, arrival: Arrival) -> None:
-    """(ranks but a sending rank 0) An arrival into this rank's sink (a BLOCK chunk through
-    :func:`fan_out`, its sends waited for, anything else through :meth:`Sink.take`); its slot back."""
-    piece = arrival.message.first
-    if piece.route is Route.FAN_OUT:
-        assert arrival.pack_buffer is not None
-        fan_out(piece, arrival.data, arrival.pack_buffer, sink, arrival.first_row).wait()
-    else:
-        sink.take(arrival.message, arrival.data, arrival.in_target)
-    source.release(arrival.slot)
