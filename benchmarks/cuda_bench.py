@@ -546,8 +546,8 @@ def m_sweep(ckpt: str, cfg: BenchConfig, options: dict) -> dict:
 
     try:  # the byte sources (8cdf6ff on): rank 0's loop is stream (_in_rounds before), its local work Sink.take
         from rank0load.load import _sources
-    except ImportError:  # an older tree (CUDA_BENCH_LIB): _send, and _scatter for its own pieces
-        _sources = None
+    except ImportError:  # the sources in _transfer, or an older tree (CUDA_BENCH_LIB): _send and _scatter
+        _sources = _transfer if hasattr(_transfer, "own_together") else None
     spent: dict = {}
     busy: list[float] = []
     iterate = _readahead.Reader.__iter__

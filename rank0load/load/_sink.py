@@ -45,7 +45,7 @@ _DEVICE_STEP_SHIFT = 6
 
 @dataclass
 class Arrival:
-    """A message whose bytes are in memory on this rank, from whichever source (``_sources``)."""
+    """A message whose bytes are in memory on this rank, from whichever source (``_transfer``)."""
 
     message: Message
     data: torch.Tensor  # its bytes: uint8, message.nbytes (a BLOCK chunk's: its rows from ``first_row``)

@@ -1,30 +1,42 @@
 """Moving the tensor data: each rank takes its messages' bytes from its source, round by round (all ranks).
 
-(all ranks) :func:`stream`: each rank hands every arrival into its sink (rank 0 first to the ranks it
-serves) and gives its buffer back (each source's ``take``).
+(all ranks) :func:`stream`: a source yields each message of a round, in order, as an
+:class:`~._sink.Arrival`, and ``take`` hands each on into the sink (rank 0 first to the ranks it
+serves) and gives its buffer back: :class:`FileSource` on rank 0, :class:`ReceiveSource` on the
+others, :class:`OwnSource` on every rank when each reads its own bytes into CPU shards.
 
 The messages are fixed by the plan: after a *local* failure (a read, cast or copy error, a changed
-file) a rank keeps sending and receiving the round's remaining messages, from and into scratch, and
-does no more local work. At every round's end the ranks compare notes; if any failed, all raise its
-error there and the process group stays usable. Only a failing collective (a peer gone) raises at once.
+file; a source's failures are the sink's) a rank keeps sending and receiving the round's remaining
+messages, from and into scratch, and does no more local work. At every round's end the ranks
+compare notes; if any failed, all raise its error there and the process group stays usable. Only a
+failing collective (a peer gone) raises at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+import collections
+import functools
+from collections.abc import Callable, Generator, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ..common._distribute import settled
+from ..common._staging import InFlight, block_half
 from ..errors import LoadError
-from ._sink import Sink, Staging
-from ._sources import FileSource, OwnSource, ReceiveSource
+from ._messages import Message, messages
+from ._plan import Piece, Plan, Route
+from ._readahead import Reader, read_threads
+from ._sink import Arrival, Sink, Staging, fan_out
 
 if TYPE_CHECKING:
-    from ._localread import LocalReads
+    from ._localread import LocalReader, LocalReads
 
 __all__ = ["stream"]
+
+T = TypeVar("T")
+_CPU = torch.device("cpu")
 
 
 def stream(
@@ -64,3 +76,244 @@ def stream(
         finally:
             if isinstance(source, FileSource):  # rank 0's reader thread
                 source.close()
+
+
+class ByRound(Generic[T]):
+    """Splits an ordered stream of items by entry index into the plan's rounds."""
+
+    def __init__(self, items: Iterator[T], index_of: Callable[[T], int]) -> None:
+        self._items, self._index_of = items, index_of
+        self._next: T | None = None  # the next item, once looked at
+
+    def until(self, stop: int) -> Iterator[T]:
+        while True:
+            if self._next is None:  # an exhausted iterator keeps answering None
+                self._next = next(self._items, None)
+            if self._next is None or self._index_of(self._next) >= stop:
+                return
+            item, self._next = self._next, None
+            yield item
+
+
+def own_together(device: torch.device) -> bool:
+    """Whether rank 0 groups its own consecutive pieces into messages: on an accelerator (staged anyway)."""
+    return device.type != "cpu"
+
+
+class FileSource:
+    """(rank 0) ``pieces`` (not the local readers') read by its reader thread, one arrival per message,
+    in order; :meth:`take` hands each on to the ranks it serves (not the local readers, nor broadcasts
+    when ``sends_nothing``: they are all the other ranks), then into its own sink. On an accelerator
+    mesh the copies out of the pinned staging are non-blocking on the current stream (later reads of
+    the shards are ordered after them); the reader waits for them (:meth:`_done_with`); the last round
+    synchronises the stream."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        staging: Staging,
+        files: Mapping[str, Any],
+        sink: Sink,
+        pieces: Iterator[Piece],
+        sends_nothing: bool,
+        on_bytes: Callable[[int], None],
+    ) -> None:
+        self.plan, self.staging, self.sink, self.on_bytes = plan, staging, sink, on_bytes
+        self.on_cpu = sink.device.type == "cpu"
+        self.sends_nothing = sends_nothing
+        self.pending = InFlight()  # sends, each handing its slot back to the reader once done
+        self._last = len(plan.entries)
+        self.reader = Reader(
+            messages(plan, pieces, own_together=own_together(sink.device)),
+            plan.entries,
+            files,
+            self._direct,
+            staging,
+            read_threads(sink.device),
+        )
+        self._by_round = ByRound(iter(self.reader), lambda a: a.message.index)
+
+    def _direct(self, message: Message) -> torch.Tensor | None:
+        """Where rank 0's own rows are read in place: its shard, when on the CPU."""
+        piece = message.first
+        if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or piece.dst != 0:
+            return None
+        return self.sink.direct_view(piece, on=_CPU)
+
+    def until(self, stop: int) -> Iterator[Arrival]:
+        """The arrivals of the round that ends before entry ``stop``; on an accelerator mesh each must
+        be sent before the next is asked for (the ring)."""
+        return self._by_round.until(stop)
+
+    def take(self, arrival: Arrival) -> None:
+        message, data, slot_to_free = arrival.message, arrival.data, arrival.slot
+        piece, own = message.first, message.dst == 0
+        if not self.on_cpu and (not own or self.sink.converts(message)):
+            data, slot_to_free = self._on_device(arrival), None
+        if piece.route is Route.FAN_OUT:  # cut into the parts: its own written, the others sent
+            pack_buffer = (
+                self.staging.device_buffer if slot_to_free is None else self.staging.slots[slot_to_free]
+            )
+            assert pack_buffer is not None  # in the buffer ``data`` is in, after the chunk
+            half = block_half(self.plan.piece_bytes)
+            self._sent(fan_out(piece, data, pack_buffer[half:], self.sink), slot_to_free)
+        elif own:
+            if not arrival.in_target:
+                self.sink.take(message, data, non_blocking=not self.on_cpu)
+            self._done_with(slot_to_free)
+        elif message.dst > 0:
+            self._sent(dist.isend(data, dst=message.dst), slot_to_free)
+        else:  # BROADCAST, SCALES
+            if not self.sends_nothing:
+                dist.broadcast(data, src=0)
+            self.sink.take(message, data)
+            self._done_with(slot_to_free)
+        self.pending.drain(keep=max(1, len(self.staging.slots) - 1))
+        self.on_bytes(sum(p.nbytes for p in message.pieces if p.route is not Route.SCALES))
+
+    def _on_device(self, arrival: Arrival) -> torch.Tensor:
+        """The message's bytes copied into the one device buffer once earlier sends from it are done
+        (rank 0's own pieces too when cast or dequantised: on the device, not the host). Later work
+        reads the buffer on the same stream: the slot is free once this copy is."""
+        self.pending.drain()
+        assert self.staging.device_buffer is not None
+        data = self.staging.device_buffer[: arrival.message.nbytes]
+        data.copy_(arrival.data, non_blocking=True)
+        self._done_with(arrival.slot)
+        return data
+
+    def _sent(self, work: Any, slot: int | None) -> None:
+        self.pending.add(work, functools.partial(self.reader.release, slot))
+
+    def _done_with(self, slot: int | None) -> None:
+        """``slot``'s bytes are used: handed back (on an accelerator, whose copies are only queued,
+        with an event recorded now). On an accelerator every message's slot comes back here before the
+        next message is asked for, as the ring needs: sends go from the device buffer, not the slot."""
+        if self.on_cpu or slot is None:
+            self.reader.release(slot)
+            return
+        copies = torch.Event(device=self.sink.device)
+        copies.record()
+        self.reader.release(slot, copies)
+
+    def round_end(self, stop: int) -> None:
+        """Wait for the round's sends; after the last round, for the queued copies and the reader's last
+        file checks too. The reader's first failure noted as this rank's."""
+        self.pending.drain()
+        if stop == self._last:
+            if not self.on_cpu:
+                self.sink.faults.run(torch.accelerator.current_stream(self.sink.device).synchronize)
+            for _ in self._by_round.until(stop + 1):  # the reader's last checks come with its end
+                pass
+        if self.sink.faults.error is None and self.reader.failed is not None:
+            self.sink.faults.note(self.reader.failed)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class ReceiveSource:
+    """(ranks other than 0) Receives posted up to ``slots`` ahead, into the shard where they can, else
+    a staging slot; broadcasts in order, once the receives before them are done; with ``local``, this
+    rank's own pieces read through rank 0's descriptors instead."""
+
+    def __init__(self, plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None) -> None:
+        self.sink, self.local, self.slots = sink, local, staging.slots
+        self.me = dist.get_rank()
+        self._free = collections.deque(range(len(staging.slots)))
+        self._pending = InFlight()  # receives, each adding its arrival to _done once complete
+        self._done: collections.deque[Arrival] = collections.deque()
+        cut_for = (self.me,) if local is not None else None  # a local reader cuts its own parts
+        self._by_round = ByRound(messages(plan, plan.pieces(self.me, cut_for)), lambda m: m.index)
+
+    def until(self, stop: int) -> Iterator[Arrival]:
+        """The arrivals of the round that ends before entry ``stop``, in the order of its messages;
+        each one taken before the next is asked for."""
+        local = self.local
+        for message in self._by_round.until(stop):
+            piece = message.first
+            if local is not None and (
+                local.everything or message.dst == self.me or piece.route is Route.FAN_OUT
+            ):
+                for p in message.pieces:
+                    yield from local.arrivals(p)
+            elif message.dst < 0:  # BROADCAST, SCALES: once the receives before are done
+                yield from self._completed(keep=0)
+                arrival = yield from self._landing(message, direct=len(message.pieces) == 1)
+                dist.broadcast(arrival.data, src=0)
+                yield arrival
+            else:  # a point-to-point receive, posted
+                one = len(message.pieces) == 1 and piece.route is Route.TO_RANK
+                arrival = yield from self._landing(message, direct=one)
+                self._pending.add(
+                    dist.irecv(arrival.data, src=0), functools.partial(self._done.append, arrival)
+                )
+                yield from self._completed(keep=len(self.slots))
+        yield from self._completed(keep=0)
+
+    def _landing(self, message: Message, direct: bool) -> Generator[Arrival, None, Arrival]:
+        """Where ``message`` arrives: its target (when ``direct`` and the sink has a view), else a free
+        slot, the oldest receives handed on (yielded) until one is free."""
+        view = self.sink.direct_view(message.first) if direct else None
+        if view is not None:
+            return Arrival(message, view, in_target=True)
+        while not self._free:
+            if not self._done:
+                self._pending.complete_oldest()
+            yield self._done.popleft()
+        slot = self._free.popleft()
+        return Arrival(message, self.slots[slot][: message.nbytes], slot)
+
+    def _completed(self, keep: int) -> Iterator[Arrival]:
+        """Complete the oldest receives until at most ``keep`` are in flight; their arrivals."""
+        self._pending.drain(keep)
+        while self._done:
+            yield self._done.popleft()
+
+    def take(self, arrival: Arrival) -> None:
+        _into_sink(self.sink, arrival)
+        if arrival.slot is not None:
+            self._free.append(arrival.slot)
+
+    def round_end(self, stop: int) -> None:
+        """The identity checks of the files this rank read itself in the round."""
+        if self.local is not None:
+            self.local.round_end()
+
+
+class OwnSource:
+    """(every rank, when each reads its own bytes into CPU shards) No message: this rank's pieces read
+    in order by ``reader`` (float8 pairs joined by ``Sink.runs``); the files read in a round checked at
+    its end, every file after the last. A failing rank stops reading."""
+
+    def __init__(self, plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None]) -> None:
+        self.plan, self.sink, self.reader, self.on_bytes = plan, sink, reader, on_bytes
+        me, self._last = dist.get_rank(), len(plan.entries)
+        self._by_round = ByRound(plan.pieces(me, cut_for=(me,)), lambda p: p.index)
+
+    def until(self, stop: int) -> Iterator[Arrival]:
+        """The arrivals of the round that ends before entry ``stop`` (rank 0's view has every
+        rank's pieces: the others' are counted on ``on_bytes``, not read)."""
+        for item in self.sink.runs(self._by_round.until(stop), self.plan.piece_bytes):
+            yield from self.reader.arrivals(item)
+            pieces = item.pieces if isinstance(item, Message) else (item,)
+            self.on_bytes(sum(p.nbytes for p in pieces if p.route is not Route.SCALES))
+
+    def take(self, arrival: Arrival) -> None:
+        _into_sink(self.sink, arrival)  # reads are synchronous: the reader's one slot is then free
+
+    def round_end(self, stop: int) -> None:
+        self.reader.round_end()
+        if stop == self._last:
+            self.reader.finish()
+
+
+def _into_sink(sink: Sink, arrival: Arrival) -> None:
+    """(ranks but a sending rank 0) An arrival into this rank's sink: a BLOCK chunk through
+    :func:`fan_out`, its sends waited for, anything else through :meth:`Sink.take`."""
+    piece = arrival.message.first
+    if piece.route is Route.FAN_OUT:
+        assert arrival.pack_buffer is not None
+        fan_out(piece, arrival.data, arrival.pack_buffer, sink, arrival.first_row).wait()
+    else:
+        sink.take(arrival.message, arrival.data, arrival.in_target)

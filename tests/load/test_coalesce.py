@@ -124,22 +124,22 @@ def _loads(rank: int, world: int, root: str) -> dict:
     loads("default", "small")
     # Rank 0's reader with 4 threads, the messages' runs cut into parts of at most 64 bytes, every
     # free slot's read at once (as on an accelerator mesh); with the default staging, and with 2 KiB
-    from rank0load.load import _readahead, _sources
+    from rank0load.load import _readahead, _transfer
 
-    threads, size = _sources.read_threads, _readahead._PART_BYTES
-    _sources.read_threads, _readahead._PART_BYTES = (lambda device: 4), 64
+    threads, size = _transfer.read_threads, _readahead._PART_BYTES
+    _transfer.read_threads, _readahead._PART_BYTES = (lambda device: 4), 64
     try:
         loads("parallel", "parallel-small")
         # ... and rank 0's own consecutive pieces grouped into messages, read into its staging and
         # copied into its shards (as on an accelerator mesh, where they go through pinned memory)
-        own_together, _sources.own_together = _sources.own_together, (lambda device: True)
+        own_together, _transfer.own_together = _transfer.own_together, (lambda device: True)
         try:
             loads("own-together", "own-together-small")
         finally:
-            _sources.own_together = own_together
+            _transfer.own_together = own_together
         rewritten("rewritten-parallel", "b.safetensors")  # the file's bytes change: loads come before
     finally:
-        _sources.read_threads, _readahead._PART_BYTES = threads, size
+        _transfer.read_threads, _readahead._PART_BYTES = threads, size
     rewritten("rewritten", "a.safetensors")
     return out
 

@@ -198,12 +198,12 @@ def _load_one(job: Job) -> dict:
     from transformers import AutoModelForCausalLM
 
     import rank0load
-    from rank0load.load import _sources
+    from rank0load.load import _transfer
 
     cfg = mm.config(job.family)
-    own_together = _sources.own_together
+    own_together = _transfer.own_together
     if job.own_together:
-        _sources.own_together = lambda device: True
+        _transfer.own_together = lambda device: True
     try:
         model = rank0load.load_sharded(
             lambda: AutoModelForCausalLM.from_config(cfg),
@@ -212,7 +212,7 @@ def _load_one(job: Job) -> dict:
             local_reads=job.local_reads,
         )
     finally:
-        _sources.own_together = own_together
+        _transfer.own_together = own_together
     return _summarise(model.eval())
 
 
@@ -353,7 +353,7 @@ def test_fp8_checkpoint_streamed(loaded, ckpts, family, block):
 @pytest.mark.parametrize("family", FP8_FAMILIES)
 def test_fp8_streamed_with_rank0s_own_pieces_grouped(loaded, ckpts, family, block):
     """Streamed into bf16 with rank 0's own consecutive pieces grouped into messages, as on an
-    accelerator mesh (``_sources.own_together``): its own rows and the scale grid rows they need
+    accelerator mesh (``_transfer.own_together``): its own rows and the scale grid rows they need
     share messages, dequantised and cast from its staging."""
     name = f"{family}-fp8-{block}-bf16-own"
     _check(ckpts["jobs"][name], loaded[name])
