@@ -263,9 +263,7 @@ class Sink:
             return None
         return t.reshape(-1).view(torch.uint8)[piece.local_offset : piece.local_offset + piece.nbytes]
 
-    def broadcast(
-        self, piece: Piece, data: torch.Tensor, in_target: bool, non_blocking: bool = False
-    ) -> None:
+    def broadcast(self, piece: Piece, data: torch.Tensor, in_target: bool, non_blocking: bool) -> None:
         """(all ranks) The local work of a broadcast piece (``in_target``, ``non_blocking``: :meth:`take`)."""
         entry = self.entries[piece.index]
         if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
