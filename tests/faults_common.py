@@ -112,7 +112,7 @@ def _inject(fault: str | None, rank: int):
         yield
         return
     if fault == "eio_on_rank0":
-        import rank0load.load._reads as reads_mod
+        import rank0load.load._readahead as reads_mod
 
         original = reads_mod.read_vectored
         calls = [0]

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..common._staging import block_half
 from ..errors import CheckpointChangedError, InternalError
-from . import _reads
 from ._messages import Message
 from ._plan import Piece, Plan, Route
+from ._readahead import read_into, runs
 from ._sink import Arrival, Sink, Staging
 
 __all__ = ["LocalFiles", "LocalReader", "LocalReads"]
@@ -197,7 +197,7 @@ class LocalReader:
     def _read(self, piece: Piece, data: torch.Tensor) -> None:
         entry = self.plan.entries[piece.index]
         extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
-        for path, offset, views in _reads.runs(extents, data):
+        for path, offset, views in runs(extents, data):
             self.touched.add(path)
             hint = "" if self.me == 0 else _THROUGH_RANK0
-            _reads.read_into(self.files.fd(path), views, offset, path, f"rank {self.me}", hint)
+            read_into(self.files.fd(path), views, offset, path, f"rank {self.me}", hint)

@@ -171,7 +171,7 @@ def _read_error_then_good_load(rank: int, world: int, f32: str, bad: tuple[int, 
     from torch.distributed.device_mesh import init_device_mesh
 
     import rank0load
-    import rank0load.load._reads as reads_mod
+    import rank0load.load._readahead as reads_mod
 
     mesh = init_device_mesh("cpu", (world,))
     original = reads_mod.read_vectored

@@ -171,7 +171,7 @@ def test_nearby_extents_are_one_read(tmp_path):
     """``_reads.runs``: extents of one file at most ``_GAP`` bytes apart are one run (the bytes
     between read into scratch), farther ones and other files start their own; reading the runs
     fills ``data`` exactly as reading each extent by itself does."""
-    from rank0load.load import _reads
+    from rank0load.load import _readahead as _reads
 
     blob = os.urandom(3 * _reads._GAP)
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
@@ -212,7 +212,7 @@ def test_nearby_extents_are_one_read(tmp_path):
 def test_runs_split_between_threads_read_the_same_bytes(tmp_path, size):
     """``_reads.split_runs``: the runs cut into reads of at most ``size`` bytes, each one run of
     file bytes, fill ``data`` exactly as the uncut runs do."""
-    from rank0load.load import _reads
+    from rank0load.load import _readahead as _reads
 
     blob = os.urandom(4096)
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")

@@ -219,7 +219,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
     import rank0load.checkpoint._files as fileio
     import rank0load.common._distribute as distribute
     import rank0load.load._handover as local
-    import rank0load.load._reads as reads
+    import rank0load.load._readahead as reads
 
     server_serve = local.Server.serve
     if case == "no-listen" and rank == 0:
@@ -409,7 +409,7 @@ def test_only_the_ranks_pids_get_the_descriptors(tmp_path):
 
 def _dies_reading(rank: int, world: int, root: str, victim: int, marker: str) -> float:
     import rank0load
-    import rank0load.load._reads as reads
+    import rank0load.load._readahead as reads
 
     if rank != 0:
         hide(root)

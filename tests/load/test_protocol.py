@@ -28,7 +28,7 @@ def _changer(path: str, how: str):
     """A read_vectored for rank 0 that changes ``path`` (as another writer would) before its 3rd read,
     for its reader thread (``_readahead``) and for its own reads when every rank reads locally
     (``_localread``)."""
-    import rank0load.load._reads as reads_mod
+    import rank0load.load._readahead as reads_mod
 
     original = reads_mod.read_vectored
     calls = [0]
