@@ -122,7 +122,6 @@ class FileSource:
         self.on_cpu = sink.device.type == "cpu"
         self.sends_nothing = sends_nothing
         self.pending = InFlight()  # sends, each handing its slot back to the reader once done
-        self._last = len(plan.entries)
         self.reader = Reader(
             messages(plan, pieces, own_together=own_together(sink.device)),
             plan.entries,
@@ -200,7 +199,7 @@ class FileSource:
         """Wait for the round's sends; after the last round, for the queued copies and the reader's last
         file checks too. The reader's first failure noted as this rank's."""
         self.pending.drain()
-        if stop == self._last:
+        if stop == len(self.plan.entries):
             if not self.on_cpu:
                 self.sink.faults.run(torch.accelerator.current_stream(self.sink.device).synchronize)
             for _ in self._by_round.until(stop + 1):  # the reader's last checks come with its end
@@ -288,7 +287,7 @@ class OwnSource:
 
     def __init__(self, plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None]) -> None:
         self.plan, self.sink, self.reader, self.on_bytes = plan, sink, reader, on_bytes
-        me, self._last = dist.get_rank(), len(plan.entries)
+        me = dist.get_rank()
         self._by_round = ByRound(plan.pieces(me, cut_for=(me,)), lambda p: p.index)
 
     def until(self, stop: int) -> Iterator[Arrival]:
@@ -304,7 +303,7 @@ class OwnSource:
 
     def round_end(self, stop: int) -> None:
         self.reader.round_end()
-        if stop == self._last:
+        if stop == len(self.plan.entries):
             self.reader.finish()
 
 
