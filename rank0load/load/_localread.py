@@ -20,8 +20,7 @@ import torch.distributed as dist
 from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..common._staging import block_half
 from ..errors import CheckpointChangedError, InternalError
-from ._messages import Message
-from ._plan import Piece, Plan, Route
+from ._plan import Message, Piece, Plan, Route
 from ._readahead import read_into, runs
 from ._sink import Arrival, Sink, Staging
 

@@ -26,8 +26,7 @@ from ..checkpoint._entries import Entry
 from ..checkpoint._files import opened
 from ..errors import CheckpointFormatError, LoadError
 from ..integrations._compat import host_bytes
-from ._messages import Message
-from ._plan import Route
+from ._plan import Message, Route
 from ._sink import Arrival, Staging
 
 __all__ = ["Reader", "read_into", "read_threads", "read_vectored", "runs", "split_runs"]

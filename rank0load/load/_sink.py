@@ -25,8 +25,7 @@ from ..common._staging import SLOTS, AllOf, aligned
 from ..errors import InternalError
 from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
-from ._messages import Message
-from ._plan import Kind, Piece, Plan, Route
+from ._plan import Kind, Message, Piece, Plan, Route
 
 __all__ = [
     "Arrival",
@@ -166,7 +165,7 @@ class Sink:
 
     def runs(self, pieces: Iterable[Piece], limit: int) -> Iterator[Piece | Message]:
         """``pieces`` (this rank's view, in order), consecutive float8 pairs of one :meth:`pair_key`
-        joined into a :class:`Message` (``_messages``' layout) of at most ``limit`` bytes, for
+        joined into a :class:`Message` (``Message.packed``'s layout) of at most ``limit`` bytes, for
         :meth:`take` to dequantise at once (a lone pair: a message of two); other pieces as they come."""
         run: list[Piece] = []
         key: tuple[object, ...] | None = None

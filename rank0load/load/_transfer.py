@@ -25,8 +25,7 @@ import torch.distributed as dist
 from ..common._distribute import settled
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
-from ._messages import Message, messages
-from ._plan import Piece, Plan, Route
+from ._plan import Message, Piece, Plan, Route, messages
 from ._readahead import Reader, read_threads
 from ._sink import Arrival, Sink, Staging, fan_out
 

@@ -1,5 +1,5 @@
 """Many small tensors, few messages: the stream (``local_reads=False``) coalesces consecutive pieces
-bound for the same place into one read and one message (``_messages``), bit-exact.
+bound for the same place into one read and one message (``_plan.messages``), bit-exact.
 
 A model of 240 small parameters of uneven shapes (row-sharded: SHARDED entries, some ranks holding
 no row of some) and 240 small buffers (broadcast: PLAIN entries), spread over two files, loads on 2

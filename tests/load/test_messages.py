@@ -1,4 +1,4 @@
-"""Property: the plan's pieces grouped into messages (``_messages``) agree on every rank.
+"""Property: the plan's pieces grouped into messages (``_plan.messages``) agree on every rank.
 
 For any mix of entries (rows, plain, tensor-parallel blocks, float8 scale grids, zero-width), any
 world size and staging size: each receiver's messages, point to point and broadcast, are exactly
@@ -23,8 +23,7 @@ from rank0load.checkpoint._format import TensorHeader
 from rank0load.common._distribute import round_ends
 from rank0load.common._staging import ALIGN
 from rank0load.load import _plan
-from rank0load.load._messages import Message, messages
-from rank0load.load._plan import Kind, Route
+from rank0load.load._plan import Kind, Message, Route, messages
 
 _PLACEMENTS = {
     Kind.SHARDED: (Shard(0),),
