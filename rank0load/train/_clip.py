@@ -37,7 +37,7 @@ class _Group:
     device: torch.device  # where its collectives run (the mesh's device type)
 
 
-# the ranks of each group a bucket is sharded over -> (those groups, its local gradients)
+# the ranks of each group a bucket is sharded over -> (those groups, its local gradients); () local only
 _Buckets = dict[tuple[tuple[int, ...], ...], tuple[tuple[_Group, ...], list[torch.Tensor]]]
 
 
@@ -162,12 +162,12 @@ def clip_grad_norm_(
     if not params:
         return torch.tensor(0.0)
 
-    buckets, local_only = _buckets(params)
-    present = [g for _, gs in buckets.values() for g in gs] + local_only
+    buckets = _buckets(params)
+    present = [g for _, gs in buckets.values() for g in gs]
     first = next((q.grad for q in params if q.grad is not None), params[0])
     device = local_tensor(first).device  # torch returns the norm on the first gradient's device
     dtype = torch.float64 if any(local_tensor(q).dtype == torch.float64 for q in params) else torch.float32
-    total = _total_norm(buckets, local_only, p, foreach, device).to(dtype)
+    total = _total_norm(buckets, p, foreach, device).to(dtype)
 
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -179,37 +179,33 @@ def clip_grad_norm_(
     return total
 
 
-def _buckets(params: list[torch.Tensor]) -> tuple[_Buckets, list[torch.Tensor]]:
+def _buckets(params: list[torch.Tensor]) -> _Buckets:
     """Each parameter's local gradient in its bucket (by the ranks of the groups it is sharded over,
-    in the order of its bucket's first parameter), or local only; checked before any collective."""
-    buckets: _Buckets = {}
-    local_only: list[torch.Tensor] = []
+    in the order of its bucket's first parameter; the local-only bucket, ``()``, first); checked
+    before any collective."""
+    buckets: _Buckets = {(): ((), [])}
     seen: dict[tuple[DeviceMesh, tuple[object, ...]], tuple[_Group, ...]] = {}
     for i, param in enumerate(params):
-        grads = local_only
+        groups: tuple[_Group, ...] = ()
         if isinstance(param, DTensor):
             spec = (param.device_mesh, tuple(param.placements))
             if spec not in seen:
                 seen[spec] = _shard_groups(*spec, what=f"parameter {i} {tuple(param.shape)}")
             groups = seen[spec]
             _check_grad(i, param, groups)
-            if groups:
-                key = tuple(g.ranks for g in groups)
-                grads = buckets.setdefault(key, (groups, []))[1]
         elif isinstance(param.grad, DTensor):
             raise ValueError(
                 f"clip_grad_norm_: parameter {i} is a plain tensor but its gradient is a DTensor"
             )
+        grads = buckets.setdefault(tuple(g.ranks for g in groups), (groups, []))[1]
         if param.grad is not None:
             grads.append(local_tensor(param.grad))
-    return buckets, local_only
+    return buckets
 
 
-def _total_norm(
-    buckets: _Buckets, local_only: list[torch.Tensor], p: float, foreach: bool | None, device: torch.device
-) -> torch.Tensor:
+def _total_norm(buckets: _Buckets, p: float, foreach: bool | None, device: torch.device) -> torch.Tensor:
     """(collective, all ranks) The total norm, float64 on ``device``: each bucket's local power
-    reduced over its groups (:func:`_all_reduce_buckets`), added to (maxed with) the local-only part."""
+    reduced over its groups (:func:`_all_reduce_buckets`), then summed (maxed)."""
     values = [_local_power(gs, p, foreach, device) for _, gs in buckets.values()]
     bucket_groups = [gs for gs, _ in buckets.values()]
     if math.isinf(p):
@@ -221,7 +217,7 @@ def _total_norm(
         ]
     else:
         reduced = _all_reduce_buckets(bucket_groups, values, dist.ReduceOp.SUM)
-    parts = torch.stack([_local_power(local_only, p, foreach, device), *reduced])
+    parts = torch.stack(reduced)
     return parts.max() if math.isinf(p) else parts.sum().pow(1.0 / p)
 
 
