@@ -25,7 +25,6 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import ModelMismatchError
 from ..integrations._compat import (
     can_reduce_scatter_unused_params,
-    fsdp_group_params,
     fsdp_groups,
     no_split_modules,
     reduce_scatter_unused_params,
@@ -250,14 +249,13 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
         for n, _ in m.named_parameters(recurse=False)
     }
     groups = fsdp_groups(model, names)
-    routed_groups = [
-        i for i, (_, params) in enumerate(groups) if any(n in routed_names for n, _, _ in params)
-    ]
-    if can_reduce_scatter_unused_params():
-        for i in routed_groups:
-            reduce_scatter_unused_params(groups[i][0])
-    elif routed_groups:
-        _refuse_training_routed(model, names, groups, routed_groups, routed_names)
+    for unit, params in groups:
+        held = [name for name, _, _ in params if name in routed_names]
+        if held and can_reduce_scatter_unused_params():
+            reduce_scatter_unused_params(unit)
+        elif held:
+            where = names.get(id(unit), "") or "the root module"
+            _refuse_training_routed(unit, where, [(name, model.get_parameter(name)) for name in held])
     check_dtype_groups(model, groups, names)
     _check_at_first_forward(model, units)
 
@@ -267,44 +265,26 @@ def _is_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _refuse_training_routed(
-    model: nn.Module,
-    names: dict[int, str],
-    groups: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]],
-    routed_groups: list[int],
-    routed_names: set[str],
-) -> None:
-    """(torch < 2.13, whose reduce-scatters would differ in size) A pre-forward hook on each group
-    holding routed parameters raises, on every rank before any collective, whenever one of them is
-    trainable under grad mode."""
-    sharded = fsdp_group_params(model)  # the same groups, in the same order, as ``groups``
-    for i in routed_groups:
-        unit, params = groups[i]
-        watched = [
-            (name, p) for (name, _, _), p in zip(params, sharded[i][2], strict=True) if name in routed_names
-        ]
-        where = names.get(id(unit), "") or "the root module"
+def _refuse_training_routed(unit: nn.Module, where: str, watched: list[tuple[str, nn.Parameter]]) -> None:
+    """(torch < 2.13, whose reduce-scatters would differ in size) A pre-forward hook on ``unit``, a
+    group holding the routed parameters ``watched``, raises, on every rank before any collective,
+    whenever one of them is trainable under grad mode."""
 
-        def check(
-            module: nn.Module,
-            args: object,
-            watched: list[tuple[str, nn.Parameter]] = watched,
-            where: str = where,
-        ) -> None:
-            if not torch.is_grad_enabled():
-                return
-            trainable = [name for name, p in watched if p.requires_grad]
-            if trainable:
-                raise ModelMismatchError(
-                    f"torch {torch.__version__}'s FSDP2 cannot train {where}: it holds routed parameters "
-                    f"that require grad ({', '.join(trainable[:3])}{' ...' if len(trainable) > 3 else ''}), "
-                    "and with a different batch on each rank, ranks whose tokens reach different experts "
-                    "would reduce-scatter gradients of different sizes (an abort or a hang). Upgrade torch to "
-                    "2.13 or newer (FSDPModule.set_reduce_scatter_unused_params), or freeze them with "
-                    "requires_grad_(False) and train the rest; run inference under torch.no_grad()."
-                )
+    def check(module: nn.Module, args: object) -> None:
+        if not torch.is_grad_enabled():
+            return
+        trainable = [name for name, p in watched if p.requires_grad]
+        if trainable:
+            raise ModelMismatchError(
+                f"torch {torch.__version__}'s FSDP2 cannot train {where}: it holds routed parameters "
+                f"that require grad ({', '.join(trainable[:3])}{' ...' if len(trainable) > 3 else ''}), "
+                "and with a different batch on each rank, ranks whose tokens reach different experts "
+                "would reduce-scatter gradients of different sizes (an abort or a hang). Upgrade torch to "
+                "2.13 or newer (FSDPModule.set_reduce_scatter_unused_params), or freeze them with "
+                "requires_grad_(False) and train the rest; run inference under torch.no_grad()."
+            )
 
-        unit.register_forward_pre_hook(check, prepend=True)
+    unit.register_forward_pre_hook(check, prepend=True)
 
 
 def _check_at_first_forward(model: nn.Module, units: Sequence[nn.Module]) -> None:
