@@ -21,7 +21,7 @@ from ..common._failure import UserCodeFailure, user_code
 from ..integrations._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
 from ..integrations._peft import adapters_built_real, base_key, building_adapters, tuner_layers_without_values
 
-__all__ = ["ModelLayout", "base_name", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
+__all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
 
 
 # The dtypes torch.set_default_dtype accepts (from_pretrained builds in them the same way).
@@ -158,15 +158,10 @@ class ModelLayout:
     def canonical(self, key: str) -> str | None:
         """The canonical model key for a checkpoint key (after ``key_map``), or None. Wrapper segments
         (``_orig_mod.``, ``_checkpoint_wrapped_module.``) are ignored on both sides."""
-        if key in self.tensors:  # called for every checkpoint key: the common answers first
-            return key
-        hit = self.aliases.get(key)
-        if hit is not None:
+        hit = self._names.get(key)  # called for every checkpoint key: the common answers first
+        if hit is not None or _WRAPPED.search(key) is None:
             return hit
-        stripped = strip_wrappers(key)
-        if stripped is key:
-            return None
-        return stripped if stripped in self.tensors else self.aliases.get(stripped)
+        return self._names.get(strip_wrappers(key))
 
     def canonical_all(self, keys: Sequence[str]) -> list[str | None]:
         """``[self.canonical(k) for k in keys]``, in bulk."""
@@ -195,12 +190,6 @@ class ModelLayout:
 # Module-name segments that wrappers insert without changing the state a checkpoint holds.
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
 _WRAPPED = re.compile("|".join(WRAPPER_SEGMENTS))
-
-
-def base_name(key: str) -> str:
-    """``_peft.base_key`` with wrappers removed too: ``"base_model.model.layers.0.q_proj.base_layer.weight"``
-    -> ``"layers.0.q_proj.weight"``."""
-    return base_key(strip_wrappers(key))
 
 
 def strip_wrappers(key: str) -> str:
@@ -255,11 +244,11 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
 
     tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     for name in [*tensors, *aliases]:  # wrapper-free and PEFT base names, overriding no existing name
-        for plain in (strip_wrappers(name), base_name(name)):
+        for plain in (strip_wrappers(name), base_key(strip_wrappers(name))):
             if plain != name and plain not in tensors and plain not in aliases:
                 aliases[plain] = aliases.get(name, name)
     non_persistent |= {strip_wrappers(name) for name in non_persistent}
-    non_persistent |= {base_name(name) for name in non_persistent}
+    non_persistent |= {base_key(strip_wrappers(name)) for name in non_persistent}
     return ModelLayout(
         tensors=tensors,
         aliases=aliases,
