@@ -45,10 +45,12 @@ logger = logging.getLogger(__name__)
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules to shard one by one, innermost first: those whose class ``_no_split_modules``
     names, else the children of the largest ``nn.ModuleList``; none inside a routed list."""
-    blocks = _candidate_blocks(model)
-    routed = _routed(model, blocks)
-    owners = _owners(model)
-    blocks = [b for b in blocks if id(b) not in routed and not _shares_outside(b, owners)]
+    return _blocks(model, routed_modules(model), _owners(model))
+
+
+def _blocks(model: nn.Module, routed: frozenset[int], owners: dict[int, set[int]]) -> list[nn.Module]:
+    """:func:`find_blocks`, given :func:`routed_modules` and :func:`_owners`."""
+    blocks = [b for b in _candidate_blocks(model) if id(b) not in routed and not _shares_outside(b, owners)]
     # Innermost first: fully_shard on a child must precede its parent.
     order = {id(m): i for i, m in enumerate(model.modules())}
     return sorted(blocks, key=lambda m: -order[id(m)])
@@ -67,12 +69,8 @@ def _candidate_blocks(model: nn.Module) -> list[nn.Module]:
 
 def routed_modules(model: nn.Module) -> frozenset[int]:
     """(all ranks, before sharding) Ids of the modules at or below a routed list: none may be a unit."""
-    return _routed(model, _candidate_blocks(model))
-
-
-def _routed(model: nn.Module, blocks: list[nn.Module]) -> frozenset[int]:
     inside_block: set[int] = set()
-    for block in blocks:
+    for block in _candidate_blocks(model):
         inside_block.update(id(m) for m in block.modules() if m is not block)
     out: set[int] = set()
     for name, module in model.named_modules():
@@ -216,7 +214,7 @@ def default_shard_fn(model: nn.Module, mesh: DeviceMesh) -> None:
 def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) -> None:
     """:func:`default_shard_fn` with the routed modules already found (:func:`routed_modules`)."""
     policy = _Policy(model, mesh, routed)
-    blocks = find_blocks(model)
+    blocks = _blocks(model, routed, policy.owners)
     for block in blocks:
         if any(id(p) not in policy.managed for p in block.parameters()):
             policy.shard_unit(block)
