@@ -85,8 +85,7 @@ def build_sharded(
             "a trained adapter."
         )
     if dtype is not None:
-        params = dict(model.named_parameters())
-        cast(model, dtype, built=frozenset(id(params[k]) for k in values))
+        cast(model, dtype, built=frozenset(id(model.get_parameter(k)) for k in values))
     keys = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     found_conversions = conversions_for(model, keys, conversions)
     routed = routed_modules(model)  # before sharding renames the classes blocks are found by
@@ -288,15 +287,13 @@ def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
 def finish(model: nn.Module, layout: ModelLayout) -> None:
     """(all ranks) Re-tie every name of a tied parameter to one object (``to_empty`` and FSDP2 can
     split them); raises RankMismatchError if anything is left on meta."""
-    for group in layout.tie_groups:
-        first_module, first_leaf = resolve_module(model, group[0])
-        is_param = first_leaf in first_module._parameters
-        primary = (first_module._parameters if is_param else first_module._buffers)[first_leaf]
-        for name in group[1:]:
+    for first, *rest in layout.tie_groups:
+        module, leaf = resolve_module(model, first)
+        store = "_parameters" if layout.tensors[first].is_param else "_buffers"
+        primary = getattr(module, store)[leaf]
+        for name in rest:
             module, leaf = resolve_module(model, name)
-            store = module._parameters if is_param else module._buffers
-            if store[leaf] is not primary:
-                store[leaf] = primary  # type: ignore[assignment]
+            getattr(module, store)[leaf] = primary
     left = [n for n, p in model.named_parameters() if p.is_meta or local_tensor(p).is_meta]
     left += [n for n, b in model.named_buffers() if b.is_meta]
     if left:
