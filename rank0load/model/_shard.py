@@ -118,7 +118,7 @@ class _Policy:
     def __init__(self, model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) -> None:
         self.mesh = mesh
         self.routed = routed
-        self.names = {id(m): n for n, m in model.named_modules()}
+        self.model = model
         self.managed: set[int] = set()
         self.owners = _owners(model)
         self.groups = 0
@@ -153,7 +153,8 @@ class _Policy:
             names = sorted(names)
             return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
-        where = self.names[id(unit)]
+        paths = {id(m): n for n, m in self.model.named_modules()}
+        where = paths[id(unit)]
         prefix = f"{where}." if where else ""
         held = [
             prefix + n
@@ -161,7 +162,7 @@ class _Policy:
             if p.requires_grad and p.dtype == dtype and id(p) not in self.managed
         ]
         odd = [
-            f"{self.names[id(child)]}.{n}"
+            f"{paths[id(child)]}.{n}"
             for n, p in child.named_parameters()
             if p.requires_grad and p.dtype != dtype and id(p) not in self.managed
         ]
@@ -173,7 +174,7 @@ class _Policy:
         return (
             f"the FSDP group of {where or 'the root module'!r} would train {_dtype_name(dtype)} "
             f"parameters ({shown(held)}) and {dtypes} ones inside the routed list "
-            f"{self.names[id(child)]!r} ({shown(odd)}). FSDP2 needs one dtype among a group's trainable "
+            f"{paths[id(child)]!r} ({shown(odd)}). FSDP2 needs one dtype among a group's trainable "
             "parameters, and a group of their own inside a routed list (modules that run only on the ranks "
             "whose tokens reach them) would make ranks with different batches issue different collectives. "
             "Freeze one side in model_fn (requires_grad_(False): a router bias or scale usually), or give "
