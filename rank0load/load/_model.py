@@ -131,22 +131,18 @@ def _cast_tensors(
     parameters, non-persistent buffers (``persistent_only``) and float8 (``skip_float8``) as they are."""
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        for leaf, p in module._parameters.items():
-            if p is None or id(p) in built or not p.is_floating_point():
+        for leaf, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None or id(t) in built or not t.is_floating_point():
                 continue
-            if skip_float8 and p.element_size() == 1:
-                continue
-            want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
-            if p.dtype != want:
-                p.data = p.data.to(want)
-        for leaf, b in module._buffers.items():
-            if b is None or not b.is_floating_point() or skip_float8 and b.element_size() == 1:
+            if skip_float8 and t.element_size() == 1:
                 continue
             if persistent_only and leaf in module._non_persistent_buffers_set:
                 continue
             want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
-            if b.dtype != want:
-                module._buffers[leaf] = b.to(want)
+            if t.dtype != want and leaf in module._parameters:
+                t.data = t.data.to(want)
+            elif t.dtype != want:
+                module._buffers[leaf] = t.to(want)
 
 
 def set_config_dtype(model: nn.Module, dtype: torch.dtype) -> None:
