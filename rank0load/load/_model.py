@@ -198,9 +198,7 @@ def apply_built(model: nn.Module, values: dict[str, torch.Tensor], keys: Sequenc
     on every rank) into the allocated shards of ``keys``, each rank its own part, no communication."""
     with torch.no_grad():
         for key in keys:
-            module, leaf = resolve_module(model, key)
-            param = module._parameters[leaf]
-            assert param is not None
+            param = model.get_parameter(key)
             value = values[key].to(param.dtype)
             if isinstance(param, DTensor):
                 part = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
@@ -222,9 +220,7 @@ def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]
     for key in missing:
         if layout.tensors[key].is_param:
             module, leaf = resolve_module(model, key)
-            param = module._parameters[leaf]
-            if param is not None:
-                owners.setdefault(key.rpartition(".")[0], (module, []))[1].append(param)
+            owners.setdefault(key.rpartition(".")[0], (module, []))[1].append(getattr(module, leaf))
     left: list[str] = []
     with torch.no_grad():
         for module_name, (module, params) in owners.items():
