@@ -123,12 +123,15 @@ class _Policy:
         self.owners = _owners(model)
         self.groups = 0
 
-    def shard_unit(self, unit: nn.Module) -> None:
-        """``fully_shard(unit)``, after giving each of its odd-dtype submodules a group of its own."""
+    def shard_unit(self, unit: nn.Module, outer: torch.dtype | None = None) -> None:
+        """``fully_shard(unit)``, after giving each of its odd-dtype submodules a group of its own.
+        ``outer``: the dtype of the group ``unit`` would otherwise join; then ``unit`` gets a group
+        only if its own dtype differs and none of its free parameters is used outside it."""
         dtype = self._group_dtype(unit)
         if dtype is not None:
             self._isolate(unit, unit, dtype)
-        self._shard(unit)
+        if outer is None or dtype != outer and not _shares_outside(unit, self.owners, self.managed):
+            self._shard(unit)
 
     def _isolate(self, unit: nn.Module, module: nn.Module, dtype: torch.dtype) -> None:
         """Give every submodule of ``module`` whose free trainable parameters are not all ``dtype`` a
@@ -142,11 +145,7 @@ class _Policy:
             if type(child).forward is nn.Module.forward:  # ModuleList, ModuleDict, a namespace: never
                 self._isolate(unit, child, dtype)  # called, so FSDP's hooks on it would not run; look inside
                 continue
-            own = self._group_dtype(child)
-            assert own is not None  # counts is not empty
-            self._isolate(child, child, own)
-            if own != dtype and not _shares_outside(child, self.owners, self.managed):
-                self._shard(child)
+            self.shard_unit(child, outer=dtype)
 
     def _routed_message(self, unit: nn.Module, child: nn.Module, dtype: torch.dtype) -> str:
         def shown(names: list[str]) -> str:
