@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 import torch
@@ -255,7 +254,14 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
             where = names.get(id(unit), "") or "the root module"
             _refuse_training_routed(unit, where, [(name, model.get_parameter(name)) for name in held])
     check_dtype_groups(model, groups, names)
-    _check_at_first_forward(model, units)
+    handles: list[RemovableHandle] = []
+
+    def check(module: nn.Module, args: object) -> None:  # ahead of FSDP's own bare AssertionError
+        for h in handles:
+            h.remove()
+        check_dtype_groups(model)  # requires_grad changed after the load, checked as at the load
+
+    handles.extend(u.register_forward_pre_hook(check, prepend=True) for u in units)
 
 
 def _is_unit(module: nn.Module) -> bool:
@@ -283,19 +289,6 @@ def _refuse_training_routed(unit: nn.Module, where: str, watched: list[tuple[str
             )
 
     unit.register_forward_pre_hook(check, prepend=True)
-
-
-def _check_at_first_forward(model: nn.Module, units: Sequence[nn.Module]) -> None:
-    """A one-time pre-forward hook on every group, ahead of FSDP's own (a bare ``AssertionError``):
-    ``requires_grad`` changed after the load is checked as at the load."""
-    handles: list[RemovableHandle] = []
-
-    def check(module: nn.Module, args: object) -> None:
-        for h in handles:
-            h.remove()
-        check_dtype_groups(model)
-
-    handles.extend(u.register_forward_pre_hook(check, prepend=True) for u in units)
 
 
 def check_dtype_groups(
