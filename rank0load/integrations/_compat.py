@@ -1,5 +1,5 @@
 """The one place rank0load leans on private torch, transformers and diffusers behaviour that could change
-(transformers' checkpoint conversions: ``_compat_convert``). ``tests/integrations/test_compat.py`` and
+(transformers' checkpoint conversions: ``_convert``). ``tests/integrations/test_compat.py`` and
 ``tests/api/test_diffusers.py`` fail loudly when a release changes any of it. (all ranks, no collectives)
 """
 

@@ -11,12 +11,18 @@ other tensor and no rank holds it whole.
 optionally then ``Concatenate(dim=1)``, is assembled, any other operation reported, never skipped.
 :class:`TransformersReversal` / :class:`PeftReversal` go the other way, for ``original_format=True``.
 
+transformers' private conversion code is reached only here (5: ``conversion_mapping``,
+``core_model_loading``; 4.57: ``_fix_state_dict_key_on_load``); ``tests/integrations/test_convert.py``
+fails loudly when a release changes it.
+
 (all ranks build the conversions before sharding; rank 0 alone matches keys, and builds the reversal
 when saving; no collectives)
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import SaveError
-from . import _compat, _compat_convert, _peft
+from . import _compat, _peft
 
 __all__ = [
     "Conversion",
@@ -114,16 +120,37 @@ class StackExperts:
 _STACKABLE = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
 
 
+def _has_conversion_mapping() -> bool:
+    """Whether transformers has checkpoint conversions (transformers 5); 4.57 only renames keys.
+    For a transformers model only (transformers is then imported)."""
+    return importlib.util.find_spec("transformers.conversion_mapping") is not None
+
+
+def _split(transforms: list[Any]) -> tuple[list[Any], list[Any]]:
+    """transformers' transforms as (``WeightRenaming``s, ``WeightConverter``s), in order."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    return (
+        [t for t in transforms if isinstance(t, WeightRenaming)],
+        [t for t in transforms if isinstance(t, WeightConverter)],
+    )
+
+
 class TransformersConversions:
     """transformers' own renamings and converters for ``model`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
-        self._renamings, self._converters = _compat_convert.hf_conversions(model)
+        """Some conversions are looked up by class name: build this before ``fully_shard`` renames them."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import rename_source_key
+
+        self._renamings, self._converters = _split(get_model_conversion_mapping(model))  # type: ignore[arg-type]
+        self._rename = rename_source_key  # the renamings, then at most one converter
         self._prefix = getattr(model, "base_model_prefix", None)
         self._model_keys = dict.fromkeys(model_keys, True)
 
     def match(self, key: str) -> ConversionMatch | None:
-        renamed, pattern = _compat_convert.hf_rename(
+        renamed, pattern = self._rename(
             key, self._renamings, self._converters, self._prefix, self._model_keys
         )
         if pattern is None:
@@ -137,7 +164,7 @@ class TransformersConversions:
             return ConversionMatch(renamed, None, index, total, name, f"needs {what}")
         # the expert: the integer the pattern's "*" stands for in the key after the renamings alone
         # (transformers' source patterns are regular expressions in which "*" is an index)
-        source = _compat_convert.hf_rename(key, self._renamings, [], None, None)[0]
+        source = self._rename(key, self._renamings, [], None, None)[0]
         found = re.search(pattern.replace("*", r"(\d+)"), source)
         if found is None or not found.groups():
             return ConversionMatch(renamed, None, index, total, name, "no expert index found in the key")
@@ -149,18 +176,30 @@ _SPLITTABLE = ([("SplitModulelist", 0)], [("Chunk", 1), ("SplitModulelist", 0)])
 
 
 class TransformersReversal:
-    """(rank 0) A model tensor's saved names and shapes with transformers' conversions reverted, each
-    a contiguous byte range of the fused tensor (found by reverting a stand-in that numbers the
-    (expert, source) slices); SaveError for one that is not."""
+    """(rank 0) A model tensor's saved names and shapes with transformers' conversions reverted as
+    ``save_pretrained``'s ``revert_weight_conversion`` reverts them, each a contiguous byte range of
+    the fused tensor (found by reverting a stand-in that numbers the (expert, source) slices);
+    SaveError for one that is not."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._model = model
-        self._renamings, self._converters = _compat_convert.hf_reverse_conversions(model)
+        """The model's ``_weight_conversions``, else its mapping without ``PrefixChange`` (found through
+        ``config.model_type`` after ``fully_shard``), each reversed, last first."""
+        import transformers.core_model_loading as core
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        self._model, self._core = model, core
+        transforms = getattr(model, "_weight_conversions", None)
+        if transforms is None:
+            transforms = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+            transforms = [t for t in transforms if not isinstance(t, core.PrefixChange)]
+        self._renamings, self._converters = _split([t.reverse_transform() for t in transforms[::-1]])
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        renamed, converter, pattern = _compat_convert.hf_revert_key(name, self._renamings, self._converters)
-        if converter is None or pattern is None:
-            return [(renamed, shape)]
+        # reverted: at most one converter; the renamings on a key no converter takes, else on its outputs
+        renamed, pattern = self._core.apply_converters(name, self._converters)
+        if pattern is None:
+            return [(self._core.apply_renamings(name, self._renamings), shape)]
+        converter = next(c for c in self._converters if pattern in c.source_patterns)
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
         sources = len(converter.target_patterns)
         if ops not in _SPLITTABLE or len(shape) < 2 or shape[1] % sources or (sources > 1) != (len(ops) > 1):
@@ -171,9 +210,11 @@ class TransformersReversal:
             )
         slices = shape[0] * sources
         standin = torch.arange(slices).reshape(shape[0], sources, *[1] * (len(shape) - 2))
-        out = _compat_convert.hf_revert_tensor(
-            converter, renamed, name, pattern, standin, self._model, self._renamings
-        )
+        converter = copy.deepcopy(converter)
+        converter.add_tensor(renamed, name, pattern, standin)
+        converted = converter.convert(renamed, model=self._model, config=getattr(self._model, "config", None))
+        rename = self._core.apply_renamings
+        out = {rename(n, self._renamings): v[0] if isinstance(v, list) else v for n, v in converted.items()}
         order = {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
         if len(out) != slices or sorted(order) != list(range(slices)):
             raise SaveError(
@@ -203,12 +244,12 @@ class TransformersRenamings:
     then ``base_model_prefix`` added or removed where that names a model key."""
 
     def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
-        self._model = model
+        self._fix = type(model)._fix_state_dict_key_on_load  # type: ignore[attr-defined]  # a staticmethod
         self._prefix = getattr(model, "base_model_prefix", None) or None
         self._model_keys = frozenset(model_keys)
 
     def match(self, key: str) -> ConversionMatch | None:
-        renamed = _compat_convert.hf_legacy_rename(self._model, key)
+        renamed = str(self._fix(key)[0])
         if renamed not in self._model_keys and self._prefix is not None:
             head = f"{self._prefix}."
             if renamed.startswith(head) and renamed[len(head) :] in self._model_keys:
@@ -227,7 +268,7 @@ def original_format_reversal(
     any other model (its own names)."""
     base = _compat.peft_base_model(model)
     reversal = None
-    if _compat.is_transformers_model(base) and _compat_convert.hf_has_conversion_mapping():
+    if _compat.is_transformers_model(base) and _has_conversion_mapping():
         reversal = TransformersReversal(base)
     return reversal if base is model else PeftReversal(adapters, reversal)
 
@@ -240,7 +281,7 @@ def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence
     base = _compat.peft_base_model(model)
     if _compat.is_transformers_model(base):
         keys = model_keys if base is model else [_peft.base_key(k) for k in model_keys]
-        if _compat_convert.hf_has_conversion_mapping():
+        if _has_conversion_mapping():
             out.append(TransformersConversions(base, keys))
         else:
             out.append(TransformersRenamings(base, keys))

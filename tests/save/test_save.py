@@ -363,14 +363,14 @@ def _moe_save(rank: int, world: int, name: str, source: str, out: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import rank0load
-    from rank0load.integrations._compat_convert import hf_reverse_conversions
+    from rank0load.integrations._convert import TransformersReversal
     from tests import moe_models
 
     moe_models._quiet()
     cfg = moe_models.config(name)
     model = rank0load.load_sharded(lambda: AutoModelForCausalLM.from_config(cfg), source)
     # fully_shard renamed the classes: transformers finds the mapping through config.model_type
-    found = (type(model).__name__, len(hf_reverse_conversions(model)[1]))
+    found = (type(model).__name__, len(TransformersReversal(model)._converters))
     report = rank0load.save_sharded(model, out, max_shard_size=moe_models.SHARD)
     return {"found": found, "tensors": report.tensors, "files": len(report.files)}
 
