@@ -37,7 +37,6 @@ __all__ = [
     "hf_remote_auto_class",
     "hf_with_generation_mixin",
     "is_diffusers_class",
-    "is_diffusers_model",
     "is_transformers_model",
     "hf_init_weights",
     "host_bytes",
@@ -335,11 +334,6 @@ def is_diffusers_class(cls: object) -> bool:
     from diffusers import ModelMixin
 
     return issubclass(cls, ModelMixin)
-
-
-def is_diffusers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a diffusers ``ModelMixin``, without importing diffusers for another model."""
-    return is_diffusers_class(type(model))
 
 
 def diffusers_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool] | None:

@@ -24,7 +24,7 @@ from ..integrations._compat import (
     diffusers_keep_in_fp32,
     hf_init_weights,
     hf_keep_in_fp32,
-    is_diffusers_model,
+    is_diffusers_class,
     is_transformers_model,
     local_tensor,
     peft_base_model,
@@ -111,7 +111,7 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
     if is_transformers_model(base):
         keep = hf_keep_in_fp32(base, dtype)
         _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=True)
-    elif is_diffusers_model(base):
+    elif is_diffusers_class(type(base)):
         keep = diffusers_keep_in_fp32(base, dtype)
         _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=False)
     else:

@@ -18,7 +18,7 @@ from ..checkpoint._format import DTYPES
 from ..integrations import _peft
 from ..integrations._compat import (
     diffusers_config_json,
-    is_diffusers_model,
+    is_diffusers_class,
     is_transformers_model,
     peft_base_model,
 )
@@ -49,7 +49,7 @@ def layout_of(model: nn.Module, original_format: bool) -> Layout:
         return Layout("model", False, None)
     if is_transformers_model(base):
         return Layout("model", False, _hf_configs)
-    if is_diffusers_model(base):
+    if is_diffusers_class(type(base)):
         return Layout("diffusion_pytorch_model", False, _diffusers_config)
     return Layout("model", False, None)
 
