@@ -9,7 +9,7 @@ other tensor and no rank holds it whole.
 :class:`StackExperts` is the public declaration; :class:`TransformersConversions` /
 :class:`TransformersRenamings` are transformers' own rules (5 / 4.57): only ``MergeModulelist(dim=0)``,
 optionally then ``Concatenate(dim=1)``, is assembled, any other operation reported, never skipped.
-:class:`TransformersReversal` / :class:`PeftReversal` go the other way, for ``original_format=True``.
+:class:`TransformersReversal` / :func:`original_format_reversal` go the other way, for ``original_format=True``.
 
 transformers' private conversion code is reached only here (5: ``conversion_mapping``,
 ``core_model_loading``; 4.57: ``_fix_state_dict_key_on_load``); ``tests/integrations/test_convert.py``
@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -37,7 +37,6 @@ from . import _compat, _peft
 __all__ = [
     "Conversion",
     "ConversionMatch",
-    "PeftReversal",
     "StackExperts",
     "TransformersConversions",
     "TransformersReversal",
@@ -171,6 +170,9 @@ class TransformersConversions:
         return ConversionMatch(renamed, int(found.group(1)), index, total, name)
 
 
+# a model tensor's saved (name, shape)s: save._saveplan.Revert
+Reversal = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
+
 # the reverse of _STACKABLE: Chunk(dim=1) into the sources, then SplitModulelist(dim=0) into the experts
 _SPLITTABLE = ([("SplitModulelist", 0)], [("Chunk", 1), ("SplitModulelist", 0)])
 
@@ -225,20 +227,6 @@ class TransformersReversal:
         return [(order[v], part) for v in range(slices)]
 
 
-class PeftReversal:
-    """(rank 0) A ``PeftModel`` tensor's saved names: ``adapters`` under the PeftModel's own names,
-    every other tensor under its base model's (``_peft.base_key``), then ``base_reversal``'s."""
-
-    def __init__(self, adapters: frozenset[str], base_reversal: TransformersReversal | None) -> None:
-        self._adapters, self._base_reversal = adapters, base_reversal
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        if name in self._adapters:
-            return [(name, shape)]
-        base = _peft.base_key(name)
-        return self._base_reversal(base, shape) if self._base_reversal is not None else [(base, shape)]
-
-
 class TransformersRenamings:
     """transformers 4.x's key renamings, as ``from_pretrained`` does them: ``_fix_state_dict_key_on_load``,
     then ``base_model_prefix`` added or removed where that names a model key."""
@@ -259,18 +247,26 @@ class TransformersRenamings:
         return ConversionMatch(renamed, None, 0, 1, "transformers renaming") if renamed != key else None
 
 
-def original_format_reversal(
-    model: nn.Module, adapters: frozenset[str]
-) -> TransformersReversal | PeftReversal | None:
+def original_format_reversal(model: nn.Module, adapters: frozenset[str]) -> Reversal | None:
     """(rank 0) ``save_sharded(original_format=True)``'s saved names: what ``save_pretrained`` reverts
-    for a transformers model (:class:`TransformersReversal`; transformers 4.57 reverts nothing),
-    :class:`PeftReversal` for a ``PeftModel`` (``adapters``: its adapter tensors' names), None for
-    any other model (its own names)."""
+    for a transformers model (:class:`TransformersReversal`; transformers 4.57 reverts nothing); for a
+    ``PeftModel``, ``adapters`` (its adapter tensors' names) under its own names, every other tensor
+    under its base model's (``_peft.base_key``), then the base's reversal; None for any other model
+    (its own names)."""
     base = _compat.peft_base_model(model)
     reversal = None
     if _compat.is_transformers_model(base) and _has_conversion_mapping():
         reversal = TransformersReversal(base)
-    return reversal if base is model else PeftReversal(adapters, reversal)
+    if base is model:
+        return reversal
+
+    def peft_reversal(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        if name in adapters:
+            return [(name, shape)]
+        base_name = _peft.base_key(name)
+        return reversal(base_name, shape) if reversal is not None else [(base_name, shape)]
+
+    return peft_reversal
 
 
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
