@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..integrations._compat import fsdp_group_params
+from ..integrations._compat import fsdp_groups
 
 __all__ = ["Clock", "FSDPGroup", "LoadReport", "fsdp_plan", "log_summary"]
 
@@ -43,11 +43,11 @@ def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
         FSDPGroup(
             module=name,
             parameters=len(params),
-            elements=sum(p.numel() for p in params),
-            trainable_dtypes=tuple(sorted({p.dtype for p in params if p.requires_grad}, key=str)),
-            frozen_dtypes=tuple(sorted({p.dtype for p in params if not p.requires_grad}, key=str)),
+            elements=sum(p.numel() for _, p in params),
+            trainable_dtypes=tuple(sorted({p.dtype for _, p in params if p.requires_grad}, key=str)),
+            frozen_dtypes=tuple(sorted({p.dtype for _, p in params if not p.requires_grad}, key=str)),
         )
-        for name, _, params in fsdp_group_params(model)
+        for name, _, params in fsdp_groups(model)
     )
 
 

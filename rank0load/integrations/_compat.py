@@ -28,7 +28,6 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "foreach_supported",
-    "fsdp_group_params",
     "fsdp_groups",
     "hf_auto_class",
     "hf_none_means_config_dtype",
@@ -112,41 +111,26 @@ def split_chunks(placement: Placement, t: torch.Tensor, parts: int) -> list[torc
 
 def fsdp_groups(
     model: nn.Module, names: dict[int, str] | None = None
-) -> list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]]:
-    """Every FSDP2 group in ``model``: its module, and each parameter's qualified name, dtype and
-    ``requires_grad``. ``names``: module names by ``id``, if the caller has them. Private: as
-    :func:`fsdp_group_params`, and ``FSDPParam._module_info``."""
-    if names is None:
-        names = {id(m): n for n, m in model.named_modules()}
-    out: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] = []
-    for _, module, fsdp_params in _fsdp_param_groups(model):
-        params = []
-        for fp in fsdp_params:
-            owner = names.get(id(fp._module_info.module), "")
-            name = f"{owner}.{fp._module_info.param_name}" if owner else fp._module_info.param_name
-            params.append((name, fp.sharded_param.dtype, fp.sharded_param.requires_grad))
-        out.append((module, params))
-    return out
-
-
-def fsdp_group_params(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """Every FSDP2 group in ``model``, in ``named_modules()`` order: (qualified name, module, sharded
-    DTensor parameters). Private: ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``,
-    ``FSDPParam.sharded_param``."""
-    return [
-        (name, module, [fp.sharded_param for fp in params])
-        for name, module, params in _fsdp_param_groups(model)
-    ]
-
-
-def _fsdp_param_groups(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[Any]]]:
-    """(qualified name, module, its group's ``FSDPParam`` list) for every FSDP2 parameter group."""
+) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Every FSDP2 group in ``model``, in ``named_modules()`` order: its module's qualified name, the
+    module, and each sharded DTensor parameter with its qualified name. ``names``: module names by
+    ``id``, if the caller has them. Private: ``FSDPModule._get_fsdp_state``,
+    ``FSDPState._fsdp_param_groups``, ``FSDPParam.sharded_param`` and ``FSDPParam._module_info``."""
     from torch.distributed.fsdp import FSDPModule
 
+    if names is None:
+        names = {id(m): n for n, m in model.named_modules()}
+    out: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
     for name, module in model.named_modules():
         groups = module._get_fsdp_state()._fsdp_param_groups if isinstance(module, FSDPModule) else []
         for group in groups:
-            yield name, module, group.fsdp_params
+            params = []
+            for fp in group.fsdp_params:
+                owner = names.get(id(fp._module_info.module), "")
+                leaf = fp._module_info.param_name
+                params.append((f"{owner}.{leaf}" if owner else leaf, fp.sharded_param))
+            out.append((name, module, params))
+    return out
 
 
 def can_reduce_scatter_unused_params() -> bool:

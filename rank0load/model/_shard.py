@@ -246,13 +246,12 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
         for n, _ in m.named_parameters(recurse=False)
     }
     groups = fsdp_groups(model, names)
-    for unit, params in groups:
-        held = [name for name, _, _ in params if name in routed_names]
-        if held and can_reduce_scatter_unused_params():
+    for where, unit, params in groups:
+        watched = [(name, p) for name, p in params if name in routed_names]
+        if watched and can_reduce_scatter_unused_params():
             reduce_scatter_unused_params(unit)
-        elif held:
-            where = names.get(id(unit), "") or "the root module"
-            _refuse_training_routed(unit, where, [(name, model.get_parameter(name)) for name in held])
+        elif watched:
+            _refuse_training_routed(unit, where or "the root module", watched)
     check_dtype_groups(model, groups, names)
     handles: list[RemovableHandle] = []
 
@@ -293,7 +292,7 @@ def _refuse_training_routed(unit: nn.Module, where: str, watched: list[tuple[str
 
 def check_dtype_groups(
     model: nn.Module,
-    groups: list[tuple[nn.Module, list[tuple[str, torch.dtype, bool]]]] | None = None,
+    groups: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] | None = None,
     names: dict[int, str] | None = None,
 ) -> None:
     """(all ranks, after sharding) Raise ModelMismatchError for an FSDP group whose trainable
@@ -301,8 +300,8 @@ def check_dtype_groups(
     names by ``id``, if the caller has them."""
     if names is None:
         names = {id(m): n for n, m in model.named_modules()}
-    for module, params in fsdp_groups(model, names) if groups is None else groups:
-        trainable = [(name, dtype) for name, dtype, grad in params if grad]
+    for _, module, params in fsdp_groups(model, names) if groups is None else groups:
+        trainable = [(name, p.dtype) for name, p in params if p.requires_grad]
         dtypes = sorted({_dtype_name(d) for _, d in trainable})
         if len(dtypes) < 2:
             continue

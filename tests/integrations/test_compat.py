@@ -22,7 +22,6 @@ from rank0load.integrations._compat import (
     foreach_mul_,
     foreach_norm,
     foreach_supported,
-    fsdp_group_params,
     fsdp_groups,
     hf_auto_class,
     hf_init_weights,
@@ -115,7 +114,7 @@ def _ranks(rank: int, world: int) -> dict:
     out["local_contiguous"] = local.is_contiguous()
     out["local_rows"] = local.shape[0]
 
-    # fsdp_group_params / fsdp_groups: each group under the module fully_shard was applied to, in
+    # fsdp_groups: each group under the module fully_shard was applied to, in
     # named_modules() order, holding the very parameters the modules register (whole shapes), and
     # a frozen parameter's requires_grad; the FSDP+TP weight above is one group of one DTensor.
     with torch.device("meta"):
@@ -125,12 +124,13 @@ def _ranks(rank: int, world: int) -> dict:
     fully_shard(seq, mesh=mesh)
     own = {id(p): n for n, p in seq.named_parameters()}
     out["group_params"] = [
-        (name, module is seq.get_submodule(name), [(own.get(id(p)), tuple(p.shape)) for p in params])
-        for name, module, params in fsdp_group_params(seq)
+        (name, module is seq.get_submodule(name), [(own.get(id(p)), tuple(p.shape)) for _, p in params])
+        for name, module, params in fsdp_groups(seq)
     ]
-    names = {id(m): n for n, m in seq.named_modules()}
-    out["groups"] = [(names[id(m)], params) for m, params in fsdp_groups(seq)]
-    out["tp_group"] = [(n, [type(p).__name__ for p in ps]) for n, _, ps in fsdp_group_params(model)]
+    out["groups"] = [
+        (name, [(n, p.dtype, p.requires_grad) for n, p in ps]) for name, _, ps in fsdp_groups(seq)
+    ]
+    out["tp_group"] = [(n, [type(p).__name__ for _, p in ps]) for n, _, ps in fsdp_groups(model)]
     return out
 
 
@@ -183,7 +183,7 @@ def test_fsdp_groups_name_each_groups_parameters(ranks):
         assert r["group_params"] == [
             ("", True, [("0.weight", (7, 4)), ("0.bias", (7,))]),
             ("1", True, [("1.weight", (3, 7))]),
-        ], "FSDP2's group state changed: update _compat._fsdp_param_groups"
+        ], "FSDP2's group state changed: update _compat.fsdp_groups"
         assert r["groups"] == [
             ("", [("0.weight", f32, True), ("0.bias", f32, False)]),
             ("1", [("1.weight", f32, True)]),

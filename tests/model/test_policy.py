@@ -98,8 +98,7 @@ IDS = torch.tensor([[1, 5, 9, 2], [4, 10, 8, 0]])
 def _groups(model) -> list[tuple[str, list[str]]]:
     from rank0load.integrations._compat import fsdp_groups
 
-    names = {id(m): n for n, m in model.named_modules()}
-    return [(names[id(m)], sorted({str(d) for _, d, _ in ps})) for m, ps in fsdp_groups(model)]
+    return [(name, sorted({str(p.dtype) for _, p in ps})) for name, _, ps in fsdp_groups(model)]
 
 
 def _attempt(fn):

@@ -273,8 +273,7 @@ def _loss(model, kind: str, step: int, rank: int) -> torch.Tensor:
 def _groups(model) -> list[str]:
     from rank0load.integrations._compat import fsdp_groups
 
-    names = {id(m): n for n, m in model.named_modules()}
-    return [names[id(m)] for m, _ in fsdp_groups(model)]
+    return [name for name, _, _ in fsdp_groups(model)]
 
 
 def _train_rank(job: Job) -> dict:
