@@ -40,11 +40,19 @@ class Configured:
 
 def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
     """(all ranks, from the same ``checkpoint``: ``_pretrained._Checkpoint``) The config, the dtype and
-    the generation config."""
+    the generation config. Any quantisation but FP8 blocks (loaded dequantised, without
+    ``quantization_config``) is refused."""
     from transformers import GenerationConfig
 
     raw = dict(checkpoint.config)
-    _check_quantization(raw.pop("quantization_config", None), checkpoint.where)
+    quant = raw.pop("quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if quant is not None and method != "fp8":
+        raise ModelMismatchError(
+            f"{checkpoint.where}: quantization_config has quant_method {method!r}; rank0load loads FP8 block "
+            "checkpoints (quant_method 'fp8', weight_block_size), dequantised into dtype, and no other "
+            "quantisation. Load a dequantised copy of the checkpoint."
+        )
     code = checkpoint.code  # None: trust_remote_code=False, or not an Auto class
     if code is not None and code.files:
         _remote_code.install(code)
@@ -89,19 +97,6 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
         logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
     record = config_dtype or checkpoint.stored_dtype is None
     return Configured(config, chosen, generation, record, remote)
-
-
-def _check_quantization(quant: object, where: str) -> None:
-    """Refuse any quantisation but FP8 blocks (loaded dequantised, without ``quantization_config``)."""
-    if quant is None:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != "fp8":
-        raise ModelMismatchError(
-            f"{where}: quantization_config has quant_method {method!r}; rank0load loads FP8 block "
-            "checkpoints (quant_method 'fp8', weight_block_size), dequantised into dtype, and no other "
-            "quantisation. Load a dequantised copy of the checkpoint."
-        )
 
 
 def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = None) -> Any:

@@ -9,7 +9,8 @@ other tensor and no rank holds it whole.
 :class:`StackExperts` is the public declaration; :class:`TransformersConversions` /
 :class:`TransformersRenamings` are transformers' own rules (5 / 4.57): only ``MergeModulelist(dim=0)``,
 optionally then ``Concatenate(dim=1)``, is assembled, any other operation reported, never skipped.
-:class:`TransformersReversal` / :func:`original_format_reversal` go the other way, for ``original_format=True``.
+:class:`TransformersReversal` / :func:`original_format_reversal` go the other way, for
+``original_format=True``.
 
 transformers' private conversion code is reached only here (5: ``conversion_mapping``,
 ``core_model_loading``; 4.57: ``_fix_state_dict_key_on_load``); ``tests/integrations/test_convert.py``
@@ -143,7 +144,8 @@ class TransformersConversions:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import rename_source_key
 
-        self._renamings, self._converters = _split(get_model_conversion_mapping(model))  # type: ignore[arg-type]
+        transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+        self._renamings, self._converters = _split(transforms)
         self._rename = rename_source_key  # the renamings, then at most one converter
         self._prefix = getattr(model, "base_model_prefix", None)
         self._model_keys = dict.fromkeys(model_keys, True)

@@ -153,8 +153,12 @@ def install(code: RemoteCode) -> None:
         if os.path.isabs(path) or ".." in path.split(os.sep):
             raise LoadError(f"remote code file {path!r} is not inside {cache}")
         modules.create_dynamic_module(os.path.dirname(path))
-        if _holds(target, data):
-            continue
+        try:
+            with open(target, "rb") as f:
+                if f.read(len(data) + 1) == data:
+                    continue
+        except OSError:
+            pass
         temp = f"{target}.tmp-{os.getpid()}-{secrets.token_hex(4)}"  # never a module name
         try:
             with open(temp, "wb") as f:
@@ -164,14 +168,6 @@ def install(code: RemoteCode) -> None:
             if os.path.lexists(temp):
                 os.unlink(temp)
     importlib.invalidate_caches()
-
-
-def _holds(path: str, data: bytes) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(data) + 1) == data
-    except OSError:
-        return False
 
 
 def import_class(code: CodeClass, base: type, where: str) -> Any:
