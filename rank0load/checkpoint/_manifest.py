@@ -89,7 +89,7 @@ def adapters_of(model: nn.Module, adapter: object) -> list[Adapter]:
                 f"{_peft.ADAPTER_WEIGHTS!r} alone: pass the folder PEFT's save_pretrained (safetensors) "
                 "or rank0load.save_sharded(model, out_dir, adapter=...) wrote."
             )
-        _peft.check_adapter_config(model, name, _peft.read_adapter_config(source.root), os.fspath(path))
+        _peft.check_adapter_config(model, name, source.root, os.fspath(path))
         names = _peft.adapter_names(model, name)
         found.append(Adapter(source, {saved: key for key, saved in names.items()}))
     return found

@@ -3,7 +3,7 @@
 (all ranks, inside ``_meta.build_on_meta``) :func:`adapters_built_real`: adapters built for real, as
 ``get_peft_model`` builds them, while the base model stays on meta.
 (any rank) :func:`base_key`, :func:`adapter_parameters`: a PeftModel's names.
-(rank 0) :func:`adapter_names`, :func:`read_adapter_config`, :func:`check_adapter_config`: PEFT's files.
+(rank 0) :func:`adapter_names`, :func:`check_adapter_config`: PEFT's files.
 peft is imported only for a model that uses it; no collectives.
 """
 
@@ -35,7 +35,6 @@ __all__ = [
     "building_adapters",
     "check_adapter_config",
     "peft_config",
-    "read_adapter_config",
     "tuner_layers_without_values",
 ]
 
@@ -207,24 +206,6 @@ def adapter_names(model: nn.Module, adapter_name: str) -> dict[str, str]:
     return names
 
 
-def read_adapter_config(folder: str) -> dict[str, Any]:
-    """(rank 0) ``adapter_config.json`` of a PEFT adapter folder, as a dict."""
-    path = os.path.join(folder, ADAPTER_CONFIG)
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"adapter {folder!r} has no {ADAPTER_CONFIG}: pass the folder PEFT's save_pretrained (or "
-            "rank0load.save_sharded(model, out_dir, adapter=...)) wrote."
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointFormatError(f"{path}: cannot be read as JSON ({exc}); re-save the adapter.") from None
-    if not isinstance(config, dict):
-        raise CheckpointFormatError(f"{path}: holds {type(config).__name__}, not a JSON object")
-    return config
-
-
 # What decides the adapter's tensors and its output: differences here are not a loadable adapter.
 _COMPARED = (
     "peft_type",
@@ -239,8 +220,23 @@ _COMPARED = (
 )
 
 
-def check_adapter_config(model: nn.Module, adapter_name: str, found: dict[str, Any], folder: str) -> None:
-    """(rank 0) The folder's adapter config must describe the model's adapter ``adapter_name``."""
+def check_adapter_config(model: nn.Module, adapter_name: str, root: str, folder: str) -> None:
+    """(rank 0) ``adapter_config.json`` of the PEFT adapter folder ``root`` (``folder``: as the caller
+    named it) must describe the model's adapter ``adapter_name``: CheckpointNotFoundError without one,
+    CheckpointFormatError for one that is not a JSON object, ModelMismatchError for another adapter."""
+    path = os.path.join(root, ADAPTER_CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"adapter {root!r} has no {ADAPTER_CONFIG}: pass the folder PEFT's save_pretrained (or "
+            "rank0load.save_sharded(model, out_dir, adapter=...)) wrote."
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: cannot be read as JSON ({exc}); re-save the adapter.") from None
+    if not isinstance(found, dict):
+        raise CheckpointFormatError(f"{path}: holds {type(found).__name__}, not a JSON object")
     want = peft_config(model, adapter_name).to_dict()
     differ = []
     for field in _COMPARED:
