@@ -45,7 +45,6 @@ __all__ = [
     "one_dim_placement",
     "parameters_on_meta",
     "parse_to",
-    "reduce_scatter_unused_params",
     "to_meta",
     "split_chunks",
 ]
@@ -138,12 +137,6 @@ def can_reduce_scatter_unused_params() -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
-
-
-def reduce_scatter_unused_params(module: nn.Module) -> None:
-    """Make ``module``'s own FSDP2 groups reduce-scatter zeros for trainable parameters with no gradient
-    on this rank, so every rank's reduce-scatter has one size (torch 2.13 and later)."""
-    module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
 
 
 def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

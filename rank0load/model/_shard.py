@@ -26,7 +26,6 @@ from ..integrations._compat import (
     can_reduce_scatter_unused_params,
     fsdp_groups,
     no_split_modules,
-    reduce_scatter_unused_params,
 )
 
 __all__ = [
@@ -248,8 +247,10 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
     groups = fsdp_groups(model, names)
     for where, unit, params in groups:
         watched = [(name, p) for name, p in params if name in routed_names]
-        if watched and can_reduce_scatter_unused_params():
-            reduce_scatter_unused_params(unit)
+        if (
+            watched and can_reduce_scatter_unused_params()
+        ):  # zeros for a trainable parameter with no gradient here
+            unit.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
         elif watched:
             _refuse_training_routed(unit, where or "the root module", watched)
     check_dtype_groups(model, groups, names)
