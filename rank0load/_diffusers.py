@@ -28,7 +28,8 @@ def configure(
     model_cls: Any, config: dict[str, Any], overrides: dict[str, Any], where: str, dtype: object
 ) -> torch.dtype | None:
     """(all ranks, from the same data) Check the config and the overrides; the dtype for
-    ``load_sharded`` (None: as ``from_pretrained`` without ``torch_dtype``)."""
+    ``load_sharded``: ``from_pretrained``'s ``torch_dtype``, None (as without it) or a floating
+    torch.dtype (or its name)."""
     quant = config.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -43,24 +44,18 @@ def configure(
             f"config_overrides {unknown} name no argument of {model_cls.__name__}.__init__ (from {where}); "
             "check their spelling."
         )
-    chosen = _dtype(dtype)
+    chosen = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        if dtype is not None:
+            raise LoadError(
+                f"dtype={dtype!r}: a diffusers model takes None (torch's default dtype, as from_pretrained "
+                "without torch_dtype builds it) or a floating torch.dtype (e.g. torch.bfloat16); diffusers' "
+                "from_pretrained has no 'auto'"
+            )
+        chosen = None
     if dist.get_rank() == 0:
         shown = chosen if chosen is not None else f"{torch.get_default_dtype()} (torch's default)"
         logger.info("load_pretrained: %s from %s in %s", model_cls.__name__, where, shown)
-    return chosen
-
-
-def _dtype(dtype: object) -> torch.dtype | None:
-    """``from_pretrained``'s ``torch_dtype``: None, or a floating torch.dtype (or its name)."""
-    if dtype is None:
-        return None
-    chosen = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
-        raise LoadError(
-            f"dtype={dtype!r}: a diffusers model takes None (torch's default dtype, as from_pretrained "
-            "without torch_dtype builds it) or a floating torch.dtype (e.g. torch.bfloat16); diffusers' "
-            "from_pretrained has no 'auto'"
-        )
     return chosen
 
 
