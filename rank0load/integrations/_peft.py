@@ -26,7 +26,6 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError, ModelMismat
 from ._compat import parse_to
 
 __all__ = [
-    "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "adapter_names",
     "adapter_parameters",
@@ -38,7 +37,7 @@ __all__ = [
     "tuner_layers_without_values",
 ]
 
-ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 # What a PEFT model adds to its base model's names: a prefix, and (possibly nested) segments inside.
@@ -224,13 +223,13 @@ def check_adapter_config(model: nn.Module, adapter_name: str, root: str, folder:
     """(rank 0) ``adapter_config.json`` of the PEFT adapter folder ``root`` (``folder``: as the caller
     named it) must describe the model's adapter ``adapter_name``: CheckpointNotFoundError without one,
     CheckpointFormatError for one that is not a JSON object, ModelMismatchError for another adapter."""
-    path = os.path.join(root, ADAPTER_CONFIG)
+    path = os.path.join(root, _ADAPTER_CONFIG)
     try:
         with open(path, encoding="utf-8") as f:
             found = json.load(f)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
-            f"adapter {root!r} has no {ADAPTER_CONFIG}: pass the folder PEFT's save_pretrained (or "
+            f"adapter {root!r} has no {_ADAPTER_CONFIG}: pass the folder PEFT's save_pretrained (or "
             "rank0load.save_sharded(model, out_dir, adapter=...)) wrote."
         ) from None
     except (OSError, ValueError) as exc:
