@@ -179,6 +179,11 @@ Reversal = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
 _SPLITTABLE = ([("SplitModulelist", 0)], [("Chunk", 1), ("SplitModulelist", 0)])
 
 
+def _unchanged(name: str, renamings: object) -> str:
+    """Before transformers 5.24, a reverted converter's outputs are not renamed again."""
+    return name
+
+
 class TransformersReversal:
     """(rank 0) A model tensor's saved names and shapes with transformers' conversions reverted as
     ``save_pretrained``'s ``revert_weight_conversion`` reverts them, each a contiguous byte range of
@@ -199,10 +204,19 @@ class TransformersReversal:
         self._renamings, self._converters = _split([t.reverse_transform() for t in transforms[::-1]])
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        # reverted: at most one converter; the renamings on a key no converter takes, else on its outputs
-        renamed, pattern = self._core.apply_converters(name, self._converters)
+        # reverted: at most one converter; from transformers 5.24 the renamings on a key no converter
+        # takes, else on the converter's outputs; before 5.24 together with it (rename_source_key)
+        core = self._core
+        if hasattr(core, "apply_converters"):
+            renamed, pattern = core.apply_converters(name, self._converters)
+            if pattern is None:
+                renamed = core.apply_renamings(name, self._renamings)
+            rename = core.apply_renamings
+        else:
+            renamed, pattern = core.rename_source_key(name, self._renamings, self._converters, reverse=True)
+            rename = _unchanged
         if pattern is None:
-            return [(self._core.apply_renamings(name, self._renamings), shape)]
+            return [(renamed, shape)]
         converter = next(c for c in self._converters if pattern in c.source_patterns)
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
         sources = len(converter.target_patterns)
@@ -217,7 +231,6 @@ class TransformersReversal:
         converter = copy.deepcopy(converter)
         converter.add_tensor(renamed, name, pattern, standin)
         converted = converter.convert(renamed, model=self._model, config=getattr(self._model, "config", None))
-        rename = self._core.apply_renamings
         out = {rename(n, self._renamings): v[0] if isinstance(v, list) else v for n, v in converted.items()}
         order = {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
         if len(out) != slices or sorted(order) != list(range(slices)):

@@ -247,9 +247,8 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
     groups = fsdp_groups(model, names)
     for where, unit, params in groups:
         watched = [(name, p) for name, p in params if name in routed_names]
-        if (
-            watched and can_reduce_scatter_unused_params()
-        ):  # zeros for a trainable parameter with no gradient here
+        if watched and can_reduce_scatter_unused_params():
+            # zeros for a trainable parameter with no gradient on this rank
             unit.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
         elif watched:
             _refuse_training_routed(unit, where or "the root module", watched)
