@@ -1,7 +1,7 @@
 """What a saved checkpoint holds beside its tensors, as the model's library reads it back.
 
 (all ranks) :func:`layout_of`, :func:`adapter_layout`: the files' names and config files. (rank 0)
-:func:`finish` writes the config files and commits them with the weights. No collectives here."""
+:data:`Layout.write_configs` writes the config files (``_outputs.commit``). No collectives here."""
 
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ from ..integrations._compat import (
     peft_base_model,
 )
 from ..integrations._remote_code import save_code
-from . import _outputs
 from ._saveplan import SavePlan
 
-__all__ = ["Layout", "adapter_layout", "finish", "layout_of"]
+__all__ = ["Layout", "adapter_layout", "layout_of"]
 
 
 @dataclass(frozen=True)
@@ -57,23 +56,6 @@ def layout_of(model: nn.Module, original_format: bool) -> Layout:
 def adapter_layout(adapter: str) -> Layout:
     """(all ranks) PEFT's layout: one ``adapter_model.safetensors`` and its ``adapter_config.json``."""
     return Layout("adapter_model", True, functools.partial(_adapter_config, adapter))
-
-
-def finish(
-    model: nn.Module,
-    outputs: _outputs.Outputs,
-    plan: SavePlan,
-    write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
-) -> None:
-    """(rank 0) Write the config files into a temporary folder of out_dir; commit them with the weights."""
-    extras: list[tuple[str, str]] = []
-    if write_configs is not None:
-        folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
-        os.makedirs(folder)
-        outputs.temps.append(folder)
-        write_configs(model, folder, plan)
-        extras = [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
-    _outputs.commit(outputs, plan, extras)
 
 
 def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:

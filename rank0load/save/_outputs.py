@@ -11,7 +11,10 @@ import re
 import secrets
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from torch import nn
 
 from ..common import _distribute
 from ._saveplan import SaveItem, SavePlan
@@ -64,10 +67,22 @@ def open_outputs(out_dir: str, plan: SavePlan) -> Outputs:
     return outputs
 
 
-def commit(outputs: Outputs, plan: SavePlan, extras: list[tuple[str, str]]) -> None:
-    """(rank 0) Make the checkpoint visible: fsync and rename the files (``extras``: further
-    (temporary path, final name) pairs, config files), write the index last, then remove what an
-    earlier save left that the new checkpoint does not have."""
+def commit(
+    outputs: Outputs,
+    plan: SavePlan,
+    model: nn.Module,
+    write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
+) -> None:
+    """(rank 0) Make the checkpoint visible: ``write_configs`` (``_configs.Layout``) writes the config
+    files into a temporary folder of out_dir; fsync and rename the files and them, write the index
+    last, then remove what an earlier save left that the new checkpoint does not have."""
+    extras: list[tuple[str, str]] = []  # (temporary path, final name) of the config files
+    if write_configs is not None:
+        folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
+        os.makedirs(folder)
+        outputs.temps.append(folder)
+        write_configs(model, folder, plan)
+        extras = [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
     for fd in outputs.fds:
         os.fsync(fd)
     while outputs.fds:

@@ -6,7 +6,7 @@ all ranks  rank 0's plan, or its error                                       -> 
 all ranks  allocate staging; rank 0 creates out_dir, the temporary files and
            their headers; settle                                               -> _outputs.open_outputs
 all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
-rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _configs.finish
+rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _outputs.commit
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..integrations._convert import original_format_reversal
 from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
-from ._configs import adapter_layout, finish, layout_of
+from ._configs import adapter_layout, layout_of
 from ._saveplan import Revert, SavePlan, parse_size, plan_save
 
 __all__ = ["SaveReport", "save_sharded"]
@@ -157,14 +157,18 @@ def save_sharded(
     prepared = _distribute.attempt(prepare)
     outputs = prepared.value[1] if prepared.value is not None else None  # rank 0's, discarded below
     try:
-        staging, _ = _write.settle(prepared, "creating the output files")
+        staging, _ = _distribute.settle(prepared, "creating the output files", _write.TODO, SaveError)
         with progress_bar(plan.total_size, show=rank == 0) as on_bytes:
             gathered = _write.stream(plan, tensors, outputs, staging, on_bytes)
         clock("stream")
-        committing = _distribute.attempt(
-            lambda: finish(model, outputs, plan, layout.write_configs) if outputs is not None else None
+        _distribute.run(
+            lambda: (
+                _outputs.commit(outputs, plan, model, layout.write_configs) if outputs is not None else None
+            ),
+            "committing the checkpoint",
+            _write.TODO,
+            SaveError,
         )
-        _write.settle(committing, "committing the checkpoint")
         clock("commit")
     finally:
         if outputs is not None:

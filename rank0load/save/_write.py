@@ -10,7 +10,6 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,19 +26,11 @@ from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, Writer
 from ._saveplan import Piece, SaveItem, SaveKind, SavePlan
 
-__all__ = ["Staging", "allocate_staging", "settle", "stream"]
+__all__ = ["TODO", "Staging", "allocate_staging", "stream"]
 
 logger = logging.getLogger(__name__)
 
-R = TypeVar("R")
-
-_TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
-
-
-def settle(outcome: _distribute.Outcome[R], stage: str) -> R:
-    """(all ranks) ``outcome``'s value; if any rank's step failed, every rank raises the first
-    failing rank's error, as a :class:`SaveError` (or that rank's own LoadError class)."""
-    return _distribute.settle(outcome, stage, _TODO, wrap=SaveError)
+TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
 
 
 @dataclass
@@ -74,7 +65,7 @@ def stream(
     faults = _distribute.Faults()
     gathered: list[str] = []
 
-    with settled(faults, plan.rounds, "writing the checkpoint", _TODO, SaveError, _TODO) as rounds:
+    with settled(faults, plan.rounds, "writing the checkpoint", TODO, SaveError, TODO) as rounds:
         if dist.get_rank() == 0:
             assert outputs is not None
             _Collector(plan, outputs, staging, faults).run(rounds, tensors, gathered, on_bytes)
