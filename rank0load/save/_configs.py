@@ -34,7 +34,6 @@ class Layout:
 
     # file names: <stem>.safetensors, or <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
     stem: str
-    single_file: bool  # one file whatever max_shard_size says (a PEFT adapter's)
     # (rank 0) writes the config files into an empty temporary folder (model, folder, plan); every file
     # it leaves there is committed into out_dir with the weights. None: no config files.
     write_configs: Callable[[nn.Module, str, SavePlan], None] | None
@@ -45,17 +44,17 @@ def layout_of(model: nn.Module, original_format: bool) -> Layout:
     its base model's with ``original_format``, else plain files under its own names, no config files."""
     base = peft_base_model(model)
     if base is not model and not original_format:
-        return Layout("model", False, None)
+        return Layout("model", None)
     if is_transformers_model(base):
-        return Layout("model", False, _hf_configs)
+        return Layout("model", _hf_configs)
     if is_diffusers_class(type(base)):
-        return Layout("diffusion_pytorch_model", False, _diffusers_config)
-    return Layout("model", False, None)
+        return Layout("diffusion_pytorch_model", _diffusers_config)
+    return Layout("model", None)
 
 
 def adapter_layout(adapter: str) -> Layout:
     """(all ranks) PEFT's layout: one ``adapter_model.safetensors`` and its ``adapter_config.json``."""
-    return Layout("adapter_model", True, functools.partial(_adapter_config, adapter))
+    return Layout("adapter_model", functools.partial(_adapter_config, adapter))
 
 
 def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:

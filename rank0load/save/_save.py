@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from ..errors import SaveError
 from ..integrations import _peft
 from ..integrations._compat import local_tensor
 from ..integrations._convert import original_format_reversal
-from ..model._layout import ROWS_OK, RUNS_OK, layout_flags
+from ..model._layout import layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
 from ._configs import adapter_layout, layout_of
@@ -123,9 +124,9 @@ def save_sharded(
     _distribute.require_process_group(SaveError)
     if adapter is None:
         layout = layout_of(model, original_format)
-    else:  # one file, PEFT's names
+    else:  # one file whatever its size, PEFT's names
         layout, key_map = adapter_layout(adapter), _adapter_names(model, adapter, key_map)
-        max_shard_size, original_format = "5GB", False
+        max_shard_size, original_format = sys.maxsize, False
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
     described, flags = _distribute.agree(_distribute.attempt(lambda: _describe(model, options)))
@@ -139,8 +140,7 @@ def save_sharded(
             key_map,
             options,
             _reversal(model, original_format),
-            stem=layout.stem,
-            single_file=layout.single_file,
+            layout.stem,
         ),
         lambda exc: SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}"),
     )
@@ -214,17 +214,13 @@ def _describe(model: nn.Module, options: dict[str, Any]) -> _Described:
     layout = describe(model)
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     tensors = {k: params[k] if t.is_param else buffers[k] for k, t in layout.tensors.items()}
-    flags = tuple(_flags(tensors[k]) for k in layout.tensors)
+    # layout_flags of a contiguous local shard, so that each part of a chunk is a range of it
+    flags = tuple(
+        layout_flags(t, t.device_mesh) if isinstance(t, DTensor) and local_tensor(t).is_contiguous() else 0
+        for t in tensors.values()
+    )
     proposal = _distribute.Proposal(layout.fingerprint(), _distribute.options_of(**options), flags)
     return _Described(layout, tensors, proposal)
-
-
-def _flags(t: torch.Tensor) -> int:
-    """ROWS_OK when this rank's shard of ``t`` is its contiguous row range, RUNS_OK when it is the
-    block ``_layout.runs_at`` computes (contiguous, so each part of a chunk is a range of it)."""
-    if not isinstance(t, DTensor) or not local_tensor(t).is_contiguous():
-        return 0
-    return layout_flags(t, t.device_mesh) & (ROWS_OK | RUNS_OK)
 
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -111,10 +110,7 @@ class SavePlan:
     skipped: tuple[str, ...]  # model keys key_map dropped
     # what every file name starts with: "model", or "diffusion_pytorch_model" (diffusers)
     stem: str
-    total_size: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "total_size", sum(i.nbytes for i in self.items))
+    total_size: int  # the items' bytes
 
     def pieces(self, index: int, src: int | None = None) -> Iterator[Piece]:
         """(all ranks) Item ``index``'s messages in the order every rank uses (``src``: that rank's)."""
@@ -169,13 +165,10 @@ def plan_save(
     key_map: Callable[[str], str | None] | None,
     options: dict[str, Any],
     revert: Revert | None,
-    *,
     stem: str,
-    single_file: bool,
 ) -> SavePlan:
     """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
-    ``revert``: see :data:`Revert`. ``stem``: the files' names (:func:`file_names`); ``single_file``:
-    one file whatever its size (a PEFT adapter's)."""
+    ``revert``: see :data:`Revert`. ``stem``: the files' names (:func:`file_names`)."""
     dtype: torch.dtype | None = options["dtype"]
     rows: list[_Row] = []
     skipped, seen = [], dict[str, str]()
@@ -203,11 +196,11 @@ def plan_save(
     if not rows:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = slot_bytes(options["max_staging_bytes"])
-    limit = sys.maxsize if single_file else parse_size(options["max_shard_size"])
-    headers, items = _lay_out(rows, limit)
+    headers, items = _lay_out(rows, parse_size(options["max_shard_size"]))
     rounds = round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
     names = file_names(stem, len(headers))
-    return SavePlan(tuple(names), headers, items, rounds, piece_bytes, tuple(skipped), stem)
+    total = sum(i.nbytes for i in items)
+    return SavePlan(tuple(names), headers, items, rounds, piece_bytes, tuple(skipped), stem, total)
 
 
 def _kind(t: torch.Tensor, flags: int) -> SaveKind:
