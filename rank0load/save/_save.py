@@ -36,7 +36,6 @@ from ..integrations._convert import original_format_reversal
 from ..model._layout import layout_flags
 from ..model._meta import ModelLayout, describe, strip_wrappers
 from . import _outputs, _write
-from ._configs import adapter_layout, layout_of
 from ._saveplan import Revert, SavePlan, parse_size, plan_save
 
 __all__ = ["SaveReport", "save_sharded"]
@@ -123,9 +122,9 @@ def save_sharded(
     """
     _distribute.require_process_group(SaveError)
     if adapter is None:
-        layout = layout_of(model, original_format)
+        layout = _outputs.layout_of(model, original_format)
     else:  # one file whatever its size, PEFT's names
-        layout, key_map = adapter_layout(adapter), _adapter_names(model, adapter, key_map)
+        layout, key_map = _outputs.adapter_layout(adapter), _adapter_names(model, adapter, key_map)
         max_shard_size, original_format = sys.maxsize, False
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
