@@ -227,9 +227,13 @@ class Writer:
         self.thread.start()
 
     def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None) -> None:
-        """Queue bytes [start, start + len(data)) of ``item`` for its saved tensors (one or more);
+        """Queue bytes [start, start + len(data)) of ``item`` for each saved tensor they touch;
         ``slot`` is handed back once written."""
-        writes = [(self.fds[f], data[lo:hi], at) for f, at, lo, hi in item.writes(start, len(data))]
+        end, writes = start + len(data), []
+        for s in item.saved:
+            lo, hi = max(start, s.start), min(end, s.start + s.nbytes)
+            if lo < hi:
+                writes.append((self.fds[s.file], data[lo - start : hi - start], s.offset + lo - s.start))
         self.jobs.put((writes, slot))
 
     def _run(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,7 +43,7 @@ class SaveKind(enum.Enum):
     GATHER = "gather"  # any other DTensor (Partial, a non-contiguous shard, 0-d): full_tensor() everywhere
 
 
-_Senders = tuple[tuple[int, int, int], ...]  # ROWS: (rank, first row, end row), by row
+_Senders = tuple[tuple[int, int, int], ...]  # ROWS: (rank, first byte, end byte), by first row
 # a model tensor's item (its saved tensors not laid out yet), the names and shapes it is saved as
 _Row = tuple["SaveItem", list[tuple[str, tuple[int, ...]]]]
 
@@ -68,7 +69,7 @@ class SaveItem:
     shape: tuple[int, ...]  # the model tensor's
     nbytes: int
     kind: SaveKind
-    senders: _Senders  # ROWS: (rank, first row, end row), by row
+    senders: _Senders  # ROWS: (rank, first byte, end byte) of each sender's rows, by first row
     saved: tuple[Saved, ...]  # by start; their byte ranges tile [0, nbytes)
     # BLOCK: (rank, its global index runs per dimension), one replica per Replicate mesh dimension
     blocks: Blocks
@@ -76,15 +77,6 @@ class SaveItem:
     def sends(self, rank: int) -> bool:
         """Whether ``rank`` sends any of this item's bytes (GATHER and PLAIN: rank 0 alone writes)."""
         return any(r == rank for r, _, _ in self.senders) or any(r == rank for r, _ in self.blocks)
-
-    def writes(self, start: int, nbytes: int) -> Iterator[tuple[int, int, int, int]]:
-        """(rank 0) Where bytes [start, start + nbytes) of the item go: (file, offset, first byte
-        of the piece, end byte of the piece), one per saved tensor they touch."""
-        end = start + nbytes
-        for s in self.saved:
-            lo, hi = max(start, s.start), min(end, s.start + s.nbytes)
-            if lo < hi:
-                yield s.file, s.offset + lo - s.start, lo - start, hi - start
 
 
 @dataclass(frozen=True)
@@ -119,11 +111,7 @@ class SavePlan:
             for chunk, parts in self.chunks(index, src):
                 yield from (Piece(p.rank, chunk.start, p.nbytes, p.local_offset) for p in parts)
             return
-        if item.kind is SaveKind.ROWS:
-            row = item.nbytes // item.shape[0] if item.shape[0] else 0
-            ranges = [(r, lo * row, hi * row) for r, lo, hi in item.senders]
-        else:
-            ranges = [(0, 0, item.nbytes)]
+        ranges = item.senders if item.kind is SaveKind.ROWS else ((0, 0, item.nbytes),)
         for rank, begin, end in ranges:
             if src is None or rank == src:
                 for at in range(begin, end, self.piece_bytes):
@@ -135,14 +123,6 @@ class SavePlan:
         item = self.items[index]
         blocks = item.blocks if src is None else [b for b in item.blocks if b[0] == src]
         return block_chunks(item.shape, DTYPES[item.dtype].itemsize, blocks, block_half(self.piece_bytes))
-
-
-def file_names(stem: str, count: int) -> list[str]:
-    """The names of a checkpoint of ``count`` files, as huggingface_hub and diffusers name them:
-    ``<stem>.safetensors``, or ``<stem>-00001-of-0000N.safetensors`` and on."""
-    if count == 1:
-        return [f"{stem}.safetensors"]
-    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def parse_size(size: int | str) -> int:
@@ -168,7 +148,7 @@ def plan_save(
     stem: str,
 ) -> SavePlan:
     """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
-    ``revert``: see :data:`Revert`. ``stem``: the files' names (:func:`file_names`)."""
+    ``revert``: see :data:`Revert`. ``stem``: what the files' names start with."""
     dtype: torch.dtype | None = options["dtype"]
     rows: list[_Row] = []
     skipped, seen = [], dict[str, str]()
@@ -189,7 +169,7 @@ def plan_save(
         if wire not in _NAMES or wire == DTYPES.get("F4"):
             raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
         kind = _kind(t, flag)
-        senders = _senders(t) if isinstance(t, DTensor) and kind is SaveKind.ROWS else ()
+        senders = _senders(t, wire.itemsize) if isinstance(t, DTensor) and kind is SaveKind.ROWS else ()
         blocks = blocks_of(t) if isinstance(t, DTensor) and kind is SaveKind.BLOCK else ()
         nbytes = t.numel() * wire.itemsize
         rows.append((SaveItem(key, _NAMES[wire], tuple(t.shape), nbytes, kind, senders, (), blocks), parts))
@@ -198,9 +178,11 @@ def plan_save(
     piece_bytes = slot_bytes(options["max_staging_bytes"])
     headers, items = _lay_out(rows, parse_size(options["max_shard_size"]))
     rounds = round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
-    names = file_names(stem, len(headers))
+    count = len(headers)  # named as huggingface_hub and diffusers name them
+    names = [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    files = tuple(names) if count > 1 else (f"{stem}.safetensors",)
     total = sum(i.nbytes for i in items)
-    return SavePlan(tuple(names), headers, items, rounds, piece_bytes, tuple(skipped), stem, total)
+    return SavePlan(files, headers, items, rounds, piece_bytes, tuple(skipped), stem, total)
 
 
 def _kind(t: torch.Tensor, flags: int) -> SaveKind:
@@ -210,13 +192,14 @@ def _kind(t: torch.Tensor, flags: int) -> SaveKind:
     return SaveKind.ROWS if flags & ROWS_OK else SaveKind.BLOCK if flags & RUNS_OK else SaveKind.GATHER
 
 
-def _senders(t: DTensor) -> _Senders:
-    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor, each its own row range."""
-    out = []
+def _senders(t: DTensor, itemsize: int) -> _Senders:
+    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor (``itemsize`` bytes an element
+    on the wire), each its own row range, as bytes."""
+    row, out = math.prod(t.shape[1:]) * itemsize, []
     for rank, coord in _replica_senders(t):
         lo, hi = rows_of(tuple(t.device_mesh.shape), t.placements, t.shape[0], coord)
         if hi > lo:
-            out.append((rank, lo, hi))
+            out.append((rank, lo * row, hi * row))
     return tuple(sorted(out, key=lambda s: s[1]))
 
 
