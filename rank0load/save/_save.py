@@ -34,9 +34,9 @@ from ..integrations import _peft
 from ..integrations._compat import local_tensor
 from ..integrations._convert import original_format_reversal
 from ..model._layout import layout_flags
-from ..model._meta import ModelLayout, describe, strip_wrappers
+from ..model._meta import describe, strip_wrappers
 from . import _outputs, _write
-from ._saveplan import Revert, SavePlan, parse_size, plan_save
+from ._saveplan import Revert, parse_size, plan_save
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -133,7 +133,6 @@ def save_sharded(
     clock("agree")
     plan = _distribute.from_rank0(
         lambda: plan_save(
-            described.layout,
             tensors,
             flags,
             key_map,
@@ -172,7 +171,19 @@ def save_sharded(
     finally:
         if outputs is not None:
             outputs.discard()  # nothing left once committed
-    report = _report(plan, clock, gathered)
+    report = SaveReport(
+        tensors=sum(len(i.saved) for i in plan.items),
+        bytes=plan.total_size,
+        seconds=time.perf_counter() - clock.started,
+        stream_seconds=clock.phases.get("stream", 0.0),
+        files=plan.files,
+        skipped=plan.skipped,
+        gathered_whole=gathered,
+        phases=clock.phases,
+        peak_rss_bytes=peak_rss_bytes(),
+        rank=rank,
+        world_size=dist.get_world_size(),
+    )
     if rank == 0:
         _log_summary(report)
     return report
@@ -197,8 +208,7 @@ def _adapter_names(
 class _Described:
     """(each rank) The model as this rank describes it, and its proposal to the other ranks."""
 
-    layout: ModelLayout
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]  # by canonical key, in the model's order (ModelLayout.tensors)
     proposal: _distribute.Proposal
 
 
@@ -219,7 +229,7 @@ def _describe(model: nn.Module, options: dict[str, Any]) -> _Described:
         for t in tensors.values()
     )
     proposal = _distribute.Proposal(layout.fingerprint(), _distribute.options_of(**options), flags)
-    return _Described(layout, tensors, proposal)
+    return _Described(tensors, proposal)
 
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
@@ -228,22 +238,6 @@ def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
         return None
     adapters = frozenset(strip_wrappers(k) for k in _peft.adapter_parameters(model))
     return original_format_reversal(model, adapters)
-
-
-def _report(plan: SavePlan, clock: Clock, gathered: tuple[str, ...]) -> SaveReport:
-    return SaveReport(
-        tensors=sum(len(i.saved) for i in plan.items),
-        bytes=plan.total_size,
-        seconds=time.perf_counter() - clock.started,
-        stream_seconds=clock.phases.get("stream", 0.0),
-        files=plan.files,
-        skipped=plan.skipped,
-        gathered_whole=gathered,
-        phases=clock.phases,
-        peak_rss_bytes=peak_rss_bytes(),
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-    )
 
 
 def _log_summary(report: SaveReport) -> None:

@@ -24,7 +24,7 @@ from ..common._distribute import round_ends
 from ..common._staging import ROUND_PIECES, block_half, slot_bytes
 from ..errors import SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of, runs_at
-from ..model._meta import ModelLayout, strip_wrappers
+from ..model._meta import strip_wrappers
 
 __all__ = ["Piece", "Revert", "SaveItem", "SaveKind", "SavePlan", "Saved", "parse_size", "plan_save"]
 
@@ -139,7 +139,6 @@ def parse_size(size: int | str) -> int:
 
 
 def plan_save(
-    layout: ModelLayout,
     tensors: dict[str, torch.Tensor],
     flags: tuple[int, ...],
     key_map: Callable[[str], str | None] | None,
@@ -152,8 +151,8 @@ def plan_save(
     dtype: torch.dtype | None = options["dtype"]
     rows: list[_Row] = []
     skipped, seen = [], dict[str, str]()
-    for key, flag in zip(layout.tensors, flags):
-        t, plain = tensors[key], strip_wrappers(key)
+    for (key, t), flag in zip(tensors.items(), flags):
+        plain = strip_wrappers(key)
         name = key_map(plain) if key_map is not None else plain
         if name is None:
             skipped.append(plain)
