@@ -1,6 +1,7 @@
 """A save's files. (all ranks) :func:`layout_of`, :func:`adapter_layout`: their names and config
-files, as the model's library reads them back. (rank 0) Create them, write into them, commit them
-with the config files, or remove them. No collectives. Temporary names never end in ``.safetensors``."""
+files, as the model's library reads them back. (rank 0) Create them (``_write`` writes into them),
+commit them with the config files, or remove them. No collectives. Temporary names never end in
+``.safetensors``."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import copy
 import functools
 import json
 import os
-import queue
 import re
 import secrets
 import shutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 from torch import nn
 
 from ..checkpoint._format import DTYPES
-from ..common import _distribute
 from ..integrations import _peft
 from ..integrations._compat import (
     diffusers_config_json,
@@ -30,9 +28,9 @@ from ..integrations._compat import (
     peft_base_model,
 )
 from ..integrations._remote_code import save_code
-from ._saveplan import SaveItem, SavePlan
+from ._saveplan import SavePlan
 
-__all__ = ["Layout", "Outputs", "Writer", "adapter_layout", "commit", "layout_of", "open_outputs"]
+__all__ = ["Layout", "Outputs", "adapter_layout", "commit", "layout_of", "open_outputs", "pwrite_all"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,8 @@ class Outputs:
                     os.unlink(path)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """(rank 0) Write all of ``data`` at ``offset`` of ``fd``."""
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
@@ -102,7 +101,7 @@ def open_outputs(out_dir: str, plan: SavePlan) -> Outputs:
             path = os.path.join(out_dir, f".{name}.tmp-{outputs.token}")
             outputs.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             outputs.temps.append(path)
-            _pwrite_all(outputs.fds[-1], memoryview(header), 0)
+            pwrite_all(outputs.fds[-1], memoryview(header), 0)
     except BaseException:
         outputs.discard()
         raise
@@ -211,48 +210,6 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-class Writer:
-    """(rank 0) A thread that ``pwrite``s queued pieces at their offsets and hands their slots back.
-    After the first failure it writes nothing more but still hands slots back."""
-
-    def __init__(self, fds: list[int], slots: int, faults: _distribute.Faults) -> None:
-        self.fds, self.faults = fds, faults
-        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None] | None] = queue.Queue()
-        self.free: queue.Queue[int] = queue.Queue()
-        for slot in range(slots):
-            self.free.put(slot)
-        self.thread = threading.Thread(target=self._run, name="rank0load-writer", daemon=True)
-        self.thread.start()
-
-    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None) -> None:
-        """Queue bytes [start, start + len(data)) of ``item`` for each saved tensor they touch;
-        ``slot`` is handed back once written."""
-        end, writes = start + len(data), []
-        for s in item.saved:
-            lo, hi = max(start, s.start), min(end, s.start + s.nbytes)
-            if lo < hi:
-                writes.append((self.fds[s.file], data[lo - start : hi - start], s.offset + lo - s.start))
-        self.jobs.put((writes, slot))
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            try:
-                if job is None:
-                    return
-                writes, slot = job
-                for fd, data, offset in writes:
-                    self.faults.run(_pwrite_all, fd, data, offset)
-                if slot is not None:
-                    self.free.put(slot)
-            finally:
-                self.jobs.task_done()
-
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
 
 
 def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:

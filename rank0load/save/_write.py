@@ -8,6 +8,8 @@ import collections
 import functools
 import itertools
 import logging
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ from ..common._memory import reserve
 from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
 from ..integrations._compat import host_bytes, local_tensor
-from ._outputs import Outputs, Writer
+from ._outputs import Outputs, pwrite_all
 from ._saveplan import Piece, SaveItem, SaveKind, SavePlan
 
 __all__ = ["TODO", "Staging", "allocate_staging", "stream"]
@@ -94,15 +96,21 @@ def _elements(piece: Piece | Part, wire: torch.dtype) -> slice:
 
 class _Collector:
     """(rank 0) Every piece received ahead into a staging slot, or taken from rank 0's own tensor,
-    then handed to the writer thread, which frees the slot once the bytes are written."""
+    then queued for the writer thread, which ``pwrite``s it at its offsets and frees the slot; after
+    the first failure the thread writes nothing more but still frees the slots."""
 
     def __init__(
         self, plan: SavePlan, outputs: Outputs, staging: Staging, faults: _distribute.Faults
     ) -> None:
-        self.writer = Writer(outputs.fds, len(staging.slots), faults)
         self.pending = InFlight()
-        self.plan, self.staging, self.faults = plan, staging, faults
+        self.plan, self.fds, self.staging, self.faults = plan, outputs.fds, staging, faults
         self.half = block_half(plan.piece_bytes)
+        self.jobs: queue.Queue[tuple[list[tuple[int, memoryview, int]], int | None] | None] = queue.Queue()
+        self.free: queue.Queue[int] = queue.Queue()
+        for slot in range(len(staging.slots)):
+            self.free.put(slot)
+        self.thread = threading.Thread(target=self.write, name="rank0load-writer", daemon=True)
+        self.thread.start()
 
     def run(
         self,
@@ -130,15 +138,41 @@ class _Collector:
                             self.receive(item, piece)
                         on_bytes(piece.nbytes)
                 self.pending.drain()
-                self.writer.jobs.join()
+                self.jobs.join()
         finally:
-            self.writer.close()
+            self.jobs.put(None)
+            self.thread.join()
+
+    def put(self, item: SaveItem, start: int, data: memoryview, slot: int | None) -> None:
+        """Queue bytes [start, start + len(data)) of ``item`` for each saved tensor they touch;
+        ``slot`` is freed once written."""
+        end, writes = start + len(data), []
+        for s in item.saved:
+            lo, hi = max(start, s.start), min(end, s.start + s.nbytes)
+            if lo < hi:
+                writes.append((self.fds[s.file], data[lo - start : hi - start], s.offset + lo - s.start))
+        self.jobs.put((writes, slot))
+
+    def write(self) -> None:
+        """(the writer thread) Write the queued pieces until the ``None`` that ends the stream."""
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                writes, slot = job
+                for fd, data, offset in writes:
+                    self.faults.run(pwrite_all, fd, data, offset)
+                if slot is not None:
+                    self.free.put(slot)
+            finally:
+                self.jobs.task_done()
 
     def take(self) -> int:
         """A free slot, completing the oldest receives until the writer frees one."""
-        while self.writer.free.empty() and len(self.pending):
+        while self.free.empty() and len(self.pending):
             self.pending.complete_oldest()
-        return self.writer.free.get()
+        return self.free.get()
 
     def receive(self, item: SaveItem, piece: Piece) -> None:
         """Post the receive of another rank's ``piece`` into a slot; written once it is in."""
@@ -152,19 +186,19 @@ class _Collector:
         host = self.staging.slots[slot][: piece.nbytes]
         if self.staging.device_slots:
             self.faults.run(host.copy_, self.staging.device_slots[slot][: piece.nbytes])
-        self.writer.put(item, piece.start, host_bytes(host), slot)
+        self.put(item, piece.start, host_bytes(host), slot)
 
     def own(self, piece: Piece, source: torch.Tensor, item: SaveItem) -> None:
         """Rank 0's own ``piece``: written from the tensor as it is, or cast into a slot first."""
         wire = DTYPES[item.dtype]
         values = source[_elements(piece, wire)]
         if values.dtype == wire and values.device.type == "cpu" and values.is_contiguous():
-            self.writer.put(item, piece.start, host_bytes(values.view(torch.uint8)), None)
+            self.put(item, piece.start, host_bytes(values.view(torch.uint8)), None)
             return
         slot = self.take()
         buffer = self.staging.slots[slot][: piece.nbytes]
         self.faults.run(buffer.view(wire).copy_, values)
-        self.writer.put(item, piece.start, host_bytes(buffer), slot)
+        self.put(item, piece.start, host_bytes(buffer), slot)
 
     def chunk(self, item: SaveItem, source: torch.Tensor, chunk: Chunk, parts: tuple[Part, ...]) -> None:
         """A BLOCK chunk: rank 0's own parts placed at once, the others' received into the slot's
@@ -194,7 +228,7 @@ class _Collector:
             for part, at in received:
                 block = host[at : at + part.nbytes].view(wire).view(part.shape)
                 faults.run(place, rows, block, part)
-            self.writer.put(item, chunk.start, host_bytes(host[: chunk.nbytes]), slot)
+            self.put(item, chunk.start, host_bytes(host[: chunk.nbytes]), slot)
 
         self.pending.add(AllOf(works), then)
 
