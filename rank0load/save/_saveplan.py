@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -44,8 +45,8 @@ class SaveKind(enum.Enum):
 
 
 _Senders = tuple[tuple[int, int, int], ...]  # ROWS: (rank, first byte, end byte), by first row
-# a model tensor's item (its saved tensors not laid out yet), the names and shapes it is saved as
-_Row = tuple["SaveItem", list[tuple[str, tuple[int, ...]]]]
+# one saved tensor before the split: (its item's index, name, shape, first byte in the item, nbytes)
+_Unit = tuple[int, str, tuple[int, ...], int, int]
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ def plan_save(
     """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
     ``revert``: see :data:`Revert`. ``stem``: what the files' names start with."""
     dtype: torch.dtype | None = options["dtype"]
-    rows: list[_Row] = []
+    items: list[SaveItem] = []
+    units: list[_Unit] = []
     skipped, seen = [], dict[str, str]()
     for (key, t), flag in zip(tensors.items(), flags):
         plain = strip_wrappers(key)
@@ -171,17 +173,19 @@ def plan_save(
         senders = _senders(t, wire.itemsize) if isinstance(t, DTensor) and kind is SaveKind.ROWS else ()
         blocks = blocks_of(t) if isinstance(t, DTensor) and kind is SaveKind.BLOCK else ()
         nbytes = t.numel() * wire.itemsize
-        rows.append((SaveItem(key, _NAMES[wire], tuple(t.shape), nbytes, kind, senders, (), blocks), parts))
-    if not rows:
+        each = nbytes // len(parts)
+        units += [(len(items), part, shape, j * each, each) for j, (part, shape) in enumerate(parts)]
+        items.append(SaveItem(key, _NAMES[wire], tuple(t.shape), nbytes, kind, senders, (), blocks))
+    if not items:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = slot_bytes(options["max_staging_bytes"])
-    headers, items = _lay_out(rows, parse_size(options["max_shard_size"]))
-    rounds = round_ends([item.nbytes for item in items], ROUND_PIECES * piece_bytes)
+    headers, laid = _lay_out(items, units, parse_size(options["max_shard_size"]))
+    rounds = round_ends([item.nbytes for item in laid], ROUND_PIECES * piece_bytes)
     count = len(headers)  # named as huggingface_hub and diffusers name them
     names = [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     files = tuple(names) if count > 1 else (f"{stem}.safetensors",)
     total = sum(i.nbytes for i in items)
-    return SavePlan(files, headers, items, rounds, piece_bytes, tuple(skipped), stem, total)
+    return SavePlan(files, headers, laid, rounds, piece_bytes, tuple(skipped), stem, total)
 
 
 def _kind(t: torch.Tensor, flags: int) -> SaveKind:
@@ -246,38 +250,27 @@ def _split(sizes: list[int], limit: int) -> list[list[int]]:
     return files
 
 
-def _lay_out(rows: list[_Row], limit: int) -> tuple[tuple[bytes, ...], tuple[SaveItem, ...]]:
+def _lay_out(
+    items: list[SaveItem], units: list[_Unit], limit: int
+) -> tuple[tuple[bytes, ...], tuple[SaveItem, ...]]:
     """(rank 0) The files' headers, and the items in write order with their saved tensors: in each
     file tensors by element size, largest first, then name (as safetensors orders them), so each is
     aligned; the JSON header padded with spaces to 8."""
-    units: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (row, name, shape, start, nbytes)
-    for r, (item, parts) in enumerate(rows):
-        each = item.nbytes // len(parts)
-        units += [(r, name, shape, j * each, each) for j, (name, shape) in enumerate(parts)]
-    groups = _split([u[4] for u in units], limit)
-    saved: list[list[Saved]] = [[] for _ in rows]
+    saved: list[list[Saved]] = [[] for _ in items]
     headers: list[bytes] = []
-    for file, group in enumerate(groups):
-        order = sorted(group, key=lambda u: (-DTYPES[rows[units[u][0]][0].dtype].itemsize, units[u][1]))
+    for file, group in enumerate(_split([u[4] for u in units], limit)):
+        order = sorted((units[u] for u in group), key=lambda u: (-DTYPES[items[u[0]].dtype].itemsize, u[1]))
+        starts = list(itertools.accumulate((u[4] for u in order), initial=0))  # data offsets in the file
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        at = 0
-        for u in order:
-            r, name, shape, _, nbytes = units[u]
-            header[name] = {
-                "dtype": rows[r][0].dtype,
-                "shape": list(shape),
-                "data_offsets": [at, at + nbytes],
-            }
-            at += nbytes
+        for (i, name, shape, _, nbytes), at in zip(order, starts):
+            header[name] = {"dtype": items[i].dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         headers.append(len(text).to_bytes(8, "little") + text)
-        for u in order:
-            r, name, _, start, nbytes = units[u]
-            offset = len(headers[-1]) + header[name]["data_offsets"][0]
-            saved[r].append(Saved(name, file, offset, start, nbytes))
-    items = [
-        replace(row[0], saved=tuple(sorted(spans, key=lambda s: s.start))) for row, spans in zip(rows, saved)
+        for (i, name, _, start, nbytes), at in zip(order, starts):
+            saved[i].append(Saved(name, file, len(headers[-1]) + at, start, nbytes))
+    laid = [
+        replace(item, saved=tuple(sorted(spans, key=lambda x: x.start))) for item, spans in zip(items, saved)
     ]
-    items.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
-    return tuple(headers), tuple(items)
+    laid.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
+    return tuple(headers), tuple(laid)
