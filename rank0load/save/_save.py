@@ -184,8 +184,25 @@ def save_sharded(
         rank=rank,
         world_size=dist.get_world_size(),
     )
-    if rank == 0:
-        _log_summary(report)
+    if rank == 0:  # a warning for what was gathered whole, then one INFO line
+        if report.gathered_whole:
+            logger.warning(
+                "%d tensors were gathered whole on every rank (full_tensor), outside max_staging_bytes: "
+                "a Partial placement, a non-contiguous local shard or a 0-d DTensor: %s",
+                len(report.gathered_whole),
+                ", ".join(report.gathered_whole[:10]),
+            )
+        logger.info(
+            "rank0load: saved %d tensors, %.2f GB in %d files in %.2f s (stream %.2f GB/s) over %d ranks, "
+            "rank 0 peak RSS %.0f MB",
+            report.tensors,
+            report.bytes / 1e9,
+            len(report.files),
+            report.seconds,
+            report.gb_per_s,
+            report.world_size,
+            report.peak_rss_bytes / 1e6,
+        )
     return report
 
 
@@ -238,25 +255,3 @@ def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
         return None
     adapters = frozenset(strip_wrappers(k) for k in _peft.adapter_parameters(model))
     return original_format_reversal(model, adapters)
-
-
-def _log_summary(report: SaveReport) -> None:
-    """(rank 0) A warning for what was gathered whole, then one INFO line."""
-    if report.gathered_whole:
-        logger.warning(
-            "%d tensors were gathered whole on every rank (full_tensor), outside max_staging_bytes: "
-            "a Partial placement, a non-contiguous local shard or a 0-d DTensor: %s",
-            len(report.gathered_whole),
-            ", ".join(report.gathered_whole[:10]),
-        )
-    logger.info(
-        "rank0load: saved %d tensors, %.2f GB in %d files in %.2f s (stream %.2f GB/s) over %d ranks, "
-        "rank 0 peak RSS %.0f MB",
-        report.tensors,
-        report.bytes / 1e9,
-        len(report.files),
-        report.seconds,
-        report.gb_per_s,
-        report.world_size,
-        report.peak_rss_bytes / 1e6,
-    )

@@ -75,10 +75,6 @@ class SaveItem:
     # BLOCK: (rank, its global index runs per dimension), one replica per Replicate mesh dimension
     blocks: Blocks
 
-    def sends(self, rank: int) -> bool:
-        """Whether ``rank`` sends any of this item's bytes (GATHER and PLAIN: rank 0 alone writes)."""
-        return any(r == rank for r, _, _ in self.senders) or any(r == rank for r, _ in self.blocks)
-
 
 @dataclass(frozen=True)
 class Piece:

@@ -175,18 +175,18 @@ class _Collector:
         return self.free.get()
 
     def receive(self, item: SaveItem, piece: Piece) -> None:
-        """Post the receive of another rank's ``piece`` into a slot; written once it is in."""
+        """Post the receive of another rank's ``piece`` into a slot; written once it is in (copied to
+        the host first from a device slot)."""
         slot = self.take()
-        into = (self.staging.device_slots or self.staging.slots)[slot][: piece.nbytes]
-        work = dist.irecv(into, src=piece.src)
-        self.pending.add(work, functools.partial(self.write_received, item, piece, slot))
-
-    def write_received(self, item: SaveItem, piece: Piece, slot: int) -> None:
-        """Hand a received piece to the writer (copied to the host first from a device slot)."""
         host = self.staging.slots[slot][: piece.nbytes]
-        if self.staging.device_slots:
-            self.faults.run(host.copy_, self.staging.device_slots[slot][: piece.nbytes])
-        self.put(item, piece.start, host_bytes(host), slot)
+        into = self.staging.device_slots[slot][: piece.nbytes] if self.staging.device_slots else host
+
+        def then() -> None:
+            if into is not host:
+                self.faults.run(host.copy_, into)
+            self.put(item, piece.start, host_bytes(host), slot)
+
+        self.pending.add(dist.irecv(into, src=piece.src), then)
 
     def own(self, piece: Piece, source: torch.Tensor, item: SaveItem) -> None:
         """Rank 0's own ``piece``: written from the tensor as it is, or cast into a slot first."""
@@ -265,7 +265,8 @@ def _sender(
     for begin, stop in rounds:
         for index in range(begin, stop):
             item = plan.items[index]
-            if item.kind is not SaveKind.GATHER and not item.sends(me):
+            sends = any(r == me for r, _, _ in item.senders) or any(r == me for r, _ in item.blocks)
+            if item.kind is not SaveKind.GATHER and not sends:
                 continue
             source = _source(item, tensors[item.key], gathered, pending)
             wire = DTYPES[item.dtype]
