@@ -1,7 +1,6 @@
-"""A save's files. (all ranks) :func:`layout_of`, :func:`adapter_layout`: their names and config
-files, as the model's library reads them back. (rank 0) Create them (``_write`` writes into them),
-commit them with the config files, or remove them. No collectives. Temporary names never end in
-``.safetensors``."""
+"""A save's files. (all ranks) :func:`layout_of`: their names and config files, as the model's
+library reads them back. (rank 0) Create them (``_write`` writes into them), commit them with the
+config files, or remove them. No collectives. Temporary names never end in ``.safetensors``."""
 
 from __future__ import annotations
 
@@ -30,36 +29,32 @@ from ..integrations._compat import (
 from ..integrations._remote_code import save_code
 from ._saveplan import SavePlan
 
-__all__ = ["Layout", "Outputs", "adapter_layout", "commit", "layout_of", "open_outputs", "pwrite_all"]
+__all__ = ["ConfigWriter", "Outputs", "commit", "layout_of", "open_outputs", "pwrite_all"]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """What a saved checkpoint looks like beside its tensors: its files' names and its config files."""
-
-    # file names: <stem>.safetensors, or <stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json
-    stem: str
-    # (rank 0) writes the config files into an empty temporary folder (model, folder, plan); every file
-    # it leaves there is committed into out_dir with the weights. None: no config files.
-    write_configs: Callable[[nn.Module, str, SavePlan], None] | None
+# (rank 0) writes a checkpoint's config files into an empty temporary folder (model, folder, plan);
+# every file it leaves there is committed into out_dir with the weights
+ConfigWriter = Callable[[nn.Module, str, SavePlan], None]
 
 
-def layout_of(model: nn.Module, original_format: bool) -> Layout:
-    """(all ranks) The layout ``from_pretrained`` of the model's library reads; for a ``PeftModel``,
-    its base model's with ``original_format``, else plain files under its own names, no config files."""
+def layout_of(
+    model: nn.Module, original_format: bool, adapter: str | None
+) -> tuple[str, ConfigWriter | None]:
+    """(all ranks) The files' stem (``<stem>.safetensors``, or ``<stem>-0000i-of-0000n.safetensors``
+    and ``<stem>.safetensors.index.json``) and the writer of the config files (None: none), as
+    ``from_pretrained`` of the model's library reads them: PEFT's ``adapter_model.safetensors`` and
+    ``adapter_config.json`` for ``adapter``; for a ``PeftModel``, its base model's with
+    ``original_format``, else plain files under its own names, no config files."""
+    if adapter is not None:
+        return "adapter_model", functools.partial(_adapter_config, adapter)
     base = peft_base_model(model)
     if base is not model and not original_format:
-        return Layout("model", None)
+        return "model", None
     if is_transformers_model(base):
-        return Layout("model", _hf_configs)
+        return "model", _hf_configs
     if is_diffusers_class(type(base)):
-        return Layout("diffusion_pytorch_model", _diffusers_config)
-    return Layout("model", None)
-
-
-def adapter_layout(adapter: str) -> Layout:
-    """(all ranks) PEFT's layout: one ``adapter_model.safetensors`` and its ``adapter_config.json``."""
-    return Layout("adapter_model", functools.partial(_adapter_config, adapter))
+        return "diffusion_pytorch_model", _diffusers_config
+    return "model", None
 
 
 @dataclass
@@ -112,9 +107,9 @@ def commit(
     outputs: Outputs,
     plan: SavePlan,
     model: nn.Module,
-    write_configs: Callable[[nn.Module, str, SavePlan], None] | None,
+    write_configs: ConfigWriter | None,
 ) -> None:
-    """(rank 0) Make the checkpoint visible: ``write_configs`` (:class:`Layout`) writes the config
+    """(rank 0) Make the checkpoint visible: ``write_configs`` (:data:`ConfigWriter`) writes the config
     files into a temporary folder of out_dir; fsync and rename the files and them, write the index
     last, then remove what an earlier save left that the new checkpoint does not have."""
     extras: list[tuple[str, str]] = []  # (temporary path, final name) of the config files

@@ -121,10 +121,9 @@ def save_sharded(
             differ between ranks (``RankMismatchError``).
     """
     _distribute.require_process_group(SaveError)
-    if adapter is None:
-        layout = _outputs.layout_of(model, original_format)
-    else:  # one file whatever its size, PEFT's names
-        layout, key_map = _outputs.adapter_layout(adapter), _adapter_names(model, adapter, key_map)
+    stem, write_configs = _outputs.layout_of(model, original_format, adapter)
+    if adapter is not None:  # one file whatever its size, PEFT's names
+        key_map = _adapter_names(model, adapter, key_map)
         max_shard_size, original_format = sys.maxsize, False
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
@@ -138,7 +137,7 @@ def save_sharded(
             key_map,
             options,
             _reversal(model, original_format),
-            layout.stem,
+            stem,
         ),
         lambda exc: SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}"),
     )
@@ -160,9 +159,7 @@ def save_sharded(
             gathered = _write.stream(plan, tensors, outputs, staging, on_bytes)
         clock("stream")
         _distribute.run(
-            lambda: (
-                _outputs.commit(outputs, plan, model, layout.write_configs) if outputs is not None else None
-            ),
+            lambda: _outputs.commit(outputs, plan, model, write_configs) if outputs is not None else None,
             "committing the checkpoint",
             _write.TODO,
             SaveError,
