@@ -166,8 +166,11 @@ def plan_save(
         if wire not in _NAMES or wire == DTYPES.get("F4"):
             raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
         kind = _kind(t, flag)
-        senders = _senders(t, wire.itemsize) if isinstance(t, DTensor) and kind is SaveKind.ROWS else ()
-        blocks = blocks_of(t) if isinstance(t, DTensor) and kind is SaveKind.BLOCK else ()
+        senders, blocks = (
+            _senders(t, kind, wire.itemsize)
+            if isinstance(t, DTensor) and kind is not SaveKind.GATHER
+            else ((), ())
+        )
         nbytes = t.numel() * wire.itemsize
         each = nbytes // len(parts)
         units += [(len(items), part, shape, j * each, each) for j, (part, shape) in enumerate(parts)]
@@ -191,39 +194,29 @@ def _kind(t: torch.Tensor, flags: int) -> SaveKind:
     return SaveKind.ROWS if flags & ROWS_OK else SaveKind.BLOCK if flags & RUNS_OK else SaveKind.GATHER
 
 
-def _senders(t: DTensor, itemsize: int) -> _Senders:
-    """(rank 0) Who sends which rows of a Shard(0)/Replicate DTensor (``itemsize`` bytes an element
-    on the wire), each its own row range, as bytes."""
-    row, out = math.prod(t.shape[1:]) * itemsize, []
-    for rank, coord in _replica_senders(t):
-        lo, hi = rows_of(tuple(t.device_mesh.shape), t.placements, t.shape[0], coord)
-        if hi > lo:
-            out.append((rank, lo * row, hi * row))
-    return tuple(sorted(out, key=lambda s: s[1]))
-
-
-def _replica_senders(t: DTensor) -> Iterator[tuple[int, tuple[int, ...]]]:
-    """(rank 0) The ranks that send ``t``'s bytes, with their mesh coordinates: the replica at
-    coordinate 0 of every ``Replicate`` mesh dimension. On a sub-mesh (``mesh["dp"]``) the ranks of
-    rank 0's slice send; the other slices are replicas."""
-    replicated = [d for d, p in enumerate(t.placements) if type(p) is Replicate]
+def _senders(t: DTensor, kind: SaveKind, itemsize: int) -> tuple[_Senders, Blocks]:
+    """(rank 0) Who sends a ROWS or BLOCK DTensor's bytes: the replica at coordinate 0 of every
+    ``Replicate`` mesh dimension (on a sub-mesh, ``mesh["dp"]``, the ranks of rank 0's slice; the
+    other slices are replicas), ranks holding nothing left out. ROWS: each sender's row range, as
+    bytes (``itemsize`` an element on the wire), by first row; BLOCK: each sender's block, the cross
+    product of the index runs it holds."""
+    mesh_shape, placements, shape = tuple(t.device_mesh.shape), t.placements, tuple(t.shape)
+    replicated = [d for d, p in enumerate(placements) if type(p) is Replicate]
+    row, senders, blocks = math.prod(shape[1:]) * itemsize, [], []
     for rank, coord in rank_coordinates(t.device_mesh):
-        if all(coord[d] == 0 for d in replicated):
-            yield rank, coord
-
-
-def blocks_of(t: DTensor) -> Blocks:
-    """(rank 0) Who sends which block of ``t`` (:func:`_replica_senders`), with the cross product of index
-    runs it holds; ranks holding nothing left out."""
-    mesh, placements = t.device_mesh, t.placements
-    out = []
-    for rank, coord in _replica_senders(t):
-        runs = runs_at(placements, tuple(mesh.shape), coord, tuple(t.shape))
+        if any(coord[d] for d in replicated):
+            continue
+        if kind is SaveKind.ROWS:
+            lo, hi = rows_of(mesh_shape, placements, shape[0], coord)
+            if hi > lo:
+                senders.append((rank, lo * row, hi * row))
+            continue
+        runs = runs_at(placements, mesh_shape, coord, shape)
         if runs is None:  # every rank reported RUNS_OK for it: a bug, not a user error
-            raise SaveError(f"no block layout for placements {placements} of shape {tuple(t.shape)}")
+            raise SaveError(f"no block layout for placements {placements} of shape {shape}")
         if all(runs):
-            out.append((rank, runs))
-    return tuple(out)
+            blocks.append((rank, runs))
+    return tuple(sorted(senders, key=lambda s: s[1])), tuple(blocks)
 
 
 def _split(sizes: list[int], limit: int) -> list[list[int]]:

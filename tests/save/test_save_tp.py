@@ -56,12 +56,13 @@ def test_chunks_rebuild_the_tensor_from_every_rank_shard(shape, placements, mesh
     cut here with DTensor's split) fill the chunk's receive area exactly once, and placing them
     gives the tensor bit for bit; for half-slots from one element to the whole tensor, and a cast."""
     from rank0load.common._blocks import block_chunks
-    from rank0load.save._saveplan import blocks_of
+    from rank0load.save._saveplan import SaveKind, _senders
     from rank0load.save._write import place
 
-    # What blocks_of reads of a DTensor, for a mesh no process group backs.
+    # What _senders reads of a DTensor, for a mesh no process group backs.
     mesh = SimpleNamespace(mesh=torch.arange(math.prod(mesh_shape)).reshape(mesh_shape), shape=mesh_shape)
-    blocks = blocks_of(SimpleNamespace(device_mesh=mesh, placements=placements, shape=shape))  # type: ignore[arg-type]
+    tensor = SimpleNamespace(device_mesh=mesh, placements=placements, shape=shape)
+    blocks = _senders(tensor, SaveKind.BLOCK, 4)[1]  # type: ignore[arg-type]
     replicas = math.prod(n for n, p in zip(mesh_shape, placements) if type(p) is Replicate)
     assert len(blocks) <= math.prod(mesh_shape) // replicas
     for dtype, half in itertools.product((torch.float32, torch.bfloat16), (32, 64, 96, 512, 1 << 20)):
