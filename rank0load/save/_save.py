@@ -36,7 +36,7 @@ from ..integrations._convert import original_format_reversal
 from ..model._layout import layout_flags
 from ..model._meta import describe, strip_wrappers
 from . import _outputs, _write
-from ._saveplan import Revert, parse_size, plan_save
+from ._saveplan import Revert, SaveKind, parse_size, plan_save
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -156,7 +156,7 @@ def save_sharded(
     try:
         staging, _ = _distribute.settle(prepared, "creating the output files", _write.TODO, SaveError)
         with progress_bar(plan.total_size, show=rank == 0) as on_bytes:
-            gathered = _write.stream(plan, tensors, outputs, staging, on_bytes)
+            _write.stream(plan, tensors, outputs, staging, on_bytes)
         clock("stream")
         _distribute.run(
             lambda: _outputs.commit(outputs, plan, model, write_configs) if outputs is not None else None,
@@ -175,7 +175,7 @@ def save_sharded(
         stream_seconds=clock.phases.get("stream", 0.0),
         files=plan.files,
         skipped=plan.skipped,
-        gathered_whole=gathered,
+        gathered_whole=tuple(i.key for i in plan.items if i.kind is SaveKind.GATHER),
         phases=clock.phases,
         peak_rss_bytes=peak_rss_bytes(),
         rank=rank,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -29,8 +28,6 @@ from ._outputs import Outputs, pwrite_all
 from ._saveplan import Piece, SaveItem, SaveKind, SavePlan
 
 __all__ = ["TODO", "Staging", "allocate_staging", "stream"]
-
-logger = logging.getLogger(__name__)
 
 TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
 
@@ -61,28 +58,26 @@ def stream(
     outputs: Outputs | None,
     staging: Staging,
     on_bytes: Callable[[int], None],
-) -> tuple[str, ...]:
-    """(all ranks) Move every item's bytes into rank 0's files (``outputs``, rank 0 only). Returns the
-    keys gathered whole. Raises the same SaveError on every rank if any rank failed."""
+) -> None:
+    """(all ranks) Move every item's bytes into rank 0's files (``outputs``, rank 0 only), GATHER
+    items' by ``full_tensor()`` on every rank. Raises the same SaveError on every rank if any rank
+    failed."""
     faults = _distribute.Faults()
-    gathered: list[str] = []
 
     with settled(faults, plan.rounds, "writing the checkpoint", TODO, SaveError, TODO) as rounds:
         if dist.get_rank() == 0:
             assert outputs is not None
-            _Collector(plan, outputs, staging, faults).run(rounds, tensors, gathered, on_bytes)
+            _Collector(plan, outputs, staging, faults).run(rounds, tensors, on_bytes)
         else:
-            _sender(plan, rounds, tensors, staging, faults, gathered)
-    return tuple(gathered)
+            _sender(plan, rounds, tensors, staging, faults)
 
 
-def _source(item: SaveItem, tensor: torch.Tensor, gathered: list[str], pending: InFlight) -> torch.Tensor:
+def _source(item: SaveItem, tensor: torch.Tensor, pending: InFlight) -> torch.Tensor:
     """(all ranks) The tensor a rank's pieces of ``item`` come from, flat; GATHER: ``pending``
     completed, then a collective."""
     if item.kind is SaveKind.GATHER:
         assert isinstance(tensor, DTensor)
         pending.drain()
-        gathered.append(item.key)
         with torch.no_grad():
             return tensor.full_tensor().reshape(-1)
     return local_tensor(tensor).detach().reshape(-1)
@@ -116,7 +111,6 @@ class _Collector:
         self,
         rounds: Rounds,
         tensors: dict[str, torch.Tensor],
-        gathered: list[str],
         on_bytes: Callable[[int], None],
     ) -> None:
         """Receive ahead into the slots, write rank 0's own pieces from its tensors, round by round."""
@@ -125,7 +119,7 @@ class _Collector:
             for begin, stop in rounds:
                 for index in range(begin, stop):
                     item = plan.items[index]
-                    source = _source(item, tensors[item.key], gathered, self.pending)
+                    source = _source(item, tensors[item.key], self.pending)
                     if item.kind is SaveKind.BLOCK:
                         for chunk, parts in plan.chunks(index):
                             self.chunk(item, source, chunk, parts)
@@ -254,7 +248,6 @@ def _sender(
     tensors: dict[str, torch.Tensor],
     staging: Staging,
     faults: _distribute.Faults,
-    gathered: list[str],
 ) -> None:
     """(ranks other than 0) Send this rank's pieces, round by round, cast into a staging slot when the
     saved dtype differs, with up to ``SLOTS`` sends in flight."""
@@ -268,7 +261,7 @@ def _sender(
             sends = any(r == me for r, _, _ in item.senders) or any(r == me for r, _ in item.blocks)
             if item.kind is not SaveKind.GATHER and not sends:
                 continue
-            source = _source(item, tensors[item.key], gathered, pending)
+            source = _source(item, tensors[item.key], pending)
             wire = DTYPES[item.dtype]
             for piece in plan.pieces(index, me):
                 values = source[_elements(piece, wire)]
