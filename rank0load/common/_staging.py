@@ -19,7 +19,6 @@ __all__ = [
     "InFlight",
     "aligned",
     "block_half",
-    "slot_bytes",
 ]
 
 DEFAULT_STAGING_BYTES = 16 << 20  # max_staging_bytes on a CPU mesh
@@ -27,11 +26,6 @@ SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
 ALIGN = 64  # piece sizes and boundaries stay multiples of every element size
 ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes
 MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
-
-
-def slot_bytes(max_staging_bytes: int) -> int:
-    """One staging slot's bytes: a ``SLOTS``-th of ``max_staging_bytes``, a multiple of ``ALIGN``."""
-    return max(ALIGN, max_staging_bytes // SLOTS // ALIGN * ALIGN)
 
 
 def aligned(nbytes: int) -> int:
