@@ -165,12 +165,11 @@ def plan_save(
         wire = dtype if dtype is not None and t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
         if wire not in _NAMES or wire == DTYPES.get("F4"):
             raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
-        kind = _kind(t, flag)
-        senders, blocks = (
-            _senders(t, kind, wire.itemsize)
-            if isinstance(t, DTensor) and kind is not SaveKind.GATHER
-            else ((), ())
-        )
+        kind, senders, blocks = SaveKind.PLAIN, _Senders(), Blocks()
+        if isinstance(t, DTensor):  # how it travels, by its layout flags AND-ed over the ranks
+            kind = SaveKind.ROWS if flag & ROWS_OK else SaveKind.BLOCK if flag & RUNS_OK else SaveKind.GATHER
+            if kind is not SaveKind.GATHER:
+                senders, blocks = _senders(t, kind, wire.itemsize)
         nbytes = t.numel() * wire.itemsize
         each = nbytes // len(parts)
         units += [(len(items), part, shape, j * each, each) for j, (part, shape) in enumerate(parts)]
@@ -185,13 +184,6 @@ def plan_save(
     files = tuple(names) if count > 1 else (f"{stem}.safetensors",)
     total = sum(i.nbytes for i in items)
     return SavePlan(files, headers, laid, rounds, piece_bytes, tuple(skipped), stem, total)
-
-
-def _kind(t: torch.Tensor, flags: int) -> SaveKind:
-    """How ``t`` travels, given its layout flags AND-ed over the ranks."""
-    if not isinstance(t, DTensor):
-        return SaveKind.PLAIN
-    return SaveKind.ROWS if flags & ROWS_OK else SaveKind.BLOCK if flags & RUNS_OK else SaveKind.GATHER
 
 
 def _senders(t: DTensor, kind: SaveKind, itemsize: int) -> tuple[_Senders, Blocks]:
