@@ -112,20 +112,18 @@ def commit(
     """(rank 0) Make the checkpoint visible: ``write_configs`` (:data:`ConfigWriter`) writes the config
     files into a temporary folder of out_dir; fsync and rename the files and them, write the index
     last, then remove what an earlier save left that the new checkpoint does not have."""
-    extras: list[tuple[str, str]] = []  # (temporary path, final name) of the config files
+    directory, index_file = outputs.directory, f"{plan.stem}.safetensors.index.json"
+    folder = os.path.join(directory, f".rank0load-config.tmp-{outputs.token}")  # the config files'
     if write_configs is not None:
-        folder = os.path.join(outputs.directory, f".rank0load-config.tmp-{outputs.token}")
         os.makedirs(folder)
         outputs.temps.append(folder)
         write_configs(model, folder, plan)
-        extras = [(os.path.join(folder, name), name) for name in sorted(os.listdir(folder))]
     for fd in outputs.fds:
         os.fsync(fd)
     while outputs.fds:
         os.close(outputs.fds.pop())
-    directory, index_file = outputs.directory, f"{plan.stem}.safetensors.index.json"
-    for temp, name in extras:
-        os.replace(temp, os.path.join(directory, name))
+    for name in sorted(os.listdir(folder)) if write_configs is not None else ():
+        os.replace(os.path.join(folder, name), os.path.join(directory, name))
     old_index = os.path.join(directory, index_file)
     replaced = [n for n in plan.files if os.path.exists(os.path.join(directory, n))]
     if (
