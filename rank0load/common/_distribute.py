@@ -22,14 +22,14 @@ import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from ..errors import LoadError, RankMismatchError
 from ..integrations._compat import host_bytes
-from ._failure import Failure, failure_of, peer_failures, rank_mismatch
+from ._failure import failure_of, peer_failures, rank_mismatch
 
 __all__ = [
     "NO_DATA_MOVED",
@@ -197,22 +197,15 @@ def _first_failure(error: BaseException | None) -> int:
 
 
 def _raise_failure(
-    first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError]
-) -> None:
-    """(all ranks, after :func:`_first_failure` returned ``first`` < world) Raise on every rank the
-    error of rank ``first``, worded once. Collectives may raise RuntimeError: callers wrap it."""
-    world = dist.get_world_size()
+    first: int, error: BaseException | None, word: Callable[[BaseException, int], LoadError]
+) -> NoReturn:
+    """(all ranks, ``first`` < world the lowest rank whose ``error`` is set) Raise on every rank the
+    error rank ``first`` words once, ``word(error, count)`` (``count``: how many ranks failed).
+    Collectives may raise RuntimeError: callers wrap it."""
     count = _scalar(1 if error is not None else 0, dist.ReduceOp.SUM)
-    mine = None
-    if dist.get_rank() == first and error is not None:
-        mine = failure_of(error, todo, wrap)
-    failure: Failure = _broadcast_object(mine, src=first)
-    if failure.is_load_error and count == world:  # the same check failed everywhere: its own words
-        raise failure.cls(failure.message)
-    where = f"{count} of {world} ranks" if count < world else "every rank"
-    if failure.is_load_error:
-        raise failure.cls(f"{failure.message} ({stage} failed on {where}; the first was rank {first})")
-    raise failure.cls(f"{stage} failed on {where}: rank {first}: {failure.message}. {failure.todo or todo}")
+    mine = word(error, count) if error is not None and dist.get_rank() == first else None
+    shared: LoadError = _broadcast_object(mine, src=first)
+    raise type(shared)(*shared.args)
 
 
 def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
@@ -223,7 +216,9 @@ def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = R
     with peer_failures(f"agreeing with the other ranks after {stage}", cls, todo):
         first = _first_failure(outcome.error)
         if first < dist.get_world_size():
-            _raise_failure(first, outcome.error, stage, todo, wrap=wrap)
+            _raise_failure(
+                first, outcome.error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap)
+            )
     return cast(R, outcome.value)
 
 
@@ -285,12 +280,11 @@ def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
         if not torch.equal(low, high):
             reference: Proposal = _broadcast_object(proposal if dist.get_rank() == 0 else None)
             differs = proposal.digest() != reference.digest()
-            first = _first_failure(RankMismatchError() if differs else None)
-            count = _scalar(int(differs), dist.ReduceOp.SUM)
-            explained = _broadcast_object(
-                proposal.explain(reference) if differs and dist.get_rank() == first else None, src=first
+            mismatch = RankMismatchError() if differs else None
+            first = _first_failure(mismatch)
+            _raise_failure(
+                first, mismatch, lambda _, count: rank_mismatch(first, count, proposal.explain(reference))
             )
-            raise rank_mismatch(first, count, explained)
         n = len(proposal.flags)
         planes = torch.tensor(
             [f & 1 for f in proposal.flags] + [(f >> 1) & 1 for f in proposal.flags], dtype=torch.uint8
@@ -379,4 +373,7 @@ def settled(
     with peer_failures(stage, wrap, peer_todo):  # a rank died or stalled, or the network broke
         yield rounds
         if rounds.first < dist.get_world_size():
-            _raise_failure(rounds.first, faults.error, stage, todo, wrap=wrap)
+            first = rounds.first
+            _raise_failure(
+                first, faults.error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap)
+            )

@@ -9,7 +9,6 @@ import contextlib
 import os
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -17,7 +16,6 @@ import torch.distributed as dist
 from ..errors import InternalError, LoadError, RankMismatchError
 
 __all__ = [
-    "Failure",
     "UserCodeFailure",
     "failure_of",
     "internal_error",
@@ -102,32 +100,32 @@ def _internal_todo() -> str:
     )
 
 
-@dataclass(frozen=True)
-class Failure:
-    """What the first failing rank tells the others, so that every rank raises the same error."""
-
-    cls: type[LoadError]  # the error's own class; the caller's wrap for its code; else InternalError
-    message: str  # a LoadError's message, else "Type: message" of the exception
-    is_load_error: bool
-    todo: str | None = None  # what to do, where the stage's own advice does not fit (InternalError)
-
-
-def failure_of(error: BaseException, todo: str, wrap: type[LoadError]) -> Failure:
-    """(the first failing rank) What it tells the others of its ``error``: its LoadError subclass
-    and message; for the caller's code (:class:`UserCodeFailure`) or the
-    machine's (``OSError``, ``MemoryError``), ``wrap`` and the message; for any other exception,
-    rank0load's own failure (:class:`~.errors.InternalError`, or ``wrap`` where that is not
-    RankMismatchError), where it was raised and the versions."""
+def failure_of(
+    error: BaseException, count: int, first: int, stage: str, todo: str, wrap: type[LoadError]
+) -> LoadError:
+    """(rank ``first``, the lowest of the ``count`` ranks that failed in ``stage``) The error every rank
+    raises for its ``error``: its LoadError, in its own words when every rank failed; for the caller's
+    code (:class:`UserCodeFailure`) or the machine's (``OSError``, ``MemoryError``), ``wrap`` and the
+    message; for any other exception, rank0load's own failure (:class:`~..errors.InternalError`, or
+    ``wrap`` where that is not RankMismatchError), where it was raised and the versions."""
+    world = dist.get_world_size()
+    where = f"{count} of {world} ranks" if count < world else "every rank"
     if isinstance(error, LoadError):
-        return Failure(type(error), str(error), is_load_error=True)
+        if count == world:  # the same check failed everywhere: its own words
+            return type(error)(str(error))
+        return type(error)(f"{error} ({stage} failed on {where}; the first was rank {first})")
+    cls = wrap
     if isinstance(error, UserCodeFailure):
-        return Failure(wrap, str(error), is_load_error=False)
-    if isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
-        return Failure(wrap, f"{type(error).__name__}: {error}", is_load_error=False)
-    if wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
-        return Failure(InternalError, _internal(error), False, _internal_todo())
-    # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
-    return Failure(wrap, _internal(error), False, f"{_internal_todo()} {todo}")
+        message = str(error)
+    elif isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
+        message = f"{type(error).__name__}: {error}"
+    else:
+        message = _internal(error)
+        if wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
+            cls, todo = InternalError, _internal_todo()
+        else:  # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
+            todo = f"{_internal_todo()} {todo}"
+    return cls(f"{stage} failed on {where}: rank {first}: {message}. {todo}")
 
 
 def internal_error(what: str, error: BaseException) -> InternalError:
