@@ -34,8 +34,7 @@ from .checkpoint._manifest import (
 )
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
-from .common._progress import peak_rss_bytes, progress_bar
-from .common._report import Clock, FSDPGroup, LoadReport, fsdp_plan, log_summary
+from .common._report import Clock, FSDPGroup, LoadReport, fsdp_plan, log_summary, peak_rss_bytes, progress_bar
 from .common._staging import DEFAULT_STAGING_BYTES, SLOTS
 from .integrations._convert import StackExperts
 from .load import _handover, _model, _options, _sink, _transfer

@@ -1,10 +1,13 @@
-"""What a load did: :class:`LoadReport` (every rank), rank 0's log lines, and a sharded model's
-FSDP groups (any rank). No collectives."""
+"""What a load did: :class:`LoadReport` (every rank), rank 0's log lines and progress bar, the peak-RSS
+probe, and a sharded model's FSDP groups (any rank). No collectives."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +15,7 @@ from torch import nn
 
 from ..integrations._compat import fsdp_groups
 
-__all__ = ["Clock", "FSDPGroup", "LoadReport", "fsdp_plan", "log_summary"]
+__all__ = ["Clock", "FSDPGroup", "LoadReport", "fsdp_plan", "log_summary", "peak_rss_bytes", "progress_bar"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,3 +164,56 @@ def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
     )
     if logger.isEnabledFor(logging.DEBUG):  # one line per group: thousands for a MoE model
         logger.debug("FSDP groups:\n%s", "\n".join(f"  {g}" for g in report.fsdp_groups))
+
+
+def peak_rss_bytes() -> int:
+    """(any rank) This process's peak resident set size in bytes (``VmHWM``, else ``getrusage``)."""
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open("/proc/self/status", encoding="ascii") as f,
+    ):
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return 0
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
+
+
+def no_progress(nbytes: int) -> None:
+    """A byte counter that counts nothing (the bar is off)."""
+
+
+@contextlib.contextmanager
+def progress_bar(total_bytes: int, show: bool) -> Iterator[Callable[[int], None]]:
+    """(all ranks) A byte counter: with ``show`` (rank 0) and stderr a terminal, one drawing
+    huggingface_hub's ``tqdm`` bar (``HF_HUB_DISABLE_PROGRESS_BARS=1`` turns it off); else
+    :func:`no_progress`."""
+    try:
+        terminal = show and sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        terminal = False
+    if not terminal:
+        yield no_progress
+        return
+    from huggingface_hub.utils import tqdm  # a dependency; imported only when a bar is drawn
+
+    bar = tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="rank0load",
+        leave=False,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        name="rank0load",
+    )
+    try:
+        yield no_progress if bar.disable else bar.update  # disabled by HF_HUB_DISABLE_PROGRESS_BARS
+    finally:
+        bar.close()

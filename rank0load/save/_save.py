@@ -26,8 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..common import _distribute
-from ..common._progress import peak_rss_bytes, progress_bar
-from ..common._report import Clock
+from ..common._report import Clock, peak_rss_bytes, progress_bar
 from ..common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
 from ..errors import SaveError
 from ..integrations import _peft
