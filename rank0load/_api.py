@@ -127,7 +127,10 @@ def load_sharded(
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
         opened.enter_context(_gc_paused())
         model = building.value.model if building.value is not None else None  # None: agree raises
-        allocating = _allocate(model, mesh_device, opened)
+        # the shards allocated, a thread faulting them in; a failure is raised in _prepare
+        allocating = _distribute.attempt(lambda: _model.materialise(building.get().model, mesh_device))
+        if allocating.value is not None:
+            opened.callback(allocating.value.close)
         clock("allocate")
         # rank 0 opens the checkpoint while slower ranks build; a failure is raised with the manifest's
         checkpoint = _distribute.Outcome[Checkpoint]()
@@ -177,18 +180,6 @@ def load_sharded(
             _transfer.stream(sink, staging, files, on_bytes, local)
         clock("stream")
     return _finished(built, manifest, plan, clock, local)
-
-
-def _allocate(
-    model: nn.Module | None, mesh_device: torch.device, opened: contextlib.ExitStack
-) -> _distribute.Outcome[FaultIn]:
-    """(all ranks) The shards allocated, a thread faulting them in; a failure is raised in ``_prepare``."""
-    if model is None:
-        return _distribute.Outcome()
-    faulting = _distribute.attempt(lambda: _model.materialise(model, mesh_device))
-    if faulting.value is not None:
-        opened.callback(faulting.value.close)
-    return faulting
 
 
 def _finished(
