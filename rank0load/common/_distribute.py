@@ -5,8 +5,8 @@ by every rank in the same order:
   error. :func:`attempt` and :func:`settle` are its two halves, for a failure raised later.
 * :func:`from_rank0` — a value rank 0 computes alone, on every rank, or its error on every rank.
 * :func:`agree` — settle the build, and check every rank built the same model with the same options.
-* rounds of transfers (:class:`Rounds`, :func:`settled`): each rank notes its first local failure
-  (:class:`Faults`) and keeps the messages flowing; each round's end says whether any rank failed,
+* rounds of transfers (:meth:`Faults.rounds`, :func:`settled`): each rank notes its first local
+  failure (:class:`Faults`) and keeps the messages flowing; each round's end says whether any rank failed,
   and every rank raises the same error once.
 
 A collective that itself fails (a peer died, a timeout) is a ``_failure.peer_failures``: the only
@@ -34,7 +34,6 @@ from ._failure import failure_of, peer_failures, rank_mismatch
 __all__ = [
     "NO_DATA_MOVED",
     "Outcome",
-    "Rounds",
     "Faults",
     "attempt",
     "from_rank0",
@@ -119,10 +118,12 @@ def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
 
 class Faults:
     """This rank's first local failure (each rank); once set, the transfer skips local work and only
-    keeps the messages flowing to the round's end. Thread-safe: a reader or writer thread may note one."""
+    keeps the messages flowing to the round's end. Thread-safe: a reader or writer thread may note one.
+    :attr:`first`: the first failing rank once :meth:`rounds` ended, the world size when none did."""
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
+        self.first = dist.get_world_size()
         self._lock = threading.Lock()
 
     def run(self, fn: Callable[..., object], *args: Any) -> None:
@@ -138,6 +139,18 @@ class Faults:
             if self.error is None:
                 logger.debug("rank %d: local failure", dist.get_rank(), exc_info=exc)
                 self.error = exc
+
+    def rounds(self, ends: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """(all ranks) ``for begin, stop in faults.rounds(ends):`` each round's items; after each body
+        the ranks compare notes (a collective every rank must run), and the loop ends after the round
+        in which any rank failed."""
+        begin = 0
+        for stop in ends:
+            yield begin, stop
+            self.first = _first_failure(self.error)
+            if self.first < dist.get_world_size():
+                return
+            begin = stop
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -343,37 +356,17 @@ def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:
     return tuple((k, repr(v)) for k, v in kwargs.items())
 
 
-class Rounds:
-    """(all ranks) ``for begin, stop in Rounds(ends, faults):`` each round's items; after each body
-    the ranks compare notes (a collective every rank must run), and the loop ends after the round in
-    which any rank failed. :attr:`first`: the first failing rank, or the world size when none did."""
-
-    def __init__(self, ends: Sequence[int], faults: Faults) -> None:
-        self._ends, self._faults = ends, faults
-        self.first = dist.get_world_size()
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        begin = 0
-        for stop in self._ends:
-            yield begin, stop
-            self.first = _first_failure(self._faults.error)
-            if self.first < dist.get_world_size():
-                return
-            begin = stop
-
-
 @contextlib.contextmanager
 def settled(
     faults: Faults, ends: Sequence[int], stage: str, todo: str, wrap: type[LoadError], peer_todo: str
-) -> Iterator[Rounds]:
-    """(all ranks) ``with settled(...) as rounds:`` run a transfer over ``Rounds(ends, faults)``; then
+) -> Iterator[Iterator[tuple[int, int]]]:
+    """(all ranks) ``with settled(...) as rounds:`` run a transfer over ``faults.rounds(ends)``; then
     raise the first failing rank's error on every rank (``todo``), or this rank's peer failure
     (``peer_todo``)."""
-    rounds = Rounds(ends, faults)
     with peer_failures(stage, wrap, peer_todo):  # a rank died or stalled, or the network broke
-        yield rounds
-        if rounds.first < dist.get_world_size():
-            first = rounds.first
+        yield faults.rounds(ends)
+        first = faults.first
+        if first < dist.get_world_size():
             _raise_failure(
                 first, faults.error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap)
             )

@@ -9,7 +9,7 @@ import functools
 import itertools
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint._format import DTYPES
 from ..common import _distribute
 from ..common._blocks import Chunk, Part
-from ..common._distribute import Rounds, settled
+from ..common._distribute import settled
 from ..common._memory import reserve
 from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
@@ -109,7 +109,7 @@ class _Collector:
 
     def run(
         self,
-        rounds: Rounds,
+        rounds: Iterator[tuple[int, int]],
         tensors: dict[str, torch.Tensor],
         on_bytes: Callable[[int], None],
     ) -> None:
@@ -244,7 +244,7 @@ def place(rows: torch.Tensor, block: torch.Tensor, part: Part) -> None:
 
 def _sender(
     plan: SavePlan,
-    rounds: Rounds,
+    rounds: Iterator[tuple[int, int]],
     tensors: dict[str, torch.Tensor],
     staging: Staging,
     faults: _distribute.Faults,
