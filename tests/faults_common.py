@@ -133,17 +133,17 @@ def _inject(fault: str | None, rank: int):
     if fault == "fault_in_fails_on_rank1":  # the shards' pages, faulted in behind the manifest
         import rank0load.common._memory as memory_mod
 
-        one = memory_mod.FaultIn.__dict__["_one"]
+        fill = memory_mod._fill
 
-        def failing_one(item) -> None:
+        def failing_fill(pages, t) -> None:
             raise MemoryError("faulting a shard in failed on purpose on rank 1")
 
         if rank == 1:
-            memory_mod.FaultIn._one = staticmethod(failing_one)  # type: ignore[method-assign]
+            memory_mod._fill = failing_fill
         try:
             yield
         finally:
-            memory_mod.FaultIn._one = one  # type: ignore[method-assign]
+            memory_mod._fill = fill
         return
     raise ValueError(fault)
 

@@ -106,11 +106,7 @@ class FaultIn:
                     item = take()
                 except IndexError:
                     return
-                self._one(item)
-
-    @staticmethod
-    def _one(item: tuple[tuple[int, int] | None, torch.Tensor]) -> None:
-        _fill(*item)
+                _fill(*item)
 
     def close(self) -> None:
         """Until the thread is done, raising nothing (cleanup on the way out of a failed load)."""
