@@ -236,9 +236,7 @@ def _build(
     _options.check_mesh(mesh, dist.get_world_size())
     built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions, rng_state)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
-    built.proposal = _distribute.Proposal(
-        built.layout.fingerprint(), _distribute.options_of(**options), tuple(built.flags.values())
-    )
+    built.proposal = _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
     return built
 
 

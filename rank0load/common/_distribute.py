@@ -241,7 +241,7 @@ class Proposal:
     rest only when the digests differ, to say how."""
 
     model: tuple[Any, ...]  # ModelLayout.fingerprint(): names, shapes, dtypes, ties, buffers
-    options: tuple[tuple[str, str], ...]  # arguments that shape the messages or the result
+    options: dict[str, object]  # arguments that shape the messages or the result, compared by repr
     flags: tuple[int, ...]  # _layout.layout_flags per canonical key, in the model's key order
 
     def digest(self) -> bytes:
@@ -249,10 +249,10 @@ class Proposal:
 
     def explain(self, reference: Proposal) -> str:
         """How this rank's proposal differs from rank 0's ``reference``."""
-        mine, theirs = dict(self.options), dict(reference.options)
-        for name in theirs:
-            if mine.get(name) != theirs[name]:
-                return f"{name}={mine.get(name)} here but {theirs[name]} on rank 0; pass every rank the same value"
+        for name, theirs in reference.options.items():
+            mine = self.options.get(name)
+            if repr(mine) != repr(theirs):
+                return f"{name}={mine!r} here but {theirs!r} on rank 0; pass every rank the same value"
         ref = {t[0]: t for t in reference.model[0]}
         for t in self.model[0]:
             other = ref.get(t[0])
@@ -349,11 +349,6 @@ def ranks_where(flag: bool, what: str) -> frozenset[int]:
             bits[rank // 8] = 1 << (rank % 8)
         got = _all_reduce(bits.to(_object_device()), dist.ReduceOp.SUM).cpu().tolist()
     return frozenset(r for r in range(world) if got[r // 8] >> (r % 8) & 1)
-
-
-def options_of(**kwargs: object) -> tuple[tuple[str, str], ...]:
-    """(any rank) The options a Proposal compares, as (name, repr) pairs."""
-    return tuple((k, repr(v)) for k, v in kwargs.items())
 
 
 @contextlib.contextmanager

@@ -241,7 +241,7 @@ def _describe(model: nn.Module, options: dict[str, Any]) -> _Described:
         layout_flags(t, t.device_mesh) if isinstance(t, DTensor) and local_tensor(t).is_contiguous() else 0
         for t in tensors.values()
     )
-    proposal = _distribute.Proposal(layout.fingerprint(), _distribute.options_of(**options), flags)
+    proposal = _distribute.Proposal(layout.fingerprint(), options, flags)
     return _Described(tensors, proposal)
 
 
