@@ -114,18 +114,15 @@ def failure_of(
         if count == world:  # the same check failed everywhere: its own words
             return type(error)(str(error))
         return type(error)(f"{error} ({stage} failed on {where}; the first was rank {first})")
-    cls = wrap
+    head = f"{stage} failed on {where}: rank {first}"
     if isinstance(error, UserCodeFailure):
-        message = str(error)
-    elif isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
-        message = f"{type(error).__name__}: {error}"
-    else:
-        message = _internal(error)
-        if wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
-            cls, todo = InternalError, _internal_todo()
-        else:  # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
-            todo = f"{_internal_todo()} {todo}"
-    return cls(f"{stage} failed on {where}: rank {first}: {message}. {todo}")
+        return wrap(f"{head}: {error}. {todo}")
+    if isinstance(error, (OSError, MemoryError)):  # the machine's, not a bug: disk, permissions, RAM
+        return wrap(f"{head}: {type(error).__name__}: {error}. {todo}")
+    if wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
+        return internal_error(head, error)
+    # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
+    return wrap(f"{head}: {_internal(error)}. {_internal_todo()} {todo}")
 
 
 def internal_error(what: str, error: BaseException) -> InternalError:
