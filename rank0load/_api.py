@@ -189,6 +189,7 @@ def _finished(
     _model.finish(built.model, built.layout)
     _model.guard_added_parameters(built.model, built.layout)
     clock("finish")
+    whole = plan.broadcast_whole
     report = LoadReport(
         tensors=len(manifest.entries),
         bytes=manifest.total_bytes,
@@ -199,7 +200,7 @@ def _finished(
         initialised_fraction=manifest.initialised[0] / max(1, manifest.initialised[1]),
         unexpected=manifest.unexpected,
         ignored=manifest.ignored,
-        broadcast_whole=plan.broadcast_whole,
+        broadcast_whole=tuple(whole),
         kinds={e.key: k.value for e, k in zip(plan.entries, plan.kinds)},
         assembled=(
             sum(len(e.parts) for e in manifest.entries if e.parts),
@@ -219,7 +220,7 @@ def _finished(
     )
     built.model.rank0load_report = report  # type: ignore[assignment]
     if dist.get_rank() == 0:
-        log_summary(report, {e.key: e.nbytes for e in manifest.entries})
+        log_summary(report, whole)
     return built.model
 
 

@@ -106,9 +106,10 @@ class Plan:
         return dict(self.coords)
 
     @property
-    def broadcast_whole(self) -> tuple[str, ...]:
-        """Keys broadcast whole and cut on every rank (outside the staging budget), zero-size ones aside."""
-        return tuple(e.key for e, k in zip(self.entries, self.kinds) if k is Kind.GENERIC and e.nbytes)
+    def broadcast_whole(self) -> dict[str, int]:
+        """Key -> bytes of the entries broadcast whole and cut on every rank (outside the staging
+        budget), zero-size ones aside."""
+        return {e.key: e.nbytes for e, k in zip(self.entries, self.kinds) if k is Kind.GENERIC and e.nbytes}
 
     def block_layouts(self, index: int, ranks: Sequence[int]) -> dict[int, Runs]:
         """Rank -> block runs of BLOCK entry ``index``, for ``ranks`` (rank 0: all; others: itself)."""
