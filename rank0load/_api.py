@@ -126,21 +126,20 @@ def load_sharded(
     clock("build")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
         opened.enter_context(_gc_paused())
-        model = building.value.model if building.value is not None else None  # None: agree raises
-        # the shards allocated, a thread faulting them in; a failure is raised in _prepare
+        # the shards allocated, a thread faulting them in; a failure is raised by agree or _prepare
         allocating = _distribute.attempt(lambda: _model.materialise(building.get().model, mesh_device))
         if allocating.value is not None:
             opened.callback(allocating.value.close)
         clock("allocate")
         # rank 0 opens the checkpoint while slower ranks build; a failure is raised with the manifest's
         checkpoint = _distribute.Outcome[Checkpoint]()
-        if rank == 0 and model is not None:
+        if rank == 0 and building.error is None:
             checkpoint = _distribute.attempt(
                 lambda: open_checkpoint(
                     ckpt_path,
                     revision,
                     opened,
-                    lambda: adapters_of(model, adapter) if adapter is not None else (),
+                    lambda: adapters_of(building.get().model, adapter) if adapter is not None else (),
                 )
             )
         clock("headers")
