@@ -16,7 +16,7 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -125,7 +125,9 @@ def load_sharded(
     building = _distribute.attempt(lambda: _build(model_fn, mesh, shard_fn, options, conversions, rng))
     clock("build")
     with contextlib.ExitStack() as opened:  # rank 0's checkpoint files, open until the stream ends
-        opened.enter_context(_gc_paused())
+        if gc.isenabled():  # the cyclic collector off inside: many small containers, no cycles
+            gc.disable()
+            opened.callback(gc.enable)  # left off if the caller turned it off
         # the shards allocated, a thread faulting them in; a failure is raised by agree or _prepare
         allocating = _distribute.attempt(lambda: _model.materialise(building.get().model, mesh_device))
         if allocating.value is not None:
@@ -267,16 +269,3 @@ def _prepare(
     )
     staging = _sink.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
     return plan, _sink.Sink(plan, targets, mesh_device), staging
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """(all ranks) The cyclic garbage collector off (left off if the caller turned it off): the many
-    small containers made inside would trigger whole-heap collections, and none holds cycles."""
-    enabled = gc.isenabled()  # off: the caller's choice, kept
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
