@@ -111,18 +111,13 @@ class Plan:
         budget), zero-size ones aside."""
         return {e.key: e.nbytes for e, k in zip(self.entries, self.kinds) if k is Kind.GENERIC and e.nbytes}
 
-    def block_layouts(self, index: int, ranks: Sequence[int]) -> dict[int, Runs]:
-        """Rank -> block runs of BLOCK entry ``index``, for ``ranks`` (rank 0: all; others: itself)."""
+    def block_of(self, index: int, rank: int) -> Runs:
+        """Rank ``rank``'s block runs of BLOCK entry ``index``."""
         placements = self.placements[index]
         assert placements is not None  # BLOCK entries are DTensors
-        coord = self.coord_of
-        shape = self.entries[index].shape
-        out = {}
-        for r in ranks:
-            runs = runs_at(placements, self.mesh_shape, coord[r], shape)
-            assert runs is not None  # every rank checked runs_at at agreement (RUNS_OK)
-            out[r] = runs
-        return out
+        runs = runs_at(placements, self.mesh_shape, self.coord_of[rank], self.entries[index].shape)
+        assert runs is not None  # every rank checked runs_at at agreement (RUNS_OK)
+        return runs
 
     def pieces(self, me: int, cut_for: Collection[int] | None = None) -> Iterator[Piece]:
         """(all ranks) The agreed messages as rank ``me`` sees them, in manifest order.
@@ -176,9 +171,11 @@ class Plan:
         in ``cut_for`` (by rank, then row: the order rank 0 sends them in and each rank receives its
         own in), or, without ``cut_for``, ``me``'s parts as its TO_RANK pieces."""
         entry, kind = self.entries[index], Kind.BLOCK
-        layouts = self.block_layouts(index, [me] if cut_for is None else sorted(cut_for))
+        layouts = [
+            (rank, self.block_of(index, rank)) for rank in ([me] if cut_for is None else sorted(cut_for))
+        ]
         half = block_half(self.piece_bytes)
-        for chunk, parts in block_chunks(entry.shape, DTYPES[entry.dtype].itemsize, layouts.items(), half):
+        for chunk, parts in block_chunks(entry.shape, DTYPES[entry.dtype].itemsize, layouts, half):
             parts = tuple(sorted(parts, key=lambda p: (p.rank, p.local_offset)))
             if cut_for is not None:
                 yield Piece(index, Route.FAN_OUT, -1, chunk.start, chunk.nbytes, 0, kind, chunk, parts)

@@ -321,7 +321,7 @@ class Sink:
         if self.scales.index != index or self.scales.buffer is None:
             raise InternalError(f"internal error: the scales of {entry.key!r} did not arrive first")
         if self._held[0] != index:  # once per entry, not per step
-            self._held = (index, held_indices(self.plan.block_layouts(index, [self.me])[self.me]))
+            self._held = (index, held_indices(self.plan.block_of(index, self.me)))
         flat = global_indices(self._held[1], entry.shape, local_first, values.numel()).to(values.device)
         grids = self.scales.buffer.view(torch.float32)
         return dequantize_at(values, flat, list(entry.part_rows), entry.shape[-1], entry.block, grids)

@@ -26,8 +26,8 @@ def _fixed_plan(entry: Entry, per_rank: dict, piece_bytes: int) -> _plan.Plan:
     """A one-entry BLOCK plan whose ranks hold the drawn runs (not ones a mesh would give)."""
 
     class Fixed(_plan.Plan):
-        def block_layouts(self, index, ranks):
-            return {r: per_rank[r] for r in ranks}
+        def block_of(self, index, rank):
+            return per_rank[rank]
 
     world = len(per_rank)
     coords = tuple((r, (r,)) for r in range(world))
