@@ -81,7 +81,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
     generation = (
         GenerationConfig.from_dict(checkpoint.generation) if checkpoint.generation is not None else None
     )
-    config_dtype = _compat.hf_none_means_config_dtype()
+    config_dtype = _compat.transformers_5()
     chosen = _dtype(dtype, config.dtype if config_dtype else None, checkpoint.stored_dtype)
     if dist.get_rank() == 0:
         name = getattr(model_cls, "__name__", repr(model_cls))
@@ -173,7 +173,7 @@ def _remote_model_class(model_cls: Any, config: Any, code: Any, where: str) -> A
     found = _remote_code.import_class(remote, PreTrainedModel, where)
     if not local:
         model_cls.register(type(config), found, exist_ok=True)
-    if _compat.hf_remote_auto_class(local):
+    if _compat.transformers_5() or not local:  # 4.57 registers it only where transformers has no model
         found.register_for_auto_class(auto_class=model_cls)
     return _compat.hf_with_generation_mixin(found)
 

@@ -30,10 +30,8 @@ __all__ = [
     "foreach_supported",
     "fsdp_groups",
     "hf_auto_class",
-    "hf_none_means_config_dtype",
     "hf_keep_in_fp32",
     "hf_registered_class_wins",
-    "hf_remote_auto_class",
     "hf_with_generation_mixin",
     "is_diffusers_class",
     "is_transformers_model",
@@ -47,6 +45,7 @@ __all__ = [
     "parse_to",
     "to_meta",
     "split_chunks",
+    "transformers_5",
 ]
 
 
@@ -235,15 +234,13 @@ def is_transformers_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def _transformers_major() -> int:
+def transformers_5() -> bool:
+    """Whether transformers is 5.x (not 4.57): ``from_pretrained`` without ``dtype`` then uses the
+    config's dtype, and with remote code registers the remote class for the Auto class
+    (``register_for_auto_class``) even where transformers has a model for the config."""
     import transformers
 
-    return int(transformers.__version__.split(".")[0])
-
-
-def hf_none_means_config_dtype() -> bool:
-    """Whether ``from_pretrained`` without ``dtype`` uses the config's dtype (transformers 5, not 4.57)."""
-    return _transformers_major() >= 5
+    return int(transformers.__version__.split(".")[0]) >= 5
 
 
 def hf_registered_class_wins(cls: object) -> bool:
@@ -252,15 +249,9 @@ def hf_registered_class_wins(cls: object) -> bool:
     transformers (``explicit_local_code``); 4.57 never. None (nothing registered): False."""
     return (
         cls is not None
-        and _transformers_major() >= 5
+        and transformers_5()
         and not str(getattr(cls, "__module__", "")).startswith("transformers.")
     )
-
-
-def hf_remote_auto_class(has_local_code: bool) -> bool:
-    """Whether ``AutoModel*.from_pretrained`` with remote code registers the remote class for the Auto
-    class (``register_for_auto_class``): transformers 5 always; 4.57 only without ``has_local_code``."""
-    return _transformers_major() >= 5 or not has_local_code
 
 
 def hf_auto_class(cls: type) -> str | None:

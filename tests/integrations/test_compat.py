@@ -26,7 +26,6 @@ from rank0load.integrations._compat import (
     hf_auto_class,
     hf_init_weights,
     hf_registered_class_wins,
-    hf_remote_auto_class,
     hf_with_generation_mixin,
     host_bytes,
     local_tensor,
@@ -36,6 +35,7 @@ from rank0load.integrations._compat import (
     parameters_on_meta,
     parse_to,
     split_chunks,
+    transformers_5,
 )
 from tests import _dist
 
@@ -400,10 +400,12 @@ def _remote_checkpoint(folder, config: dict, code: dict[str, str]) -> str:
 
 def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
     """A Llama checkpoint whose auto_map names a model class of its own: from_pretrained runs it, and
-    registers it for the Auto class (save_pretrained then copies its code) as ``hf_remote_auto_class``
-    says for a config transformers has a model for; ``_remote_code.read`` / ``import_class`` give the
-    class under from_pretrained's module name."""
+    registers it for the Auto class (save_pretrained then copies its code) as
+    ``_transformers._remote_model_class`` does for a config transformers has a model for (transformers 5)
+    and for one it has none for (every release); ``_remote_code.read`` / ``import_class`` give the class
+    under from_pretrained's module name."""
     transformers = pytest.importorskip("transformers")
+    from rank0load import _transformers
     from rank0load.integrations import _remote_code
     from tests import hf
 
@@ -419,15 +421,26 @@ def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
     config.save_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     assert type(model).__name__ == "MyLlama" and type(model.config) is transformers.LlamaConfig
-    expected = "AutoModelForCausalLM" if hf_remote_auto_class(has_local_code=True) else None
-    assert hf_auto_class(type(model)) == expected, "review _compat.hf_remote_auto_class"
-    assert hf_remote_auto_class(has_local_code=False)
+    expected = "AutoModelForCausalLM" if transformers_5() else None
+    assert hf_auto_class(type(model)) == expected, "review _compat.transformers_5 in _transformers"
 
     read = _remote_code.read(folder, False, None, auto_map, ("AutoConfig", "AutoModelForCausalLM"), "c")
     (entry,) = read.classes
     assert read.files == {entry.module: code.encode()}
     found = _remote_code.import_class(entry, transformers.PreTrainedModel, "c")
     assert found.__module__ == type(model).__module__ == entry.module.removesuffix(".py").replace("/", ".")
+
+    class AutoModelForCausalLM:  # an Auto class with no model for LlamaConfig
+        _model_mapping: dict = {}
+
+        @classmethod
+        def register(cls, config_class, model_class, exist_ok=False):
+            cls._model_mapping[config_class] = model_class
+
+    found._auto_class = None  # unregistered, as transformers 4.57 leaves it above
+    remote = _transformers._remote_model_class(AutoModelForCausalLM, transformers.LlamaConfig(), read, "c")
+    assert AutoModelForCausalLM._model_mapping == {transformers.LlamaConfig: found}
+    assert hf_auto_class(remote) == "AutoModelForCausalLM"
 
 
 def test_registered_config_class_wins_from_transformers_5(tmp_path, hf_modules_cache):
