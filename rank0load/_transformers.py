@@ -119,7 +119,7 @@ def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = N
     local = (
         CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
     )
-    remote = code.get("AutoConfig") if code is not None else None
+    remote = code.classes.get("AutoConfig") if code is not None else None
     if remote is not None and not _compat.hf_registered_class_wins(local):
         config_class = _remote_code.import_class(remote, PretrainedConfig, where)
         config_class.register_for_auto_class()
@@ -160,7 +160,7 @@ def _remote_model_class(model_cls: Any, config: Any, code: Any, where: str) -> A
     or a caller-registered class wins (``_compat.hf_registered_class_wins``)."""
     from transformers import PreTrainedModel
 
-    remote = code.get(model_cls.__name__) if code is not None else None
+    remote = code.classes.get(model_cls.__name__) if code is not None else None
     if remote is None or not hasattr(model_cls, "_model_mapping"):
         return None
     mapping = model_cls._model_mapping

@@ -41,11 +41,8 @@ class CodeClass:
 class RemoteCode:
     """What rank 0 read for ``trust_remote_code=True``: the classes and every file their modules need."""
 
-    classes: tuple[CodeClass, ...]
+    classes: dict[str, CodeClass]  # by auto_map key
     files: dict[str, bytes]  # path under HF_MODULES_CACHE -> the file rank 0 installed; in path order
-
-    def get(self, auto: str) -> CodeClass | None:
-        return next((c for c in self.classes if c.auto == auto), None)
 
 
 def read(
@@ -81,7 +78,7 @@ def read(
         location = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
         location = os.path.join(location, subfolder) if subfolder else location
         revision, prefix = None, ""
-    classes: list[CodeClass] = []
+    classes: dict[str, CodeClass] = {}
     files: dict[str, bytes] = {}
     for auto in wanted:
         if auto not in auto_map:
@@ -109,8 +106,8 @@ def read(
                 f"could not be read ({type(exc).__name__}: {exc}). The checkpoint's code files must be "
                 "beside its config.json; re-download or re-save the checkpoint."
             ) from None
-        classes.append(CodeClass(auto, str(reference), path, name))
-    return RemoteCode(tuple(classes), dict(sorted(files.items())))
+        classes[auto] = CodeClass(auto, str(reference), path, name)
+    return RemoteCode(classes, dict(sorted(files.items())))
 
 
 def _parse(auto: str, reference: object, where: str) -> tuple[str | None, str, str]:

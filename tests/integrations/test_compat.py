@@ -425,7 +425,7 @@ def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
     assert hf_auto_class(type(model)) == expected, "review _compat.transformers_5 in _transformers"
 
     read = _remote_code.read(folder, False, None, auto_map, ("AutoConfig", "AutoModelForCausalLM"), "c")
-    (entry,) = read.classes
+    (entry,) = read.classes.values()
     assert read.files == {entry.module: code.encode()}
     found = _remote_code.import_class(entry, transformers.PreTrainedModel, "c")
     assert found.__module__ == type(model).__module__ == entry.module.removesuffix(".py").replace("/", ".")
