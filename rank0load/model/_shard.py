@@ -252,7 +252,7 @@ def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
             unit.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
         elif watched:
             _refuse_training_routed(unit, where or "the root module", watched)
-    check_dtype_groups(model, groups, names)
+    check_dtype_groups(model, groups)
     handles: list[RemovableHandle] = []
 
     def check(module: nn.Module, args: object) -> None:  # ahead of FSDP's own bare AssertionError
@@ -291,21 +291,16 @@ def _refuse_training_routed(unit: nn.Module, where: str, watched: list[tuple[str
 
 
 def check_dtype_groups(
-    model: nn.Module,
-    groups: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] | None = None,
-    names: dict[int, str] | None = None,
+    model: nn.Module, groups: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] | None = None
 ) -> None:
     """(all ranks, after sharding) Raise ModelMismatchError for an FSDP group whose trainable
-    parameters have more than one dtype. ``groups``, ``names``: ``fsdp_groups(model)`` and module
-    names by ``id``, if the caller has them."""
-    if names is None:
-        names = {id(m): n for n, m in model.named_modules()}
-    for _, module, params in fsdp_groups(model, names) if groups is None else groups:
+    parameters have more than one dtype. ``groups``: ``fsdp_groups(model)``, if the caller has them."""
+    for where, _, params in fsdp_groups(model) if groups is None else groups:
         trainable = [(name, p.dtype) for name, p in params if p.requires_grad]
         dtypes = sorted({_dtype_name(d) for _, d in trainable})
         if len(dtypes) < 2:
             continue
-        where = names.get(id(module), type(module).__name__) or "the root module"
+        where = where or "the root module"
         by_dtype = {d: [n for n, t in trainable if _dtype_name(t) == d] for d in dtypes}
         shown = "; ".join(
             f"{d}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for d, ns in by_dtype.items()
