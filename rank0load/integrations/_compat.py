@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -278,20 +279,18 @@ def hf_keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], boo
             return None
         from transformers.core_model_loading import build_glob_alternation
 
-        pattern = build_glob_alternation(list(plan))[0]
-        return lambda name: pattern.search(name) is not None
-    modules: list[str] = []
-    loose = getattr(model, "_keep_in_fp32_modules", None)
-    strict = getattr(model, "_keep_in_fp32_modules_strict", None)
-    if loose and dtype == torch.float16:
-        modules += list(loose)
-    if strict and dtype in (torch.float16, torch.bfloat16):
-        modules += list(strict)
-    if not modules:
-        return None
-    import re
-
-    regex = re.compile("|".join(rf"((^|\.){m}($|\.))" for m in modules))
+        regex = build_glob_alternation(list(plan))[0]
+    else:
+        modules: list[str] = []
+        loose = getattr(model, "_keep_in_fp32_modules", None)
+        strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+        if loose and dtype == torch.float16:
+            modules += list(loose)
+        if strict and dtype in (torch.float16, torch.bfloat16):
+            modules += list(strict)
+        if not modules:
+            return None
+        regex = re.compile("|".join(rf"((^|\.){m}($|\.))" for m in modules))
     return lambda name: regex.search(name) is not None
 
 
