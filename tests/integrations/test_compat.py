@@ -430,6 +430,10 @@ def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
     found = _remote_code.import_class(entry, transformers.PreTrainedModel, "c")
     assert found.__module__ == type(model).__module__ == entry.module.removesuffix(".py").replace("/", ".")
 
+    found._auto_class = None  # unregistered: rank0load registers it as from_pretrained did
+    local = _transformers._remote_model_class(transformers.AutoModelForCausalLM, model.config, read, "c")
+    assert hf_auto_class(local) == expected
+
     class AutoModelForCausalLM:  # an Auto class with no model for LlamaConfig
         _model_mapping: dict = {}
 
@@ -437,7 +441,7 @@ def test_remote_model_class_over_transformers_own(tmp_path, hf_modules_cache):
         def register(cls, config_class, model_class, exist_ok=False):
             cls._model_mapping[config_class] = model_class
 
-    found._auto_class = None  # unregistered, as transformers 4.57 leaves it above
+    found._auto_class = None
     remote = _transformers._remote_model_class(AutoModelForCausalLM, transformers.LlamaConfig(), read, "c")
     assert AutoModelForCausalLM._model_mapping == {transformers.LlamaConfig: found}
     assert hf_auto_class(remote) == "AutoModelForCausalLM"
