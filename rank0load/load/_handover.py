@@ -8,7 +8,7 @@ from rank 0's network namespace); its :class:`Offer` rides on the manifest's bro
 (all ranks) :func:`hand_over`: rank 0 hands its descriptors only to a peer whose kernel-reported
 pid and uid (``SO_PEERCRED``) are those a rank on its host reported and that sends the offer's
 token; that rank checks that the peer is rank 0 and every descriptor against the offer.
-(all ranks) :meth:`Handover.decide`: a rank reads locally only if it holds every descriptor,
+(all ranks) :meth:`LocalReads.decide`: a rank reads locally only if it holds every descriptor,
 verified; any failure makes it take the stream, and rank 0 knows to send it its pieces: never a hang.
 """
 
@@ -33,9 +33,9 @@ import torch.distributed as dist
 from ..checkpoint._files import FileIdentity, OpenFile
 from ..checkpoint._manifest import Manifest
 from ..common import _distribute
-from ._localread import LocalFiles, LocalReads
+from ._localread import LocalFiles
 
-__all__ = ["Handover", "Offer", "Server", "fetch", "hand_over", "host_id", "listen"]
+__all__ = ["LocalReads", "Offer", "Server", "fetch", "hand_over", "host_id", "listen"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,30 +230,36 @@ def listen(manifest: Manifest, files: Mapping[str, OpenFile]) -> Server | None:
 
 
 @dataclass
-class Handover:
-    """(all ranks) One load's hand-over, between :func:`hand_over` and :meth:`decide`."""
+class LocalReads:
+    """(all ranks) One load's hand-over: made by :func:`hand_over`, its :attr:`readers` set by :meth:`decide`."""
 
     offer: Offer | None
-    status: str  # this rank's side of the story, for LoadReport.local_status
+    status: str  # which path this rank took, and why (LoadReport.local_status)
     server: Server | None = None  # rank 0
     files: LocalFiles | None = None  # a rank on rank 0's host that holds the descriptors
+    readers: frozenset[int] = frozenset()  # the ranks that read their own bytes (the same on every rank)
 
     def decide(self) -> LocalReads:
         """(all ranks) Which ranks read locally: each rank's bit, OR-ed over the ranks; rank 0 then
         stops serving. Nothing is collective when local reads are off (no offer)."""
         if self.offer is None:
-            return LocalReads(frozenset(), None, self.status)
-        readers = _distribute.ranks_where(self.files is not None, "agreeing on node-local reads")
+            return self
+        self.readers = _distribute.ranks_where(self.files is not None, "agreeing on node-local reads")
         if self.server is not None:
             self.server.stop()  # every rank has had its try: the hand-over is over
-            fell_back = sorted(self.server.allowed.keys() - readers)
+            fell_back = sorted(self.server.allowed.keys() - self.readers)
             if fell_back:
                 logger.warning(
                     "rank0load: ranks %s on rank 0's host take the stream instead of reading locally "
                     "(their LoadReport.local_status says why)",
                     fell_back,
                 )
-        return LocalReads(readers, self.files, self.status)
+        return self
+
+    @property
+    def everyone(self) -> bool:
+        """Every rank but 0 reads its own bytes: nothing is left to send."""
+        return len(self.readers) == dist.get_world_size() - 1
 
     def close(self) -> None:
         if self.server is not None:
@@ -269,14 +275,14 @@ def hand_over(
     mesh_device: torch.device,
     host_bytes: int,
     enabled: bool,
-) -> Handover:
+) -> LocalReads:
     """(all ranks, after the manifest) Rank 0 serves its descriptors to the ranks on its host, which
     fetch and check them (``paths``: ``Manifest.files``; ``host_bytes``: the size of a local reader's
     pinned buffer, shards off the CPU; ``enabled``: for the status). Raises only when a collective fails."""
     rank = dist.get_rank()
     if offer is None:
         why = "local_reads=False" if not enabled else "rank 0 could not listen on an abstract socket"
-        return Handover(None, status="rank 0" if rank == 0 else f"stream: {why}")
+        return LocalReads(None, status="rank 0" if rank == 0 else f"stream: {why}")
     here = host_id() == offer.host
     roster = _distribute.gather_to_rank0(
         (int(here), os.getpid(), os.getuid()), "telling rank 0 which ranks share its host"
@@ -285,14 +291,14 @@ def hand_over(
         assert server is not None and roster is not None  # rank 0 made the offer; gather returns on rank 0
         allowed = {r: (pid, uid) for r, (same, pid, uid) in enumerate(roster) if same and r != 0}
         server.serve(allowed)
-        return Handover(offer, status="rank 0", server=server)
+        return LocalReads(offer, status="rank 0", server=server)
     if not here:
-        return Handover(offer, status="stream: not on rank 0's host")
+        return LocalReads(offer, status="stream: not on rank 0's host")
     try:
         fds = fetch(offer, rank, TIMEOUT)
     except Exception as exc:  # anything at all: this rank takes the stream (it must not raise alone)
         logger.debug("rank %d takes the stream: %s", rank, exc)
-        return Handover(offer, status=f"stream: the hand-over failed ({type(exc).__name__}: {exc})")
+        return LocalReads(offer, status=f"stream: the hand-over failed ({type(exc).__name__}: {exc})")
     try:
         files = LocalFiles(
             dict(zip(paths, fds, strict=True)), dict(zip(paths, offer.identities)), mesh_device, host_bytes
@@ -300,5 +306,5 @@ def hand_over(
     except Exception as exc:  # a pinned buffer that cannot be had: take the stream
         for fd in fds:
             os.close(fd)
-        return Handover(offer, status=f"stream: {type(exc).__name__}: {exc}")
-    return Handover(offer, files=files, status="local: read its own bytes through rank 0's descriptors")
+        return LocalReads(offer, status=f"stream: {type(exc).__name__}: {exc}")
+    return LocalReads(offer, files=files, status="local: read its own bytes through rank 0's descriptors")

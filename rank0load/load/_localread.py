@@ -3,16 +3,16 @@
 (a local reader: a rank other than 0 that ``_handover.hand_over`` gave rank 0's descriptors)
 :class:`LocalReader` reads, instead of receiving, its rows of SHARDED entries and the rows of BLOCK
 chunks that hold its parts; broadcast pieces too when every rank but 0 reads locally
-(:attr:`LocalReads.everyone`), and then, with CPU shards, rank 0 reads its own share through one as
-well (:class:`_Rank0Files`). A failure is the sink's local failure, settled like any other; the files
+(``_handover.LocalReads.everyone``), and then, with CPU shards, rank 0 reads its own share through one as
+well (:class:`Rank0Files`). A failure is the sink's local failure, settled like any other; the files
 read in a round are checked at its end against the identities rank 0 recorded when it opened them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from ._plan import Message, Piece, Plan, Route
 from ._readahead import read_into, runs
 from ._sink import Arrival, Sink, Staging
 
-__all__ = ["LocalFiles", "LocalReader", "LocalReads"]
+__all__ = ["LocalFiles", "LocalReader", "Rank0Files"]
 
 _THROUGH_RANK0 = " (it reads through rank 0's descriptor; local_reads=False has rank 0 send its bytes)"
 
@@ -67,43 +67,7 @@ class LocalFiles:
             os.close(fd)
 
 
-@dataclass(frozen=True)
-class LocalReads:
-    """(all ranks) The outcome of the hand-over (``_handover.Handover.decide``)."""
-
-    readers: frozenset[int]  # the ranks that read their own bytes (the same on every rank)
-    files: LocalFiles | None  # this rank's descriptors, when it is one of them
-    status: str  # which path this rank took, and why (LoadReport.local_status)
-
-    def rank0_pieces(self, plan: Plan, on_bytes: Callable[[int], None]) -> Iterator[Piece]:
-        """(rank 0) Its pieces less those the readers read themselves (BLOCK chunks cut for the other
-        ranks only); the skipped bytes counted on ``on_bytes`` as they are passed over."""
-        for piece in plan.pieces(0, cut_for=[r for r, _ in plan.coords if r not in self.readers]):
-            if piece.dst in self.readers:  # its rows, and the scale grid rows they need
-                if piece.route is Route.TO_RANK:
-                    on_bytes(piece.nbytes)
-                continue
-            yield piece
-
-    @property
-    def everyone(self) -> bool:
-        """Every rank but 0 reads its own bytes: nothing is left to send."""
-        return len(self.readers) == dist.get_world_size() - 1
-
-    def reader(
-        self, plan: Plan, staging: Staging, sink: Sink, rank0_files: Mapping[str, OpenFile]
-    ) -> LocalReader | None:
-        """(all ranks) This rank's reader, if it is a local reader (rank 0: with ``rank0_files``, its
-        own open files, when :attr:`everyone` reads locally); None otherwise."""
-        files: LocalFiles | _Rank0Files | None = self.files
-        if dist.get_rank() == 0 and self.everyone and sink.device.type == "cpu":
-            files = _Rank0Files(rank0_files)
-        if files is None:
-            return None
-        return LocalReader(plan, staging, sink, files, self.everyone)
-
-
-class _Rank0Files:
+class Rank0Files:
     """(rank 0, when every rank reads locally and its shards are on the CPU) Its own open files, as
     a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path."""
 
@@ -127,7 +91,7 @@ class LocalReader:
     chunks, with :attr:`everything` broadcasts too) synchronously, one at a time, as arrivals."""
 
     def __init__(
-        self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | _Rank0Files, everything: bool
+        self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | Rank0Files, everything: bool
     ) -> None:
         self.plan, self.sink, self.files = plan, sink, files
         self.everything = everything  # broadcast pieces too

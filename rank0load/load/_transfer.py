@@ -25,12 +25,13 @@ import torch.distributed as dist
 from ..common._distribute import settled
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
+from ._localread import LocalReader, Rank0Files
 from ._plan import Message, Piece, Plan, Route, messages
 from ._readahead import Reader, read_threads
 from ._sink import Arrival, Sink, Staging, fan_out
 
 if TYPE_CHECKING:
-    from ._localread import LocalReader, LocalReads
+    from ._handover import LocalReads
 
 __all__ = ["stream"]
 
@@ -57,16 +58,15 @@ def stream(
         LoadError,
         "No model was returned; fix the cause and load again.",
     ) as rounds:
-        # the same on every rank: each reads its own bytes into CPU shards, or rank 0 sends to the others
-        own = local.reader(plan, staging, sink, files)
         source: FileSource | ReceiveSource | OwnSource
-        if own is not None and own.everything and sink.device.type == "cpu":
-            source = OwnSource(plan, sink, own, on_bytes)
-        elif dist.get_rank() == 0:
-            pieces = local.rank0_pieces(plan, on_bytes)
-            source = FileSource(plan, staging, files, sink, pieces, local.everyone, on_bytes)
+        if local.everyone and sink.device.type == "cpu":  # each rank reads its own bytes into CPU shards
+            own = local.files if dist.get_rank() else Rank0Files(files)
+            assert own is not None  # every rank but 0 holds rank 0's descriptors
+            source = OwnSource(plan, sink, LocalReader(plan, staging, sink, own, True), on_bytes)
+        elif dist.get_rank() == 0:  # it sends to the others
+            source = FileSource(plan, staging, files, sink, local, on_bytes)
         else:
-            source = ReceiveSource(plan, staging, sink, own)
+            source = ReceiveSource(plan, staging, sink, local)
         try:
             for _, stop in rounds:
                 for arrival in source.until(stop):
@@ -100,9 +100,9 @@ def own_together(device: torch.device) -> bool:
 
 
 class FileSource:
-    """(rank 0) ``pieces`` (not the local readers') read by its reader thread, one arrival per message,
+    """(rank 0) Its pieces (not ``local``'s readers') read by its reader thread, one arrival per message,
     in order; :meth:`take` hands each on to the ranks it serves (not the local readers, nor broadcasts
-    when ``sends_nothing``: they are all the other ranks), then into its own sink. On an accelerator
+    when they are all the other ranks), then into its own sink. On an accelerator
     mesh the copies out of the pinned staging are non-blocking on the current stream (later reads of
     the shards are ordered after them); the reader waits for them (:meth:`_done_with`); the last round
     synchronises the stream."""
@@ -113,16 +113,15 @@ class FileSource:
         staging: Staging,
         files: Mapping[str, Any],
         sink: Sink,
-        pieces: Iterator[Piece],
-        sends_nothing: bool,
+        local: LocalReads,
         on_bytes: Callable[[int], None],
     ) -> None:
         self.plan, self.staging, self.sink, self.on_bytes = plan, staging, sink, on_bytes
         self.on_cpu = sink.device.type == "cpu"
-        self.sends_nothing = sends_nothing
+        self.sends_nothing = local.everyone
         self.pending = InFlight()  # sends, each handing its slot back to the reader once done
         self.reader = Reader(
-            messages(plan, pieces, own_together=own_together(sink.device)),
+            messages(plan, self._pieces(local.readers), own_together=own_together(sink.device)),
             plan.entries,
             files,
             self._direct,
@@ -130,6 +129,16 @@ class FileSource:
             read_threads(sink.device),
         )
         self._by_round = ByRound(iter(self.reader), lambda a: a.message.index)
+
+    def _pieces(self, readers: frozenset[int]) -> Iterator[Piece]:
+        """Its pieces less those the ``readers`` read themselves (BLOCK chunks cut for the other ranks
+        only); the skipped bytes counted on ``on_bytes`` as they are passed over."""
+        for piece in self.plan.pieces(0, cut_for=[r for r, _ in self.plan.coords if r not in readers]):
+            if piece.dst in readers:  # its rows, and the scale grid rows they need
+                if piece.route is Route.TO_RANK:
+                    self.on_bytes(piece.nbytes)
+                continue
+            yield piece
 
     def _direct(self, message: Message) -> torch.Tensor | None:
         """Where rank 0's own rows are read in place: its shard, when on the CPU."""
@@ -212,16 +221,19 @@ class FileSource:
 
 class ReceiveSource:
     """(ranks other than 0) Receives posted up to ``slots`` ahead, into the shard where they can, else
-    a staging slot; broadcasts in order, once the receives before them are done; with ``local``, this
-    rank's own pieces read through rank 0's descriptors instead."""
+    a staging slot; broadcasts in order, once the receives before them are done; where ``local`` gave
+    this rank rank 0's descriptors, its own pieces read through them instead."""
 
-    def __init__(self, plan: Plan, staging: Staging, sink: Sink, local: LocalReader | None) -> None:
-        self.sink, self.local, self.slots = sink, local, staging.slots
+    def __init__(self, plan: Plan, staging: Staging, sink: Sink, local: LocalReads) -> None:
+        self.sink, self.slots = sink, staging.slots
+        self.local = (
+            None if local.files is None else LocalReader(plan, staging, sink, local.files, local.everyone)
+        )
         self.me = dist.get_rank()
         self._free = collections.deque(range(len(staging.slots)))
         self._pending = InFlight()  # receives, each adding its arrival to _done once complete
         self._done: collections.deque[Arrival] = collections.deque()
-        cut_for = (self.me,) if local is not None else None  # a local reader cuts its own parts
+        cut_for = (self.me,) if self.local is not None else None  # a local reader cuts its own parts
         self._by_round = ByRound(messages(plan, plan.pieces(self.me, cut_for)), lambda m: m.index)
 
     def until(self, stop: int) -> Iterator[Arrival]:
