@@ -262,8 +262,7 @@ class LocalReads:
         return len(self.readers) == dist.get_world_size() - 1
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        """Close this rank's descriptors (rank 0's server is closed by whoever made it: ``listen``'s caller)."""
         if self.files is not None:
             self.files.close()
 
