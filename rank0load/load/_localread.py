@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..checkpoint._files import FileIdentity, OpenFile, opened
 from ..common._staging import block_half
 from ..errors import CheckpointChangedError, InternalError
-from ._plan import Message, Piece, Plan, Route
+from ._plan import Message, Piece, Route
 from ._readahead import read_into, runs
 from ._sink import Arrival, Sink, Staging
 
@@ -91,9 +91,9 @@ class LocalReader:
     chunks, with :attr:`everything` broadcasts too) synchronously, one at a time, as arrivals."""
 
     def __init__(
-        self, plan: Plan, staging: Staging, sink: Sink, files: LocalFiles | Rank0Files, everything: bool
+        self, staging: Staging, sink: Sink, files: LocalFiles | Rank0Files, everything: bool
     ) -> None:
-        self.plan, self.sink, self.files = plan, sink, files
+        self.plan, self.sink, self.files = sink.plan, sink, files
         self.everything = everything  # broadcast pieces too
         self.me = dist.get_rank()
         self.slot = staging.slots[0]  # reads are synchronous: one slot, free again once delivered

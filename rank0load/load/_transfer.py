@@ -26,7 +26,7 @@ from ..common._distribute import settled
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
 from ._localread import LocalReader, Rank0Files
-from ._plan import Message, Piece, Plan, Route, messages
+from ._plan import Message, Piece, Route, messages
 from ._readahead import Reader, read_threads
 from ._sink import Arrival, Sink, Staging, fan_out
 
@@ -62,11 +62,11 @@ def stream(
         if local.everyone and sink.device.type == "cpu":  # each rank reads its own bytes into CPU shards
             own = local.files if dist.get_rank() else Rank0Files(files)
             assert own is not None  # every rank but 0 holds rank 0's descriptors
-            source = OwnSource(plan, sink, LocalReader(plan, staging, sink, own, True), on_bytes)
+            source = OwnSource(sink, LocalReader(staging, sink, own, True), on_bytes)
         elif dist.get_rank() == 0:  # it sends to the others
-            source = FileSource(plan, staging, files, sink, local, on_bytes)
+            source = FileSource(staging, files, sink, local, on_bytes)
         else:
-            source = ReceiveSource(plan, staging, sink, local)
+            source = ReceiveSource(staging, sink, local)
         try:
             for _, stop in rounds:
                 for arrival in source.until(stop):
@@ -109,20 +109,19 @@ class FileSource:
 
     def __init__(
         self,
-        plan: Plan,
         staging: Staging,
         files: Mapping[str, Any],
         sink: Sink,
         local: LocalReads,
         on_bytes: Callable[[int], None],
     ) -> None:
-        self.plan, self.staging, self.sink, self.on_bytes = plan, staging, sink, on_bytes
+        self.plan, self.staging, self.sink, self.on_bytes = sink.plan, staging, sink, on_bytes
         self.on_cpu = sink.device.type == "cpu"
         self.sends_nothing = local.everyone
         self.pending = InFlight()  # sends, each handing its slot back to the reader once done
         self.reader = Reader(
-            messages(plan, self._pieces(local.readers), own_together=own_together(sink.device)),
-            plan.entries,
+            messages(sink.plan, self._pieces(local.readers), own_together=own_together(sink.device)),
+            sink.plan.entries,
             files,
             self._direct,
             staging,
@@ -224,17 +223,15 @@ class ReceiveSource:
     a staging slot; broadcasts in order, once the receives before them are done; where ``local`` gave
     this rank rank 0's descriptors, its own pieces read through them instead."""
 
-    def __init__(self, plan: Plan, staging: Staging, sink: Sink, local: LocalReads) -> None:
+    def __init__(self, staging: Staging, sink: Sink, local: LocalReads) -> None:
         self.sink, self.slots = sink, staging.slots
-        self.local = (
-            None if local.files is None else LocalReader(plan, staging, sink, local.files, local.everyone)
-        )
+        self.local = None if local.files is None else LocalReader(staging, sink, local.files, local.everyone)
         self.me = dist.get_rank()
         self._free = collections.deque(range(len(staging.slots)))
         self._pending = InFlight()  # receives, each adding its arrival to _done once complete
         self._done: collections.deque[Arrival] = collections.deque()
         cut_for = (self.me,) if self.local is not None else None  # a local reader cuts its own parts
-        self._by_round = ByRound(messages(plan, plan.pieces(self.me, cut_for)), lambda m: m.index)
+        self._by_round = ByRound(messages(sink.plan, sink.plan.pieces(self.me, cut_for)), lambda m: m.index)
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop``, in the order of its messages;
@@ -296,10 +293,10 @@ class OwnSource:
     in order by ``reader`` (float8 pairs joined by ``Sink.runs``); the files read in a round checked at
     its end, every file after the last. A failing rank stops reading."""
 
-    def __init__(self, plan: Plan, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None]) -> None:
-        self.plan, self.sink, self.reader, self.on_bytes = plan, sink, reader, on_bytes
+    def __init__(self, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None]) -> None:
+        self.plan, self.sink, self.reader, self.on_bytes = sink.plan, sink, reader, on_bytes
         me = dist.get_rank()
-        self._by_round = ByRound(plan.pieces(me, cut_for=(me,)), lambda p: p.index)
+        self._by_round = ByRound(self.plan.pieces(me, cut_for=(me,)), lambda p: p.index)
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop`` (rank 0's view has every
