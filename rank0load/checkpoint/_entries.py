@@ -26,11 +26,13 @@ class Parts:
     file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
     offsets: array.array = field(default_factory=lambda: array.array("q"))  # absolute offset in its file
     starts: array.array = field(default_factory=lambda: array.array("q", [0]))  # its first entry byte
-    # checkpoint keys: a tuple on rank 0, one newline-joined string where unpickled; read with key_list
+    # checkpoint keys, one newline-joined string (a tuple if a key holds a newline); read with key_list
     keys: tuple[str, ...] | str = ()
 
     @classmethod
     def of(cls, tensors: Sequence[TensorHeader]) -> Parts:
+        """The parts of ``tensors``, in order, their keys :meth:`compacted` (so that a run's name
+        objects are freed with its headers)."""
         paths = list(map(_FILE, tensors))
         files = tuple(dict.fromkeys(paths))
         index = {f: i for i, f in enumerate(files)}
@@ -40,7 +42,7 @@ class Parts:
             array.array("q", map(_OFFSET, tensors)),
             array.array("q", [0, *itertools.accumulate(map(_NBYTES, tensors))]),
             tuple(map(_KEY, tensors)),
-        )
+        ).compacted()
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -68,7 +70,7 @@ class Parts:
     __hash__ = None  # type: ignore[assignment]  # arrays: never hashable
 
     def __reduce__(self) -> tuple[type[Parts], tuple[object, ...]]:
-        """Pickled in the :meth:`compacted` form; rank 0 keeps its tuples (joining would grow its heap)."""
+        """Pickled in the :meth:`compacted` form."""
         c = self.compacted()
         return Parts, (c.files, c.file_of, c.offsets, c.starts, c.keys)
 

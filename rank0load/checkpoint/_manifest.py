@@ -255,15 +255,7 @@ def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str],
     ]
     scales += [headers[k] for k in unexpected if k.endswith(SCALE_SUFFIX)]  # perhaps another run's weight's
     names = (len(headers), heapq.nsmallest(50, headers))
-    entries = [_compact(e) for e in built]
-    return _Run(entries, stacked, single, scales, unexpected, match.ignored, match.unsupported, names)
-
-
-def _compact(entry: Entry) -> Entry:
-    """``entry`` with its names compacted, so the run's name objects are freed with its headers."""
-    if not entry.parts and not entry.scales:
-        return entry
-    return replace(entry, parts=entry.parts.compacted(), scales=entry.scales.compacted())
+    return _Run(built, stacked, single, scales, unexpected, match.ignored, match.unsupported, names)
 
 
 def _merge(
@@ -301,8 +293,7 @@ def _merge(
     pool = {t.key: t for tensors in single.values() for t in tensors}
     pool.update((t.key, t) for members in stacked.values() for _, t in members)
     pool.update((t.key, t) for r in runs for t in r.scales)
-    built = build_entries(pending, layout, pool, load.block, quantised=quantised, files=load.files)
-    entries += [_compact(e) for e in built]
+    entries += build_entries(pending, layout, pool, load.block, quantised=quantised, files=load.files)
     order = {path: i for i, path in enumerate(every_file)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
     return Manifest(
