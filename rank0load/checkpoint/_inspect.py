@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..common._report import FSDPGroup, fsdp_plan
 from ..errors import LoadError, ModelMismatchError
 from ..integrations._convert import conversions_for
+from ..integrations._resolve import KeyResolver
 from ..model._meta import build_on_meta, describe
 from ..model._shard import check_dtype_groups, default_shard_fn
 from ._fit import build_entries, quantised_keys, unconsumed
@@ -132,7 +133,8 @@ def inspect_checkpoint(
     model, built = build_on_meta(model_fn)
     layout = describe(model, built)
     keys = list(layout.tensors) + list(layout.aliases)
-    match = match_keys(headers, layout, key_map, conversions_for(model, keys, conversions))
+    resolver = KeyResolver(layout.canonical, conversions_for(model, keys, conversions), layout.canonical_all)
+    match = match_keys(headers, layout, key_map, resolver)
     found = match.by_model_key.keys() | match.stacked.keys()  # kept ones aside, as a load keeps them
     missing = tuple(sorted(k for k in layout.tensors if k not in found and k not in layout.built))
     mismatched: list[str] = [

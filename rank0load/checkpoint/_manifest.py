@@ -229,7 +229,7 @@ def _stored_twice(every: list[str | tuple[str, ...]]) -> bool:
 def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str], str | None] | None) -> _Run:
     """One run's entries, and what it leaves to :func:`_merge`."""
     layout = load.layout
-    match = match_keys(headers, layout, key_map, resolver=load.resolver)
+    match = match_keys(headers, layout, key_map, load.resolver)
     quantised = quantised_keys(match, layout)
 
     def lacks_scale(t: TensorHeader) -> bool:

@@ -4,11 +4,11 @@ collectives): the one matcher, so a load and ``inspect`` agree."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from ..errors import ModelMismatchError, format_keys
-from ..integrations._convert import Conversion, ConversionMatch
+from ..integrations._convert import ConversionMatch
 from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._fit import KeyMatch
@@ -21,14 +21,13 @@ def match_keys(
     headers: dict[str, TensorHeader],
     layout: ModelLayout,
     key_map: Callable[[str], str | None] | None,
-    conversions: Sequence[Conversion] = (),
-    resolver: KeyResolver | None = None,
+    resolver: KeyResolver,
 ) -> KeyMatch:
     """(rank 0, or one process for ``inspect``) Map every checkpoint key to a canonical model key:
     ``key_map`` first, then the model's non-persistent buffers (ignored) and its own aliases
-    (:meth:`ModelLayout.canonical`); a key the model does not have is offered to ``conversions``
-    (renamed, or one of the parts of a stacked parameter). Keys the model has win. Shapes and
-    dtypes are not checked here. ``resolver``: one shared with earlier calls; None: a new one.
+    (:meth:`ModelLayout.canonical`) through ``resolver``, which offers a key the model does not have
+    to its conversions (renamed, or one of the parts of a stacked parameter); one resolver serves a
+    whole load. Keys the model has win. Shapes and dtypes are not checked here.
 
     Raises:
         ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
@@ -44,8 +43,6 @@ def match_keys(
     stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
     unsupported: dict[str, tuple[str, str, str]] = {}
     unexpected: list[str] = []
-    if resolver is None:  # one per load: its rules, learnt from the first keys, hold for the rest
-        resolver = KeyResolver(layout.canonical, conversions, layout.canonical_all)
     answers = resolver.resolve_columns(model_keys)
     for ckpt_key, canonical, converted in zip(ckpt_keys, *answers):
         if canonical is None or converted is not None and converted.unsupported is not None:
