@@ -13,7 +13,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -137,29 +137,25 @@ def unforeseen(ckpt_path: str | os.PathLike[str], exc: Exception, ours: bool = F
 
 
 @dataclass
-class _Run:
-    """One run's part of the manifest, and what only :func:`_merge` can settle."""
-
-    entries: list[Entry]
-    # model key -> tensors the run cannot settle alone (partial expert stacks, unscaled float8, ties)
-    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]]
-    single: dict[str, tuple[TensorHeader, ...]]
-    scales: list[TensorHeader]  # grids those may need
-    unexpected: tuple[str, ...]  # grids consumed within the run left out
-    ignored: tuple[str, ...]
-    unsupported: dict[str, tuple[str, str, str]]  # as KeyMatch.unsupported
-    names: tuple[int, list[str]]  # how many checkpoint keys, and the first few (nothing_matched)
-
-
-@dataclass(frozen=True)
-class _Load:
-    """What every run of one load shares."""
+class _Runs:
+    """What every run of one load shares, and what the runs leave for :func:`_merge` to settle."""
 
     layout: ModelLayout
     resolver: KeyResolver  # one for all runs: its rules, learnt from the first keys, hold for the rest
     block: tuple[int, int] | None  # the float8 block size config.json gives
     tied: frozenset[str]  # canonical keys of tied parameters
     files: dict[str, OpenFile]
+    entries: list[Entry] = field(default_factory=list)
+    # model key -> tensors a run could not settle alone (partial expert stacks, unscaled float8, ties)
+    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = field(default_factory=dict)
+    single: dict[str, tuple[TensorHeader, ...]] = field(default_factory=dict)
+    scales: list[TensorHeader] = field(default_factory=list)  # grids those may need
+    unexpected: list[str] = field(default_factory=list)  # grids consumed within their run left out
+    ignored: list[str] = field(default_factory=list)
+    unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # as KeyMatch's
+    count: int = 0  # checkpoint keys
+    first: list[str] = field(default_factory=list)  # the first 50 of them, sorted (nothing_matched)
+    runs: int = 0
 
 
 def read_manifest(
@@ -175,7 +171,7 @@ def read_manifest(
     CheckpointChangedError (the files and the index disagree, a key stored twice) or
     ModelMismatchError (the keys, shapes or dtypes do not fit the model)."""
     source, files, adapters = checkpoint.source, checkpoint.files, checkpoint.adapters
-    load = _Load(
+    load = _Runs(
         layout,
         KeyResolver(layout.canonical, conversions, layout.canonical_all),
         fp8_block_size(source.root),
@@ -187,13 +183,11 @@ def read_manifest(
         for adapter in adapters
         for name, t in read_headers(adapter.source, files).items()
     }
-    runs: list[_Run] = []
     listing = source.listing
     every: list[str | tuple[str, ...]] | None = [] if listing is None and len(source.files) > 1 else None
-    count, headers = 0, dict[str, TensorHeader]()
+    headers: dict[str, TensorHeader] = {}
     for i, path in enumerate(source.files):
         tensors = file_tensors(source, path, files[path], headers)  # checked within the run
-        count += len(tensors)
         if every is not None:  # no index: a key stored in files of two runs is found at the end
             joined = "\n".join(tensors)  # one string a file, unless a key holds a newline
             every.append(joined if joined.count("\n") == len(tensors) - 1 else tuple(tensors))
@@ -206,18 +200,18 @@ def read_manifest(
         headers.update(tensors)
         del tensors
         if len(headers) >= RUN_TENSORS or i == len(source.files) - 1:
-            runs.append(_run(headers, load, key_map))
+            _run(headers, load, key_map)
             headers = {}  # the run's header objects freed before the next run's are made
-    if listing is not None and count != listing.total or every is not None and _stored_twice(every):
+    if listing is not None and load.count != listing.total or every is not None and _stored_twice(every):
         read_headers(source, files)  # raises, naming the key (the files read again, as a whole)
         raise CheckpointChangedError(
             f"{source.description}: the checkpoint changed while it was loaded. Load again once it is written."
         )
     if own:
-        runs.append(_run({key: t for key, (_, t) in own.items()}, load, None))
+        _run({key: t for key, (_, t) in own.items()}, load, None)
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
     every_file = (*source.files, *(f for a in adapters for f in a.source.files))
-    return _merge(runs, load, strict, key_map, description, every_file)
+    return _merge(load, strict, key_map, description, every_file)
 
 
 def _stored_twice(every: list[str | tuple[str, ...]]) -> bool:
@@ -226,8 +220,8 @@ def _stored_twice(every: list[str | tuple[str, ...]]) -> bool:
     return len(set(keys)) != len(keys)
 
 
-def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str], str | None] | None) -> _Run:
-    """One run's entries, and what it leaves to :func:`_merge`."""
+def _run(headers: dict[str, TensorHeader], load: _Runs, key_map: Callable[[str], str | None] | None) -> None:
+    """One run's entries, and what it leaves to :func:`_merge`, added to ``load``."""
     layout = load.layout
     match = match_keys(headers, layout, key_map, load.resolver)
     quantised = quantised_keys(match, layout)
@@ -236,7 +230,7 @@ def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str],
         return t.key in quantised and t.key + SCALE_SUFFIX not in headers
 
     stacked = {
-        k: list(members)
+        k: members
         for k, members in match.stacked.items()
         if len(members) < (layout.tensors[k].shape or (0,))[0] * members[0][0].sources
         or any(lacks_scale(t) for _, t in members)
@@ -247,52 +241,49 @@ def _run(headers: dict[str, TensorHeader], load: _Load, key_map: Callable[[str],
         by_model_key={k: v for k, v in match.by_model_key.items() if k not in single},
         stacked={k: v for k, v in match.stacked.items() if k not in stacked},
     )
-    built = build_entries(whole, layout, headers, load.block, quantised=quantised, files=load.files)
+    load.entries += build_entries(whole, layout, headers, load.block, quantised=quantised, files=load.files)
     unexpected = unconsumed(match, quantised)
     pending = itertools.chain((t for m in stacked.values() for _, t in m), (f[0] for f in single.values()))
-    scales = [
+    load.scales += [
         headers[k] for k in (t.key + SCALE_SUFFIX for t in pending if t.key in quantised) if k in headers
     ]
-    scales += [headers[k] for k in unexpected if k.endswith(SCALE_SUFFIX)]  # perhaps another run's weight's
-    names = (len(headers), heapq.nsmallest(50, headers))
-    return _Run(built, stacked, single, scales, unexpected, match.ignored, match.unsupported, names)
+    load.scales += [headers[k] for k in unexpected if k.endswith(SCALE_SUFFIX)]  # another run's weight's?
+    for k, members in stacked.items():
+        load.stacked.setdefault(k, []).extend(members)
+    for k, found in single.items():
+        load.single[k] = load.single.get(k, ()) + found  # a tied parameter's names, compared in _merge
+    load.unexpected += unexpected
+    load.ignored += match.ignored
+    load.unsupported = {**match.unsupported, **load.unsupported}  # the first run's wins
+    load.count += len(headers)
+    load.first = heapq.nsmallest(50, itertools.chain(load.first, headers))
+    load.runs += 1
 
 
 def _merge(
-    runs: Sequence[_Run],
-    load: _Load,
+    load: _Runs,
     strict: bool,
     key_map: Callable[[str], str | None] | None,
     description: str,
     every_file: tuple[str, ...],
 ) -> Manifest:
     """(rank 0) The runs' parts as one manifest: what spans runs settled, the keys checked."""
-    layout = load.layout
-    entries = [e for r in runs for e in r.entries]
-    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
-    single: dict[str, tuple[TensorHeader, ...]] = {}
-    for r in runs:
-        for k, members in r.stacked.items():
-            stacked.setdefault(k, []).extend(members)
-        for k, tensors in r.single.items():
-            single[k] = single.get(k, ()) + tensors  # a tied parameter's names, compared below
+    layout, entries, stacked, single = load.layout, load.entries, load.stacked, load.single
     found = _check_stored_once(entries, stacked, single, key_map)
-    count = sum(r.names[0] for r in runs)
     if layout.tensors and not found:
-        first = heapq.nsmallest(50, itertools.chain.from_iterable(r.names[1] for r in runs))
-        ignored = sum(len(r.ignored) for r in runs)
-        raise ModelMismatchError(nothing_matched(description, count, first, ignored, layout))
+        raise ModelMismatchError(
+            nothing_matched(description, load.count, load.first, len(load.ignored), layout)
+        )
     absent = [k for k in layout.tensors if k not in found]
     missing = tuple(sorted(k for k in absent if k not in layout.built))
-    unsupported = {k: why for r in reversed(runs) for k, why in r.unsupported.items()}  # first run's wins
     pending = KeyMatch(single, (), (), {k: tuple(v) for k, v in stacked.items()}, {})
     quantised = quantised_keys(pending, layout)
     consumed = {k + SCALE_SUFFIX for k in quantised}
-    unexpected = tuple(sorted(k for r in runs for k in r.unexpected if k not in consumed))
-    _check_keys(description, layout, strict, missing, unexpected, unsupported)
+    unexpected = tuple(sorted(k for k in load.unexpected if k not in consumed))
+    _check_keys(description, layout, strict, missing, unexpected, load.unsupported)
     pool = {t.key: t for tensors in single.values() for t in tensors}
     pool.update((t.key, t) for members in stacked.values() for _, t in members)
-    pool.update((t.key, t) for r in runs for t in r.scales)
+    pool.update((t.key, t) for t in load.scales)
     entries += build_entries(pending, layout, pool, load.block, quantised=quantised, files=load.files)
     order = {path: i for i, path in enumerate(every_file)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
@@ -301,14 +292,14 @@ def _merge(
         missing=missing,
         kept=tuple(sorted(k for k in absent if k in layout.built)),
         unexpected=unexpected,
-        ignored=tuple(sorted(k for r in runs for k in r.ignored)),
+        ignored=tuple(sorted(load.ignored)),
         files=every_file,
         total_bytes=sum(e.nbytes for e in entries),
         initialised=(
             sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
             sum(math.prod(t.shape) for t in layout.tensors.values() if t.is_param),
         ),
-        runs=len(runs),
+        runs=load.runs,
     )
 
 
