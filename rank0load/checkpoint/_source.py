@@ -97,8 +97,13 @@ def resolve(
         if source is not None:
             return source
     path = os.fspath(ckpt_path)
-    if subfolder is not None:
-        _check_subfolder(path, subfolder)
+    if subfolder is not None and (
+        not isinstance(subfolder, str) or not subfolder.strip("/") or escapes(subfolder)
+    ):
+        raise CheckpointNotFoundError(
+            f"subfolder={subfolder!r} for checkpoint {path!r}: expected the name of a folder inside it, "
+            "such as 'transformer' (no absolute path, drive or '..')"
+        )
     try:
         mode: int | None = os.stat(path).st_mode  # follows symlinks: what open() would reach
     except (FileNotFoundError, NotADirectoryError):  # "org/name" may be a repo id while ./org is a file
@@ -114,7 +119,7 @@ def resolve(
                 "Fix the link or pass the checkpoint's real location."
             )
         if _REPO_ID.match(path):
-            snapshot = _from_hub(path, revision, _not_local(path), subfolder)
+            snapshot = _from_hub(path, revision, subfolder)
             # snapshots link into blobs/: files must stay inside the repo's cache folder
             boundary = os.path.realpath(os.path.join(snapshot, "..", ".."))
             return _from_dir(snapshot, subfolder, boundary)
@@ -208,15 +213,6 @@ def _from_dir(path: str, subfolder: str | None, boundary: str | None) -> Source:
     return Source(root, checked, None, path)
 
 
-def _check_subfolder(path: str, subfolder: object) -> None:
-    """``subfolder`` must name a folder inside the checkpoint: no absolute path, drive or ``..``."""
-    if not isinstance(subfolder, str) or not subfolder.strip("/") or escapes(subfolder):
-        raise CheckpointNotFoundError(
-            f"subfolder={subfolder!r} for checkpoint {path!r}: expected the name of a folder inside it, "
-            "such as 'transformer' (no absolute path, drive or '..')"
-        )
-
-
 def _weight_folders(path: str) -> list[str]:
     """The folders of directory ``path`` that hold ``*.safetensors`` files or an index, sorted."""
     out = []
@@ -251,19 +247,16 @@ def _pipeline_root(path: str) -> CheckpointNotFoundError:
 HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json")
 
 
-def _not_local(path: str) -> str:
-    """How ``path``, tried as a Hub repo id, failed as a local path: the start of the Hub errors."""
-    first, _, rest = path.partition("/")
+def _from_hub(repo_id: str, revision: str | None, subfolder: str | None) -> str:
+    """(rank 0) The local snapshot folder of a Hub repo, downloading what the cache lacks (honours
+    ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``). Only :data:`HUB_PATTERNS` are
+    fetched (within ``subfolder``, if given); every error starts with how ``repo_id`` failed as a
+    local path."""
+    first, _, rest = repo_id.partition("/")
     where = f"in {os.getcwd()!r}"
     if os.path.isdir(first):
         where = f"{where}: the directory {first!r} exists there but holds no {rest!r}"
-    return f"checkpoint {path!r} does not exist as a local path ({where}), so it was tried as a Hugging Face Hub repo id"
-
-
-def _from_hub(repo_id: str, revision: str | None, not_local: str, subfolder: str | None) -> str:
-    """(rank 0) The local snapshot folder of a Hub repo, downloading what the cache lacks (honours
-    ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``). Only :data:`HUB_PATTERNS` are
-    fetched (within ``subfolder``, if given); ``not_local`` starts every error."""
+    not_local = f"checkpoint {repo_id!r} does not exist as a local path ({where}), so it was tried as a Hugging Face Hub repo id"
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
