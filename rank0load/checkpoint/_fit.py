@@ -93,12 +93,7 @@ def build_entries(
         info = layout.tensors[model_key]
         members = match.stacked.get(model_key)
         if members is not None:
-            entry = _assemble(model_key, members, info.shape, info.dtype, quantised)
-            if members[0][1].key in quantised:
-                entry = _with_scales(
-                    entry, [headers[k] for k in entry.parts.key_list()], headers, block, info.dtype
-                )
-            return entry
+            return _assemble(model_key, members, info.shape, info.dtype, quantised, headers, block)
         found = match.by_model_key[model_key]
         if found[0].key in quantised:
             if found[0].shape != info.shape:
@@ -173,10 +168,13 @@ def _assemble(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     quantised: AbstractSet[str],
+    headers: dict[str, TensorHeader],
+    block: tuple[int, int] | None,
 ) -> Entry:
     """(rank 0) One entry for a model tensor stacked from per-expert checkpoint tensors: every expert
     ``0 .. E-1`` once per source, one dtype, shapes that concatenate to the model's; its parts in
-    (expert, source) order, which is the fused tensor's row-major byte order."""
+    (expert, source) order, which is the fused tensor's row-major byte order; float8 parts
+    (``quantised``) given their scales."""
     rule = members[0][0].rule
     sources = members[0][0].sources
     experts = shape[0] if shape else 0
@@ -189,7 +187,7 @@ def _assemble(
     if first.key not in quantised:
         _check_fits(first._replace(shape=shape), key, shape, dtype)
     nbytes = sum(map(_NBYTES, parts))
-    return Entry(
+    entry = Entry(
         key,
         first.file,
         first.key,
@@ -199,6 +197,7 @@ def _assemble(
         nbytes,
         Parts.of(parts),
     )
+    return _with_scales(entry, parts, headers, block, dtype) if first.key in quantised else entry
 
 
 def _by_expert(
