@@ -181,7 +181,10 @@ def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
     for t in headers.values():
         count, nbytes = dtypes.get(t.dtype, (0, 0))
         dtypes[t.dtype] = (count + 1, nbytes + t.nbytes)
-    names = _names(source.root)
+    try:  # real path -> name for the files of the root (Hub snapshots link their files to blobs)
+        names = {os.path.realpath(os.path.join(source.root, n)): n for n in os.listdir(source.root)}
+    except OSError:
+        names = {}
     files = tuple(
         FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), per_file[path])
         for path in source.files
@@ -217,14 +220,6 @@ def _fsdp_groups(model: nn.Module) -> tuple[tuple[FSDPGroup, ...] | None, str, s
         return fsdp_plan(model), "", ""
     finally:
         dist.destroy_process_group()
-
-
-def _names(root: str) -> dict[str, str]:
-    """Real path -> name for the files of ``root`` (Hub snapshots link their files to blobs)."""
-    try:
-        return {os.path.realpath(os.path.join(root, n)): n for n in os.listdir(root)}
-    except OSError:
-        return {}
 
 
 def _size(path: str) -> int:
