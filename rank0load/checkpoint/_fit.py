@@ -62,10 +62,9 @@ class KeyMatch:
     unsupported: dict[str, tuple[str, str, str]]
 
 
-def unconsumed(match: KeyMatch, quantised: AbstractSet[str]) -> tuple[str, ...]:
-    """``match.unexpected`` less the scale grids of the float8 tensors ``quantised`` (dequantised)."""
+def unconsumed(unexpected: Sequence[str], quantised: AbstractSet[str]) -> tuple[str, ...]:
+    """Checkpoint keys ``unexpected`` less the scale grids of the float8 tensors ``quantised``."""
     # Tested key by key in C with no set of names made: that would raise rank 0's peak.
-    unexpected = match.unexpected
     scale = map(operator.methodcaller("endswith", SCALE_SUFFIX), unexpected)
     weight = map(operator.getitem, unexpected, itertools.repeat(slice(0, -len(SCALE_SUFFIX))))
     consumed = map(operator.and_, scale, map(quantised.__contains__, weight))

@@ -160,7 +160,7 @@ def inspect_checkpoint(
         model_tensors=len(layout.tensors),
         matched=len(match.by_model_key) + len(match.stacked),
         missing=missing,
-        unexpected=unconsumed(match, quantised),
+        unexpected=unconsumed(match.unexpected, quantised),
         mismatched=tuple(sorted(mismatched)),
         ignored=match.ignored,
         converted=converted,

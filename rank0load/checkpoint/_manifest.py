@@ -242,7 +242,7 @@ def _run(headers: dict[str, TensorHeader], load: _Runs, key_map: Callable[[str],
         stacked={k: v for k, v in match.stacked.items() if k not in stacked},
     )
     load.entries += build_entries(whole, layout, headers, load.block, quantised=quantised, files=load.files)
-    unexpected = unconsumed(match, quantised)
+    unexpected = unconsumed(match.unexpected, quantised)
     pending = itertools.chain((t for m in stacked.values() for _, t in m), (f[0] for f in single.values()))
     load.scales += [
         headers[k] for k in (t.key + SCALE_SUFFIX for t in pending if t.key in quantised) if k in headers
@@ -278,8 +278,7 @@ def _merge(
     missing = tuple(sorted(k for k in absent if k not in layout.built))
     pending = KeyMatch(single, (), (), {k: tuple(v) for k, v in stacked.items()}, {})
     quantised = quantised_keys(pending, layout)
-    consumed = {k + SCALE_SUFFIX for k in quantised}
-    unexpected = tuple(sorted(k for k in load.unexpected if k not in consumed))
+    unexpected = unconsumed(sorted(load.unexpected), quantised)
     _check_keys(description, layout, strict, missing, unexpected, load.unsupported)
     pool = {t.key: t for tensors in single.values() for t in tensors}
     pool.update((t.key, t) for members in stacked.values() for _, t in members)
