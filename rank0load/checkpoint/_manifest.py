@@ -269,7 +269,7 @@ def _merge(
 ) -> Manifest:
     """(rank 0) The runs' parts as one manifest: what spans runs settled, the keys checked."""
     layout, entries, stacked, single = load.layout, load.entries, load.stacked, load.single
-    found = _check_stored_once(entries, stacked, single, key_map)
+    found = _check_stored_once(load, key_map)
     if layout.tensors and not found:
         raise ModelMismatchError(
             nothing_matched(description, load.count, load.first, len(load.ignored), layout)
@@ -302,14 +302,10 @@ def _merge(
     )
 
 
-def _check_stored_once(
-    entries: list[Entry],
-    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]],
-    single: dict[str, tuple[TensorHeader, ...]],
-    key_map: Callable[[str], str | None] | None,
-) -> set[str]:
+def _check_stored_once(load: _Runs, key_map: Callable[[str], str | None] | None) -> set[str]:
     """The model keys the runs found. Raises ModelMismatchError for one found under different
     checkpoint keys in different runs (tied parameters aside: ``build_entries`` compares them)."""
+    entries, stacked, single = load.entries, load.stacked, load.single
     found = {e.key for e in entries}
     both = sorted(stacked.keys() & (found | single.keys()))
     if both:
