@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from collections.abc import Set as AbstractSet
 
 from ..errors import ModelMismatchError, format_keys
 from ..integrations._convert import ConversionMatch
@@ -34,11 +33,38 @@ def match_keys(
             checkpoint keys to one model key.
     """
     ignored: list[str] = []
+    non_persistent = layout.non_persistent
     if key_map is None:  # the header's keys are unique: none can map twice
-        ckpt_keys = model_keys = [k for k in headers if k not in layout.non_persistent]
-        ignored = [k for k in headers if k in layout.non_persistent]
+        ckpt_keys = model_keys = [k for k in headers if k not in non_persistent]
+        ignored = [k for k in headers if k in non_persistent]
     else:
-        ckpt_keys, model_keys = _mapped(headers, key_map, layout.non_persistent, ignored)
+        ckpt_keys, model_keys = [], []
+        mapped_from: dict[str, str] = {}
+        for ckpt_key, t in headers.items():
+            try:
+                model_key = key_map(ckpt_key)
+            except Exception as exc:
+                raise ModelMismatchError(
+                    f"key_map({ckpt_key!r}) raised {type(exc).__name__}: {exc} (checkpoint file "
+                    f"{os.path.basename(t.file)}). key_map must return a model key (str) or None for "
+                    "every checkpoint key: fix it, or return None for keys to drop."
+                ) from None
+            if model_key is None:
+                ignored.append(ckpt_key)
+                continue
+            if not isinstance(model_key, str):
+                raise ModelMismatchError(
+                    f"key_map({ckpt_key!r}) returned {model_key!r}: expected a model key (str) or None "
+                    "to drop the key. Fix key_map."
+                )
+            if model_key in mapped_from:
+                raise ModelMismatchError(key_map_collision(mapped_from[model_key], ckpt_key, model_key))
+            mapped_from[model_key] = ckpt_key
+            if model_key in non_persistent:
+                ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
+            else:
+                ckpt_keys.append(ckpt_key)
+                model_keys.append(model_key)
     by_model_key: dict[str, list[TensorHeader]] = {}
     stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = {}
     unsupported: dict[str, tuple[str, str, str]] = {}
@@ -63,45 +89,6 @@ def match_keys(
         stacked={k: tuple(found) for k, found in stacked.items()},
         unsupported=unsupported,
     )
-
-
-def _mapped(
-    headers: dict[str, TensorHeader],
-    key_map: Callable[[str], str | None],
-    non_persistent: AbstractSet[str],
-    ignored: list[str],
-) -> tuple[list[str], list[str]]:
-    """The checkpoint keys ``key_map`` keeps that are no non-persistent buffer (the others go to
-    ``ignored``), and their model keys. Raises ModelMismatchError as :func:`match_keys` says."""
-    ckpt_keys: list[str] = []
-    model_keys: list[str] = []
-    mapped_from: dict[str, str] = {}
-    for ckpt_key, t in headers.items():
-        try:
-            model_key = key_map(ckpt_key)
-        except Exception as exc:
-            raise ModelMismatchError(
-                f"key_map({ckpt_key!r}) raised {type(exc).__name__}: {exc} (checkpoint file "
-                f"{os.path.basename(t.file)}). key_map must return a model key (str) or None for "
-                "every checkpoint key: fix it, or return None for keys to drop."
-            ) from None
-        if model_key is None:
-            ignored.append(ckpt_key)
-            continue
-        if not isinstance(model_key, str):
-            raise ModelMismatchError(
-                f"key_map({ckpt_key!r}) returned {model_key!r}: expected a model key (str) or None "
-                "to drop the key. Fix key_map."
-            )
-        if model_key in mapped_from:
-            raise ModelMismatchError(key_map_collision(mapped_from[model_key], ckpt_key, model_key))
-        mapped_from[model_key] = ckpt_key
-        if model_key in non_persistent:
-            ignored.append(ckpt_key)  # an old checkpoint stores a buffer the model now computes
-        else:
-            ckpt_keys.append(ckpt_key)
-            model_keys.append(model_key)
-    return ckpt_keys, model_keys
 
 
 def both_layouts(keys: list[str]) -> str:
