@@ -175,14 +175,9 @@ def _assemble(
     (expert, source) order, which is the fused tensor's row-major byte order; float8 parts
     (``quantised``) given their scales."""
     rule = members[0][0].rule
-    sources = members[0][0].sources
-    experts = shape[0] if shape else 0
-    seen = _by_expert(key, members, shape, experts, rule)
-    every = list(itertools.product(range(experts), range(sources)))  # the fused tensor's order
-    _check_complete(key, seen, every, rule)
-    first = seen[(0, 0)]
-    parts = list(map(seen.__getitem__, every))
-    _check_stacks(key, parts, [seen[(0, s)].shape for s in range(sources)], shape, rule)
+    parts = _stacked_parts(key, members, shape, rule)
+    first = parts[0]
+    _check_stacks(key, parts, [t.shape for t in parts[: members[0][0].sources]], shape, rule)
     if first.key not in quantised:
         _check_fits(first._replace(shape=shape), key, shape, dtype)
     nbytes = sum(map(_NBYTES, parts))
@@ -199,15 +194,16 @@ def _assemble(
     return _with_scales(entry, parts, headers, block, dtype) if first.key in quantised else entry
 
 
-def _by_expert(
+def _stacked_parts(
     key: str,
     members: tuple[tuple[ConversionMatch, TensorHeader], ...],
     shape: tuple[int, ...],
-    experts: int,
     rule: str,
-) -> dict[tuple[int, int], TensorHeader]:
-    """(expert, source) -> its checkpoint tensor; raises, naming the first, for an expert beyond the
-    model's ``experts`` or stored twice."""
+) -> list[TensorHeader]:
+    """The checkpoint tensor of every (expert, source), in that order (the fused tensor's); raises,
+    naming the first, for an expert beyond the model's ``shape[0]`` experts or stored twice, or one
+    absent (with the key it would have, made from a present expert's key of its source)."""
+    experts = shape[0] if shape else 0
     matches, tensors = zip(*members)
     seen: dict[tuple[int, int], TensorHeader] = dict(
         zip(zip(map(_EXPERT, matches), map(_SOURCE, matches)), tensors)
@@ -225,14 +221,7 @@ def _by_expert(
                     "(num_experts)?"
                 )
             seen[(expert, m.source)] = t
-    return seen
-
-
-def _check_complete(
-    key: str, seen: dict[tuple[int, int], TensorHeader], every: list[tuple[int, int]], rule: str
-) -> None:
-    """Every (expert, source) of ``every`` is in ``seen``; else raise, naming the first absent one
-    (with the key it would have, made from a present expert's key of its source)."""
+    every = list(itertools.product(range(experts), range(members[0][0].sources)))
     absent = [k for k in every if k not in seen]
     if absent:
         e, s = absent[0]
@@ -246,6 +235,7 @@ def _check_complete(
             f"({len(absent)} expert tensors are missing). The checkpoint is incomplete: re-download it, "
             "or check that model_fn builds its config."
         )
+    return list(map(seen.__getitem__, every))
 
 
 def _check_stacks(
