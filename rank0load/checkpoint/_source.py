@@ -201,8 +201,20 @@ def _from_dir(path: str, subfolder: str | None, boundary: str | None) -> Source:
     if indexes:
         return _from_index(os.path.join(path, indexes[0]), boundary)
     files = [n for n in names if n.endswith(_SAFE)]
-    if not files and _PIPELINE in names:
-        raise _pipeline_root(path)
+    if not files and _PIPELINE in names:  # a diffusers pipeline's root: its weights are in component folders
+        held = _weight_folders(path)
+        if not held:
+            raise CheckpointNotFoundError(
+                f"{path!r} is a diffusers pipeline ({_PIPELINE}), and none of its folders holds *.safetensors "
+                "weights. Save the pipeline with save_pretrained(safe_serialization=True)."
+            )
+        example = next((n for n in ("transformer", "unet") if n in held), held[0])  # the denoiser, if any
+        raise CheckpointNotFoundError(
+            f"{path!r} is a diffusers pipeline ({_PIPELINE}), not one model's checkpoint: its weights are in "
+            f"the component folders {', '.join(f'{n}/' for n in held)}. Pass subfolder={example!r} (or another "
+            f"component) to load_pretrained, or the component folder ({os.path.join(path, example)!r}) as the "
+            "checkpoint path."
+        )
     if not files:
         raise CheckpointNotFoundError(
             f"checkpoint directory {path!r} holds no *.safetensors file and no "
@@ -224,23 +236,6 @@ def _weight_folders(path: str) -> list[str]:
         if any(n.endswith(_SAFE) or n.endswith(_INDEX) for n in inner):
             out.append(name)
     return out
-
-
-def _pipeline_root(path: str) -> CheckpointNotFoundError:
-    """A diffusers pipeline's root passed as the checkpoint: its weights are in component folders."""
-    held = _weight_folders(path)
-    if not held:
-        return CheckpointNotFoundError(
-            f"{path!r} is a diffusers pipeline ({_PIPELINE}), and none of its folders holds *.safetensors "
-            "weights. Save the pipeline with save_pretrained(safe_serialization=True)."
-        )
-    example = next((n for n in ("transformer", "unet") if n in held), held[0])  # the denoiser, if any
-    return CheckpointNotFoundError(
-        f"{path!r} is a diffusers pipeline ({_PIPELINE}), not one model's checkpoint: its weights are in "
-        f"the component folders {', '.join(f'{n}/' for n in held)}. Pass subfolder={example!r} (or another "
-        f"component) to load_pretrained, or the component folder ({os.path.join(path, example)!r}) as the "
-        "checkpoint path."
-    )
 
 
 # what a load needs from a Hub repo: weights, their index, and the configs load_pretrained builds from
