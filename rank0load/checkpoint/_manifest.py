@@ -254,7 +254,8 @@ def _run(headers: dict[str, TensorHeader], load: _Runs, key_map: Callable[[str],
         load.single[k] = load.single.get(k, ()) + found  # a tied parameter's names, compared in _merge
     load.unexpected += unexpected
     load.ignored += match.ignored
-    load.unsupported = {**match.unsupported, **load.unsupported}  # the first run's wins
+    for k, why in match.unsupported.items():
+        load.unsupported.setdefault(k, why)  # the first run's wins
     load.count += len(headers)
     load.first = heapq.nsmallest(50, itertools.chain(load.first, headers))
     load.runs += 1
