@@ -177,7 +177,20 @@ def _assemble(
     rule = members[0][0].rule
     parts = _stacked_parts(key, members, shape, rule)
     first = parts[0]
-    _check_stacks(key, parts, [t.shape for t in parts[: members[0][0].sources]], shape, rule)
+    heads = [t.shape for t in parts[: members[0][0].sources]]  # expert 0's, one per source
+    if len(heads) == 1:
+        fits = heads[0] == shape[1:]
+    else:
+        fits = all(len(h) == len(shape) - 1 and h[1:] == shape[2:] for h in heads)
+        fits = fits and sum(h[0] for h in heads) == shape[1]
+    same = all(map(operator.eq, map(_SHAPE, parts), itertools.cycle(heads)))
+    dtypes = sorted(set(map(_DTYPE, parts)))
+    if not (fits and same and len(dtypes) == 1):
+        raise ModelMismatchError(
+            f"model tensor {key!r} (shape {shape}, {rule}): its per-expert tensors do not stack to it "
+            f"(expert 0: shapes {heads}; all experts alike: {same}; dtypes {dtypes}). "
+            "Does model_fn build the checkpoint's config?"
+        )
     if first.key not in quantised:
         _check_fits(first._replace(shape=shape), key, shape, dtype)
     nbytes = sum(map(_NBYTES, parts))
@@ -236,30 +249,6 @@ def _stacked_parts(
             "or check that model_fn builds its config."
         )
     return list(map(seen.__getitem__, every))
-
-
-def _check_stacks(
-    key: str,
-    parts: list[TensorHeader],
-    heads: list[tuple[int, ...]],
-    shape: tuple[int, ...],
-    rule: str,
-) -> None:
-    """The ``parts`` (in the fused tensor's order; ``heads``: expert 0's shapes, one per source)
-    stack to the model's ``shape``: every expert shaped as expert 0, one dtype."""
-    if len(heads) == 1:
-        fits = heads[0] == shape[1:]
-    else:
-        fits = all(len(h) == len(shape) - 1 and h[1:] == shape[2:] for h in heads)
-        fits = fits and sum(h[0] for h in heads) == shape[1]
-    same = all(map(operator.eq, map(_SHAPE, parts), itertools.cycle(heads)))
-    dtypes = sorted(set(map(_DTYPE, parts)))
-    if not (fits and same and len(dtypes) == 1):
-        raise ModelMismatchError(
-            f"model tensor {key!r} (shape {shape}, {rule}): its per-expert tensors do not stack to it "
-            f"(expert 0: shapes {heads}; all experts alike: {same}; dtypes {dtypes}). "
-            "Does model_fn build the checkpoint's config?"
-        )
 
 
 def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], files: Mapping[str, OpenFile]) -> None:
