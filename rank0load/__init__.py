@@ -8,8 +8,9 @@ rank0load.clip_grad_norm_(model.parameters(), max_norm=1.0)
 
 from __future__ import annotations
 
-from ._api import DEFAULT_STAGING_BYTES, FSDPGroup, LoadReport, load_sharded
+from ._api import DEFAULT_STAGING_BYTES, LoadReport, load_sharded
 from ._pretrained import load_pretrained
+from .common._report import FSDPGroup
 from .errors import (
     CheckpointChangedError,
     CheckpointFormatError,

@@ -28,8 +28,6 @@ from .errors import LoadError, ModelMismatchError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_UNREADABLE, EXIT_MODEL = 0, 1, 2, 3
 
-__all__ = ["EXIT_MISMATCH", "EXIT_MODEL", "EXIT_OK", "EXIT_UNREADABLE", "main"]
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

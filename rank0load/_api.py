@@ -34,13 +34,11 @@ from .checkpoint._manifest import (
 )
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
-from .common._report import Clock, FSDPGroup, LoadReport, fsdp_plan, log_summary, peak_rss_bytes, progress_bar
+from .common._report import Clock, LoadReport, fsdp_plan, log_summary, peak_rss_bytes, progress_bar
 from .common._staging import DEFAULT_STAGING_BYTES, SLOTS
 from .integrations._convert import StackExperts
 from .load import _handover, _model, _options, _sink, _transfer
 from .load._plan import Plan, build_plan
-
-__all__ = ["load_sharded", "LoadReport", "FSDPGroup", "DEFAULT_STAGING_BYTES"]
 
 # from this many checkpoint tensors on, the manifest leaves enough memory to be worth malloc_trim's heap walk
 _TRIM_FROM_TENSORS = 10_000

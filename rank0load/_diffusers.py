@@ -19,8 +19,6 @@ from torch import nn
 from .common._failure import user_code
 from .errors import LoadError, ModelMismatchError
 
-__all__ = ["build", "configure"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -34,8 +34,6 @@ from .common import _distribute
 from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError
 from .integrations import _compat, _remote_code
 
-__all__ = ["load_pretrained"]
-
 _MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; anything far bigger is not one
 
 # load_sharded's keyword arguments that load_pretrained passes on (dtype and revision are its own)

@@ -22,8 +22,6 @@ from .errors import LoadError, ModelMismatchError
 from .integrations import _compat, _remote_code
 from .load._model import cast, set_config_dtype
 
-__all__ = ["Configured", "build", "configure"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -6,17 +6,6 @@ pickles for the other ranks to re-raise.
 
 from __future__ import annotations
 
-__all__ = [
-    "LoadError",
-    "CheckpointNotFoundError",
-    "CheckpointFormatError",
-    "ModelMismatchError",
-    "RankMismatchError",
-    "CheckpointChangedError",
-    "SaveError",
-    "InternalError",
-]
-
 
 class LoadError(RuntimeError):
     """Base class: the checkpoint could not be loaded into the model."""

@@ -14,8 +14,6 @@ from ._format import TensorHeader
 
 _FILE, _KEY, _OFFSET, _NBYTES = map(operator.attrgetter, ("file", "key", "offset", "nbytes"))
 
-__all__ = ["Entry", "Parts"]
-
 
 @dataclass(frozen=True)
 class Parts:

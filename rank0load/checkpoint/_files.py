@@ -12,13 +12,6 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, InternalError
 
-__all__ = [
-    "FileIdentity",
-    "OpenFile",
-    "opened",
-    "open_files",
-]
-
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO"),

@@ -23,8 +23,6 @@ from ._fp8 import FP8_WIRE, SCALE_SUFFIX, checked_block
 _KEY, _DTYPE, _SHAPE, _NBYTES = map(operator.attrgetter, ("key", "dtype", "shape", "nbytes"))
 _EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
 
-__all__ = ["FLOAT_WIRE", "KeyMatch", "build_entries", "quantised_keys", "unconsumed"]
-
 
 # Wire dtypes that may be cast to another of these; all others must match the model exactly.
 FLOAT_WIRE = frozenset({"F64", "F32", "F16", "BF16"})

@@ -17,16 +17,6 @@ import torch
 from ..errors import CheckpointFormatError
 from ._files import OpenFile, read_exact
 
-__all__ = [
-    "DTYPES",
-    "MAX_HEADER_BYTES",
-    "RepeatedKeys",
-    "TensorHeader",
-    "parse_json",
-    "read_header",
-    "short_repr",
-]
-
 # safetensors dtype string -> torch dtype. "F4" is float4_e2m1fn_x2:
 # safetensors counts 4-bit elements in the shape, torch packs two per byte in the last dimension.
 DTYPES: dict[str, torch.dtype] = {

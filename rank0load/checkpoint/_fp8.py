@@ -21,18 +21,6 @@ import torch
 from ..errors import ModelMismatchError
 from ._format import TensorHeader
 
-__all__ = [
-    "FP8_WIRE",
-    "SCALE_SUFFIX",
-    "block_size",
-    "checked_block",
-    "dequantize",
-    "dequantize_at",
-    "dequantize_stacked",
-    "scale_span",
-    "to_float32",
-]
-
 FP8_WIRE = frozenset({"F8_E4M3", "F8_E5M2"})
 SCALE_SUFFIX = "_scale_inv"  # a weight's block scales are stored as <weight key> + this
 _TABLES: dict[torch.dtype, torch.Tensor] = {}

@@ -29,8 +29,6 @@ from ._fp8 import block_size as fp8_block_size
 from ._match import match_keys
 from ._source import Source, read_headers, resolve
 
-__all__ = ["FileSummary", "Inspection", "inspect_checkpoint", "load_factory"]
-
 
 @dataclass(frozen=True)
 class FileSummary:

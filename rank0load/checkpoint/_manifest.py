@@ -32,17 +32,6 @@ from ._fp8 import block_size as fp8_block_size
 from ._match import both_layouts, key_map_collision, match_keys, nothing_matched
 from ._source import Source, file_tensors, read_headers, resolve
 
-__all__ = [
-    "RUN_TENSORS",
-    "Adapter",
-    "Checkpoint",
-    "Manifest",
-    "adapters_of",
-    "open_checkpoint",
-    "read_manifest",
-    "unforeseen",
-]
-
 RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
 
 

@@ -13,8 +13,6 @@ from ..model._meta import ModelLayout
 from ._fit import KeyMatch
 from ._format import TensorHeader
 
-__all__ = ["both_layouts", "key_map_collision", "match_keys", "nothing_matched"]
-
 
 def match_keys(
     headers: dict[str, TensorHeader],

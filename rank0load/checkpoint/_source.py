@@ -20,8 +20,6 @@ from ..errors import CheckpointChangedError, CheckpointFormatError, CheckpointNo
 from ._files import OpenFile, not_regular, read_exact
 from ._format import RepeatedKeys, TensorHeader, parse_json, read_header, short_repr
 
-__all__ = ["Resolved", "Source", "file_tensors", "read_headers", "resolve"]
-
 logger = logging.getLogger(__name__)
 
 _SAFE = ".safetensors"

@@ -15,8 +15,6 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Blocks", "Chunk", "Part", "Runs", "block_chunks", "chunk_dim"]
-
 Runs = tuple[tuple[tuple[int, int], ...], ...]  # per tensor dimension: [start, stop) runs of global indices
 # (global rank, its block: the global index runs it holds per dimension)
 Blocks = tuple[tuple[int, Runs], ...]

@@ -31,24 +31,6 @@ from ..errors import LoadError, RankMismatchError
 from ..integrations._compat import host_bytes
 from ._failure import failure_of, peer_failures, rank_mismatch
 
-__all__ = [
-    "NO_DATA_MOVED",
-    "Outcome",
-    "Faults",
-    "attempt",
-    "from_rank0",
-    "round_ends",
-    "Proposal",
-    "agree",
-    "gather_to_rank0",
-    "mesh_device",
-    "ranks_where",
-    "require_process_group",
-    "run",
-    "settle",
-    "settled",
-]
-
 logger = logging.getLogger(__name__)
 
 

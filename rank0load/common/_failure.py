@@ -15,15 +15,6 @@ import torch.distributed as dist
 
 from ..errors import InternalError, LoadError, RankMismatchError
 
-__all__ = [
-    "UserCodeFailure",
-    "failure_of",
-    "internal_error",
-    "peer_failures",
-    "rank_mismatch",
-    "user_code",
-]
-
 R = TypeVar("R")
 
 

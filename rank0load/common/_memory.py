@@ -20,8 +20,6 @@ import torch
 
 from ..errors import LoadError
 
-__all__ = ["FaultIn", "fault_in", "prefault", "reserve", "trim_heap"]
-
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 _madvise: object = None  # the libc function once found; False when unavailable

@@ -15,8 +15,6 @@ from torch import nn
 
 from ..integrations._compat import fsdp_groups
 
-__all__ = ["Clock", "FSDPGroup", "LoadReport", "fsdp_plan", "log_summary", "peak_rss_bytes", "progress_bar"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -9,18 +9,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "ALIGN",
-    "DEFAULT_STAGING_BYTES",
-    "MIN_STAGING_BYTES",
-    "ROUND_PIECES",
-    "SLOTS",
-    "AllOf",
-    "InFlight",
-    "aligned",
-    "block_half",
-]
-
 DEFAULT_STAGING_BYTES = 16 << 20  # max_staging_bytes on a CPU mesh
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
 ALIGN = 64  # piece sizes and boundaries stay multiples of every element size

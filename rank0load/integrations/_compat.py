@@ -20,35 +20,6 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 # Private: FSDP2 places it on top of a tensor-parallel Shard of the same dimension.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
-__all__ = [
-    "StridedShard",
-    "can_reduce_scatter_unused_params",
-    "clear_hf_initialized",
-    "diffusers_config_json",
-    "diffusers_keep_in_fp32",
-    "foreach_mul_",
-    "foreach_norm",
-    "foreach_supported",
-    "fsdp_groups",
-    "hf_auto_class",
-    "hf_keep_in_fp32",
-    "hf_registered_class_wins",
-    "hf_with_generation_mixin",
-    "is_diffusers_class",
-    "is_transformers_model",
-    "hf_init_weights",
-    "host_bytes",
-    "local_tensor",
-    "no_split_modules",
-    "non_persistent_buffers",
-    "one_dim_placement",
-    "parameters_on_meta",
-    "parse_to",
-    "to_meta",
-    "split_chunks",
-    "transformers_5",
-]
-
 
 def host_bytes(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous uint8 CPU tensor's bytes, without numpy (else ValueError).

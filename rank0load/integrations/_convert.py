@@ -35,17 +35,6 @@ from torch import nn
 from ..errors import SaveError
 from . import _compat, _peft
 
-__all__ = [
-    "Conversion",
-    "ConversionMatch",
-    "StackExperts",
-    "TransformersConversions",
-    "TransformersReversal",
-    "TransformersRenamings",
-    "conversions_for",
-    "original_format_reversal",
-]
-
 
 class ConversionMatch(NamedTuple):
     """Where one checkpoint tensor goes (a named tuple: one is made per converted tensor)."""

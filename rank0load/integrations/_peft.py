@@ -25,18 +25,6 @@ from torch.overrides import TorchFunctionMode
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, ModelMismatchError
 from ._compat import parse_to
 
-__all__ = [
-    "ADAPTER_WEIGHTS",
-    "adapter_names",
-    "adapter_parameters",
-    "adapters_built_real",
-    "base_key",
-    "building_adapters",
-    "check_adapter_config",
-    "peft_config",
-    "tuner_layers_without_values",
-]
-
 _ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

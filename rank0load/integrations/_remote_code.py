@@ -22,8 +22,6 @@ from torch import nn
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
 from . import _compat
 
-__all__ = ["CodeClass", "RemoteCode", "import_class", "install", "read", "save_code"]
-
 _MAX_CODE_BYTES = 64 << 20  # a modeling file is ~100 kB; anything far bigger is not one
 
 

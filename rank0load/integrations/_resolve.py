@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 from ._convert import Conversion, ConversionMatch
 
-__all__ = ["KeyResolver"]
-
 _NUMBER = re.compile(r"(?<![^.])(\d+)(?![^.])")  # a number that is a whole dotted segment
 _DOTTED_NUMBER = re.compile(r"\.(\d+)(?=\.)")  # the same, in keys each written as "." + key + "."
 

@@ -35,8 +35,6 @@ from ..checkpoint._manifest import Manifest
 from ..common import _distribute
 from ._localread import LocalFiles
 
-__all__ = ["LocalReads", "Offer", "Server", "fetch", "hand_over", "host_id", "listen"]
-
 logger = logging.getLogger(__name__)
 
 TIMEOUT = 20.0  # seconds a rank waits for rank 0's descriptors (it then takes the stream)

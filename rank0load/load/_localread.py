@@ -24,8 +24,6 @@ from ._plan import Message, Piece, Route
 from ._readahead import read_into, runs
 from ._sink import Arrival, Sink, Staging
 
-__all__ = ["LocalFiles", "LocalReader", "Rank0Files"]
-
 _THROUGH_RANK0 = " (it reads through rank 0's descriptor; local_reads=False has rank 0 send its bytes)"
 
 

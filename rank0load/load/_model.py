@@ -35,19 +35,6 @@ from ..model._layout import layout_flags_of
 from ..model._meta import ModelLayout, build_on_meta, describe, resolve_module
 from ..model._shard import prepare_groups, routed_modules, shard_default
 
-__all__ = [
-    "Built",
-    "apply_built",
-    "build_sharded",
-    "cast",
-    "set_config_dtype",
-    "finish",
-    "guard_added_parameters",
-    "init_missing",
-    "materialise",
-    "targets",
-]
-
 
 @dataclass
 class Built:

@@ -10,12 +10,6 @@ from ..common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
 from ..errors import LoadError
 from ..model._layout import rank_coordinates
 
-__all__ = [
-    "ACCELERATOR_STAGING_BYTES",
-    "check_mesh",
-    "check_options",
-]
-
 # max_staging_bytes' default on an accelerator mesh (DEFAULT_STAGING_BYTES on a CPU one): rank 0
 # stages in pinned host memory and copies to the device, and more staging keeps its readers ahead
 ACCELERATOR_STAGING_BYTES = 256 << 20

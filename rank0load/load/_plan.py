@@ -53,8 +53,6 @@ from ..common._distribute import round_ends
 from ..common._staging import ALIGN, ROUND_PIECES, aligned, block_half
 from ..model._layout import ROWS_OK, RUNS_OK, placements_on, rank_coordinates, rows_of, runs_at
 
-__all__ = ["BROADCAST", "Kind", "Message", "Piece", "Plan", "Route", "build_plan", "fits_block", "messages"]
-
 
 class Kind(enum.Enum):
     """How an entry travels (the module docstring says each)."""

@@ -29,9 +29,6 @@ from ..integrations._compat import host_bytes
 from ._plan import Message, Route
 from ._sink import Arrival, Staging
 
-__all__ = ["Reader", "read_into", "read_threads", "read_vectored", "runs", "split_runs"]
-
-
 # accelerator mesh: threads read every free slot's message at once, in parts of at most _PART_BYTES
 ACCELERATOR_READ_THREADS = 16
 _PART_BYTES = 8 << 20

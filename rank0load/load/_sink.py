@@ -27,15 +27,6 @@ from ..integrations._compat import local_tensor
 from ..model._layout import global_indices, held_indices
 from ._plan import Kind, Message, Piece, Plan, Route
 
-__all__ = [
-    "Arrival",
-    "Sink",
-    "Staging",
-    "allocate_staging",
-    "cut",
-    "fan_out",
-]
-
 _DEQUANTISE_STEP = 1 << 18  # float8 elements dequantised at once: 1 MiB of float32
 _BLOCK_DEQUANTISE_STEP = 1 << 16  # ... in a block: about ten int64 index temporaries, 5 MiB in all
 # on an accelerator (device temporaries, a dozen kernel launches a step): steps 64 times as large

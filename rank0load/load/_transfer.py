@@ -33,8 +33,6 @@ from ._sink import Arrival, Sink, Staging, fan_out
 if TYPE_CHECKING:
     from ._handover import LocalReads
 
-__all__ = ["stream"]
-
 T = TypeVar("T")
 _CPU = torch.device("cpu")
 

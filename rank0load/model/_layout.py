@@ -21,19 +21,6 @@ from ..common._blocks import Runs
 from ..errors import RankMismatchError
 from ..integrations._compat import local_tensor, one_dim_placement, split_chunks
 
-__all__ = [
-    "ROWS_OK",
-    "RUNS_OK",
-    "block_runs",
-    "global_indices",
-    "held_indices",
-    "layout_flags",
-    "placements_on",
-    "rank_coordinates",
-    "rows_of",
-    "runs_at",
-]
-
 # Bits of layout_flags, AND-ed over the ranks at agreement.
 ROWS_OK = 1  # this rank's shard is the row range rows_of() computes
 RUNS_OK = 2  # this rank's shard is the block runs_at() computes

@@ -21,9 +21,6 @@ from ..common._failure import UserCodeFailure, user_code
 from ..integrations._compat import hf_init_weights, non_persistent_buffers, parameters_on_meta, to_meta
 from ..integrations._peft import adapters_built_real, base_key, building_adapters, tuner_layers_without_values
 
-__all__ = ["ModelLayout", "build_on_meta", "describe", "resolve_module", "strip_wrappers"]
-
-
 # The dtypes torch.set_default_dtype accepts (from_pretrained builds in them the same way).
 _DEFAULTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -28,15 +28,6 @@ from ..integrations._compat import (
     no_split_modules,
 )
 
-__all__ = [
-    "check_dtype_groups",
-    "default_shard_fn",
-    "find_blocks",
-    "prepare_groups",
-    "routed_modules",
-    "shard_default",
-]
-
 logger = logging.getLogger(__name__)
 
 

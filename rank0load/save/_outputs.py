@@ -29,9 +29,6 @@ from ..integrations._compat import (
 from ..integrations._remote_code import save_code
 from ._saveplan import SavePlan
 
-__all__ = ["ConfigWriter", "Outputs", "commit", "layout_of", "open_outputs", "pwrite_all"]
-
-
 # (rank 0) writes a checkpoint's config files into an empty temporary folder (model, folder, plan);
 # every file it leaves there is committed into out_dir with the weights
 ConfigWriter = Callable[[nn.Module, str, SavePlan], None]

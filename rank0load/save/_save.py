@@ -37,8 +37,6 @@ from ..model._meta import describe, strip_wrappers
 from . import _outputs, _write
 from ._saveplan import Revert, SaveKind, parse_size, plan_save
 
-__all__ = ["SaveReport", "save_sharded"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -27,8 +27,6 @@ from ..errors import SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of, runs_at
 from ..model._meta import strip_wrappers
 
-__all__ = ["Piece", "Revert", "SaveItem", "SaveKind", "SavePlan", "Saved", "parse_size", "plan_save"]
-
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # a saved name and shape -> the names and shapes it is saved as (equal byte ranges, in order)
 Revert = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]

@@ -27,8 +27,6 @@ from ..integrations._compat import host_bytes, local_tensor
 from ._outputs import Outputs, pwrite_all
 from ._saveplan import Piece, SaveItem, SaveKind, SavePlan
 
-__all__ = ["TODO", "Staging", "allocate_staging", "stream"]
-
 TODO = "The previous checkpoint in out_dir is unchanged; fix the cause and save again."
 
 

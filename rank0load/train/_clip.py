@@ -25,8 +25,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..integrations._compat import StridedShard, foreach_mul_, foreach_norm, foreach_supported, local_tensor
 
-__all__ = ["clip_grad_norm_"]
-
 
 @dataclass(frozen=True)
 class _Group:
