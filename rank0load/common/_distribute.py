@@ -203,17 +203,21 @@ def _raise_failure(
     raise type(shared)(*shared.args)
 
 
+def _raise_first(
+    first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError]
+) -> None:
+    """(all ranks) Unless ``first`` is the world size, raise rank ``first``'s :func:`failure_of` everywhere."""
+    if first < dist.get_world_size():
+        _raise_failure(first, error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap))
+
+
 def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = RankMismatchError) -> R:
     """(all ranks) ``outcome``'s value, once every rank has said whether its step failed: if any did,
     every rank raises the first failing rank's error; a failed collective is a :func:`peer_failures`
     (LoadError, or ``wrap`` when it is not RankMismatchError)."""
     cls = LoadError if wrap is RankMismatchError else wrap
     with peer_failures(f"agreeing with the other ranks after {stage}", cls, todo):
-        first = _first_failure(outcome.error)
-        if first < dist.get_world_size():
-            _raise_failure(
-                first, outcome.error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap)
-            )
+        _raise_first(_first_failure(outcome.error), outcome.error, stage, todo, wrap)
     return cast(R, outcome.value)
 
 
@@ -342,8 +346,4 @@ def settled(
     (``peer_todo``)."""
     with peer_failures(stage, wrap, peer_todo):  # a rank died or stalled, or the network broke
         yield faults.rounds(ends)
-        first = faults.first
-        if first < dist.get_world_size():
-            _raise_failure(
-                first, faults.error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap)
-            )
+        _raise_first(faults.first, faults.error, stage, todo, wrap)
