@@ -38,16 +38,6 @@ def _libc(name: str, argtypes: tuple[type, ...]) -> object:
     return fn
 
 
-def _populate(address: int, length: int) -> bool:
-    global _madvise
-    if _madvise is None:
-        _madvise = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
-    if _madvise is not False and _madvise(address, length, _MADV_POPULATE_WRITE) == 0:  # type: ignore[operator]
-        return True
-    _madvise = False  # none, or EINVAL before Linux 5.14: zero-fill from now on
-    return False
-
-
 def prefault(t: torch.Tensor) -> None:
     """(any rank) Make ``t``'s storage resident (CPU) or zero it (other devices, or no
     ``MADV_POPULATE_WRITE``); zero the storage's bytes outside ``t``."""
@@ -56,8 +46,14 @@ def prefault(t: torch.Tensor) -> None:
 
 def _fill(pages: tuple[int, int] | None, t: torch.Tensor) -> None:
     """Make ``pages`` resident (one GIL-free ctypes call), else zero ``t``."""
-    if pages is None or not _populate(*pages):
-        t.zero_()
+    global _madvise
+    if pages is not None:
+        if _madvise is None:
+            _madvise = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+        if _madvise is not False and _madvise(*pages, _MADV_POPULATE_WRITE) == 0:  # type: ignore[operator]
+            return
+        _madvise = False  # none, or EINVAL before Linux 5.14: zero-fill from now on
+    t.zero_()
 
 
 def _outside_zeroed(t: torch.Tensor) -> tuple[int, int] | None:

@@ -73,10 +73,10 @@ def test_fault_in_does_what_prefault_does_for_every_tensor():
 
 
 def test_fault_in_thread_failure_is_raised_by_wait(monkeypatch):
-    def failing(address: int, length: int) -> bool:
+    def failing(pages: tuple[int, int] | None, t: torch.Tensor) -> None:
         raise MemoryError("no pages, on purpose")
 
-    monkeypatch.setattr(_memory, "_populate", failing)
+    monkeypatch.setattr(_memory, "_fill", failing)
     pending = _memory.fault_in([torch.empty(n, dtype=torch.uint8) for n in (1 << 20, 2 << 20, 3 << 20)])
     with pytest.raises(MemoryError, match="on purpose"):
         pending.wait()
