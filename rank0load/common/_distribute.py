@@ -302,9 +302,8 @@ def from_rank0(step: Callable[[], R], unforeseen: Callable[[Exception], LoadErro
         try:  # pickled here, so that a value that cannot be pickled is an error every rank raises
             value = step()
             written = _pickled(value)
-        except Exception as exc:  # what is sent instead: a LoadError (no step returns one)
+        except Exception as exc:  # sent instead: a LoadError (no step returns one)
             value = exc if isinstance(exc, LoadError) else unforeseen(exc)
-            written = _pickled(value)
     with peer_failures("receiving rank 0's result"):
         value = _broadcast_object(value, written=written)
     if isinstance(value, LoadError):
