@@ -5,7 +5,7 @@ by every rank in the same order:
   error. :func:`attempt` and :func:`settle` are its two halves, for a failure raised later.
 * :func:`from_rank0` — a value rank 0 computes alone, on every rank, or its error on every rank.
 * :func:`agree` — settle the build, and check every rank built the same model with the same options.
-* rounds of transfers (:meth:`Faults.rounds`, :func:`settled`): each rank notes its first local
+* rounds of transfers (:func:`settled`): each rank notes its first local
   failure (:class:`Faults`) and keeps the messages flowing; each round's end says whether any rank failed,
   and every rank raises the same error once.
 
@@ -100,12 +100,10 @@ def round_ends(sizes: Sequence[int], round_bytes: int) -> tuple[int, ...]:
 
 class Faults:
     """This rank's first local failure (each rank); once set, the transfer skips local work and only
-    keeps the messages flowing to the round's end. Thread-safe: a reader or writer thread may note one.
-    :attr:`first`: the first failing rank once :meth:`rounds` ended, the world size when none did."""
+    keeps the messages flowing to the round's end. Thread-safe: a reader or writer thread may note one."""
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
-        self.first = dist.get_world_size()
         self._lock = threading.Lock()
 
     def run(self, fn: Callable[..., object], *args: Any) -> None:
@@ -121,18 +119,6 @@ class Faults:
             if self.error is None:
                 logger.debug("rank %d: local failure", dist.get_rank(), exc_info=exc)
                 self.error = exc
-
-    def rounds(self, ends: Sequence[int]) -> Iterator[tuple[int, int]]:
-        """(all ranks) ``for begin, stop in faults.rounds(ends):`` each round's items; after each body
-        the ranks compare notes (a collective every rank must run), and the loop ends after the round
-        in which any rank failed."""
-        begin = 0
-        for stop in ends:
-            yield begin, stop
-            self.first = _first_failure(self.error)
-            if self.first < dist.get_world_size():
-                return
-            begin = stop
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -340,9 +326,22 @@ def ranks_where(flag: bool, what: str) -> frozenset[int]:
 def settled(
     faults: Faults, ends: Sequence[int], stage: str, todo: str, wrap: type[LoadError], peer_todo: str
 ) -> Iterator[Iterator[tuple[int, int]]]:
-    """(all ranks) ``with settled(...) as rounds:`` run a transfer over ``faults.rounds(ends)``; then
-    raise the first failing rank's error on every rank (``todo``), or this rank's peer failure
-    (``peer_todo``)."""
+    """(all ranks) ``with settled(...) as rounds: for begin, stop in rounds:`` run a transfer, each
+    round's items; after each body the ranks compare notes (a collective every rank must run), and
+    the loop ends after the round in which any rank failed. Then raise the first failing rank's error
+    on every rank (``todo``), or this rank's peer failure (``peer_todo``)."""
+    first = dist.get_world_size()
+
+    def rounds() -> Iterator[tuple[int, int]]:
+        nonlocal first
+        begin = 0
+        for stop in ends:
+            yield begin, stop
+            first = _first_failure(faults.error)
+            if first < dist.get_world_size():
+                return
+            begin = stop
+
     with peer_failures(stage, wrap, peer_todo):  # a rank died or stalled, or the network broke
-        yield faults.rounds(ends)
-        _raise_first(faults.first, faults.error, stage, todo, wrap)
+        yield rounds()
+        _raise_first(first, faults.error, stage, todo, wrap)
