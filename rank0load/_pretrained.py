@@ -1,15 +1,9 @@
 """``load_pretrained``: a transformers or diffusers model built from its checkpoint's own config, then
-``load_sharded``.
-
-(all ranks) :func:`_check_arguments`: bad arguments raise on every rank, before any collective.
-(rank 0)    :func:`_read`: the checkpoint resolved, its configs (and remote code) read.
-(all ranks) ``_distribute.from_rank0``: rank 0's :class:`_Checkpoint`, or its LoadError raised everywhere.
-(all ranks) ``_distribute.run``: ``_transformers.configure`` or ``_diffusers.configure`` (a failure on
-            any rank raised everywhere); then ``load_sharded`` with that module's ``build`` as its meta
-            build and the path rank 0 resolved (``_source.Resolved``: the Hub and the index are read once).
-            These two are the only collectives after the read.
-Other ranks never read the checkpoint, the Hugging Face cache or the network.
-"""
+``load_sharded`` with the path rank 0 resolved (``_source.Resolved``: the Hub and the index are read
+once). Rank 0 alone reads the configs (and remote code), sent with ``_distribute.from_rank0``; every
+rank then configures the model under ``_distribute.run`` (a failure on any rank raised everywhere):
+the only collectives before ``load_sharded``. Other ranks never read the checkpoint, the Hugging Face
+cache or the network."""
 
 from __future__ import annotations
 
