@@ -51,8 +51,7 @@ def require_process_group(error: type[LoadError] = LoadError) -> None:
 
 def rank0_rng_state(device: torch.device) -> torch.Tensor | None:
     """(all ranks; one broadcast) Rank 0's CPU random state, on the other ranks; None on rank 0."""
-    state = torch.get_rng_state()
-    wire = state.to(device)
+    wire = torch.get_rng_state().to(device)
     dist.broadcast(wire, 0)
     return None if dist.get_rank() == 0 else wire.cpu()
 
