@@ -188,9 +188,7 @@ def _raise_failure(
     raise type(shared)(*shared.args)
 
 
-def _raise_first(
-    first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError]
-) -> None:
+def _raise_if(first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError]) -> None:
     """(all ranks) Unless ``first`` is the world size, raise rank ``first``'s :func:`failure_of` everywhere."""
     if first < dist.get_world_size():
         _raise_failure(first, error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap))
@@ -202,7 +200,7 @@ def settle(outcome: Outcome[R], stage: str, todo: str, wrap: type[LoadError] = R
     (LoadError, or ``wrap`` when it is not RankMismatchError)."""
     cls = LoadError if wrap is RankMismatchError else wrap
     with peer_failures(f"agreeing with the other ranks after {stage}", cls, todo):
-        _raise_first(_first_failure(outcome.error), outcome.error, stage, todo, wrap)
+        _raise_if(_first_failure(outcome.error), outcome.error, stage, todo, wrap)
     return cast(R, outcome.value)
 
 
@@ -343,4 +341,4 @@ def settled(
 
     with peer_failures(stage, wrap, peer_todo):  # a rank died or stalled, or the network broke
         yield rounds()
-        _raise_first(first, faults.error, stage, todo, wrap)
+        _raise_if(first, faults.error, stage, todo, wrap)
