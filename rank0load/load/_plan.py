@@ -15,20 +15,9 @@ mesh, so sender and receivers agree on every message without exchanging anything
 
 The stream is cut into *rounds* of whole entries (at least :data:`ROUND_PIECES` pieces of bytes
 each): at each round's end every rank says whether it failed, so the ranks stop in step.
-
-Which pieces travel together: :func:`messages` groups consecutive pieces of one *lane* (the rank
-they go to, or :data:`BROADCAST`) into one :class:`Message` of at most ``Plan.piece_bytes``, read
-into one staging slot and sent once; rank 0's own pieces and BLOCK pieces are messages of their own.
-Every rank groups its own view of the plan, so a group is closed only by facts every rank knows
-(:meth:`_Gaps.apart`):
-
-* a round's end;
-* for a broadcast group: an entry in between that sends something point to point;
-* for a group to rank ``r``: an entry in between that broadcasts something or fans out a BLOCK entry.
-
-A rank closes a group at the first piece it sees that would separate it, so messages to rank ``r``
-and broadcasts come in the same order on rank 0 and on rank ``r``: no rank waits on a broadcast
-while its peer waits on a send.
+:func:`messages` groups the pieces into messages, closing a group only on facts every rank knows
+(:meth:`_Gaps.apart`), so messages to rank ``r`` and broadcasts come in the same order on rank 0
+and on rank ``r``: no rank waits on a broadcast while its peer waits on a send.
 """
 
 from __future__ import annotations
@@ -307,7 +296,9 @@ class _Gaps:
         )
 
     def apart(self, last: Piece, lane: int, piece: Piece, piece_lane: int) -> bool:
-        """Whether an open group of ``lane`` ending with ``last`` must close before ``piece``."""
+        """Whether an open group of ``lane`` ending with ``last`` must close before ``piece``: at a
+        round's end; a broadcast group before an entry in between that sends point to point; a group
+        to rank ``r`` before one that broadcasts or fans out a BLOCK entry."""
         a, b = last.index, piece.index
         if self.round_of[a] != self.round_of[b]:
             return True
@@ -321,8 +312,8 @@ class _Gaps:
 
 
 def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) -> Iterator[Message]:
-    """(all ranks) ``pieces`` (one rank's view of ``plan``, in plan order) grouped into messages, in
-    the order they move. BLOCK pieces are messages of one piece each; so are rank 0's own pieces,
+    """(all ranks) ``pieces`` (one rank's view of ``plan``, in plan order) grouped by lane (the rank
+    they go to, or :data:`BROADCAST`) into messages, in the order they move. BLOCK pieces are messages of one piece each; so are rank 0's own pieces,
     unless ``own_together``: then consecutive own pieces are grouped too, and any other piece closes
     their group first, so that nothing another rank sees moves in another order."""
     gaps = _Gaps.of(plan)
