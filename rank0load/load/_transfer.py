@@ -1,9 +1,6 @@
-"""Moving the tensor data: each rank takes its messages' bytes from its source, round by round (all ranks).
-
-(all ranks) :func:`stream`: a source yields each message of a round, in order, as an
-:class:`~._sink.Arrival`, and ``take`` hands each on into the sink (rank 0 first to the ranks it
-serves) and gives its buffer back: :class:`FileSource` on rank 0, :class:`ReceiveSource` on the
-others, :class:`OwnSource` on every rank when each reads its own bytes into CPU shards.
+"""Moving the tensor data (all ranks): :func:`stream` hands each round's messages from this rank's
+source into its sink: :class:`FileSource` on rank 0, :class:`ReceiveSource` on the others,
+:class:`OwnSource` on every rank when each reads its own bytes into CPU shards.
 
 The messages are fixed by the plan: after a *local* failure (a read, cast or copy error, a changed
 file; a source's failures are the sink's) a rank keeps sending and receiving the round's remaining
@@ -72,7 +69,7 @@ def stream(
                 source.round_end(stop)
         finally:
             if isinstance(source, FileSource):  # rank 0's reader thread
-                source.close()
+                source.reader.close()
 
 
 class ByRound(Generic[T]):
@@ -211,9 +208,6 @@ class FileSource:
                 pass
         if self.sink.faults.error is None and self.reader.failed is not None:
             self.sink.faults.note(self.reader.failed)
-
-    def close(self) -> None:
-        self.reader.close()
 
 
 class ReceiveSource:
