@@ -276,24 +276,16 @@ def _lane(piece: Piece) -> int:
     return _ALONE if piece.dst == 0 else piece.dst
 
 
-@dataclass(frozen=True)
 class _Gaps:
     """Prefix counts over the plan's entries, so that any two pieces' separation is O(1)."""
 
-    sends: tuple[int, ...]  # entries [0, i) that send point to point (SHARDED, BLOCK)
-    shares: tuple[int, ...]  # entries [0, i) that broadcast or fan out (all but SHARDED)
-    round_of: tuple[int, ...]  # each entry's round
-
-    @classmethod
-    def of(cls, plan: Plan) -> _Gaps:
+    def __init__(self, plan: Plan) -> None:
         moving = [e.nbytes > 0 for e in plan.entries]
         sends = [m and k in (Kind.SHARDED, Kind.BLOCK) for m, k in zip(moving, plan.kinds)]
         shares = [m and k is not Kind.SHARDED for m, k in zip(moving, plan.kinds)]
-        return cls(
-            tuple(itertools.accumulate(sends, initial=0)),
-            tuple(itertools.accumulate(shares, initial=0)),
-            tuple(bisect.bisect_right(plan.rounds, i) for i in range(len(plan.entries))),
-        )
+        self.sends = tuple(itertools.accumulate(sends, initial=0))  # entries [0, i) that send point to point
+        self.shares = tuple(itertools.accumulate(shares, initial=0))  # ... that broadcast or fan out
+        self.round_of = tuple(bisect.bisect_right(plan.rounds, i) for i in range(len(plan.entries)))
 
     def apart(self, last: Piece, lane: int, piece: Piece, piece_lane: int) -> bool:
         """Whether an open group of ``lane`` ending with ``last`` must close before ``piece``: at a
@@ -316,7 +308,7 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
     they go to, or :data:`BROADCAST`) into messages, in the order they move. BLOCK pieces are messages of one piece each; so are rank 0's own pieces,
     unless ``own_together``: then consecutive own pieces are grouped too, and any other piece closes
     their group first, so that nothing another rank sees moves in another order."""
-    gaps = _Gaps.of(plan)
+    gaps = _Gaps(plan)
     open_: dict[int, list[Piece]] = {}  # lane -> its open group
     ends: dict[int, int] = {}  # lane -> where its open group's bytes end, laid out as Message.packed does
 
