@@ -287,8 +287,7 @@ class OwnSource:
 
     def __init__(self, sink: Sink, reader: LocalReader, on_bytes: Callable[[int], None]) -> None:
         self.plan, self.sink, self.reader, self.on_bytes = sink.plan, sink, reader, on_bytes
-        me = dist.get_rank()
-        self._by_round = ByRound(self.plan.pieces(me, cut_for=(me,)), lambda p: p.index)
+        self._by_round = ByRound(self.plan.pieces(sink.me, cut_for=(sink.me,)), lambda p: p.index)
 
     def until(self, stop: int) -> Iterator[Arrival]:
         """The arrivals of the round that ends before entry ``stop`` (rank 0's view has every
