@@ -317,8 +317,7 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
         lane = _lane(piece)
         if lane != _ALONE and _ALONE in open_:  # rank 0's own pieces never wait behind another's
             yield Message.packed(open_.pop(_ALONE))
-        # The lanes this piece may separate (see _Gaps.apart): every one at a round's first piece, a
-        # broadcast or a BLOCK piece; else only its own and the broadcast one.
+        # the open groups this piece may separate (_Gaps.apart)
         if gaps.round_of[piece.index] != round_ or lane in (BROADCAST, _BLOCK):
             round_, suspects = gaps.round_of[piece.index], sorted(open_)
         else:

@@ -56,7 +56,6 @@ class Staging:
 
 def allocate_staging(piece_bytes: int, mesh_device: torch.device, max_staging_bytes: int) -> Staging:
     """(all ranks) Reserve the staging (no page touched: RSS grows only with use)."""
-    # on the mesh device (rank 0 of a CPU mesh: the CPU)
     if dist.get_rank() != 0 or mesh_device.type == "cpu":
         return Staging(reserve(SLOTS, piece_bytes, mesh_device, max_staging_bytes), None)
     # rank 0 of an accelerator mesh: one pinned ring (_readahead._Ring) and the device buffer
