@@ -1,10 +1,5 @@
-"""Where the tensor data lands on this rank (all ranks; no collectives).
-
-:func:`allocate_staging` reserves every staging buffer before the last agreement, so that no
-allocation inside the stream can leave a rank unable to take part; :class:`Sink` does the local work
-on arriving bytes; :func:`fan_out` cuts a BLOCK chunk into each rank's block. ``_transfer`` and
-``_localread`` both deliver here, so neither imports the other.
-"""
+"""Where the tensor data lands on this rank (all ranks; no collectives): ``_transfer`` and
+``_localread`` both deliver here, so neither imports the other."""
 
 from __future__ import annotations
 
@@ -55,7 +50,8 @@ class Staging:
 
 
 def allocate_staging(piece_bytes: int, mesh_device: torch.device, max_staging_bytes: int) -> Staging:
-    """(all ranks) Reserve the staging (no page touched: RSS grows only with use)."""
+    """(all ranks, before the last agreement, so that no allocation inside the stream can leave a rank
+    unable to take part) Reserve every staging buffer (no page touched: RSS grows only with use)."""
     if dist.get_rank() != 0 or mesh_device.type == "cpu":
         return Staging(reserve(SLOTS, piece_bytes, mesh_device, max_staging_bytes), None)
     # rank 0 of an accelerator mesh: one pinned ring (_readahead._Ring) and the device buffer
