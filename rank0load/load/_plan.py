@@ -154,9 +154,8 @@ class Plan:
                 yield from (p for p in round_ if p is not None)
 
     def _block_pieces(self, index: int, me: int, cut_for: Collection[int] | None) -> Iterator[Piece]:
-        """BLOCK entry ``index``'s chunks, in file order: FAN_OUT pieces with the parts of the ranks
-        in ``cut_for`` (by rank, then row: the order rank 0 sends them in and each rank receives its
-        own in), or, without ``cut_for``, ``me``'s parts as its TO_RANK pieces."""
+        """BLOCK entry ``index``'s pieces (:meth:`pieces`), chunk by chunk in file order; parts by rank,
+        then row: the order rank 0 sends them in and each rank receives its own in."""
         entry, kind = self.entries[index], Kind.BLOCK
         layouts = [
             (rank, self.block_of(index, rank)) for rank in ([me] if cut_for is None else sorted(cut_for))
@@ -200,7 +199,6 @@ def build_plan(
     its layout flags AND-ed over the ranks."""
     piece_bytes = max(ALIGN, piece_bytes // ALIGN * ALIGN)
     kinds = []
-    placements: list[tuple[Placement, ...] | None] = []
     for entry, target, f in zip(entries, targets, flags, strict=True):
         if not isinstance(target, DTensor):
             kind = Kind.PLAIN
@@ -211,12 +209,11 @@ def build_plan(
         else:
             kind = Kind.GENERIC
         kinds.append(kind)
-        placements.append(placements_on(target, mesh) if isinstance(target, DTensor) else None)
     rounds = round_ends([e.nbytes for e in entries], ROUND_PIECES * piece_bytes)
     return Plan(
         entries=tuple(entries),
         kinds=tuple(kinds),
-        placements=tuple(placements),
+        placements=tuple(placements_on(t, mesh) if isinstance(t, DTensor) else None for t in targets),
         mesh_shape=tuple(mesh.shape),
         coords=rank_coordinates(mesh),
         piece_bytes=piece_bytes,
