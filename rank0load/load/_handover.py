@@ -81,7 +81,6 @@ class Server:
         self.offer = offer
         self._sock, self._fds = sock, fds
         self.allowed: dict[int, tuple[int, int]] = {}  # rank -> (pid, uid), ranks on this host
-        self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.served: set[int] = set()
         self.refused: list[str] = []  # why each refused peer was refused, for the log and tests
@@ -118,7 +117,7 @@ class Server:
         t.start()
 
     def _accept(self) -> None:
-        while not self._stop.is_set():
+        while True:
             try:
                 ready, _, _ = select.select([self._sock], [], [], 1.0)
                 if ready:
@@ -166,7 +165,6 @@ class Server:
 
     def stop(self) -> None:
         """Stop accepting, at once (shutting the socket down wakes the accepting thread)."""
-        self._stop.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()

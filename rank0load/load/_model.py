@@ -160,11 +160,7 @@ def materialise(model: nn.Module, device: torch.device) -> FaultIn:
     model_fn built, made contiguous. The shards are faulted in by a background thread: wait on what
     this returns before anything is written to a parameter. Raises LoadError if a plain parameter
     is not contiguous."""
-    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                saved.append((module, name, buf))
+    saved = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
     model.to_empty(device=device)
     faulting = fault_in(local_tensor(p) for p in model.parameters())
     moved: dict[int, torch.Tensor] = {}
