@@ -85,8 +85,7 @@ class Rank0Files:
 
 
 class LocalReader:
-    """(a local reader) A source of bytes: reads the pieces it is handed (its TO_RANK pieces, FAN_OUT
-    chunks, with :attr:`everything` broadcasts too) synchronously, one at a time, as arrivals."""
+    """(a local reader) A source of bytes: reads the pieces it is handed synchronously, one at a time."""
 
     def __init__(
         self, staging: Staging, sink: Sink, files: LocalFiles | Rank0Files, everything: bool
