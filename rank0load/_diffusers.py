@@ -22,25 +22,23 @@ from .errors import LoadError, ModelMismatchError
 logger = logging.getLogger(__name__)
 
 
-def configure(
-    model_cls: Any, config: dict[str, Any], overrides: dict[str, Any], where: str, dtype: object
-) -> torch.dtype | None:
-    """(all ranks, from the same data) Check the config and the overrides; the dtype for
-    ``load_sharded``: ``from_pretrained``'s ``torch_dtype``, None (as without it) or a floating
-    torch.dtype (or its name)."""
-    quant = config.get("quantization_config")
+def configure(model_cls: Any, checkpoint: Any, dtype: object) -> torch.dtype | None:
+    """(all ranks, from the same ``checkpoint``: ``_pretrained._Checkpoint``) Check the config and the
+    overrides; the dtype for ``load_sharded``: ``from_pretrained``'s ``torch_dtype``, None (as without
+    it) or a floating torch.dtype (or its name)."""
+    quant = checkpoint.config.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
         raise ModelMismatchError(
-            f"{where}: quantization_config (quant_method {method!r}): rank0load loads diffusers models "
-            "unquantised only. Load an unquantised copy of the checkpoint."
+            f"{checkpoint.where}: quantization_config (quant_method {method!r}): rank0load loads diffusers "
+            "models unquantised only. Load an unquantised copy of the checkpoint."
         )
     accepted = set(inspect.signature(model_cls.__init__).parameters) - {"self", "args", "kwargs"}
-    unknown = sorted(set(overrides) - accepted)
+    unknown = sorted(set(checkpoint.overrides) - accepted)
     if unknown:
         raise LoadError(
-            f"config_overrides {unknown} name no argument of {model_cls.__name__}.__init__ (from {where}); "
-            "check their spelling."
+            f"config_overrides {unknown} name no argument of {model_cls.__name__}.__init__ "
+            f"(from {checkpoint.where}); check their spelling."
         )
     chosen = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
@@ -53,7 +51,7 @@ def configure(
         chosen = None
     if dist.get_rank() == 0:
         shown = chosen if chosen is not None else f"{torch.get_default_dtype()} (torch's default)"
-        logger.info("load_pretrained: %s from %s in %s", model_cls.__name__, where, shown)
+        logger.info("load_pretrained: %s from %s in %s", model_cls.__name__, checkpoint.where, shown)
     return chosen
 
 

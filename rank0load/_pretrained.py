@@ -135,9 +135,7 @@ def load_pretrained(
 
     def configure() -> Any:  # all ranks, from rank 0's checkpoint: a Configured, or a diffusers dtype
         if diffusers:
-            return _diffusers.configure(
-                model_cls, checkpoint.config, checkpoint.overrides, checkpoint.where, dtype
-            )
+            return _diffusers.configure(model_cls, checkpoint, dtype)
         return _transformers.configure(model_cls, checkpoint, dtype)
 
     configured = _distribute.run(

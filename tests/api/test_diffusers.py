@@ -27,6 +27,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -471,17 +472,20 @@ def test_config_overrides_and_dtype_are_checked_before_anything_is_built():
     from rank0load import _diffusers
     from rank0load.errors import LoadError
 
+    def checkpoint(config, overrides):
+        return SimpleNamespace(config=config, overrides=overrides, where="/ckpt/config.json")
+
     cls = _cls("wan")
     config = dict(CONFIGS["wan"][1], _class_name="WanTransformer3DModel")
     with pytest.raises(LoadError) as caught:
-        _diffusers.configure(cls, config, {"num_layer": 1}, "/ckpt/config.json", None)
+        _diffusers.configure(cls, checkpoint(config, {"num_layer": 1}), None)
     assert str(caught.value) == (
         "config_overrides ['num_layer'] name no argument of WanTransformer3DModel.__init__ (from "
         "/ckpt/config.json); check their spelling."
     )
     for bad in ("auto", torch.int8, "int8", "bfloat"):
         with pytest.raises(LoadError, match="diffusers' from_pretrained has no 'auto'"):
-            _diffusers.configure(cls, config, {}, "/ckpt/config.json", bad)
+            _diffusers.configure(cls, checkpoint(config, {}), bad)
     with pytest.raises(LoadError, match="quant_method 'bitsandbytes'"):
         quantized = dict(config, quantization_config={"quant_method": "bitsandbytes"})
-        _diffusers.configure(cls, quantized, {}, "/ckpt/config.json", None)
+        _diffusers.configure(cls, checkpoint(quantized, {}), None)
