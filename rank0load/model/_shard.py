@@ -31,14 +31,10 @@ from ..integrations._compat import (
 logger = logging.getLogger(__name__)
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
+def find_blocks(model: nn.Module, routed: frozenset[int], owners: dict[int, set[int]]) -> list[nn.Module]:
     """The modules to shard one by one, innermost first: those whose class ``_no_split_modules``
-    names, else the children of the largest ``nn.ModuleList``; none inside a routed list."""
-    return _blocks(model, routed_modules(model), _owners(model))
-
-
-def _blocks(model: nn.Module, routed: frozenset[int], owners: dict[int, set[int]]) -> list[nn.Module]:
-    """:func:`find_blocks`, given :func:`routed_modules` and :func:`_owners`."""
+    names, else the children of the largest ``nn.ModuleList``; none in ``routed`` (:func:`routed_modules`)
+    nor sharing a parameter outside itself (``owners``: :func:`_owners`)."""
     blocks = [b for b in _candidate_blocks(model) if id(b) not in routed and not _shares_outside(b, owners)]
     # Innermost first: fully_shard on a child must precede its parent.
     order = {id(m): i for i, m in enumerate(model.modules())}
@@ -203,7 +199,7 @@ def default_shard_fn(model: nn.Module, mesh: DeviceMesh) -> None:
 def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) -> None:
     """:func:`default_shard_fn` with the routed modules already found (:func:`routed_modules`)."""
     policy = _Policy(model, mesh, routed)
-    blocks = _blocks(model, routed, policy.owners)
+    blocks = find_blocks(model, routed, policy.owners)
     for block in blocks:
         if any(id(p) not in policy.managed for p in block.parameters()):
             policy.shard_unit(block)

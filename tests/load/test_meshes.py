@@ -39,9 +39,9 @@ class WithPolicy:
     def __call__(self, model, mesh) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        from rank0load.model._shard import find_blocks
+        from rank0load.model._shard import _owners, find_blocks, routed_modules
 
-        for block in find_blocks(model):
+        for block in find_blocks(model, routed_modules(model), _owners(model)):
             fully_shard(block, mesh=mesh, **self.kwargs)
         fully_shard(model, mesh=mesh, **self.kwargs)
 

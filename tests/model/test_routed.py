@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rank0load.model._shard import find_blocks, routed_modules
+from rank0load.model._shard import _owners, find_blocks, routed_modules
 from tests.remote_code.configuration_tiny_moe import TinyMoeConfig
 from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
@@ -90,4 +90,7 @@ class ExpertsNamedAsBlocks(nn.Module):
 
 def test_an_expert_class_in_no_split_modules_is_no_block():
     model = ExpertsNamedAsBlocks()
-    assert [type(b).__name__ for b in find_blocks(model)] == ["Layer", "Layer"]
+    assert [type(b).__name__ for b in find_blocks(model, routed_modules(model), _owners(model))] == [
+        "Layer",
+        "Layer",
+    ]
