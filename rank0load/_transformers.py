@@ -1,9 +1,7 @@
 """``load_pretrained`` for a transformers model class (an Auto class or a ``PreTrainedModel`` subclass).
 
-(all ranks, from rank 0's configs, as ``_pretrained.load_pretrained`` calls them) :func:`configure`:
-remote code installed, config class, ``config_overrides``, dtype, generation config, model class;
-:func:`build`: ``load_sharded``'s meta build. No collectives.
-transformers is imported inside the functions that need it.
+(all ranks, as ``_pretrained.load_pretrained`` calls them) :func:`configure`, :func:`build`. No
+collectives; transformers is imported inside the functions that need it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A checkpoint's own Python code (``trust_remote_code=True``): read on rank 0, installed on every rank
-as transformers' dynamic-module loader installs it.
-
-(rank 0)    :func:`read`: the ``auto_map`` entries' module files (and their relative imports), as a
-            :class:`RemoteCode`; :func:`save_code`: what ``save_pretrained`` writes for them.
-(all ranks) :func:`install` writes them under this rank's ``HF_MODULES_CACHE`` at rank 0's paths, with
-            ``from_pretrained``'s module names (so classes pickle); :func:`import_class` imports one.
+"""A checkpoint's own Python code (``trust_remote_code=True``), as transformers' dynamic-module loader
+installs it: read on rank 0 (:func:`read`, :func:`save_code`), installed on every rank at rank 0's paths
+with ``from_pretrained``'s module names, so classes pickle (:func:`install`, :func:`import_class`).
 No collectives; transformers is imported inside the functions.
 """
 

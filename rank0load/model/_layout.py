@@ -1,9 +1,6 @@
-"""What each rank holds of each tensor (all ranks; no collectives).
-
-:func:`layout_flags` says which fast paths a rank's shard allows: ``ROWS_OK`` when it is the row
-range :func:`rows_of` computes, ``RUNS_OK`` when it is the block :func:`runs_at` computes for its
-coordinate (checked against :func:`block_runs`, so rank 0 can compute every rank's block itself).
-:func:`placements_on` lifts a sub-mesh DTensor's placements to the load mesh.
+"""What each rank holds of each tensor (all ranks; no collectives): :func:`layout_flags` says which
+fast paths a rank's shard allows, :func:`placements_on` lifts a sub-mesh DTensor's placements to the
+load mesh.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from ..integrations._compat import local_tensor, one_dim_placement, split_chunks
 
 # Bits of layout_flags, AND-ed over the ranks at agreement.
 ROWS_OK = 1  # this rank's shard is the row range rows_of() computes
-RUNS_OK = 2  # this rank's shard is the block runs_at() computes
+RUNS_OK = 2  # this rank's shard is the block runs_at() computes (so rank 0 can compute it itself)
 
 
 def rows_of(
