@@ -1,9 +1,8 @@
 """``load_pretrained`` for a diffusers model class (a ``ModelMixin`` subclass: Flux, SD3, Wan, ...).
 
-(all ranks, from rank 0's ``config.json``, as ``_pretrained.load_pretrained`` calls them) :func:`configure`:
-overrides checked against the class's ``__init__``, the dtype; :func:`build`: the meta build of
-``load_sharded(dtype=...)`` (``_keep_in_fp32_modules`` kept in float32). No collectives.
-Nothing here imports diffusers.
+(all ranks, from rank 0's ``config.json``, as ``_pretrained.load_pretrained`` calls them) :func:`configure`,
+:func:`build` (``load_sharded(dtype=...)`` keeps ``_keep_in_fp32_modules`` in float32). No collectives;
+nothing here imports diffusers.
 """
 
 from __future__ import annotations

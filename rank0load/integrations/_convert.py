@@ -12,8 +12,7 @@ optionally then ``Concatenate(dim=1)``, is assembled, any other operation report
 :class:`TransformersReversal` / :func:`original_format_reversal` go the other way, for
 ``original_format=True``.
 
-transformers' private conversion code is reached only here (5: ``conversion_mapping``,
-``core_model_loading``; 4.57: ``_fix_state_dict_key_on_load``); ``tests/integrations/test_convert.py``
+transformers' private conversion code is reached only here; ``tests/integrations/test_convert.py``
 fails loudly when a release changes it.
 
 (all ranks build the conversions before sharding; rank 0 alone matches keys, and builds the reversal

@@ -1,9 +1,5 @@
-"""What rank0load knows about PEFT: adapters built for real, their names in PEFT's files, their config.
-
-(all ranks, inside ``_meta.build_on_meta``) :func:`adapters_built_real`: adapters built for real, as
-``get_peft_model`` builds them, while the base model stays on meta.
-(any rank) :func:`base_key`, :func:`adapter_parameters`: a PeftModel's names.
-(rank 0) :func:`adapter_names`, :func:`check_adapter_config`: PEFT's files.
+"""What rank0load knows about PEFT: adapters built for real while the base model stays on meta (all
+ranks, inside ``_meta.build_on_meta``), a PeftModel's names (any rank), PEFT's files (rank 0).
 peft is imported only for a model that uses it; no collectives.
 """
 
