@@ -57,21 +57,6 @@ class Parts:
             return self
         return replace(self, keys=joined)
 
-    def __eq__(self, other: object) -> bool:  # the keys compared as names, in either form
-        if not isinstance(other, Parts):
-            return NotImplemented
-        mine = (self.files, self.file_of, self.offsets, self.starts)
-        return mine == (other.files, other.file_of, other.offsets, other.starts) and (
-            self.key_list() == other.key_list()
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # arrays: never hashable
-
-    def __reduce__(self) -> tuple[type[Parts], tuple[object, ...]]:
-        """Pickled in the :meth:`compacted` form."""
-        c = self.compacted()
-        return Parts, (c.files, c.file_of, c.offsets, c.starts, c.keys)
-
     @property
     def nbytes(self) -> int:
         return self.starts[-1]
