@@ -189,15 +189,12 @@ def dequantize_at(
     order; a tensor-parallel block's). Same arithmetic as :func:`dequantize`."""
     bm, bn = block
     grid_cols = math.ceil(cols / bn)
-    ends = torch.tensor(list(itertools.accumulate(part_rows)), dtype=torch.int64, device=flat.device)
+    bases = torch.tensor([0, *itertools.accumulate(part_rows)], dtype=torch.int64, device=flat.device)
     grid_rows = [math.ceil(rows / bm) for rows in part_rows]
-    grid_bases = torch.tensor(
-        [0, *itertools.accumulate(grid_rows)][:-1], dtype=torch.int64, device=flat.device
-    )
+    grid_bases = torch.tensor([0, *itertools.accumulate(grid_rows)], dtype=torch.int64, device=flat.device)
     row, col = flat // cols, flat % cols
-    part = torch.searchsorted(ends, row, right=True)
-    part_base = ends[part] - torch.tensor(part_rows, dtype=torch.int64, device=flat.device)[part]
-    grid_row = grid_bases[part] + (row - part_base) // bm
+    part = torch.searchsorted(bases[1:], row, right=True)
+    grid_row = grid_bases[part] + (row - bases[part]) // bm
     scale = scales.view(-1, grid_cols)[grid_row, col // bn]
     return to_float32(values) * scale
 
@@ -236,13 +233,11 @@ def _scale_rows(
     (``y`` may be ``x``), with no full-size scale tensor."""
     bm, bn = block
     k, width = x.shape
-    if not col and not row % bm and not k % bm and not width % bn:
-        g, blocks = row // bm, (k // bm, bm, width // bn, bn)
-        torch.mul(x.view(blocks), grid[g : g + k // bm, None, : width // bn, None], out=y.view(blocks))
-        return
-    if not col and not width % bn and row // bm == (row + k - 1) // bm:  # rows inside one block row
-        row_blocks = (k, width // bn, bn)  # (a rank's half of a 128-row expert): one grid row, broadcast
-        torch.mul(x.view(row_blocks), grid[row // bm, None, : width // bn, None], out=y.view(row_blocks))
+    one_row = row // bm == (row + k - 1) // bm  # rows inside one block row: one grid row, broadcast
+    if not col and not width % bn and (one_row or not row % bm and not k % bm):
+        g, n = row // bm, 1 if one_row else k // bm
+        blocks = (n, k // n, width // bn, bn)
+        torch.mul(x.view(blocks), grid[g : g + n, None, : width // bn, None], out=y.view(blocks))
         return
     index = torch.arange(row, row + k, device=grid.device) // bm
     rows = grid.index_select(0, index)  # [k, grid columns]
