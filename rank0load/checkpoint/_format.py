@@ -89,9 +89,12 @@ def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> objec
         text = raw.decode("utf-8")
         del raw  # the caller's reference may be the last other one (see _source._read_map)
         found = json.loads(text)
-        # Each key is followed by one ':', as is each ':' in a string: if the top two levels' keys
-        # equal the colons, no key repeats; otherwise parse again with the slower hook.
-        if _keys_two_deep(found) != text.count(":"):
+        # Each key is followed by one ':', as is each ':' in a string: if the keys of an object and
+        # of the objects among its values equal the colons, no key repeats; else parse with the hook.
+        keys = (
+            len(found) + sum(len(v) for v in found.values() if type(v) is dict) if type(found) is dict else -1
+        )
+        if keys != text.count(":"):
             found = json.loads(text, object_pairs_hook=_mark_repeated_keys)
         return found
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -101,13 +104,6 @@ def parse_json(raw: bytes, what: str, fail: Callable[[str], Exception]) -> objec
     except RecursionError:
         problem = f"{what} is nested too deeply to parse"
     raise fail(problem)
-
-
-def _keys_two_deep(found: object) -> int:
-    """The keys of ``found`` (a dict) and of the dicts among its values (-1: ``found`` is no dict)."""
-    if type(found) is not dict:
-        return -1
-    return len(found) + sum(len(v) for v in found.values() if type(v) is dict)
 
 
 def _fail(path: str, what: str) -> CheckpointFormatError:
