@@ -117,10 +117,7 @@ def resolve(
                 "Fix the link or pass the checkpoint's real location."
             )
         if _REPO_ID.match(path):
-            snapshot = _from_hub(path, revision, subfolder)
-            # snapshots link into blobs/: files must stay inside the repo's cache folder
-            boundary = os.path.realpath(os.path.join(snapshot, "..", ".."))
-            return _from_dir(snapshot, subfolder, boundary)
+            return _from_dir(_from_hub(path, revision, subfolder), subfolder)
         raise CheckpointNotFoundError(
             f"checkpoint {path!r} does not exist. Pass a directory, a .safetensors file, a "
             "*.safetensors.index.json file, or a Hugging Face Hub repo id ('org/name')."
@@ -132,7 +129,7 @@ def resolve(
             "or pass a Hub repo id ('org/name') that is not also a local path."
         )
     if stat.S_ISDIR(mode):
-        return _from_dir(path, subfolder, _cache_repo(path))
+        return _from_dir(path, subfolder)
     if subfolder is not None:
         raise CheckpointNotFoundError(
             f"subfolder={subfolder!r} names a folder of a checkpoint directory, but checkpoint {path!r} is "
@@ -159,10 +156,12 @@ def _cache_repo(directory: str) -> str | None:
     return None
 
 
-def _from_dir(path: str, subfolder: str | None, boundary: str | None) -> Source:
+def _from_dir(path: str, subfolder: str | None) -> Source:
     """The checkpoint in directory ``path``, or in its folder ``subfolder`` (a pipeline's component).
     Precedence as transformers' ``from_pretrained``: ``model.safetensors``, then
-    ``model.safetensors.index.json``, then a single other index, then every ``*.safetensors`` file."""
+    ``model.safetensors.index.json``, then a single other index, then every ``*.safetensors`` file.
+    In a Hub cache snapshot, files may link anywhere inside the repo's cache folder."""
+    boundary = _cache_repo(path)
     if subfolder is not None:
         if not os.path.isdir(os.path.join(path, subfolder)):
             held = _weight_folders(path)
