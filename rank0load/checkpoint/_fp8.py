@@ -26,24 +26,18 @@ SCALE_SUFFIX = "_scale_inv"  # a weight's block scales are stored as <weight key
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
-def to_float32(values: torch.Tensor) -> torch.Tensor:
-    """``values.to(torch.float32)`` for a float8 tensor, bit for bit, NaNs included (on the CPU
-    through a 256-entry table, faster than torch's conversion)."""
-    out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
-    _convert_into(values, out)
-    return out
-
-
-def _convert_into(values: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[:] = float32(values)``; a CPU float8 tensor through the float32 value of each of its
-    dtype's 256 bytes, without a temporary."""
+def to_float32(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``values.to(torch.float32)`` for a float8 tensor (written into ``out``, if given), bit for bit,
+    NaNs included; on the CPU through the float32 value of each of its dtype's 256 bytes, no temporary."""
+    if out is None:
+        out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
     if values.device.type != "cpu" or values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        out.copy_(values)
-        return
+        return out.copy_(values)
     table = _TABLES.get(values.dtype)
     if table is None:
         table = _TABLES[values.dtype] = torch.arange(256, dtype=torch.uint8).view(values.dtype).float()
     torch.index_select(table, 0, values.reshape(-1).view(torch.uint8).int(), out=out.view(-1))
+    return out
 
 
 def block_size(root: str) -> tuple[int, int] | None:
@@ -170,7 +164,7 @@ def dequantize_stacked(
     n, k, cols = values.shape
     bm, bn = block
     out = torch.empty((n, k, cols), dtype=torch.float32, device=values.device)
-    _convert_into(values.reshape(n, k * cols), out.view(n, k * cols))
+    to_float32(values.reshape(n, k * cols), out.view(n, k * cols))
     rows = torch.arange(first_row, first_row + k, device=values.device) // bm - first_row // bm
     scale = grids.index_select(1, rows)  # [n, k, cols / bn]: each matrix row's block scales
     out.view(n, k, cols // bn, bn).mul_(scale.unsqueeze(-1))
@@ -210,7 +204,7 @@ def _part(
 ) -> None:
     """Elements ``first ..`` of one [rows, cols] part, converted into ``out`` (float32) and scaled
     into ``dest`` (``out`` itself, or the destination)."""
-    _convert_into(values, out)
+    to_float32(values, out)
     pos, n = 0, values.numel()
     while pos < n:
         row, col = divmod(first + pos, cols)
