@@ -138,18 +138,17 @@ def dequantize(
     dest = out if into is None else into.view(-1)
     bm, bn = block
     grid_cols = math.ceil(cols / bn)
-    done, base, grid_base = 0, 0, 0
+    base, grid_base, stop = 0, 0, start + values.numel()
     for rows in part_rows:
         size = rows * cols
-        lo, hi = max(start, base), min(start + values.numel(), base + size)
+        lo, hi = max(start, base), min(stop, base + size)
         if lo < hi:
             grid = scales[grid_base : grid_base + math.ceil(rows / bm) * grid_cols].view(-1, grid_cols)
             at, to = lo - start, hi - start
             _part(values[at:to], out[at:to], dest[at:to], lo - base, cols, block, grid)
-            done += hi - lo
         base += size
         grid_base += math.ceil(rows / bm) * grid_cols
-        if done == values.numel():
+        if base >= stop:
             break
     return dest
 
