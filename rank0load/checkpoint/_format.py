@@ -1,7 +1,5 @@
-"""Reading and validating safetensors headers, without the safetensors runtime (no collectives).
-(rank 0) :func:`read_header` validates dtypes, shapes and byte ranges tiling the data section before
-any data moves; :func:`parse_json` decodes untrusted JSON (headers, the index), finding repeated
-keys. (all ranks) :data:`DTYPES` and :class:`TensorHeader` are plain data."""
+"""Reading and validating safetensors headers, without the safetensors runtime (rank 0, before any
+data moves; no collectives). :data:`DTYPES` and :class:`TensorHeader` are plain data all ranks read."""
 
 from __future__ import annotations
 
@@ -114,7 +112,8 @@ def _fail(path: str, what: str) -> CheckpointFormatError:
 
 
 def read_header(file: str | os.PathLike[str] | OpenFile) -> dict[str, TensorHeader]:
-    """(rank 0) Parse and validate one file's header (``__metadata__`` too, then dropped): its tensors.
+    """(rank 0) Parse and validate one file's header: its tensors (dtypes, shapes, byte ranges that
+    tile the data section), ``__metadata__`` checked and dropped.
 
     Args:
         file: an :class:`OpenFile` (read through its descriptor, left open), or a path (opened,

@@ -1,11 +1,7 @@
 """Where the checkpoint is and what its headers hold (rank 0 only: on a multi-node job it may not
-exist on other nodes; or ``inspect`` in one process; no collectives).
-
-(rank 0) :func:`resolve` accepts a directory, a ``.safetensors`` file, an index ``.json`` or a Hub
-repo id (with ``subfolder``, that folder of it); files that leave the checkpoint are refused. The
-index is checked (every key listed once, every file name a regular file within the checkpoint);
-:func:`read_headers` and :func:`file_tensors` check the headers against each other and the index.
-"""
+exist on other nodes; or ``inspect`` in one process; no collectives). Files that leave the
+checkpoint are refused; the index is checked (every key listed once, every file name a regular file
+within the checkpoint), and the headers against each other and the index."""
 
 from __future__ import annotations
 
@@ -87,7 +83,8 @@ class Resolved(os.PathLike[str]):
 def resolve(
     ckpt_path: str | os.PathLike[str], revision: str | None = None, subfolder: str | None = None
 ) -> Source:
-    """(rank 0) Find the files of the checkpoint (in its folder ``subfolder``, if given). Raises
+    """(rank 0) Find the files of the checkpoint (a directory, a ``.safetensors`` file, an index
+    ``.json`` or a Hub repo id; in its folder ``subfolder``, if given). Raises
     CheckpointNotFoundError / CheckpointFormatError; a ``revision`` with a path that exists locally
     is a CheckpointNotFoundError (never ignored). A :class:`Resolved` path gives its Source (once)."""
     if isinstance(ckpt_path, Resolved) and revision is None and subfolder is None:
