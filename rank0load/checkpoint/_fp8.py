@@ -235,17 +235,9 @@ def _scale_rows(
     index = torch.arange(row, row + k, device=grid.device) // bm
     rows = grid.index_select(0, index)  # [k, grid columns]
     at = 0
-    if col % bn:  # a partial first column block
-        take = min(width, bn - col % bn)
-        torch.mul(x[:, :take], rows[:, col // bn, None], out=y[:, :take])
-        at = take
-    whole = (width - at) // bn
-    if whole:
-        g = (col + at) // bn
-        span = slice(at, at + whole * bn)
-        torch.mul(
-            x[:, span].view(k, whole, bn), rows[:, g : g + whole, None], out=y[:, span].view(k, whole, bn)
-        )
-        at += whole * bn
-    if at < width:  # a partial last column block
-        torch.mul(x[:, at:], rows[:, (col + at) // bn, None], out=y[:, at:])
+    while at < width:  # a partial first column block, the whole blocks, a partial last one
+        c = col + at
+        n, w = (1, min(width - at, bn - c % bn)) if c % bn or width - at < bn else ((width - at) // bn, bn)
+        span, g = slice(at, at + n * w), c // bn
+        torch.mul(x[:, span].view(k, n, w), rows[:, g : g + n, None], out=y[:, span].view(k, n, w))
+        at += n * w
