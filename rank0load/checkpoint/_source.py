@@ -35,16 +35,13 @@ class Listing:
     path: str  # the index file
     boundary: str | None
     counts: dict[str, tuple[int, int]]  # absolute file path -> (keys, sum of hash(key) mod 2**64)
+    total: int  # keys listed
 
     def agrees(self, path: str, keys: Iterable[str]) -> bool:
         """Whether ``keys`` (a header's) are exactly those the index lists for file ``path``
         (two different sets of names with equal counts and equal hash sums: chance 2**-64)."""
         keys = list(keys)
         return self.counts.get(path) == (len(keys), _hash_sum(keys))
-
-    @property
-    def total(self) -> int:
-        return sum(n for n, _ in self.counts.values())
 
     def read_map(self) -> dict[str, str]:
         """The index's map again, checked: checkpoint key -> absolute file path."""
@@ -367,7 +364,7 @@ def _from_index(index_path: str, boundary: str | None) -> Source:
     for key, path in mapped.items():
         per_file[path].append(key)
     counts = {f: (len(keys), _hash_sum(keys)) for f, keys in per_file.items()}
-    return Source(root, files, Listing(index_path, boundary, counts), index_path)
+    return Source(root, files, Listing(index_path, boundary, counts, len(mapped)), index_path)
 
 
 def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
