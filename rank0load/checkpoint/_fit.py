@@ -255,15 +255,12 @@ def _check_tied_equal(model_key: str, found: tuple[TensorHeader, ...], files: Ma
     first = found[0]
     fa = files[first.file].fd
     for other in found[1:]:
-        same = first.dtype == other.dtype and first.nbytes == other.nbytes
         fb = files[other.file].fd
-        for pos in range(0, first.nbytes if same else 0, chunk):
-            n = min(chunk, first.nbytes - pos)
-            if read_exact(fa, n, first.offset + pos, first.file) != read_exact(
-                fb, n, other.offset + pos, other.file
-            ):
-                same = False
-                break
+        same = (first.dtype, first.nbytes) == (other.dtype, other.nbytes) and all(
+            read_exact(fa, min(chunk, first.nbytes - pos), first.offset + pos, first.file)
+            == read_exact(fb, min(chunk, first.nbytes - pos), other.offset + pos, other.file)
+            for pos in range(0, first.nbytes, chunk)
+        )
         if not same:
             raise ModelMismatchError(
                 f"tied parameter {model_key!r} is stored twice with different values: "
