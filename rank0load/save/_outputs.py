@@ -103,13 +103,14 @@ def open_outputs(out_dir: str, plan: SavePlan) -> Outputs:
 def commit(
     outputs: Outputs,
     plan: SavePlan,
+    stem: str,
     model: nn.Module,
     write_configs: ConfigWriter | None,
 ) -> None:
     """(rank 0) Make the checkpoint visible: ``write_configs`` (:data:`ConfigWriter`) writes the config
     files into a temporary folder of out_dir; fsync and rename the files and them, write the index
-    last, then remove what an earlier save left that the new checkpoint does not have."""
-    directory, index_file = outputs.directory, f"{plan.stem}.safetensors.index.json"
+    last, then remove what an earlier save left under ``stem`` that the new checkpoint lacks."""
+    directory, index_file = outputs.directory, f"{stem}.safetensors.index.json"
     folder = os.path.join(directory, f".rank0load-config.tmp-{outputs.token}")  # the config files'
     if write_configs is not None:
         os.makedirs(folder)
@@ -152,9 +153,7 @@ def commit(
         outputs.temps.remove(temp)
         keep.add(index_file)
     # what this save writes or keeps the earlier save's files under (_keep_earlier); never another stem's
-    saved = re.compile(
-        re.escape(plan.stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?"
-    )
+    saved = re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
     for name in sorted(os.listdir(directory)):
         if saved.fullmatch(name) and name not in keep:
             os.unlink(os.path.join(directory, name))

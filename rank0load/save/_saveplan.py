@@ -95,8 +95,6 @@ class SavePlan:
     rounds: tuple[int, ...]  # item index where each round ends (the failure check points)
     piece_bytes: int  # the largest message
     skipped: tuple[str, ...]  # model keys key_map dropped
-    # what every file name starts with: "model", or "diffusion_pytorch_model" (diffusers)
-    stem: str
     total_size: int  # the items' bytes
 
     def pieces(self, index: int, src: int | None = None) -> Iterator[Piece]:
@@ -181,7 +179,7 @@ def plan_save(
     names = [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     files = tuple(names) if count > 1 else (f"{stem}.safetensors",)
     total = sum(i.nbytes for i in items)
-    return SavePlan(files, headers, laid, rounds, piece_bytes, tuple(skipped), stem, total)
+    return SavePlan(files, headers, laid, rounds, piece_bytes, tuple(skipped), total)
 
 
 def _senders(t: DTensor, kind: SaveKind, itemsize: int) -> tuple[_Senders, Blocks]:
