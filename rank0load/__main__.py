@@ -96,7 +96,7 @@ def _listing(title: str, items: Sequence[object], limit: int = 20) -> list[str]:
 
 
 def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) -> str:
-    lines = [f"checkpoint: {result.description}", f"files: {len(result.files)}"]
+    lines = [f"checkpoint: {result.checkpoint}", f"files: {len(result.files)}"]
     for f in result.files:
         lines.append(f"  {f.name}  {_size(f.bytes)}  {f.tensors} tensors")
     lines.append(f"tensors: {result.tensors}, {_size(result.total_bytes)} of data")
@@ -129,8 +129,7 @@ def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) 
 
 
 def _json(result: Inspection) -> str:
-    found = {"checkpoint": result.description, **asdict(result), "fits": result.fits}
-    del found["description"]
+    found = {**asdict(result), "fits": result.fits}
     found["dtypes"] = {d: {"tensors": n, "bytes": b} for d, (n, b) in result.dtypes.items()}
     t = result.largest
     if t is not None:

@@ -41,9 +41,9 @@ class FileSummary:
 @dataclass(frozen=True)
 class Inspection:
     """A checkpoint's contents and, when a model was given, how its keys fit that model (its fields,
-    in order, are ``python -m rank0load inspect --json``'s keys, ``description`` named ``checkpoint``)."""
+    in order, are ``python -m rank0load inspect --json``'s keys)."""
 
-    description: str
+    checkpoint: str  # the source's description
     files: tuple[FileSummary, ...]
     tensors: int
     total_bytes: int  # tensor data, the bytes a load moves
@@ -188,7 +188,7 @@ def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
         for path in source.files
     )
     return Inspection(
-        description=source.description,
+        checkpoint=source.description,
         files=files,
         tensors=len(headers),
         total_bytes=sum(t.nbytes for t in headers.values()),
