@@ -29,7 +29,7 @@ from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import SCALE_SUFFIX
 from ._fp8 import block_size as fp8_block_size
-from ._match import both_layouts, key_map_collision, match_keys, nothing_matched
+from ._match import both_layouts, key_map_collision, match_keys
 from ._source import Source, file_tensors, read_headers, resolve
 
 RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
@@ -143,7 +143,7 @@ class _Runs:
     ignored: list[str] = field(default_factory=list)
     unsupported: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # as KeyMatch's
     count: int = 0  # checkpoint keys
-    first: list[str] = field(default_factory=list)  # the first 50 of them, sorted (nothing_matched)
+    first: list[str] = field(default_factory=list)  # the first 50 of them, sorted (_nothing_matched)
     runs: int = 0
 
 
@@ -261,9 +261,7 @@ def _merge(
     layout, entries, stacked, single = load.layout, load.entries, load.stacked, load.single
     found = _check_stored_once(load, key_map)
     if layout.tensors and not found:
-        raise ModelMismatchError(
-            nothing_matched(description, load.count, load.first, len(load.ignored), layout)
-        )
+        raise ModelMismatchError(_nothing_matched(load, description))
     absent = [k for k in layout.tensors if k not in found]
     missing = tuple(sorted(k for k in absent if k not in layout.built))
     pending = KeyMatch(single, (), (), {k: tuple(v) for k, v in stacked.items()}, {})
@@ -316,6 +314,43 @@ def _check_stored_once(load: _Runs, key_map: Callable[[str], str | None] | None)
             f"{format_keys(keys)}. Keep one (or drop the others with key_map)."
         )
     return found | stacked.keys() | single.keys()
+
+
+def _nothing_matched(load: _Runs, description: str) -> str:
+    """The error for a load that would load nothing: a few names from each side, and a guess."""
+    layout, count, first = load.layout, load.count, load.first
+    model = sorted(k for k in layout.tensors if layout.tensors[k].is_param) or sorted(layout.tensors)
+    hint = _prefix_hint(first, model)
+    if not count:
+        found = "The checkpoint holds no tensors."
+    elif len(load.ignored) == count:
+        found = (
+            f"key_map dropped all {count} checkpoint keys (or they are the model's non-persistent buffers)."
+        )
+    else:
+        found = f"The checkpoint holds {count} keys, e.g. {format_keys(first[:3])}."
+    return (
+        f"{description}: no checkpoint key matched any model key, so nothing would be loaded (whatever "
+        f"strict is). {found} The model has {len(layout.tensors)}, e.g. {format_keys(model[:3])}. "
+        + (hint or "Check that model_fn builds the model this checkpoint was saved from, or pass key_map.")
+    )
+
+
+def _prefix_hint(ckpt: list[str], model: list[str]) -> str:
+    """A key_map that would make the names meet, when one side has a prefix the other lacks."""
+    model_set, ckpt_set = set(model), set(ckpt)
+    for key in ckpt[:50]:
+        for m in model:
+            if m.endswith("." + key) and sum(m[: -len(key)] + k in model_set for k in ckpt[:50]) > 25:
+                prefix = m[: -len(key)]
+                return f"The model's names have a prefix the checkpoint's lack: pass key_map=lambda k: {prefix!r} + k."
+            if key.endswith("." + m) and sum(key[: -len(m)] + k in ckpt_set for k in model[:50]) > 25:
+                prefix = key[: -len(m)]
+                return (
+                    f"The checkpoint's names have a prefix the model's lack: pass "
+                    f"key_map=lambda k: k.removeprefix({prefix!r})."
+                )
+    return ""
 
 
 def _check_keys(
