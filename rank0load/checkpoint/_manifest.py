@@ -267,7 +267,7 @@ def _merge(
     pending = KeyMatch(single, (), (), {k: tuple(v) for k, v in stacked.items()}, {})
     quantised = quantised_keys(pending, layout)
     unexpected = unconsumed(sorted(load.unexpected), quantised)
-    _check_keys(description, layout, strict, missing, unexpected, load.unsupported)
+    _check_keys(load, description, strict, missing, unexpected)
     pool = {t.key: t for tensors in single.values() for t in tensors}
     pool.update((t.key, t) for members in stacked.values() for _, t in members)
     pool.update((t.key, t) for t in load.scales)
@@ -354,17 +354,12 @@ def _prefix_hint(ckpt: list[str], model: list[str]) -> str:
 
 
 def _check_keys(
-    description: str,
-    layout: ModelLayout,
-    strict: bool,
-    missing: tuple[str, ...],
-    unexpected: tuple[str, ...],
-    unsupported: dict[str, tuple[str, str, str]],
+    load: _Runs, description: str, strict: bool, missing: tuple[str, ...], unexpected: tuple[str, ...]
 ) -> None:
     """Raise ModelMismatchError where the keys do not fit the model: a missing tensor only an
     unsupported conversion would fill; with ``strict``, any key missing or unexpected; a missing
     parameter the model cannot initialise."""
-    cannot = {k: v for k, v in unsupported.items() if k in missing}
+    cannot = {k: v for k, v in load.unsupported.items() if k in missing}
     if cannot:
         target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
         raise ModelMismatchError(
@@ -386,6 +381,7 @@ def _check_keys(
             + ". Pass key_map to rename keys, or strict=False to skip unexpected keys and "
             "initialise missing ones with the model's own initialisation."
         )
+    layout = load.layout
     uninitialisable = [k for k in missing if layout.tensors[k].is_param and k not in layout.initialisable]
     if uninitialisable:
         raise ModelMismatchError(
