@@ -198,9 +198,7 @@ def read_manifest(
         )
     if own:
         _run({key: t for key, (_, t) in own.items()}, load, None)
-    description = " + ".join([source.description, *(a.source.description for a in adapters)])
-    every_file = (*source.files, *(f for a in adapters for f in a.source.files))
-    return _merge(load, strict, key_map, description, every_file)
+    return _merge(load, checkpoint, strict, key_map)
 
 
 def _stored_twice(every: list[str | tuple[str, ...]]) -> bool:
@@ -251,13 +249,12 @@ def _run(headers: dict[str, TensorHeader], load: _Runs, key_map: Callable[[str],
 
 
 def _merge(
-    load: _Runs,
-    strict: bool,
-    key_map: Callable[[str], str | None] | None,
-    description: str,
-    every_file: tuple[str, ...],
+    load: _Runs, checkpoint: Checkpoint, strict: bool, key_map: Callable[[str], str | None] | None
 ) -> Manifest:
     """(rank 0) The runs' parts as one manifest: what spans runs settled, the keys checked."""
+    source, adapters = checkpoint.source, checkpoint.adapters
+    description = " + ".join([source.description, *(a.source.description for a in adapters)])
+    every_file = (*source.files, *(f for a in adapters for f in a.source.files))
     layout, entries, stacked, single = load.layout, load.entries, load.stacked, load.single
     found = _check_stored_once(load, key_map)
     if layout.tensors and not found:
