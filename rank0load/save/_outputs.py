@@ -78,7 +78,6 @@ class Outputs:
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """(rank 0) Write all of ``data`` at ``offset`` of ``fd``."""
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n

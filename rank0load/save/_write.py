@@ -82,7 +82,6 @@ def _source(item: SaveItem, tensor: torch.Tensor, pending: InFlight) -> torch.Te
 
 
 def _elements(piece: Piece | Part, wire: torch.dtype) -> slice:
-    """The elements of a piece (or a part) of the sender's flat local tensor."""
     first = piece.local_offset // wire.itemsize
     return slice(first, first + piece.nbytes // wire.itemsize)
 
