@@ -154,29 +154,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             loaded[option] = load_factory(spec, option)
         except (ImportError, AttributeError, ValueError, TypeError) as exc:
-            print(
-                f"rank0load inspect: cannot load {option} {spec!r}: {type(exc).__name__}: {exc}",
-                file=sys.stderr,
-            )
-            return EXIT_MODEL
+            return _fail(f"cannot load {option} {spec!r}: {type(exc).__name__}: {exc}", EXIT_MODEL)
     try:
         result = inspect_checkpoint(
             args.path, revision=args.revision, model_fn=loaded.get("--model"), key_map=loaded.get("--key-map")
         )
     except ModelMismatchError as exc:  # only the key map raises it: key mismatches are reported
-        print(f"rank0load inspect: --key-map {args.key_map}: {exc}", file=sys.stderr)
-        return EXIT_MODEL
+        return _fail(f"--key-map {args.key_map}: {exc}", EXIT_MODEL)
     except LoadError as exc:  # resolving or reading the checkpoint
-        print(f"rank0load inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_UNREADABLE
+        return _fail(f"{type(exc).__name__}: {exc}", EXIT_UNREADABLE)
     except Exception as exc:
-        print(
-            f"rank0load inspect: --model {args.model} failed to build: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-        )
-        return EXIT_MODEL
+        return _fail(f"--model {args.model} failed to build: {type(exc).__name__}: {exc}", EXIT_MODEL)
     print(_json(result) if args.json else _text(result, args.model, args.key_map))
     return EXIT_OK if result.fits else EXIT_MISMATCH
+
+
+def _fail(message: str, code: int) -> int:
+    """Print ``message`` to stderr as the command's error; return the exit code ``code``."""
+    print(f"rank0load inspect: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
