@@ -29,9 +29,9 @@ from ..integrations._compat import (
 from ..integrations._remote_code import save_code
 from ._saveplan import SavePlan
 
-# (rank 0) writes a checkpoint's config files into an empty temporary folder (model, folder, plan);
+# (rank 0) writes the model's config files into an empty temporary folder (folder, plan);
 # every file it leaves there is committed into out_dir with the weights
-ConfigWriter = Callable[[nn.Module, str, SavePlan], None]
+ConfigWriter = Callable[[str, SavePlan], None]
 
 
 def layout_of(
@@ -43,14 +43,14 @@ def layout_of(
     ``adapter_config.json`` for ``adapter``; for a ``PeftModel``, its base model's with
     ``original_format``, else plain files under its own names, no config files."""
     if adapter is not None:
-        return "adapter_model", functools.partial(_adapter_config, adapter)
+        return "adapter_model", functools.partial(_adapter_config, model, adapter)
     base = peft_base_model(model)
     if base is not model and not original_format:
         return "model", None
     if is_transformers_model(base):
-        return "model", _hf_configs
+        return "model", functools.partial(_hf_configs, model)
     if is_diffusers_class(type(base)):
-        return "diffusion_pytorch_model", _diffusers_config
+        return "diffusion_pytorch_model", functools.partial(_diffusers_config, model)
     return "model", None
 
 
@@ -103,7 +103,6 @@ def commit(
     outputs: Outputs,
     plan: SavePlan,
     stem: str,
-    model: nn.Module,
     write_configs: ConfigWriter | None,
 ) -> None:
     """(rank 0) Make the checkpoint visible: ``write_configs`` (:data:`ConfigWriter`) writes the config
@@ -114,7 +113,7 @@ def commit(
     if write_configs is not None:
         os.makedirs(folder)
         outputs.temps.append(folder)
-        write_configs(model, folder, plan)
+        write_configs(folder, plan)
     for fd in outputs.fds:
         os.fsync(fd)
     while outputs.fds:
@@ -200,7 +199,7 @@ def _fsync_dir(directory: str) -> None:
         os.close(dir_fd)
 
 
-def _adapter_config(adapter: str, model: nn.Module, folder: str, plan: SavePlan) -> None:
+def _adapter_config(model: nn.Module, adapter: str, folder: str, plan: SavePlan) -> None:
     """(rank 0) ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it."""
     config: Any = copy.deepcopy(_peft.peft_config(model, adapter))
     if getattr(config, "base_model_name_or_path", None) is None:

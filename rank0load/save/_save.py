@@ -156,9 +156,7 @@ def save_sharded(
             _write.stream(plan, tensors, outputs, staging, on_bytes)
         clock("stream")
         _distribute.run(
-            lambda: (
-                _outputs.commit(outputs, plan, stem, model, write_configs) if outputs is not None else None
-            ),
+            lambda: _outputs.commit(outputs, plan, stem, write_configs) if outputs is not None else None,
             "committing the checkpoint",
             _write.TODO,
             SaveError,
