@@ -1,9 +1,5 @@
-"""The file plan of a save: what rank 0 decides and broadcasts before any byte moves.
-
-(rank 0) :func:`plan_save` maps every model tensor to its saved name and dtype, splits the tensors
-into files as huggingface_hub does, lays out each header, and names the senders of every sharded
-DTensor's elements. (all ranks) :class:`SavePlan` is shared as it is; every rank derives the same
-messages from it (:meth:`SavePlan.pieces`). No collectives here."""
+"""The file plan of a save: what rank 0 decides (:func:`plan_save`) and broadcasts before any byte
+moves; every rank derives the same messages from it (:meth:`SavePlan.pieces`). No collectives here."""
 
 from __future__ import annotations
 
