@@ -156,7 +156,7 @@ def inspect_checkpoint(
         summary,
         model_checked=True,
         model_tensors=len(layout.tensors),
-        matched=len(match.by_model_key) + len(match.stacked),
+        matched=len(found),
         missing=missing,
         unexpected=unconsumed(match.unexpected, quantised),
         mismatched=tuple(sorted(mismatched)),
@@ -173,7 +173,6 @@ def inspect_checkpoint(
 
 
 def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
-    """The checkpoint's files, tensors, dtypes and sizes, no model checked."""
     per_file = Counter(t.file for t in headers.values())
     dtypes: dict[str, tuple[int, int]] = {}
     for t in headers.values():
