@@ -186,7 +186,6 @@ def _finished(
 ) -> nn.Module:
     """(all ranks) Ties restored, nothing left on meta; the report attached and summarised."""
     _model.finish(built.model, built.layout)
-    _model.guard_added_parameters(built.model, built.layout)
     clock("finish")
     whole = plan.broadcast_whole
     report = LoadReport(

@@ -1,7 +1,6 @@
 """The model around the stream: build and shard it, allocate its shards, initialise what the
 checkpoint lacks, and put it back together afterwards (all ranks; no collectives). In load order:
-:func:`build_sharded`, :func:`materialise`, :func:`init_missing`, :func:`apply_built`; after the
-stream :func:`finish` and :func:`guard_added_parameters`.
+:func:`build_sharded`, :func:`materialise`, :func:`init_missing`, :func:`apply_built`; then :func:`finish`.
 """
 
 from __future__ import annotations
@@ -261,7 +260,7 @@ def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
 
 def finish(model: nn.Module, layout: ModelLayout) -> None:
     """(all ranks) Re-tie every name of a tied parameter to one object (``to_empty`` and FSDP2 can
-    split them); raises RankMismatchError if anything is left on meta."""
+    split them); raises RankMismatchError if anything is left on meta; then guard_added_parameters."""
     for first, *rest in layout.tie_groups:
         module, leaf = resolve_module(model, first)
         store = "_parameters" if layout.tensors[first].is_param else "_buffers"
@@ -273,3 +272,4 @@ def finish(model: nn.Module, layout: ModelLayout) -> None:
     left += [n for n, b in model.named_buffers() if b.is_meta]
     if left:
         raise RankMismatchError(f"tensors left on meta after loading: {format_keys(left)}")
+    guard_added_parameters(model, layout)
