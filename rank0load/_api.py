@@ -35,13 +35,18 @@ from .checkpoint._manifest import (
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._report import Clock, LoadReport, fsdp_plan, log_summary, peak_rss_bytes, progress_bar
-from .common._staging import DEFAULT_STAGING_BYTES, SLOTS
+from .common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES, SLOTS
+from .errors import LoadError
 from .integrations._convert import StackExperts
-from .load import _handover, _model, _options, _sink, _transfer
+from .load import _handover, _model, _sink, _transfer
 from .load._plan import Plan, build_plan
+from .model._layout import rank_coordinates
 
 # from this many checkpoint tensors on, the manifest leaves enough memory to be worth malloc_trim's heap walk
 _TRIM_FROM_TENSORS = 10_000
+# max_staging_bytes' default on an accelerator mesh (DEFAULT_STAGING_BYTES on a CPU one): rank 0
+# stages in pinned host memory and copies to the device, and more staging keeps its readers ahead
+ACCELERATOR_STAGING_BYTES = 256 << 20
 
 
 def load_sharded(
@@ -109,9 +114,7 @@ def load_sharded(
     if mesh is None:
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
     if max_staging_bytes is None:
-        max_staging_bytes = (
-            DEFAULT_STAGING_BYTES if mesh.device_type == "cpu" else _options.ACCELERATOR_STAGING_BYTES
-        )
+        max_staging_bytes = DEFAULT_STAGING_BYTES if mesh.device_type == "cpu" else ACCELERATOR_STAGING_BYTES
     options = {
         "strict": strict,
         "dtype": dtype,
@@ -231,12 +234,42 @@ def _build(
     rng_state: torch.Tensor | None,
 ) -> _model.Built:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
-    _options.check_options(options["dtype"], options["max_staging_bytes"], options["local_reads"])
-    _options.check_mesh(mesh, dist.get_world_size())
+    _check_arguments(options, mesh)
     built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions, rng_state)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
     built.proposal = _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
     return built
+
+
+def _check_arguments(options: dict[str, Any], mesh: DeviceMesh) -> None:
+    """(all ranks, no collectives) Arguments that would fail later, checked before anything is built;
+    the mesh must span every rank, with global rank 0 at its origin. Raises LoadError."""
+    local_reads = options["local_reads"]
+    max_staging_bytes = options["max_staging_bytes"]
+    dtype = options["dtype"]
+    if not isinstance(local_reads, bool):
+        raise LoadError(
+            f"local_reads={local_reads!r} is not a bool (True: ranks on rank 0's host read their own bytes)"
+        )
+    if isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int):
+        raise LoadError(f"max_staging_bytes={max_staging_bytes!r} is not an int (bytes)")
+    if max_staging_bytes < MIN_STAGING_BYTES:
+        raise LoadError(
+            f"max_staging_bytes={max_staging_bytes} is too small: use at least {MIN_STAGING_BYTES} bytes "
+            f"(the default, {DEFAULT_STAGING_BYTES >> 20} MiB, keeps the stream fast)"
+        )
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise LoadError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
+    world_size = dist.get_world_size()
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if ranks != list(range(world_size)):
+        raise LoadError(
+            f"the mesh spans ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} but the world has "
+            f"{world_size} ranks: load_sharded needs a mesh over every rank"
+        )
+    coord = dict(rank_coordinates(mesh))[0]
+    if any(coord):
+        raise LoadError(f"global rank 0 sits at mesh coordinate {coord}; rank0load needs it at the origin")
 
 
 def _prepare(
