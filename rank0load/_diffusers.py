@@ -1,9 +1,6 @@
-"""``load_pretrained`` for a diffusers model class (a ``ModelMixin`` subclass: Flux, SD3, Wan, ...).
-
-(all ranks, from rank 0's ``config.json``, as ``_pretrained.load_pretrained`` calls them) :func:`configure`,
-:func:`build` (``load_sharded(dtype=...)`` keeps ``_keep_in_fp32_modules`` in float32). No collectives;
-nothing here imports diffusers.
-"""
+"""``load_pretrained`` for a diffusers ``ModelMixin`` subclass (Flux, SD3, Wan, ...): all ranks, from
+rank 0's ``config.json``; ``load_sharded(dtype=...)`` keeps ``_keep_in_fp32_modules`` in float32. No
+collectives; nothing here imports diffusers."""
 
 from __future__ import annotations
 

@@ -133,13 +133,11 @@ def load_pretrained(
         ),
     )
 
-    def configure() -> Any:  # all ranks, from rank 0's checkpoint: a Configured, or a diffusers dtype
-        if diffusers:
-            return _diffusers.configure(model_cls, checkpoint, dtype)
-        return _transformers.configure(model_cls, checkpoint, dtype)
-
+    # all ranks, from rank 0's checkpoint: a Configured, or a diffusers dtype
+    configure: Any = _diffusers.configure if diffusers else _transformers.configure
+    step = functools.partial(configure, model_cls, checkpoint, dtype)
     configured = _distribute.run(
-        configure, "building the model's config", _distribute.NO_DATA_MOVED, wrap=LoadError
+        step, "building the model's config", _distribute.NO_DATA_MOVED, wrap=LoadError
     )
     if diffusers:
         build = functools.partial(_diffusers.build, model_cls, checkpoint)

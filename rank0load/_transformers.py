@@ -1,8 +1,5 @@
-"""``load_pretrained`` for a transformers model class (an Auto class or a ``PreTrainedModel`` subclass).
-
-(all ranks, as ``_pretrained.load_pretrained`` calls them) :func:`configure`, :func:`build`. No
-collectives; transformers is imported inside the functions that need it.
-"""
+"""``load_pretrained`` for a transformers Auto class or ``PreTrainedModel`` subclass (all ranks). No
+collectives; transformers is imported inside the functions that need it."""
 
 from __future__ import annotations
 
@@ -192,10 +189,8 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
 
 
 def build(model_cls: Any, configured: Configured, peft_config: Any) -> nn.Module:
-    """(all ranks, inside ``load_sharded``'s meta build) ``from_config`` of ``configured.model_cls``
-    (remote code's) or ``model_cls`` in ``configured.dtype``, cast as ``from_pretrained(dtype=...)``
-    casts (``_model.cast``), ``config.dtype`` set with ``configured.record``; then
-    ``get_peft_model(model, peft_config)`` with a ``peft_config``."""
+    """(all ranks, inside ``load_sharded``'s meta build) The model in ``configured.dtype`` as
+    ``from_pretrained(dtype=...)`` builds it; with a ``peft_config``, ``get_peft_model`` of it."""
     model_cls = configured.model_cls or model_cls
     dtype = configured.dtype
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
