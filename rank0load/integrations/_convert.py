@@ -280,8 +280,6 @@ def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence
     base = _compat.peft_base_model(model)
     if _compat.is_transformers_model(base):
         keys = model_keys if base is model else [_peft.base_key(k) for k in model_keys]
-        if _has_conversion_mapping():
-            out.append(TransformersConversions(base, keys))
-        else:
-            out.append(TransformersRenamings(base, keys))
+        transformers = TransformersConversions if _has_conversion_mapping() else TransformersRenamings
+        out.append(transformers(base, keys))
     return out
