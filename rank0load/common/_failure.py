@@ -62,35 +62,6 @@ def user_code(what: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         raise UserCodeFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
-def _internal(error: BaseException) -> str:
-    """What an exception inside rank0load's own code was, where it was raised, and the versions."""
-    frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
-    where = ""
-    if frames:
-        last = frames[-1]
-        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
-        if ours and ours[-1] is not last:
-            where += f", called from rank0load's {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})"
-    return f"rank0load's own code raised {type(error).__name__}: {error}{where}"
-
-
-def _internal_todo() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = []  # the versions to report
-    for name in ("rank0load", "torch", "transformers", "peft", "diffusers"):
-        try:
-            found.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            continue
-    return (
-        "This is not caused by your model, checkpoint or arguments: it is a bug in rank0load or a "
-        f"dependency version it cannot handle ({', '.join(found)}). Check the README's tested versions, and "
-        "report it with this message."
-    )
-
-
 def failure_of(
     error: BaseException, count: int, first: int, stage: str, todo: str, wrap: type[LoadError]
 ) -> LoadError:
@@ -113,12 +84,34 @@ def failure_of(
     if wrap is RankMismatchError:  # not the ranks' disagreement, nor the caller's code: ours
         return internal_error(head, error)
     # the stage's own class (LoadError, SaveError) and advice, the cause named as ours
-    return wrap(f"{head}: {_internal(error)}. {_internal_todo()} {todo}")
+    return wrap(f"{internal_error(head, error)} {todo}")
 
 
 def internal_error(what: str, error: BaseException) -> InternalError:
-    """rank0load's own ``error`` on one rank while doing ``what``, as the InternalError to share."""
-    return InternalError(f"{what}: {_internal(error)}. {_internal_todo()}")
+    """rank0load's own ``error`` on one rank while doing ``what``, as the InternalError to share: where
+    it was raised, and the versions to report."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
+        if ours and ours[-1] is not last:
+            where += f", called from rank0load's {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})"
+    found = []  # the versions to report
+    for name in ("rank0load", "torch", "transformers", "peft", "diffusers"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return InternalError(
+        f"{what}: rank0load's own code raised {type(error).__name__}: {error}{where}. This is not caused "
+        "by your model, checkpoint or arguments: it is a bug in rank0load or a dependency version it "
+        f"cannot handle ({', '.join(found)}). Check the README's tested versions, and report it with "
+        "this message."
+    )
 
 
 def rank_mismatch(first: int, count: int, explained: str) -> RankMismatchError:
