@@ -182,13 +182,18 @@ def _summarise(source: Source, headers: dict[str, TensorHeader]) -> Inspection:
         names = {os.path.realpath(os.path.join(source.root, n)): n for n in os.listdir(source.root)}
     except OSError:
         names = {}
-    files = tuple(
-        FileSummary(names.get(path, os.path.relpath(path, source.root)), path, _size(path), per_file[path])
-        for path in source.files
-    )
+    files = []
+    for path in source.files:
+        try:
+            size = os.path.getsize(path)
+        except OSError as exc:
+            raise LoadError(f"cannot stat {path!r}: {exc.strerror}") from None
+        files.append(
+            FileSummary(names.get(path, os.path.relpath(path, source.root)), path, size, per_file[path])
+        )
     return Inspection(
         checkpoint=source.description,
-        files=files,
+        files=tuple(files),
         tensors=len(headers),
         total_bytes=sum(t.nbytes for t in headers.values()),
         dtypes=dict(sorted(dtypes.items())),
@@ -217,10 +222,3 @@ def _fsdp_groups(model: nn.Module) -> tuple[tuple[FSDPGroup, ...] | None, str, s
         return fsdp_plan(model), "", ""
     finally:
         dist.destroy_process_group()
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError as exc:
-        raise LoadError(f"cannot stat {path!r}: {exc.strerror}") from None
