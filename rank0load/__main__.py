@@ -170,7 +170,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    """Print ``message`` to stderr as the command's error; return the exit code ``code``."""
     print(f"rank0load inspect: {message}", file=sys.stderr)
     return code
 
