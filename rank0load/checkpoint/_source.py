@@ -64,17 +64,13 @@ class Resolved(os.PathLike[str]):
 
     def __init__(self, path: str | os.PathLike[str], source: Source) -> None:
         self.path = os.fspath(path)
-        self._source: Source | None = source
+        self.source: Source | None = source
 
     def __fspath__(self) -> str:
         return self.path
 
     def __repr__(self) -> str:
         return repr(self.path)
-
-    def take(self) -> Source | None:
-        source, self._source = self._source, None
-        return source
 
 
 def resolve(
@@ -85,7 +81,7 @@ def resolve(
     CheckpointNotFoundError / CheckpointFormatError; a ``revision`` with a path that exists locally
     is a CheckpointNotFoundError (never ignored). A :class:`Resolved` path gives its Source (once)."""
     if isinstance(ckpt_path, Resolved) and revision is None and subfolder is None:
-        source = ckpt_path.take()
+        source, ckpt_path.source = ckpt_path.source, None
         if source is not None:
             return source
     path = os.fspath(ckpt_path)
