@@ -59,9 +59,19 @@ class Outputs:
     """(rank 0) The temporary files being written, one per planned file."""
 
     directory: str
-    token: str
+    token: str = field(default_factory=functools.partial(secrets.token_hex, 4))
     temps: list[str] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
+
+    def open(self, plan: SavePlan) -> None:
+        """Create the directory if needed, then each file under a temporary name, its header written;
+        on failure, what was created is left for :meth:`discard`."""
+        os.makedirs(self.directory, exist_ok=True)
+        for name, header in zip(plan.files, plan.headers):
+            path = os.path.join(self.directory, f".{name}.tmp-{self.token}")
+            self.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            self.temps.append(path)
+            pwrite_all(self.fds[-1], memoryview(header), 0)
 
     def discard(self) -> None:
         """Close and remove every temporary file (errors ignored: this runs while failing)."""
@@ -81,22 +91,6 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
-
-
-def open_outputs(out_dir: str, plan: SavePlan) -> Outputs:
-    """(rank 0) Create ``out_dir`` if needed, then each file under a temporary name, its header written."""
-    os.makedirs(out_dir, exist_ok=True)
-    outputs = Outputs(out_dir, secrets.token_hex(4))
-    try:
-        for name, header in zip(plan.files, plan.headers):
-            path = os.path.join(out_dir, f".{name}.tmp-{outputs.token}")
-            outputs.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            outputs.temps.append(path)
-            pwrite_all(outputs.fds[-1], memoryview(header), 0)
-    except BaseException:
-        outputs.discard()
-        raise
-    return outputs
 
 
 def commit(

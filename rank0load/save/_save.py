@@ -4,7 +4,7 @@ all ranks  describe the model, layout flags, agree (same model, same options)  -
 rank 0     plan: saved names, dtypes, files split like huggingface_hub, headers -> _saveplan.plan_save
 all ranks  rank 0's plan, or its error                                       -> _distribute.from_rank0
 all ranks  allocate staging; rank 0 creates out_dir, the temporary files and
-           their headers; settle                                               -> _outputs.open_outputs
+           their headers; settle                                               -> _outputs.Outputs.open
 all ranks  stream: each rank sends its rows / TP blocks, rank 0 writes         -> _write.stream
 rank 0     config.json, fsync, rename, index last, remove stale files; settle  -> _outputs.commit
 """
@@ -144,14 +144,16 @@ def save_sharded(
         (_distribute.mesh_device(t.device_mesh.device_type) for t in dtensors), torch.device("cpu")
     )
 
-    def prepare() -> tuple[_write.Staging, _outputs.Outputs | None]:
-        staging = _write.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
-        return staging, _outputs.open_outputs(out, plan) if rank == 0 else None
+    outputs = _outputs.Outputs(out) if rank == 0 else None  # rank 0's, discarded below
 
-    prepared = _distribute.attempt(prepare)
-    outputs = prepared.value[1] if prepared.value is not None else None  # rank 0's, discarded below
+    def prepare() -> _write.Staging:
+        staging = _write.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
+        if outputs is not None:
+            outputs.open(plan)
+        return staging
+
     try:
-        staging, _ = _distribute.settle(prepared, "creating the output files", _write.TODO, SaveError)
+        staging = _distribute.run(prepare, "creating the output files", _write.TODO, SaveError)
         with progress_bar(plan.total_size, show=rank == 0) as on_bytes:
             _write.stream(plan, tensors, outputs, staging, on_bytes)
         clock("stream")
