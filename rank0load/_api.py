@@ -130,7 +130,7 @@ def load_sharded(
             gc.disable()
             opened.callback(gc.enable)  # left off if the caller turned it off
         # the shards allocated, a thread faulting them in; a failure is raised by agree or _prepare
-        allocating = _distribute.attempt(lambda: _model.materialise(building.get().model, mesh_device))
+        allocating = _distribute.attempt(lambda: _model.materialise(building.get()[0].model, mesh_device))
         if allocating.value is not None:
             opened.callback(allocating.value.close)
         clock("allocate")
@@ -142,7 +142,7 @@ def load_sharded(
                     ckpt_path,
                     revision,
                     opened,
-                    lambda: adapters_of(building.get().model, adapter) if adapter is not None else (),
+                    lambda: adapters_of(building.get()[0].model, adapter) if adapter is not None else (),
                 )
             )
         clock("headers")
@@ -232,13 +232,12 @@ def _build(
     options: dict[str, Any],
     conversions: Sequence[StackExperts],
     rng_state: torch.Tensor | None,
-) -> _model.Built:
+) -> tuple[_model.Built, _distribute.Proposal]:
     """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
     _check_arguments(options, mesh)
     built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions, rng_state)
     options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
-    built.proposal = _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
-    return built
+    return built, _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
 
 
 def _check_arguments(options: dict[str, Any], mesh: DeviceMesh) -> None:

@@ -22,7 +22,7 @@ import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast
+from typing import Any, Generic, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -235,25 +235,14 @@ class Proposal:
         return "ties or non-persistent buffers differ"
 
 
-class Proposing(Protocol):
-    """What a build step makes (``_model.Built``, the save's description): this rank's proposal."""
-
-    @property
-    def proposal(self) -> Proposal: ...
-
-
-P = TypeVar("P", bound=Proposing)
-
-
-def agree(built: Outcome[P]) -> tuple[P, tuple[int, ...]]:
-    """(all ranks) Settle the build step, then check every rank built the same model with the same
-    options; returns the build and the layout flags AND-ed over the ranks. Raises the same error on
-    every rank (RankMismatchError if they differ; LoadError for a failed collective); no message
-    grows with the world size."""
-    value = settle(
+def agree(built: Outcome[tuple[R, Proposal]]) -> tuple[R, tuple[int, ...]]:
+    """(all ranks) Settle the build step (its value and this rank's proposal), then check every rank
+    built the same model with the same options; returns the value and the layout flags AND-ed over
+    the ranks. Raises the same error on every rank (RankMismatchError if they differ; LoadError for a
+    failed collective); no message grows with the world size."""
+    value, proposal = settle(
         built, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry."
     )
-    proposal = value.proposal
     with peer_failures("agreeing with the other ranks"):
         device = _object_device()
         digest = torch.frombuffer(bytearray(proposal.digest()), dtype=torch.int64).to(device)

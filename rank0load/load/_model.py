@@ -45,7 +45,6 @@ class Built:
     conversions: list[Any]  # _convert: for rank 0's manifest
     # canonical key -> the value model_fn built it with (PEFT adapters), full size, on the CPU
     real_values: dict[str, torch.Tensor]
-    proposal: Any = None  # _distribute.Proposal: what this rank brings to the agreement
 
 
 def build_sharded(

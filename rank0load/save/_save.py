@@ -124,8 +124,7 @@ def save_sharded(
         max_shard_size, original_format = sys.maxsize, False
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
-    described, flags = _distribute.agree(_distribute.attempt(lambda: _describe(model, options)))
-    tensors = described.tensors
+    tensors, flags = _distribute.agree(_distribute.attempt(lambda: _describe(model, options)))
     clock("agree")
     plan = _distribute.from_rank0(
         lambda: plan_save(
@@ -217,16 +216,11 @@ def _adapter_names(
     return lambda key: names().get(key)
 
 
-@dataclass(frozen=True)
-class _Described:
-    """(each rank) The model as this rank describes it, and its proposal to the other ranks."""
-
-    tensors: dict[str, torch.Tensor]  # by canonical key, in the model's order (ModelLayout.tensors)
-    proposal: _distribute.Proposal
-
-
-def _describe(model: nn.Module, options: dict[str, Any]) -> _Described:
-    """(all ranks) Check the options, describe the model, and make this rank's proposal."""
+def _describe(
+    model: nn.Module, options: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], _distribute.Proposal]:
+    """(all ranks) Check the options, then the model's tensors by canonical key, in the model's order
+    (ModelLayout.tensors), and this rank's proposal."""
     dtype, staging = options["dtype"], options["max_staging_bytes"]
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise SaveError(f"dtype={dtype} is not a floating torch.dtype; integer tensors are never cast")
@@ -241,8 +235,7 @@ def _describe(model: nn.Module, options: dict[str, Any]) -> _Described:
         layout_flags(t, t.device_mesh) if isinstance(t, DTensor) and local_tensor(t).is_contiguous() else 0
         for t in tensors.values()
     )
-    proposal = _distribute.Proposal(layout.fingerprint(), options, flags)
-    return _Described(tensors, proposal)
+    return tensors, _distribute.Proposal(layout.fingerprint(), options, flags)
 
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:
