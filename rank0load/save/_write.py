@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint._format import DTYPES
 from ..common import _distribute
 from ..common._blocks import Chunk, Part
-from ..common._distribute import settled
 from ..common._memory import reserve
 from ..common._staging import SLOTS, AllOf, InFlight, block_half
 from ..errors import SaveError
@@ -62,7 +61,7 @@ def stream(
     failed."""
     faults = _distribute.Faults()
 
-    with settled(faults, plan.rounds, "writing the checkpoint", TODO, SaveError, TODO) as rounds:
+    with _distribute.settled(faults, plan.rounds, "writing the checkpoint", TODO, SaveError, TODO) as rounds:
         if dist.get_rank() == 0:
             assert outputs is not None
             _Collector(plan, outputs, staging, faults).run(rounds, tensors, on_bytes)
