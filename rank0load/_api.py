@@ -154,7 +154,8 @@ def load_sharded(
             nonlocal server
             opened_checkpoint = checkpoint.get()
             manifest = read_manifest(opened_checkpoint, built.layout, strict, key_map, built.conversions)
-            server = _handover.listen(manifest, opened_checkpoint.files) if local_reads else None
+            if local_reads and dist.get_world_size() > 1:  # a server lending the files to this host
+                server = _handover.Server.listen([opened_checkpoint.files[p] for p in manifest.files])
             if server is None:
                 return manifest, None
             opened.callback(server.close)

@@ -24,14 +24,13 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint._files import FileIdentity, OpenFile
-from ..checkpoint._manifest import Manifest
 from ..common import _distribute
 from ._localread import LocalFiles
 
@@ -218,13 +217,6 @@ def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
         raise
 
 
-def listen(manifest: Manifest, files: Mapping[str, OpenFile]) -> Server | None:
-    """(rank 0) A server lending ``files`` to the ranks on this host; None when there is no other rank."""
-    if dist.get_world_size() == 1:
-        return None
-    return Server.listen([files[path] for path in manifest.files])
-
-
 @dataclass
 class LocalReads:
     """(all ranks) One load's hand-over: made by :func:`hand_over`, its :attr:`readers` set by :meth:`decide`."""
@@ -258,7 +250,7 @@ class LocalReads:
         return len(self.readers) == dist.get_world_size() - 1
 
     def close(self) -> None:
-        """Close this rank's descriptors (rank 0's server is closed by whoever made it: ``listen``'s caller)."""
+        """Close this rank's descriptors (rank 0's server is closed by whoever made it: ``Server.listen``'s caller)."""
         if self.files is not None:
             self.files.close()
 
