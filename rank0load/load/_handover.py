@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..checkpoint._files import FileIdentity, OpenFile
 from ..common import _distribute
-from ._localread import LocalFiles
+from ._localread import LentFile
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,8 @@ class LocalReads:
     offer: Offer | None
     status: str  # which path this rank took, and why (LoadReport.local_status)
     server: Server | None = None  # rank 0
-    files: LocalFiles | None = None  # a rank on rank 0's host that holds the descriptors
+    files: dict[str, LentFile] | None = None  # a rank on rank 0's host that holds the descriptors
+    host: torch.Tensor | None = None  # that rank's pinned buffer, shards off the CPU
     readers: frozenset[int] = frozenset()  # the ranks that read their own bytes (the same on every rank)
 
     def decide(self) -> LocalReads:
@@ -251,8 +252,8 @@ class LocalReads:
 
     def close(self) -> None:
         """Close this rank's descriptors (rank 0's server is closed by whoever made it: ``Server.listen``'s caller)."""
-        if self.files is not None:
-            self.files.close()
+        for file in (self.files or {}).values():
+            file.close()
 
 
 def hand_over(
@@ -287,11 +288,14 @@ def hand_over(
         logger.debug("rank %d takes the stream: %s", rank, exc)
         return LocalReads(offer, status=f"stream: the hand-over failed ({type(exc).__name__}: {exc})")
     try:
-        files = LocalFiles(
-            dict(zip(paths, fds, strict=True)), dict(zip(paths, offer.identities)), mesh_device, host_bytes
+        host = (
+            None if mesh_device.type == "cpu" else torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
         )
     except Exception as exc:  # a pinned buffer that cannot be had: take the stream
         for fd in fds:
             os.close(fd)
         return LocalReads(offer, status=f"stream: {type(exc).__name__}: {exc}")
-    return LocalReads(offer, files=files, status="local: read its own bytes through rank 0's descriptors")
+    lent = zip(paths, fds, offer.identities, strict=True)  # fetch returned one per identity, in order
+    files = {path: LentFile(path, fd, identity) for path, fd, identity in lent}
+    status = "local: read its own bytes through rank 0's descriptors"
+    return LocalReads(offer, files=files, host=host, status=status)

@@ -4,20 +4,19 @@
 :class:`LocalReader` reads, instead of receiving, its rows of SHARDED entries and the rows of BLOCK
 chunks that hold its parts; broadcast pieces too when every rank but 0 reads locally
 (``_handover.LocalReads.everyone``), and then, with CPU shards, rank 0 reads its own share through one as
-well (:class:`Rank0Files`). A failure is the sink's local failure, settled like any other; the files
+well (its own open files). A failure is the sink's local failure, settled like any other; the files
 read in a round are checked at its end against the identities rank 0 recorded when it opened them.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint._files import FileIdentity, OpenFile, opened
+from ..checkpoint._files import OpenFile, opened
 from ..common._staging import block_half
 from ..errors import CheckpointChangedError, InternalError
 from ._plan import Message, Piece, Route
@@ -27,74 +26,32 @@ from ._sink import Arrival, Sink, Staging
 _THROUGH_RANK0 = " (it reads through rank 0's descriptor; local_reads=False has rank 0 send its bytes)"
 
 
-class LocalFiles:
-    """(a local reader) Rank 0's descriptors, by checkpoint path, with the identity of each file."""
+class LentFile(OpenFile):
+    """(a local reader) One of rank 0's descriptors, lent with the identity rank 0 recorded when it
+    opened the file; checked by its descriptor alone (the path may be hidden on this rank)."""
 
-    def __init__(
-        self,
-        fds: dict[str, int],
-        identities: dict[str, FileIdentity],
-        mesh_device: torch.device,
-        host_bytes: int,
-    ) -> None:
-        self.fds, self.identities = fds, identities
-        on_cpu = mesh_device.type == "cpu"
-        self.host = None if on_cpu else torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+    __slots__ = ()
 
-    def fd(self, path: str) -> int:
-        fd = self.fds.get(path)
-        if fd is None:
-            raise InternalError(f"internal error: rank 0 did not hand over {path}")
-        return fd
-
-    def check(self, path: str) -> None:
-        """Raise CheckpointChangedError if the file behind ``path``'s descriptor changed."""
-        changes = self.identities[path].rewritten(self.fd(path))
+    def check(self) -> None:
+        """Raise CheckpointChangedError if the file behind the descriptor changed."""
+        changes = self.identity.rewritten(self.fd)
         if changes:
             raise CheckpointChangedError(
-                f"{path} changed ({'; '.join(changes)}) while rank {dist.get_rank()} read it: the "
+                f"{self.path} changed ({'; '.join(changes)}) while rank {dist.get_rank()} read it: the "
                 "checkpoint changed during the load; wait until whatever writes it has finished, then load again."
             )
-
-    def paths(self) -> list[str]:
-        return list(self.fds)
-
-    def close(self) -> None:
-        fds, self.fds = self.fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-
-class Rank0Files:
-    """(rank 0, when every rank reads locally and its shards are on the CPU) Its own open files, as
-    a :class:`LocalReader` reads them: by descriptor, checked by descriptor and by path."""
-
-    host = None
-
-    def __init__(self, files: Mapping[str, OpenFile]) -> None:
-        self._files = files
-
-    def fd(self, path: str) -> int:
-        return opened(self._files, path).fd
-
-    def check(self, path: str) -> None:
-        self._files[path].check()
-
-    def paths(self) -> list[str]:
-        return list(self._files)
 
 
 class LocalReader:
     """(a local reader) A source of bytes: reads the pieces it is handed synchronously, one at a time."""
 
     def __init__(
-        self, staging: Staging, sink: Sink, files: LocalFiles | Rank0Files, everything: bool
+        self, staging: Staging, sink: Sink, files: Mapping[str, OpenFile], host: torch.Tensor | None
     ) -> None:
         self.plan, self.sink, self.files = sink.plan, sink, files
-        self.everything = everything  # broadcast pieces too
         self.me = dist.get_rank()
         self.slot = staging.slots[0]  # reads are synchronous: one slot, free again once delivered
-        self.host = files.host if files.host is not None else self.slot
+        self.host = host if host is not None else self.slot  # ``host``: a pinned buffer, shards off the CPU
         self.touched: set[str] = set()
 
     def arrivals(self, piece: Piece | Message) -> Iterator[Arrival]:
@@ -141,11 +98,11 @@ class LocalReader:
         """Check every file read since the last round's end (its descriptor's fstat)."""
         touched, self.touched = self.touched, set()
         for path in sorted(touched):
-            self.sink.faults.run(self.files.check, path)
+            self.sink.faults.run(self.files[path].check)
 
     def finish(self) -> None:
         """Check every file once more after the last read: one replaced after its round fails the load."""
-        self.touched = set(self.files.paths())
+        self.touched = set(self.files)
         self.round_end()
 
     def _staged(self, piece: Piece) -> torch.Tensor:
@@ -160,4 +117,4 @@ class LocalReader:
         for path, offset, views in runs(extents, data):
             self.touched.add(path)
             hint = "" if self.me == 0 else _THROUGH_RANK0
-            read_into(self.files.fd(path), views, offset, path, f"rank {self.me}", hint)
+            read_into(opened(self.files, path).fd, views, offset, path, f"rank {self.me}", hint)

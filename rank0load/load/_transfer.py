@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..common._distribute import settled
 from ..common._staging import InFlight, block_half
 from ..errors import LoadError
-from ._localread import LocalReader, Rank0Files
+from ._localread import LocalReader
 from ._plan import Message, Piece, Route, messages
 from ._readahead import Reader, read_threads
 from ._sink import Arrival, Sink, Staging, fan_out
@@ -55,9 +55,9 @@ def stream(
     ) as rounds:
         source: FileSource | ReceiveSource | OwnSource
         if local.everyone and sink.device.type == "cpu":  # each rank reads its own bytes into CPU shards
-            own = local.files if dist.get_rank() else Rank0Files(files)
+            own = local.files if dist.get_rank() else files
             assert own is not None  # every rank but 0 holds rank 0's descriptors
-            source = OwnSource(sink, LocalReader(staging, sink, own, True), on_bytes)
+            source = OwnSource(sink, LocalReader(staging, sink, own, local.host), on_bytes)
         elif dist.get_rank() == 0:  # it sends to the others
             source = FileSource(staging, files, sink, local, on_bytes)
         else:
@@ -217,7 +217,8 @@ class ReceiveSource:
 
     def __init__(self, staging: Staging, sink: Sink, local: LocalReads) -> None:
         self.sink, self.slots = sink, staging.slots
-        self.local = None if local.files is None else LocalReader(staging, sink, local.files, local.everyone)
+        self.local = None if local.files is None else LocalReader(staging, sink, local.files, local.host)
+        self.everything = local.everyone  # a local reader reads the broadcast pieces too
         self.me = dist.get_rank()
         self._free = collections.deque(range(len(staging.slots)))
         self._pending = InFlight()  # receives, each adding its arrival to _done once complete
@@ -232,7 +233,7 @@ class ReceiveSource:
         for message in self._by_round.until(stop):
             piece = message.first
             if local is not None and (
-                local.everything or message.dst == self.me or piece.route is Route.FAN_OUT
+                self.everything or message.dst == self.me or piece.route is Route.FAN_OUT
             ):
                 for p in message.pieces:
                     yield from local.arrivals(p)
