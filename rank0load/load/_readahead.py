@@ -257,7 +257,7 @@ class Reader:
                 self._check(self._current)
                 self._current = path
             if self._pool is None:
-                self._read_run(path, offset, views)
+                read_into(opened(self._files, path).fd, views, offset, path)
                 continue
             for part in split_runs([(path, offset, views)], _PART_BYTES):
                 parts.append(self._pool.submit(self._read_part, *part))
@@ -266,13 +266,9 @@ class Reader:
 
     def _read_part(self, path: str, offset: int, views: list[memoryview]) -> None:
         try:
-            self._read_run(path, offset, views)
+            read_into(opened(self._files, path).fd, views, offset, path)
         except Exception as exc:
             self._fail(exc)
-
-    def _read_run(self, path: str, offset: int, views: list[memoryview]) -> None:
-        fd = opened(self._files, path).fd
-        read_into(fd, views, offset, path)
 
     def _check(self, path: str | None) -> None:
         file = self._files.get(path) if path is not None else None
