@@ -96,10 +96,11 @@ def own_together(device: torch.device) -> bool:
 
 class FileSource:
     """(rank 0) Its pieces (not ``local``'s readers') read by its reader thread, one arrival per message,
-    in order; :meth:`take` hands each on to the ranks it serves (not the local readers, nor broadcasts
-    when they are all the other ranks), then into its own sink. On an accelerator
-    mesh the copies out of the pinned staging are non-blocking on the current stream (later reads of
-    the shards are ordered after them); the reader waits for them (:meth:`_done_with`); the last round
+    in order (``until``: a round's; on an accelerator mesh each must be sent before the next is asked
+    for, the ring); :meth:`take` hands each on to the ranks it serves (not the local readers, nor
+    broadcasts when they are all the other ranks), then into its own sink. On an accelerator mesh the
+    copies out of the pinned staging are non-blocking on the current stream (later reads of the shards
+    are ordered after them); the reader waits for them (:meth:`_done_with`); the last round
     synchronises the stream."""
 
     def __init__(
@@ -122,7 +123,7 @@ class FileSource:
             staging,
             read_threads(sink.device),
         )
-        self._by_round = ByRound(iter(self.reader), lambda a: a.message.index)
+        self.until = ByRound(iter(self.reader), lambda a: a.message.index).until
 
     def _pieces(self, readers: frozenset[int]) -> Iterator[Piece]:
         """Its pieces less those the ``readers`` read themselves (BLOCK chunks cut for the other ranks
@@ -140,11 +141,6 @@ class FileSource:
         if len(message.pieces) > 1 or piece.route is not Route.TO_RANK or piece.dst != 0:
             return None
         return self.sink.direct_view(piece, on=_CPU)
-
-    def until(self, stop: int) -> Iterator[Arrival]:
-        """The arrivals of the round that ends before entry ``stop``; on an accelerator mesh each must
-        be sent before the next is asked for (the ring)."""
-        return self._by_round.until(stop)
 
     def take(self, arrival: Arrival) -> None:
         message, data, slot_to_free = arrival.message, arrival.data, arrival.slot
@@ -204,7 +200,7 @@ class FileSource:
         if stop == len(self.plan.entries):
             if not self.on_cpu:
                 self.sink.faults.run(torch.accelerator.current_stream(self.sink.device).synchronize)
-            for _ in self._by_round.until(stop + 1):  # the reader's last checks come with its end
+            for _ in self.until(stop + 1):  # the reader's last checks come with its end
                 pass
         if self.sink.faults.error is None and self.reader.failed is not None:
             self.sink.faults.note(self.reader.failed)
