@@ -234,16 +234,9 @@ def _build(
     conversions: Sequence[StackExperts],
     rng_state: torch.Tensor | None,
 ) -> tuple[_model.Built, _distribute.Proposal]:
-    """(all ranks) Check the arguments and the mesh, build and shard, and make this rank's proposal."""
-    _check_arguments(options, mesh)
-    built = _model.build_sharded(model_fn, mesh, shard_fn, options["dtype"], conversions, rng_state)
-    options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
-    return built, _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
-
-
-def _check_arguments(options: dict[str, Any], mesh: DeviceMesh) -> None:
-    """(all ranks, no collectives) Arguments that would fail later, checked before anything is built;
-    the mesh must span every rank, with global rank 0 at its origin. Raises LoadError."""
+    """(all ranks) Check the arguments that would fail later and the mesh, with no collective (it must
+    span every rank, with global rank 0 at its origin; raises LoadError); then build and shard, and make
+    this rank's proposal."""
     local_reads = options["local_reads"]
     max_staging_bytes = options["max_staging_bytes"]
     dtype = options["dtype"]
@@ -270,6 +263,9 @@ def _check_arguments(options: dict[str, Any], mesh: DeviceMesh) -> None:
     coord = dict(rank_coordinates(mesh))[0]
     if any(coord):
         raise LoadError(f"global rank 0 sits at mesh coordinate {coord}; rank0load needs it at the origin")
+    built = _model.build_sharded(model_fn, mesh, shard_fn, dtype, conversions, rng_state)
+    options["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
+    return built, _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
 
 
 def _prepare(
