@@ -177,12 +177,12 @@ def load_sharded(
             "allocating or initialising the model",
             _distribute.NO_DATA_MOVED,
         )
-        local = handover.decide()
+        handover.decide()
         clock("plan")
         with progress_bar(manifest.total_bytes, show=rank == 0) as on_bytes:
-            _transfer.stream(sink, staging, files, on_bytes, local)
+            _transfer.stream(sink, staging, files, on_bytes, handover)
         clock("stream")
-    return _finished(built, manifest, plan, clock, local)
+    return _finished(built, manifest, plan, clock, handover)
 
 
 def _finished(

@@ -228,11 +228,11 @@ class LocalReads:
     host: torch.Tensor | None = None  # that rank's pinned buffer, shards off the CPU
     readers: frozenset[int] = frozenset()  # the ranks that read their own bytes (the same on every rank)
 
-    def decide(self) -> LocalReads:
+    def decide(self) -> None:
         """(all ranks) Which ranks read locally: each rank's bit, OR-ed over the ranks; rank 0 then
         stops serving. Nothing is collective when local reads are off (no offer)."""
         if self.offer is None:
-            return self
+            return
         self.readers = _distribute.ranks_where(self.files is not None, "agreeing on node-local reads")
         if self.server is not None:
             self.server.stop()  # every rank has had its try: the hand-over is over
@@ -243,7 +243,6 @@ class LocalReads:
                     "(their LoadReport.local_status says why)",
                     fell_back,
                 )
-        return self
 
     @property
     def everyone(self) -> bool:
