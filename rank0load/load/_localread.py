@@ -115,6 +115,6 @@ class LocalReader:
         entry = self.plan.entries[piece.index]
         extents = entry.extents(piece.start, piece.nbytes, piece.route is Route.SCALES)
         for path, offset, views in runs(extents, data):
-            self.touched.add(path)
             hint = "" if self.me == 0 else _THROUGH_RANK0
             read_into(opened(self.files, path).fd, views, offset, path, f"rank {self.me}", hint)
+            self.touched.add(path)  # one of ``files``, read (a failed read stops all checks: faults.run)
