@@ -93,35 +93,17 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
     caller's config object is left alone. Under a PEFT model the base model is cast so; ``built``
     (ids of PEFT's adapters, built with real values) keep the dtype PEFT gave them."""
     base = peft_base_model(model)
-    if is_transformers_model(base):
-        keep = hf_keep_in_fp32(base, dtype)
-        _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=True)
-    elif is_diffusers_class(type(base)):
-        keep = diffusers_keep_in_fp32(base, dtype)
-        _cast_tensors(base, dtype, keep, built, persistent_only=True, skip_float8=False)
-    else:
-        _cast_tensors(model, dtype, None, built, persistent_only=False, skip_float8=False)
-
-
-def _cast_tensors(
-    model: nn.Module,
-    dtype: torch.dtype,
-    keep: Callable[[str], bool] | None,
-    built: frozenset[int],
-    *,
-    persistent_only: bool,
-    skip_float8: bool,
-) -> None:
-    """Floating parameters and buffers to ``dtype`` (float32 where ``keep(name)``); ``built``
-    parameters, non-persistent buffers (``persistent_only``) and float8 (``skip_float8``) as they are."""
-    for module_name, module in model.named_modules():
+    transformers = is_transformers_model(base)
+    library = transformers or is_diffusers_class(type(base))  # else: every tensor, as model.to(dtype)
+    keep = (hf_keep_in_fp32 if transformers else diffusers_keep_in_fp32)(base, dtype) if library else None
+    for module_name, module in (base if library else model).named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, t in [*module._parameters.items(), *module._buffers.items()]:
             if t is None or id(t) in built or not t.is_floating_point():
                 continue
-            if skip_float8 and t.element_size() == 1:
+            if transformers and t.element_size() == 1:
                 continue
-            if persistent_only and leaf in module._non_persistent_buffers_set:
+            if library and leaf in module._non_persistent_buffers_set:
                 continue
             want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
             if t.dtype != want and leaf in module._parameters:
