@@ -72,11 +72,24 @@ def _outside_zeroed(t: torch.Tensor) -> tuple[int, int] | None:
     return (lo, hi - lo) if hi > lo else None
 
 
-class FaultIn:
-    """(each rank) Tensors being faulted in by a background thread, largest first; :meth:`wait` faults in
-    what the thread has not reached on the caller's thread too, and returns once all are resident."""
+_SMALL = 1 << 20
 
-    def __init__(self, todo: list[tuple[tuple[int, int] | None, torch.Tensor]]) -> None:
+
+class FaultIn:
+    """(each rank) :func:`prefault` each of ``tensors`` behind the caller's next work: a background
+    thread takes them largest first (non-CPU tensors are zeroed here, asynchronously; CPU tensors
+    under ``_SMALL`` that fill their storage are skipped: their first write faults them in at the
+    same cost). :meth:`wait` faults in what the thread has not reached on the caller's thread too,
+    and returns once all are resident."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        todo = []
+        with torch.no_grad():
+            for t in tensors:
+                if t.device.type != "cpu":
+                    prefault(t)
+                elif t.nbytes >= _SMALL or t.storage_offset() or t.untyped_storage().nbytes() != t.nbytes:
+                    todo.append((_outside_zeroed(t), t))
         todo.sort(key=lambda item: item[1].nbytes, reverse=True)
         self._todo = collections.deque(todo)
         self._error: BaseException | None = None
@@ -115,23 +128,6 @@ class FaultIn:
             self.close()
         if self._error is not None:
             raise self._error
-
-
-_SMALL = 1 << 20
-
-
-def fault_in(tensors: Iterable[torch.Tensor]) -> FaultIn:
-    """(each rank) :func:`prefault` each of ``tensors`` behind the caller's next work (a background
-    thread; non-CPU tensors are zeroed here, asynchronously). CPU tensors under ``_SMALL`` that fill
-    their storage are skipped: their first write faults them in at the same cost."""
-    todo = []
-    with torch.no_grad():
-        for t in tensors:
-            if t.device.type != "cpu":
-                prefault(t)
-            elif t.nbytes >= _SMALL or t.storage_offset() or t.untyped_storage().nbytes() != t.nbytes:
-                todo.append((_outside_zeroed(t), t))
-    return FaultIn(todo)
 
 
 def trim_heap() -> None:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..common._failure import user_code
-from ..common._memory import FaultIn, fault_in
+from ..common._memory import FaultIn
 from ..errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 from ..integrations._compat import (
     clear_hf_initialized,
@@ -142,7 +142,7 @@ def materialise(model: nn.Module, device: torch.device) -> FaultIn:
     is not contiguous."""
     saved = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
     model.to_empty(device=device)
-    faulting = fault_in(local_tensor(p) for p in model.parameters())
+    faulting = FaultIn(local_tensor(p) for p in model.parameters())
     moved: dict[int, torch.Tensor] = {}
     for module, name, buf in saved:
         new = moved.get(id(buf))

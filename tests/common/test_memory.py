@@ -1,5 +1,5 @@
 """prefault: local shards resident before data lands, padding zeroed, shard bytes never rewritten
-where the kernel can fault pages in (MADV_POPULATE_WRITE); fault_in: the same for many tensors, in a
+where the kernel can fault pages in (MADV_POPULATE_WRITE); FaultIn: the same for many tensors, in a
 background thread and the caller's, and the thread's failure raised to the caller."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_fault_in_does_what_prefault_does_for_every_tensor():
     small = [torch.full((n,), 5, dtype=torch.uint8) for n in (100, 5000)]  # whole storages under _SMALL
     storages, shards = zip(*[_padded(3 * 4096 + 100, 1000 + i, 10000 + i, 7) for i in range(40)])
     before = _rss()
-    pending = _memory.fault_in([*fresh, *small, *shards])
+    pending = _memory.FaultIn([*fresh, *small, *shards])
     pending.wait()
     assert _rss() - before > (88 << 20) * 0.9
     for storage, shard in zip(storages, shards):
@@ -68,7 +68,7 @@ def test_fault_in_does_what_prefault_does_for_every_tensor():
     # left to fault in where they are written: nothing outside them to zero, nothing done to them
     assert all(torch.all(t == 5) for t in small)
     storage, shard = _padded(4096, 0, 100, 7)  # a small shard whose storage is padded: the padding zeroed
-    _memory.fault_in([shard]).wait()
+    _memory.FaultIn([shard]).wait()
     assert torch.count_nonzero(storage[100:]) == 0
 
 
@@ -77,7 +77,7 @@ def test_fault_in_thread_failure_is_raised_by_wait(monkeypatch):
         raise MemoryError("no pages, on purpose")
 
     monkeypatch.setattr(_memory, "_fill", failing)
-    pending = _memory.fault_in([torch.empty(n, dtype=torch.uint8) for n in (1 << 20, 2 << 20, 3 << 20)])
+    pending = _memory.FaultIn([torch.empty(n, dtype=torch.uint8) for n in (1 << 20, 2 << 20, 3 << 20)])
     with pytest.raises(MemoryError, match="on purpose"):
         pending.wait()
     pending.close()  # after a failure: returns, raising nothing
@@ -86,7 +86,7 @@ def test_fault_in_thread_failure_is_raised_by_wait(monkeypatch):
 def test_fault_in_without_madvise_zero_fills(monkeypatch):
     monkeypatch.setattr(_memory, "_madvise", False)
     tensors = [torch.full(((1 << 18) + i,), 3.0) for i in range(5)]  # over _SMALL
-    _memory.fault_in(tensors).wait()
+    _memory.FaultIn(tensors).wait()
     assert all(torch.count_nonzero(t) == 0 for t in tensors)
 
 
@@ -94,5 +94,5 @@ def test_fault_in_parameters_that_require_grad():
     """The thread zero-fills a parameter (under a page) as prefault does: no in-place-on-a-leaf error."""
     padded = torch.full((20,), 2.0)[:10]  # under a page, its storage padded (FSDP2's shards are)
     params = [torch.nn.Parameter(padded), torch.nn.Parameter(torch.full((1 << 20,), 2.0))]
-    _memory.fault_in(params).wait()
+    _memory.FaultIn(params).wait()
     assert torch.count_nonzero(params[0].detach()) == 0 and params[1].requires_grad
