@@ -7,7 +7,7 @@ for inf) is all-reduced over its groups, then added to (maxed with) the local-on
 schedule come from the parameters' placements, never from which gradients exist locally: a rank
 with empty shards or no gradients reaches the same collectives with zeros.
 
-(all ranks, the same parameters in the same order) ``clip_grad_norm_``; collectives: ``_all_reduce_buckets``.
+(all ranks, the same parameters in the same order) ``clip_grad_norm_``; collectives: ``_total_norm``.
 """
 
 from __future__ import annotations
@@ -91,28 +91,6 @@ def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
     if foreach and not foreach_supported(device):
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     return foreach
-
-
-def _all_reduce_buckets(
-    groups: list[tuple[_Group, ...]], values: list[torch.Tensor], op: dist.ReduceOp.RedOpType
-) -> list[torch.Tensor]:
-    """(collective, all ranks) Reduce ``values[b]`` over each group of ``groups[b]`` in turn: stage ``s``
-    runs one all-reduce per distinct ``s``-th group, in first-parameter order, the same on every
-    member, so ranks meet in every group in the same order and none deadlock."""
-    values = list(values)
-    for stage in range(max((len(g) for g in groups), default=0)):
-        schedule: dict[tuple[int, ...], tuple[_Group, list[int]]] = {}
-        for b, bucket_groups in enumerate(groups):
-            if stage < len(bucket_groups):
-                group = bucket_groups[stage]
-                schedule.setdefault(group.ranks, (group, []))[1].append(b)
-        for group, members in schedule.values():
-            home = values[members[0]].device
-            packed = torch.stack([values[b] for b in members]).to(group.device)
-            dist.all_reduce(packed, op=op, group=group.pg)
-            for j, b in enumerate(members):
-                values[b] = packed[j].to(home)
-    return values
 
 
 @torch.no_grad()
@@ -203,20 +181,29 @@ def _buckets(params: list[torch.Tensor]) -> _Buckets:
 
 def _total_norm(buckets: _Buckets, p: float, foreach: bool | None, device: torch.device) -> torch.Tensor:
     """(collective, all ranks) The total norm, float64 on ``device``: each bucket's local power
-    reduced over its groups (:func:`_all_reduce_buckets`), then summed (maxed)."""
+    reduced over each of its groups in turn, then summed (maxed). Stage ``s`` runs one all-reduce per
+    distinct ``s``-th group, in first-parameter order, the same on every member, so ranks meet in
+    every group in the same order and none deadlock."""
+    inf = math.isinf(p)
     values = [_local_power(gs, p, foreach, device) for _, gs in buckets.values()]
-    bucket_groups = [gs for gs, _ in buckets.values()]
-    if math.isinf(p):
-        # MAX need not propagate nan: a nan flag beside each max makes every rank end with nan alike
-        flagged = [torch.stack([torch.where(v.isnan(), 0.0, v), v.isnan().to(v.dtype)]) for v in values]
-        reduced = [
-            torch.where(r[1] > 0, torch.nan, r[0])
-            for r in _all_reduce_buckets(bucket_groups, flagged, dist.ReduceOp.MAX)
-        ]
-    else:
-        reduced = _all_reduce_buckets(bucket_groups, values, dist.ReduceOp.SUM)
-    parts = torch.stack(reduced)
-    return parts.max() if math.isinf(p) else parts.sum().pow(1.0 / p)
+    if inf:  # MAX need not propagate nan: a nan flag beside each max makes every rank end with nan alike
+        values = [torch.stack([torch.where(v.isnan(), 0.0, v), v.isnan().to(v.dtype)]) for v in values]
+    groups = [gs for gs, _ in buckets.values()]
+    for stage in range(max((len(g) for g in groups), default=0)):
+        schedule: dict[tuple[int, ...], tuple[_Group, list[int]]] = {}
+        for b, bucket_groups in enumerate(groups):
+            if stage < len(bucket_groups):
+                group = bucket_groups[stage]
+                schedule.setdefault(group.ranks, (group, []))[1].append(b)
+        for group, members in schedule.values():
+            home = values[members[0]].device
+            packed = torch.stack([values[b] for b in members]).to(group.device)
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group.pg)
+            for j, b in enumerate(members):
+                values[b] = packed[j].to(home)
+    if inf:
+        return torch.stack([torch.where(v[1] > 0, torch.nan, v[0]) for v in values]).max()
+    return torch.stack(values).sum().pow(1.0 / p)
 
 
 def _check_grad(i: int, param: DTensor, groups: tuple[_Group, ...]) -> None:
