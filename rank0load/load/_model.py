@@ -208,10 +208,23 @@ def init_missing(model: nn.Module, layout: ModelLayout, missing: tuple[str, ...]
         )
 
 
-def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
-    """(all ranks) At the model's first forward, raise LoadError if trainable parameters were added
-    after the load as plain tensors (``get_peft_model`` on the loaded model: unsharded, drawn
-    differently per rank). Every rank finds the same names, so every rank raises; the hook then goes."""
+def finish(model: nn.Module, layout: ModelLayout) -> None:
+    """(all ranks) Re-tie every name of a tied parameter to one object (``to_empty`` and FSDP2 can
+    split them); raises RankMismatchError if anything is left on meta. Then, at the model's first
+    forward, raise LoadError if trainable parameters were added after the load as plain tensors
+    (``get_peft_model`` on the loaded model: unsharded, drawn differently per rank). Every rank finds
+    the same names, so every rank raises; the hook then goes."""
+    for first, *rest in layout.tie_groups:
+        module, leaf = resolve_module(model, first)
+        store = "_parameters" if layout.tensors[first].is_param else "_buffers"
+        primary = getattr(module, store)[leaf]
+        for name in rest:
+            module, leaf = resolve_module(model, name)
+            getattr(module, store)[leaf] = primary
+    left = [n for n, p in model.named_parameters() if p.is_meta or local_tensor(p).is_meta]
+    left += [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RankMismatchError(f"tensors left on meta after loading: {format_keys(left)}")
     known = set(layout.tensors) | set(layout.aliases)
     handles: list[Any] = []
 
@@ -237,20 +250,3 @@ def guard_added_parameters(model: nn.Module, layout: ModelLayout) -> None:
     for module in model.modules():
         if module is model or isinstance(module, FSDPModule):
             handles.append(module.register_forward_pre_hook(check))
-
-
-def finish(model: nn.Module, layout: ModelLayout) -> None:
-    """(all ranks) Re-tie every name of a tied parameter to one object (``to_empty`` and FSDP2 can
-    split them); raises RankMismatchError if anything is left on meta; then guard_added_parameters."""
-    for first, *rest in layout.tie_groups:
-        module, leaf = resolve_module(model, first)
-        store = "_parameters" if layout.tensors[first].is_param else "_buffers"
-        primary = getattr(module, store)[leaf]
-        for name in rest:
-            module, leaf = resolve_module(model, name)
-            getattr(module, store)[leaf] = primary
-    left = [n for n, p in model.named_parameters() if p.is_meta or local_tensor(p).is_meta]
-    left += [n for n, b in model.named_buffers() if b.is_meta]
-    if left:
-        raise RankMismatchError(f"tensors left on meta after loading: {format_keys(left)}")
-    guard_added_parameters(model, layout)
