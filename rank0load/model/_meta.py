@@ -155,10 +155,7 @@ class ModelLayout:
     def canonical(self, key: str) -> str | None:
         """The canonical model key for a checkpoint key (after ``key_map``), or None. Wrapper segments
         (``_orig_mod.``, ``_checkpoint_wrapped_module.``) are ignored on both sides."""
-        hit = self._names.get(key)  # called for every checkpoint key: the common answers first
-        if hit is not None or _WRAPPED.search(key) is None:
-            return hit
-        return self._names.get(strip_wrappers(key))
+        return self._names.get(key) or self._names.get(strip_wrappers(key))
 
     def canonical_all(self, keys: Sequence[str]) -> list[str | None]:
         """``[self.canonical(k) for k in keys]``, in bulk."""
