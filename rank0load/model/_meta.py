@@ -236,7 +236,6 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
         ):
             initialisable.add(name)
 
-    tie_groups = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     for name in [*tensors, *aliases]:  # wrapper-free and PEFT base names, overriding no existing name
         for plain in (strip_wrappers(name), base_key(strip_wrappers(name))):
             if plain != name and plain not in tensors and plain not in aliases:
@@ -246,7 +245,7 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
     return ModelLayout(
         tensors=tensors,
         aliases=aliases,
-        tie_groups=tie_groups,
+        tie_groups=tuple(tuple(names) for names in groups.values() if len(names) > 1),
         non_persistent=frozenset(non_persistent),
         initialisable=frozenset(initialisable),
         built=frozenset(aliases.get(name, name) for name in built),

@@ -287,13 +287,12 @@ def check_dtype_groups(
         dtypes = sorted({_dtype_name(d) for _, d in trainable})
         if len(dtypes) < 2:
             continue
-        where = where or "the root module"
         by_dtype = {d: [n for n, t in trainable if _dtype_name(t) == d] for d in dtypes}
         shown = "; ".join(
             f"{d}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for d, ns in by_dtype.items()
         )
         raise ModelMismatchError(
-            f"the FSDP group of {where!r} holds trainable parameters of {len(dtypes)} dtypes ({shown}); "
+            f"the FSDP group of {where or 'the root module'!r} holds trainable parameters of {len(dtypes)} dtypes ({shown}); "
             "FSDP2 needs one dtype among a group's trainable parameters and would fail at the first "
             "forward. Freeze the odd ones (requires_grad_(False)) or give them the group's dtype; or, "
             "in shard_fn, fully_shard each submodule of another dtype before its parent (innermost "

@@ -139,7 +139,6 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
 
     buckets = _buckets(params)
-    present = [g for _, gs in buckets.values() for g in gs]
     first = next((q.grad for q in params if q.grad is not None), params[0])
     device = local_tensor(first).device  # torch returns the norm on the first gradient's device
     dtype = torch.float64 if any(local_tensor(q).dtype == torch.float64 for q in params) else torch.float32
@@ -151,7 +150,7 @@ def clip_grad_norm_(
             "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
             "set `error_if_nonfinite=False`"
         )
-    _clip_(present, max_norm, total, foreach)
+    _clip_([g for _, gs in buckets.values() for g in gs], max_norm, total, foreach)
     return total
 
 
