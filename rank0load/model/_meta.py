@@ -211,15 +211,12 @@ def describe(model: nn.Module, built: Collection[str] = ()) -> ModelLayout:
     named: list[tuple[str, torch.Tensor, bool]] = [
         (name, param, True) for name, param in model.named_parameters(remove_duplicate=False)
     ]
-    for module_name, module in modules.items():
-        for leaf, buf in module._buffers.items():
-            if buf is None:
-                continue
-            name = f"{module_name}.{leaf}" if module_name else leaf
-            if leaf in non_persistent_buffers(module):
-                non_persistent.add(name)
-            else:
-                named.append((name, buf, False))
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        module_name, _, leaf = name.rpartition(".")
+        if leaf in non_persistent_buffers(modules[module_name]):
+            non_persistent.add(name)
+        else:
+            named.append((name, buf, False))
 
     for name, tensor, is_param in named:
         names = groups.setdefault(id(tensor), [])
