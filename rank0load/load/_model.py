@@ -95,7 +95,8 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
     base = peft_base_model(model)
     transformers = is_transformers_model(base)
     library = transformers or is_diffusers_class(type(base))  # else: every tensor, as model.to(dtype)
-    keep = (hf_keep_in_fp32 if transformers else diffusers_keep_in_fp32)(base, dtype) if library else None
+    keep_in_fp32 = hf_keep_in_fp32 if transformers else diffusers_keep_in_fp32
+    keep = keep_in_fp32(base, dtype) if library else None
     for module_name, module in (base if library else model).named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, t in [*module._parameters.items(), *module._buffers.items()]:
