@@ -137,19 +137,16 @@ class _Policy:
             names = sorted(names)
             return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
+        def free(module: nn.Module, same: bool) -> list[str]:  # no group yet; of dtype or (same=False) not
+            at = paths[id(module)]
+            return [
+                f"{at}.{n}" if at else n
+                for n, p in module.named_parameters()
+                if p.requires_grad and (p.dtype == dtype) == same and id(p) not in self.managed
+            ]
+
         paths = {id(m): n for n, m in self.model.named_modules()}
         where = paths[id(unit)]
-        prefix = f"{where}." if where else ""
-        held = [
-            prefix + n
-            for n, p in unit.named_parameters()
-            if p.requires_grad and p.dtype == dtype and id(p) not in self.managed
-        ]
-        odd = [
-            f"{paths[id(child)]}.{n}"
-            for n, p in child.named_parameters()
-            if p.requires_grad and p.dtype != dtype and id(p) not in self.managed
-        ]
         dtypes = "/".join(
             sorted(
                 {_dtype_name(p.dtype) for p in child.parameters() if p.requires_grad} - {_dtype_name(dtype)}
@@ -157,13 +154,14 @@ class _Policy:
         )
         return (
             f"the FSDP group of {where or 'the root module'!r} would train {_dtype_name(dtype)} "
-            f"parameters ({shown(held)}) and {dtypes} ones inside the routed list "
-            f"{paths[id(child)]!r} ({shown(odd)}). FSDP2 needs one dtype among a group's trainable "
-            "parameters, and a group of their own inside a routed list (modules that run only on the ranks "
-            "whose tokens reach them) would make ranks with different batches issue different collectives. "
-            "Freeze one side in model_fn (requires_grad_(False): a router bias or scale usually), or give "
-            "both the same dtype; with load_pretrained, freeze it in a shard_fn that then calls "
-            "rank0load.default_shard_fn(model, mesh), or pass a peft_config (PEFT freezes the base)."
+            f"parameters ({shown(free(unit, True))}) and {dtypes} ones inside the routed list "
+            f"{paths[id(child)]!r} ({shown(free(child, False))}). FSDP2 needs one dtype among a "
+            "group's trainable parameters, and a group of their own inside a routed list (modules that run "
+            "only on the ranks whose tokens reach them) would make ranks with different batches issue "
+            "different collectives. Freeze one side in model_fn (requires_grad_(False): a router bias or "
+            "scale usually), or give both the same dtype; with load_pretrained, freeze it in a shard_fn "
+            "that then calls rank0load.default_shard_fn(model, mesh), or pass a peft_config (PEFT freezes "
+            "the base)."
         )
 
     def _shard(self, module: nn.Module) -> None:
@@ -287,12 +285,13 @@ def check_dtype_groups(
         dtypes = sorted({_dtype_name(d) for _, d in trainable})
         if len(dtypes) < 2:
             continue
+        where = where or "the root module"
         by_dtype = {d: [n for n, t in trainable if _dtype_name(t) == d] for d in dtypes}
         shown = "; ".join(
             f"{d}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for d, ns in by_dtype.items()
         )
         raise ModelMismatchError(
-            f"the FSDP group of {where or 'the root module'!r} holds trainable parameters of {len(dtypes)} dtypes ({shown}); "
+            f"the FSDP group of {where!r} holds trainable parameters of {len(dtypes)} dtypes ({shown}); "
             "FSDP2 needs one dtype among a group's trainable parameters and would fail at the first "
             "forward. Freeze the odd ones (requires_grad_(False)) or give them the group's dtype; or, "
             "in shard_fn, fully_shard each submodule of another dtype before its parent (innermost "
