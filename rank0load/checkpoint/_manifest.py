@@ -29,7 +29,7 @@ from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import SCALE_SUFFIX
 from ._fp8 import block_size as fp8_block_size
-from ._match import both_layouts, key_map_collision, match_keys
+from ._match import check_one_layout, key_map_collision, match_keys
 from ._source import Source, file_tensors, read_headers, resolve
 
 RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
@@ -292,9 +292,7 @@ def _check_stored_once(load: _Runs, key_map: Callable[[str], str | None] | None)
     checkpoint keys in different runs (tied parameters aside: ``build_entries`` compares them)."""
     entries, stacked, single = load.entries, load.stacked, load.single
     found = {e.key for e in entries}
-    both = sorted(stacked.keys() & (found | single.keys()))
-    if both:
-        raise ModelMismatchError(both_layouts(both))
+    check_one_layout(stacked.keys(), found | single.keys())
     if len(found) != len(entries) or not found.isdisjoint(single):
         counts = collections.Counter(e.key for e in entries)
         key = min(k for k in counts if counts[k] > 1 or k in single)

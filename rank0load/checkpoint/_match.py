@@ -4,7 +4,7 @@ collectives): the one matcher, so a load and ``inspect`` agree."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 from ..errors import ModelMismatchError, format_keys
 from ..integrations._convert import ConversionMatch
@@ -77,9 +77,7 @@ def match_keys(
             stacked.setdefault(canonical, []).append((converted, headers[ckpt_key]))
         else:
             by_model_key.setdefault(canonical, []).append(headers[ckpt_key])
-    both = sorted(set(stacked) & set(by_model_key))
-    if both:
-        raise ModelMismatchError(both_layouts(both))
+    check_one_layout(stacked.keys(), by_model_key.keys())
     return KeyMatch(
         by_model_key={k: tuple(found) for k, found in by_model_key.items()},
         unexpected=tuple(sorted(unexpected)),
@@ -89,12 +87,14 @@ def match_keys(
     )
 
 
-def both_layouts(keys: list[str]) -> str:
-    """The error for model tensors stored both whole and per expert."""
-    return (
-        f"{format_keys(keys)} are stored both whole and per expert in the checkpoint; keep one "
-        "layout (re-save it, or drop one set of keys with key_map)."
-    )
+def check_one_layout(stacked: Set[str], whole: Set[str]) -> None:
+    """Raise ModelMismatchError for model tensors both ``stacked`` (per expert) and ``whole``."""
+    both = sorted(stacked & whole)
+    if both:
+        raise ModelMismatchError(
+            f"{format_keys(both)} are stored both whole and per expert in the checkpoint; keep one "
+            "layout (re-save it, or drop one set of keys with key_map)."
+        )
 
 
 def key_map_collision(first: str, second: str, model_key: str) -> str:
