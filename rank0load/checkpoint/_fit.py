@@ -192,16 +192,7 @@ def _assemble(
     if first.key not in quantised:
         _check_fits(first._replace(shape=shape), key, shape, dtype)
     nbytes = sum(map(_NBYTES, parts))
-    entry = Entry(
-        key,
-        first.file,
-        first.key,
-        first.dtype,
-        shape,
-        first.offset,
-        nbytes,
-        Parts.of(parts),
-    )
+    entry = replace(_single(key, first), shape=shape, nbytes=nbytes, parts=Parts.of(parts))
     return _with_scales(entry, parts, headers, block, dtype) if first.key in quantised else entry
 
 
