@@ -23,10 +23,9 @@ from ..integrations._convert import conversions_for
 from ..integrations._resolve import KeyResolver
 from ..model._meta import build_on_meta, describe
 from ..model._shard import check_dtype_groups, default_shard_fn
-from ._fit import build_entries, quantised_keys, unconsumed
+from ._fit import build_entries, match_keys, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
-from ._match import match_keys
 from ._source import Source, read_headers, resolve
 
 

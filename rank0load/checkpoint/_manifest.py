@@ -6,7 +6,6 @@ before the next, so rank 0 never holds every header at once; what spans runs is 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import heapq
 import itertools
@@ -25,11 +24,10 @@ from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._entries import Entry
 from ._files import OpenFile, open_files
-from ._fit import KeyMatch, build_entries, quantised_keys, unconsumed
+from ._fit import KeyMatch, build_entries, check_stored_once, match_keys, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import SCALE_SUFFIX
 from ._fp8 import block_size as fp8_block_size
-from ._match import check_one_layout, key_map_collision, match_keys
 from ._source import Source, file_tensors, read_headers, resolve
 
 RUN_TENSORS = 4096  # a run ends with the file that brings it to this many tensors
@@ -256,7 +254,7 @@ def _merge(
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
     every_file = (*source.files, *(f for a in adapters for f in a.source.files))
     layout, entries, stacked, single = load.layout, load.entries, load.stacked, load.single
-    found = _check_stored_once(load, key_map)
+    found = check_stored_once(load.entries, load.stacked.keys(), load.single, key_map)
     if layout.tensors and not found:
         raise ModelMismatchError(_nothing_matched(load, description))
     absent = [k for k in layout.tensors if k not in found]
@@ -285,30 +283,6 @@ def _merge(
         ),
         runs=load.runs,
     )
-
-
-def _check_stored_once(load: _Runs, key_map: Callable[[str], str | None] | None) -> set[str]:
-    """The model keys the runs found. Raises ModelMismatchError for one found under different
-    checkpoint keys in different runs (tied parameters aside: ``build_entries`` compares them)."""
-    entries, stacked, single = load.entries, load.stacked, load.single
-    found = {e.key for e in entries}
-    check_one_layout(stacked.keys(), found | single.keys())
-    if len(found) != len(entries) or not found.isdisjoint(single):
-        counts = collections.Counter(e.key for e in entries)
-        key = min(k for k in counts if counts[k] > 1 or k in single)
-        keys = [e.ckpt_key for e in entries if e.key == key] + [t.key for t in single.get(key, ())]
-        if key_map is not None:  # the same model key from two checkpoint keys in two runs
-            mapped_from: dict[str | None, str] = {}
-            for ckpt_key in keys:
-                mapped = key_map(ckpt_key)
-                if mapped in mapped_from:
-                    raise ModelMismatchError(key_map_collision(mapped_from[mapped], ckpt_key, str(mapped)))
-                mapped_from[mapped] = ckpt_key
-        raise ModelMismatchError(
-            f"model tensor {key!r} is stored under several checkpoint keys in different files: "
-            f"{format_keys(keys)}. Keep one (or drop the others with key_map)."
-        )
-    return found | stacked.keys() | single.keys()
 
 
 def _nothing_matched(load: _Runs, description: str) -> str:
