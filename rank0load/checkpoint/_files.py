@@ -85,14 +85,14 @@ class OpenFile:
         path = os.fspath(path)
         try:
             mode = os.stat(path).st_mode  # refuse before open(): open() itself may block or act
-        except OSError as exc:
-            raise _cannot_open(path, exc) from None
-        if not stat.S_ISREG(mode):
-            raise not_regular(path, mode)
-        try:
+            if not stat.S_ISREG(mode):
+                raise not_regular(path, mode)
             fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
-            raise _cannot_open(path, exc) from None
+            raise CheckpointNotFoundError(
+                f"{path}: cannot open: {exc.strerror}. Check that the file exists and is readable by this "
+                "process (permissions, a broken symlink, an unmounted filesystem)."
+            ) from None
         try:
             st = os.fstat(fd)  # the path may have been swapped since os.stat: check what we opened
             if not stat.S_ISREG(st.st_mode):
@@ -165,13 +165,6 @@ def opened(files: Mapping[str, OpenFile], path: str) -> OpenFile:
     if found is None:
         raise InternalError(f"internal error: {path} was not opened when its header was read")
     return found
-
-
-def _cannot_open(path: str, exc: OSError) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(
-        f"{path}: cannot open: {exc.strerror}. Check that the file exists and is readable by this "
-        "process (permissions, a broken symlink, an unmounted filesystem)."
-    )
 
 
 def read_exact(fd: int, n: int, offset: int, path: str) -> bytes:
