@@ -89,7 +89,7 @@ class Checkpoint:
 
     source: Source
     adapters: Sequence[Adapter]
-    files: dict[str, OpenFile]
+    files: dict[str, OpenFile]  # by path: the checkpoint's files in load order, then each adapter's
 
 
 def open_checkpoint(
@@ -252,9 +252,8 @@ def _merge(
     """(rank 0) The runs' parts as one manifest: what spans runs settled, the keys checked."""
     source, adapters = checkpoint.source, checkpoint.adapters
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
-    every_file = (*source.files, *(f for a in adapters for f in a.source.files))
     layout, entries, stacked, single = load.layout, load.entries, load.stacked, load.single
-    found = check_stored_once(load.entries, load.stacked.keys(), load.single, key_map)
+    found = check_stored_once(entries, stacked.keys(), single, key_map)
     if layout.tensors and not found:
         raise ModelMismatchError(_nothing_matched(load, description))
     absent = [k for k in layout.tensors if k not in found]
@@ -267,7 +266,7 @@ def _merge(
     pool.update((t.key, t) for members in stacked.values() for _, t in members)
     pool.update((t.key, t) for t in load.scales)
     entries += build_entries(pending, layout, pool, load.block, quantised=quantised, files=load.files)
-    order = {path: i for i, path in enumerate(every_file)}
+    order = {path: i for i, path in enumerate(checkpoint.files)}
     entries.sort(key=lambda e: (order[e.file], e.offset))
     return Manifest(
         entries=tuple(entries),
@@ -275,7 +274,7 @@ def _merge(
         kept=tuple(sorted(k for k in absent if k in layout.built)),
         unexpected=unexpected,
         ignored=tuple(sorted(load.ignored)),
-        files=every_file,
+        files=tuple(checkpoint.files),
         total_bytes=sum(e.nbytes for e in entries),
         initialised=(
             sum(math.prod(layout.tensors[k].shape) for k in missing if layout.tensors[k].is_param),
