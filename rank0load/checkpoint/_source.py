@@ -45,7 +45,7 @@ class Listing:
 
     def read_map(self) -> dict[str, str]:
         """The index's map again, checked: checkpoint key -> absolute file path."""
-        return _read_map(self.path, self.boundary)[2]
+        return _read_map(self.path, self.boundary)[1]
 
 
 @dataclass(frozen=True)
@@ -313,8 +313,8 @@ def _index_error(index_path: str, problem: str) -> CheckpointFormatError:
     )
 
 
-def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ...], dict[str, str]]:
-    """(root, files, checkpoint key -> absolute file path) of an index, checked; the index is read
+def _read_map(index_path: str, boundary: str | None) -> tuple[str, dict[str, str]]:
+    """(root, checkpoint key -> absolute file path) of an index, checked; the index is read
     through one descriptor of a regular file (never blocks on a FIFO)."""
     with OpenFile.open(index_path) as f:
         size = f.identity.size
@@ -344,23 +344,21 @@ def _read_map(index_path: str, boundary: str | None) -> tuple[str, tuple[str, ..
             f"'weight_map' maps key {key!r} to {short_repr(name)}: expected a file name (a string)",
         )
     resolved = {name: inside(root, name, index_path, boundary) for name in dict.fromkeys(weight_map.values())}
-    mapped = dict(zip(weight_map, map(resolved.__getitem__, weight_map.values())))
-    files = tuple(sorted(set(resolved.values())))
-    if not files:
+    if not resolved:
         raise _index_error(index_path, "'weight_map' is empty")
-    return root, files, mapped
+    return root, dict(zip(weight_map, map(resolved.__getitem__, weight_map.values())))
 
 
 def _from_index(index_path: str, boundary: str | None) -> Source:
     """(rank 0) The checkpoint an index lists: its directory, its files (absolute paths, sorted) and
     what it lists for each of them, checked: each file name stays inside ``boundary`` (None: that
     directory)."""
-    root, files, mapped = _read_map(index_path, boundary)
-    per_file: dict[str, list[str]] = {f: [] for f in files}
+    root, mapped = _read_map(index_path, boundary)
+    per_file: dict[str, list[str]] = {f: [] for f in sorted(set(mapped.values()))}
     for key, path in mapped.items():
         per_file[path].append(key)
     counts = {f: (len(keys), _hash_sum(keys)) for f, keys in per_file.items()}
-    return Source(root, files, Listing(index_path, boundary, counts, len(mapped)), index_path)
+    return Source(root, tuple(counts), Listing(index_path, boundary, counts, len(mapped)), index_path)
 
 
 def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> dict[str, TensorHeader]:
