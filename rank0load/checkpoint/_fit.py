@@ -163,15 +163,13 @@ def _key_map_collision(first: str, second: str, model_key: str) -> str:
 
 
 def check_stored_once(
-    entries: Sequence[Entry],
-    stacked: AbstractSet[str],
-    single: Mapping[str, tuple[TensorHeader, ...]],
-    key_map: Callable[[str], str | None] | None,
+    entries: Sequence[Entry], pending: KeyMatch, key_map: Callable[[str], str | None] | None
 ) -> set[str]:
-    """(rank 0) The model keys the runs of a load found: ``entries`` made, ``stacked`` and ``single``
-    left to the merge. Raises ModelMismatchError for one found under different checkpoint keys in
-    different runs (tied parameters aside: ``build_entries`` compares them)."""
+    """(rank 0) The model keys the runs of a load found: ``entries`` made, ``pending`` left to the
+    merge. Raises ModelMismatchError for one found under different checkpoint keys in different
+    runs (tied parameters aside: ``build_entries`` compares them)."""
     found = {e.key for e in entries}
+    stacked, single = pending.stacked.keys(), pending.by_model_key
     _check_one_layout(stacked, found | single.keys())
     if len(found) != len(entries) or not found.isdisjoint(single):
         counts = collections.Counter(e.key for e in entries)

@@ -19,7 +19,7 @@ from torch import nn
 from ..common._failure import internal_error
 from ..errors import CheckpointChangedError, CheckpointFormatError, LoadError, ModelMismatchError, format_keys
 from ..integrations import _peft
-from ..integrations._convert import Conversion, ConversionMatch
+from ..integrations._convert import Conversion
 from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._entries import Entry
@@ -133,9 +133,8 @@ class _Runs:
     tied: frozenset[str]  # canonical keys of tied parameters
     files: dict[str, OpenFile]
     entries: list[Entry] = field(default_factory=list)
-    # model key -> tensors a run could not settle alone (partial expert stacks, unscaled float8, ties)
-    stacked: dict[str, list[tuple[ConversionMatch, TensorHeader]]] = field(default_factory=dict)
-    single: dict[str, tuple[TensorHeader, ...]] = field(default_factory=dict)
+    # the tensors a run could not settle alone (partial expert stacks, unscaled float8, tied names)
+    pending: KeyMatch = field(default_factory=lambda: KeyMatch({}, (), (), {}, {}))
     scales: list[TensorHeader] = field(default_factory=list)  # grids those may need
     unexpected: list[str] = field(default_factory=list)  # grids consumed within their run left out
     ignored: list[str] = field(default_factory=list)
@@ -234,9 +233,9 @@ def _run(headers: dict[str, TensorHeader], load: _Runs, key_map: Callable[[str],
     ]
     load.scales += [headers[k] for k in unexpected if k.endswith(SCALE_SUFFIX)]  # another run's weight's?
     for k, members in stacked.items():
-        load.stacked.setdefault(k, []).extend(members)
-    for k, found in single.items():
-        load.single[k] = load.single.get(k, ()) + found  # a tied parameter's names, compared in _merge
+        load.pending.stacked[k] = load.pending.stacked.get(k, ()) + members
+    for k, found in single.items():  # a tied parameter's names are compared in _merge
+        load.pending.by_model_key[k] = load.pending.by_model_key.get(k, ()) + found
     load.unexpected += unexpected
     load.ignored += match.ignored
     for k, why in match.unsupported.items():
@@ -252,18 +251,17 @@ def _merge(
     """(rank 0) The runs' parts as one manifest: what spans runs settled, the keys checked."""
     source, adapters = checkpoint.source, checkpoint.adapters
     description = " + ".join([source.description, *(a.source.description for a in adapters)])
-    layout, entries, stacked, single = load.layout, load.entries, load.stacked, load.single
-    found = check_stored_once(entries, stacked.keys(), single, key_map)
+    layout, entries, pending = load.layout, load.entries, load.pending
+    found = check_stored_once(entries, pending, key_map)
     if layout.tensors and not found:
         raise ModelMismatchError(_nothing_matched(load, description))
     absent = [k for k in layout.tensors if k not in found]
     missing = tuple(sorted(k for k in absent if k not in layout.built))
-    pending = KeyMatch(single, (), (), {k: tuple(v) for k, v in stacked.items()}, {})
     quantised = quantised_keys(pending, layout)
     unexpected = unconsumed(sorted(load.unexpected), quantised)
     _check_keys(load, description, strict, missing, unexpected)
-    pool = {t.key: t for tensors in single.values() for t in tensors}
-    pool.update((t.key, t) for members in stacked.values() for _, t in members)
+    pool = {t.key: t for tensors in pending.by_model_key.values() for t in tensors}
+    pool.update((t.key, t) for members in pending.stacked.values() for _, t in members)
     pool.update((t.key, t) for t in load.scales)
     entries += build_entries(pending, layout, pool, load.block, quantised=quantised, files=load.files)
     order = {path: i for i, path in enumerate(checkpoint.files)}
