@@ -336,11 +336,8 @@ def _check_keys(
             "with save_original_format=False), or pass key_map."
         )
     if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {format_keys(missing)}")
-        if unexpected:
-            parts.append(f"unexpected in the checkpoint: {format_keys(unexpected)}")
+        named = (("missing from", missing), ("unexpected in", unexpected))
+        parts = [f"{what} the checkpoint: {format_keys(keys)}" for what, keys in named if keys]
         raise ModelMismatchError(
             f"{description}: keys do not match the model; "
             + "; ".join(parts)
