@@ -371,17 +371,16 @@ def read_headers(source: Source, files: dict[str, OpenFile] | None = None) -> di
     for path in source.files:
         found.update(file_tensors(source, path, files[path] if files is not None else path, found))
     if source.listing is not None and source.listing.total != len(found):  # listed, in no header
-        absent = next(((k, p) for k, p in source.listing.read_map().items() if k not in found), None)
-        if absent is None:  # the index read again lists only keys that are there
-            raise CheckpointChangedError(
-                f"{source.description}: the index changed while the checkpoint was loaded "
-                f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
-                "once it is written."
-            )
-        key, path = absent
-        raise CheckpointFormatError(
-            f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
-            "but no file stores it. The index and the shards disagree: re-save the checkpoint."
+        for key, path in source.listing.read_map().items():
+            if key not in found:
+                raise CheckpointFormatError(
+                    f"{source.description}: index lists key {key!r} in {os.path.basename(path)}, "
+                    "but no file stores it. The index and the shards disagree: re-save the checkpoint."
+                )
+        raise CheckpointChangedError(  # the index read again lists only keys that are there
+            f"{source.description}: the index changed while the checkpoint was loaded "
+            f"(it listed {source.listing.total} keys, the files hold {len(found)}). Load again "
+            "once it is written."
         )
     return found
 
@@ -409,11 +408,10 @@ def file_tensors(
             f"{source.description}: {os.path.basename(path)} stores keys the index does not list: "
             f"{format_keys(unlisted)}. The index and the shards disagree: re-save the checkpoint."
         )
-    elsewhere = next(((k, listed[k]) for k in tensors if listed[k] != path), None)
-    if elsewhere is not None:
-        key, where = elsewhere
-        raise CheckpointFormatError(
-            f"{source.description}: index lists key {key!r} in {os.path.basename(where)}, "
-            f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
-        )
+    for key in tensors:
+        if listed[key] != path:
+            raise CheckpointFormatError(
+                f"{source.description}: index lists key {key!r} in {os.path.basename(listed[key])}, "
+                f"but it is stored in {os.path.basename(path)}. Re-save the checkpoint."
+            )
     return tensors  # the index lists more keys in this file than it holds: raised once all are read
