@@ -3,30 +3,35 @@
 once). Rank 0 alone reads the configs (and remote code), sent with ``_distribute.from_rank0``; every
 rank then configures the model under ``_distribute.run`` (a failure on any rank raised everywhere):
 the only collectives before ``load_sharded``. Other ranks never read the checkpoint, the Hugging Face
-cache or the network."""
+cache or the network. A diffusers ``ModelMixin`` subclass is configured and built here, without
+importing diffusers; ``load_sharded(dtype=...)`` keeps its ``_keep_in_fp32_modules`` in float32."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _diffusers, _transformers
+from . import _transformers
 from ._api import load_sharded
 from .checkpoint._files import OpenFile, read_exact
 from .checkpoint._fit import FLOAT_WIRE
 from .checkpoint._format import read_header
 from .checkpoint._source import Resolved, resolve
-from .common import _distribute
-from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError
+from .common import _distribute, _failure
+from .errors import CheckpointFormatError, CheckpointNotFoundError, LoadError, ModelMismatchError
 from .integrations import _compat, _remote_code
+
+logger = logging.getLogger(__name__)
 
 _MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; anything far bigger is not one
 
@@ -134,13 +139,13 @@ def load_pretrained(
     )
 
     # all ranks, from rank 0's checkpoint: a Configured, or a diffusers dtype
-    configure: Any = _diffusers.configure if diffusers else _transformers.configure
+    configure: Any = _diffusers_configure if diffusers else _transformers.configure
     step = functools.partial(configure, model_cls, checkpoint, dtype)
     configured = _distribute.run(
         step, "building the model's config", _distribute.NO_DATA_MOVED, wrap=LoadError
     )
     if diffusers:
-        build = functools.partial(_diffusers.build, model_cls, checkpoint)
+        build = functools.partial(_diffusers_build, model_cls, checkpoint)
         return load_sharded(build, path, mesh, dtype=configured, **load_sharded_kwargs).eval()
     build = functools.partial(_transformers.build, model_cls, configured, peft_config)
     model = load_sharded(build, path, mesh, **load_sharded_kwargs)
@@ -235,3 +240,49 @@ def _json(path: str) -> dict[str, Any]:
             f"{path} holds a JSON {type(value).__name__}, not an object. Re-download or re-save the checkpoint."
         )
     return value
+
+
+def _diffusers_configure(model_cls: Any, checkpoint: Any, dtype: object) -> torch.dtype | None:
+    """(all ranks, from the same :class:`_Checkpoint`) Check a diffusers model's config and overrides;
+    the dtype for ``load_sharded``: ``from_pretrained``'s ``torch_dtype``, None (as without it) or a
+    floating torch.dtype (or its name)."""
+    quant = checkpoint.config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ModelMismatchError(
+            f"{checkpoint.where}: quantization_config (quant_method {method!r}): rank0load loads diffusers "
+            "models unquantised only. Load an unquantised copy of the checkpoint."
+        )
+    accepted = set(inspect.signature(model_cls.__init__).parameters) - {"self", "args", "kwargs"}
+    unknown = sorted(set(checkpoint.overrides) - accepted)
+    if unknown:
+        raise LoadError(
+            f"config_overrides {unknown} name no argument of {model_cls.__name__}.__init__ "
+            f"(from {checkpoint.where}); check their spelling."
+        )
+    chosen = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        if dtype is not None:
+            raise LoadError(
+                f"dtype={dtype!r}: a diffusers model takes None (torch's default dtype, as from_pretrained "
+                "without torch_dtype builds it) or a floating torch.dtype (e.g. torch.bfloat16); diffusers' "
+                "from_pretrained has no 'auto'"
+            )
+        chosen = None
+    if dist.get_rank() == 0:
+        shown = chosen if chosen is not None else f"{torch.get_default_dtype()} (torch's default)"
+        logger.info("load_pretrained: %s from %s in %s", model_cls.__name__, checkpoint.where, shown)
+    return chosen
+
+
+def _diffusers_build(model_cls: Any, checkpoint: Any) -> nn.Module:
+    """(all ranks, in the meta build) ``from_config`` with the config and overrides of rank 0's
+    ``checkpoint``, recording ``_name_or_path`` as ``from_pretrained``."""
+    model: Any = _failure.user_code(
+        f"{model_cls.__name__}.from_config",
+        model_cls.from_config,
+        dict(checkpoint.config),
+        **checkpoint.overrides,
+    )
+    model.register_to_config(_name_or_path=checkpoint.name)
+    return model

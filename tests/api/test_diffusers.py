@@ -469,7 +469,7 @@ def test_subfolder_of_a_hub_repo_fetches_that_folder_only(root, monkeypatch):
 def test_config_overrides_and_dtype_are_checked_before_anything_is_built():
     """config_overrides name arguments of the class's __init__ (from_config's keyword arguments);
     dtype is None or a floating dtype (diffusers' from_pretrained has no "auto")."""
-    from rank0load import _diffusers
+    from rank0load._pretrained import _diffusers_configure
     from rank0load.errors import LoadError
 
     def checkpoint(config, overrides):
@@ -478,14 +478,14 @@ def test_config_overrides_and_dtype_are_checked_before_anything_is_built():
     cls = _cls("wan")
     config = dict(CONFIGS["wan"][1], _class_name="WanTransformer3DModel")
     with pytest.raises(LoadError) as caught:
-        _diffusers.configure(cls, checkpoint(config, {"num_layer": 1}), None)
+        _diffusers_configure(cls, checkpoint(config, {"num_layer": 1}), None)
     assert str(caught.value) == (
         "config_overrides ['num_layer'] name no argument of WanTransformer3DModel.__init__ (from "
         "/ckpt/config.json); check their spelling."
     )
     for bad in ("auto", torch.int8, "int8", "bfloat"):
         with pytest.raises(LoadError, match="diffusers' from_pretrained has no 'auto'"):
-            _diffusers.configure(cls, checkpoint(config, {}), bad)
+            _diffusers_configure(cls, checkpoint(config, {}), bad)
     with pytest.raises(LoadError, match="quant_method 'bitsandbytes'"):
         quantized = dict(config, quantization_config={"quant_method": "bitsandbytes"})
-        _diffusers.configure(cls, checkpoint(quantized, {}), None)
+        _diffusers_configure(cls, checkpoint(quantized, {}), None)
