@@ -167,11 +167,6 @@ Reversal = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
 _SPLITTABLE = ([("SplitModulelist", 0)], [("Chunk", 1), ("SplitModulelist", 0)])
 
 
-def _unchanged(name: str, renamings: object) -> str:
-    """Before transformers 5.24, a reverted converter's outputs are not renamed again."""
-    return name
-
-
 class TransformersReversal:
     """(rank 0) A model tensor's saved names and shapes with transformers' conversions reverted as
     ``save_pretrained``'s ``revert_weight_conversion`` reverts them, each a contiguous byte range of
@@ -195,14 +190,13 @@ class TransformersReversal:
         # reverted: at most one converter; from transformers 5.24 the renamings on a key no converter
         # takes, else on the converter's outputs; before 5.24 together with it (rename_source_key)
         core = self._core
-        if hasattr(core, "apply_converters"):
+        current = hasattr(core, "apply_converters")  # transformers 5.24 and later
+        if current:
             renamed, pattern = core.apply_converters(name, self._converters)
             if pattern is None:
                 renamed = core.apply_renamings(name, self._renamings)
-            rename = core.apply_renamings
         else:
             renamed, pattern = core.rename_source_key(name, self._renamings, self._converters, reverse=True)
-            rename = _unchanged
         if pattern is None:
             return [(renamed, shape)]
         converter = next(c for c in self._converters if pattern in c.source_patterns)
@@ -219,7 +213,9 @@ class TransformersReversal:
         converter = copy.deepcopy(converter)
         converter.add_tensor(renamed, name, pattern, standin)
         converted = converter.convert(renamed, model=self._model, config=getattr(self._model, "config", None))
-        out = {rename(n, self._renamings): v[0] if isinstance(v, list) else v for n, v in converted.items()}
+        out = {n: v[0] if isinstance(v, list) else v for n, v in converted.items()}
+        if current:
+            out = {core.apply_renamings(n, self._renamings): v for n, v in out.items()}
         order = {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
         if len(out) != slices or sorted(order) != list(range(slices)):
             raise SaveError(
