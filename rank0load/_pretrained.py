@@ -147,7 +147,7 @@ def load_pretrained(
     if diffusers:
         build = functools.partial(_diffusers_build, model_cls, checkpoint)
         return load_sharded(build, path, mesh, dtype=configured, **load_sharded_kwargs).eval()
-    build = functools.partial(_transformers.build, model_cls, configured, peft_config)
+    build = functools.partial(_transformers.build, configured, peft_config)
     model = load_sharded(build, path, mesh, **load_sharded_kwargs)
     base: Any = _compat.peft_base_model(model)
     if configured.generation is not None and base.can_generate():

@@ -24,11 +24,11 @@ logger = logging.getLogger(__name__)
 class Configured:
     """What every rank builds the model from (the same on every rank)."""
 
+    model_cls: Any  # the class to build: load_pretrained's model_cls, or remote code's
     config: Any  # a transformers PreTrainedConfig
     dtype: torch.dtype
     generation: Any  # a transformers GenerationConfig, or None
-    record: bool = True  # set config.dtype (4.57's from_pretrained(dtype="auto") leaves a weights' dtype out)
-    model_cls: Any = None  # the class to build, when not load_pretrained's model_cls: remote code's
+    record: bool  # set config.dtype (4.57's from_pretrained(dtype="auto") leaves a weights' dtype out)
 
 
 def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
@@ -89,7 +89,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
         dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
         logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
     record = config_dtype or checkpoint.stored_dtype is None
-    return Configured(config, chosen, generation, record, remote)
+    return Configured(remote or model_cls, config, chosen, generation, record)
 
 
 def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = None) -> Any:
@@ -188,11 +188,10 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
     return chosen
 
 
-def build(model_cls: Any, configured: Configured, peft_config: Any) -> nn.Module:
+def build(configured: Configured, peft_config: Any) -> nn.Module:
     """(all ranks, inside ``load_sharded``'s meta build) The model in ``configured.dtype`` as
     ``from_pretrained(dtype=...)`` builds it; with a ``peft_config``, ``get_peft_model`` of it."""
-    model_cls = configured.model_cls or model_cls
-    dtype = configured.dtype
+    model_cls, dtype = configured.model_cls, configured.dtype
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
     name = getattr(model_cls, "__name__", repr(model_cls))
     model: nn.Module = _failure.user_code(f"{name}.from_config", make, configured.config, dtype=dtype)
