@@ -166,11 +166,10 @@ def peft_config(model: nn.Module, adapter_name: str) -> Any:
 
 
 def adapter_names(model: nn.Module, adapter_name: str) -> dict[str, str]:
-    """(rank 0) Model key -> its name in PEFT's adapter file for ``adapter_name`` (PEFT's own
-    ``get_peft_model_state_dict`` on placeholders: no tensor is read or copied)."""
+    """(rank 0, for an adapter :func:`peft_config` found) Model key -> its name in PEFT's adapter file
+    for ``adapter_name`` (``get_peft_model_state_dict`` on placeholders: no tensor is read or copied)."""
     from peft.utils import get_peft_model_state_dict
 
-    peft_config(model, adapter_name)
     placeholders = {k: torch.empty(0, device="meta") for k in model.state_dict(keep_vars=True)}
     by_id = {id(v): k for k, v in placeholders.items()}
     saved = get_peft_model_state_dict(
