@@ -207,9 +207,10 @@ def is_transformers_model(model: nn.Module) -> bool:
 
 
 def transformers_5() -> bool:
-    """Whether transformers is 5.x (not 4.57): ``from_pretrained`` without ``dtype`` then uses the
-    config's dtype, and with remote code registers the remote class for the Auto class
-    (``register_for_auto_class``) even where transformers has a model for the config."""
+    """Whether transformers is 5.x (not 4.57): it then has checkpoint conversions (4.57 only renames
+    keys), ``from_pretrained`` without ``dtype`` uses the config's dtype, and with remote code registers
+    the remote class for the Auto class (``register_for_auto_class``) even where transformers has a
+    model for the config."""
     import transformers
 
     return int(transformers.__version__.split(".")[0]) >= 5

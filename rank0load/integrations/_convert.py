@@ -22,7 +22,6 @@ when saving; no collectives)
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,12 +105,6 @@ class StackExperts:
 
 
 _STACKABLE = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
-
-
-def _has_conversion_mapping() -> bool:
-    """Whether transformers has checkpoint conversions (transformers 5); 4.57 only renames keys.
-    For a transformers model only (transformers is then imported)."""
-    return importlib.util.find_spec("transformers.conversion_mapping") is not None
 
 
 def _split(transforms: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -254,7 +247,7 @@ def original_format_reversal(model: nn.Module, adapters: frozenset[str]) -> Reve
     (its own names)."""
     base = _compat.peft_base_model(model)
     reversal = None
-    if _compat.is_transformers_model(base) and _has_conversion_mapping():
+    if _compat.is_transformers_model(base) and _compat.transformers_5():
         reversal = TransformersReversal(base)
     if base is model:
         return reversal
@@ -276,6 +269,6 @@ def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence
     base = _compat.peft_base_model(model)
     if _compat.is_transformers_model(base):
         keys = model_keys if base is model else [_peft.base_key(k) for k in model_keys]
-        transformers = TransformersConversions if _has_conversion_mapping() else TransformersRenamings
+        transformers = TransformersConversions if _compat.transformers_5() else TransformersRenamings
         out.append(transformers(base, keys))
     return out
