@@ -133,16 +133,14 @@ def _read(path: str) -> bytes:
 
 
 def install(code: RemoteCode) -> None:
-    """(all ranks) Write ``code``'s files under this rank's ``HF_MODULES_CACHE`` at rank 0's paths,
-    each replaced atomically unless it already holds the bytes: ranks sharing a cache never see half
-    a file. Raises LoadError for a path outside the cache."""
+    """(all ranks) Write ``code``'s files under this rank's ``HF_MODULES_CACHE`` at rank 0's paths
+    (inside the cache: :func:`read` checked them), each replaced atomically unless it already holds
+    the bytes: ranks sharing a cache never see half a file."""
     from transformers import dynamic_module_utils as modules
 
     cache = modules.HF_MODULES_CACHE
     for path, data in code.files.items():
         target = os.path.join(cache, path)
-        if os.path.isabs(path) or ".." in path.split(os.sep):
-            raise LoadError(f"remote code file {path!r} is not inside {cache}")
         modules.create_dynamic_module(os.path.dirname(path))
         try:
             with open(target, "rb") as f:
