@@ -50,12 +50,6 @@ class Conversion(Protocol):
         """Where checkpoint ``key`` goes, or None if this conversion does not apply to it."""
 
 
-def _segment_regex(pattern: str) -> str:
-    """``*`` is one dotted segment, captured; ``{e}`` is the expert index, captured as ``e``."""
-    out = re.escape(pattern).replace(r"\*", r"([^.]+)").replace(r"\{e\}", r"(?P<e>\d+)")
-    return f"^{out}$"
-
-
 @dataclass(frozen=True)
 class StackExperts:
     """Per-expert checkpoint tensors stacked into one model parameter.
@@ -80,6 +74,7 @@ class StackExperts:
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
             object.__setattr__(self, "sources", (self.sources,))
+        compiled = []
         for pattern in self.sources:
             if pattern.count("{e}") != 1:
                 raise ValueError(
@@ -89,7 +84,10 @@ class StackExperts:
                 raise ValueError(
                     f"StackExperts source {pattern!r} and target {self.target!r} need as many '*' each"
                 )
-        object.__setattr__(self, "_compiled", tuple(re.compile(_segment_regex(p)) for p in self.sources))
+            # "*": one dotted segment, captured; "{e}": the expert index, captured as "e"
+            regex = re.escape(pattern).replace(r"\*", r"([^.]+)").replace(r"\{e\}", r"(?P<e>\d+)")
+            compiled.append(re.compile(f"^{regex}$"))
+        object.__setattr__(self, "_compiled", tuple(compiled))
 
     def match(self, key: str) -> ConversionMatch | None:
         for index, regex in enumerate(self._compiled):  # type: ignore[attr-defined]
