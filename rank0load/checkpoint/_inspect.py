@@ -103,7 +103,7 @@ def inspect_checkpoint(
         revision: Hub revision for a repo id.
         model_fn: zero-argument callable building the model; it runs with parameters on meta.
         key_map: checkpoint key -> model key, or None to drop the key; as ``load_sharded`` takes it.
-            Needs ``model_fn``.
+            Read only with ``model_fn`` (the command line refuses ``--key-map`` without ``--model``).
         conversions: :class:`~rank0load.StackExperts` rules, as ``load_sharded`` takes them.
 
     With ``model_fn`` and no process group, the model is also sharded on meta in a one-rank gloo
@@ -113,15 +113,12 @@ def inspect_checkpoint(
         An :class:`Inspection`.
 
     Raises:
-        ValueError: ``key_map`` without ``model_fn``.
         LoadError: the checkpoint cannot be found or is malformed (``CheckpointNotFoundError``,
             ``CheckpointFormatError``).
         ModelMismatchError: ``key_map`` raised, returned neither a str nor None, or mapped two
             checkpoint keys to one model key (what ``load_sharded`` raises too).
         Exception: whatever ``model_fn`` raises.
     """
-    if key_map is not None and model_fn is None:
-        raise ValueError("key_map maps checkpoint keys to model keys: pass model_fn as well")
     source = resolve(ckpt_path, revision)
     headers = read_headers(source)
     summary = _summarise(source, headers)
