@@ -51,12 +51,11 @@ _KEYS_AT_ONCE = 8192
 
 @dataclass
 class _Rule:
-    """What a conversion did to one key pattern: its target with each number slot of the pattern
-    (``None``: a literal), the slot holding the expert index, and the match's other fields."""
+    """What a conversion did to one key pattern, read off one of its keys."""
 
     first: tuple[str, ...]  # the numbers of the key the rule was read from
     pieces: tuple[str, ...]  # the target split around its numbers: text, number, text, ...
-    slots: tuple[int | None, ...]  # for each number of the target, the key's slot it copies
+    slots: tuple[int | None, ...]  # for each number of the target, the key's slot it copies; None: literal
     expert: int | None  # the key's slot holding the expert index
     match: ConversionMatch | None
     varied: set[int]  # slots seen with another value than ``first``'s, every prediction confirmed
