@@ -138,20 +138,18 @@ def load_pretrained(
         ),
     )
 
-    # all ranks, from rank 0's checkpoint: a Configured, or a diffusers dtype
-    configure: Any = _diffusers_configure if diffusers else _transformers.configure
-    step = functools.partial(configure, model_cls, checkpoint, dtype)
-    configured = _distribute.run(
+    # all ranks, from rank 0's checkpoint: (model_fn, dtype for load_sharded, generation config)
+    if diffusers:
+        step: Any = functools.partial(_diffusers_configure, model_cls, checkpoint, dtype)
+    else:
+        step = functools.partial(_transformers.configure, model_cls, checkpoint, dtype, peft_config)
+    model_fn, built_dtype, generation = _distribute.run(
         step, "building the model's config", _distribute.NO_DATA_MOVED, wrap=LoadError
     )
-    if diffusers:
-        build = functools.partial(_diffusers_build, model_cls, checkpoint)
-        return load_sharded(build, path, mesh, dtype=configured, **load_sharded_kwargs).eval()
-    build = functools.partial(_transformers.build, configured, peft_config)
-    model = load_sharded(build, path, mesh, **load_sharded_kwargs)
+    model = load_sharded(model_fn, path, mesh, dtype=built_dtype, **load_sharded_kwargs)
     base: Any = _compat.peft_base_model(model)
-    if configured.generation is not None and base.can_generate():
-        base.generation_config = configured.generation
+    if generation is not None and base.can_generate():
+        base.generation_config = generation
     return model.eval()
 
 
@@ -242,10 +240,12 @@ def _json(path: str) -> dict[str, Any]:
     return value
 
 
-def _diffusers_configure(model_cls: Any, checkpoint: Any, dtype: object) -> torch.dtype | None:
+def _diffusers_configure(
+    model_cls: Any, checkpoint: Any, dtype: object
+) -> tuple[Any, torch.dtype | None, None]:
     """(all ranks, from the same :class:`_Checkpoint`) Check a diffusers model's config and overrides;
-    the dtype for ``load_sharded``: ``from_pretrained``'s ``torch_dtype``, None (as without it) or a
-    floating torch.dtype (or its name)."""
+    ``load_sharded``'s ``model_fn`` (:func:`_diffusers_build`), its ``dtype`` (``from_pretrained``'s
+    ``torch_dtype``: None as without it, or a floating torch.dtype or its name), no generation config."""
     quant = checkpoint.config.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -272,7 +272,7 @@ def _diffusers_configure(model_cls: Any, checkpoint: Any, dtype: object) -> torc
     if dist.get_rank() == 0:
         shown = chosen if chosen is not None else f"{torch.get_default_dtype()} (torch's default)"
         logger.info("load_pretrained: %s from %s in %s", model_cls.__name__, checkpoint.where, shown)
-    return chosen
+    return functools.partial(_diffusers_build, model_cls, checkpoint), chosen, None
 
 
 def _diffusers_build(model_cls: Any, checkpoint: Any) -> nn.Module:

@@ -3,8 +3,8 @@ collectives; transformers is imported inside the functions that need it."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,21 +20,10 @@ from .load._model import cast, set_config_dtype
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Configured:
-    """What every rank builds the model from (the same on every rank)."""
-
-    model_cls: Any  # the class to build: load_pretrained's model_cls, or remote code's
-    config: Any  # a transformers PreTrainedConfig
-    dtype: torch.dtype
-    generation: Any  # a transformers GenerationConfig, or None
-    record: bool  # set config.dtype (4.57's from_pretrained(dtype="auto") leaves a weights' dtype out)
-
-
-def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
-    """(all ranks, from the same ``checkpoint``: ``_pretrained._Checkpoint``) The config, the dtype and
-    the generation config. Any quantisation but FP8 blocks (loaded dequantised, without
-    ``quantization_config``) is refused."""
+def configure(model_cls: Any, checkpoint: Any, dtype: object, peft_config: Any) -> tuple[Any, None, Any]:
+    """(all ranks, from the same ``checkpoint``: ``_pretrained._Checkpoint``) ``load_sharded``'s
+    ``model_fn`` (:func:`build`), its ``dtype`` (None: built in it) and the generation config (or None).
+    Any quantisation but FP8 blocks (loaded dequantised, without ``quantization_config``) is refused."""
     from transformers import GenerationConfig
 
     raw = dict(checkpoint.config)
@@ -88,8 +77,9 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object) -> Configured:
             )
         dequantised = ", FP8 blocks dequantised" if "quantization_config" in checkpoint.config else ""
         logger.info("load_pretrained: %s from %s in %s%s", name, checkpoint.where, chosen, dequantised)
-    record = config_dtype or checkpoint.stored_dtype is None
-    return Configured(remote or model_cls, config, chosen, generation, record)
+    record = config_dtype or checkpoint.stored_dtype is None  # 4.57 records no dtype read off the weights
+    model_fn = functools.partial(build, remote or model_cls, config, chosen, record, peft_config)
+    return model_fn, None, generation
 
 
 def _config_class(model_cls: Any, raw: dict[str, Any], where: str, code: Any = None) -> Any:
@@ -188,15 +178,15 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
     return chosen
 
 
-def build(configured: Configured, peft_config: Any) -> nn.Module:
-    """(all ranks, inside ``load_sharded``'s meta build) The model in ``configured.dtype`` as
-    ``from_pretrained(dtype=...)`` builds it; with a ``peft_config``, ``get_peft_model`` of it."""
-    model_cls, dtype = configured.model_cls, configured.dtype
+def build(model_cls: Any, config: Any, dtype: torch.dtype, record: bool, peft_config: Any) -> nn.Module:
+    """(all ranks, inside ``load_sharded``'s meta build) ``model_cls`` from ``config`` in ``dtype`` as
+    ``from_pretrained(dtype=...)`` builds it (``record``: with ``config.dtype`` set); with a
+    ``peft_config``, ``get_peft_model`` of it."""
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
     name = getattr(model_cls, "__name__", repr(model_cls))
-    model: nn.Module = _failure.user_code(f"{name}.from_config", make, configured.config, dtype=dtype)
+    model: nn.Module = _failure.user_code(f"{name}.from_config", make, config, dtype=dtype)
     cast(model, dtype)
-    if configured.record:  # transformers 4.57's _from_config leaves it unset; from_pretrained records it
+    if record:  # transformers 4.57's _from_config leaves it unset; from_pretrained records it
         set_config_dtype(model, dtype)
     if peft_config is None:
         return model
