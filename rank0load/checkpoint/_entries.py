@@ -107,10 +107,6 @@ class Entry:
     block: tuple[int, int] = (0, 0)
     part_rows: tuple[int, ...] = ()
 
-    @property
-    def scale_nbytes(self) -> int:
-        return self.scales.nbytes
-
     def extents(self, start: int, nbytes: int, scales: bool) -> list[tuple[str, int, int, int]]:
         """``(file, file offset, bytes, offset in the buffer)`` for entry bytes [start, start + nbytes)
         (of its scale grids, with ``scales``)."""

@@ -118,9 +118,9 @@ class Plan:
         for index, (entry, kind) in enumerate(zip(self.entries, self.kinds)):
             if entry.nbytes == 0:
                 continue
-            shared = entry.scale_nbytes if kind is not Kind.SHARDED else 0  # SHARDED: each rank its rows
+            shared = entry.scales.nbytes if kind is not Kind.SHARDED else 0  # SHARDED: each rank its rows
             for start in range(0, shared, step):  # every rank needs the scales first
-                n = min(step, entry.scale_nbytes - start)
+                n = min(step, entry.scales.nbytes - start)
                 yield Piece(index, Route.SCALES, -1, start, n, start, kind)
             if kind is Kind.BLOCK:
                 yield from self._block_pieces(index, me, cut_for)

@@ -238,7 +238,7 @@ class Sink:
         entry, t = self.entries[piece.index], self.targets[piece.index]
         try:
             if piece.route is Route.SCALES:
-                return self.scales.land(piece, entry.scale_nbytes)
+                return self.scales.land(piece, entry.scales.nbytes)
             if piece.kind is Kind.GENERIC:
                 return self.whole.land(piece, entry.nbytes)  # the full-size buffer may not fit
         except Exception as exc:
@@ -253,7 +253,7 @@ class Sink:
         entry = self.entries[piece.index]
         if piece.route is Route.SCALES or piece.kind is Kind.GENERIC:
             into = self.scales if piece.route is Route.SCALES else self.whole
-            size = entry.scale_nbytes if piece.route is Route.SCALES else entry.nbytes
+            size = entry.scales.nbytes if piece.route is Route.SCALES else entry.nbytes
             if not in_target:
                 self.faults.run(lambda: into.land(piece, size).copy_(data, non_blocking=non_blocking))
             if piece.route is not Route.SCALES and piece.start + piece.nbytes == entry.nbytes:

@@ -133,7 +133,7 @@ def test_many_small_tensors_travel_in_few_messages(scaled):
     moving = [p for p in pieces if p.dst != 0]
     assert len(moving) > 2500  # one message each, before
     assert len(sent) <= 10, [(m.dst, len(m.pieces)) for m in sent]
-    grids = sum(e.scale_nbytes for e in plan.entries)
+    grids = sum(e.scales.nbytes for e in plan.entries)
     for rank in (1, 2):  # each rank gets the scale grid rows of its rows: about a third of the grids
         scales = sum(p.nbytes for p in plan.pieces(rank) if p.route is Route.SCALES)
         assert scales < grids * 0.6 if scaled else scales == 0, (rank, scales, grids)
