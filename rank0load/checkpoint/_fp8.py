@@ -134,18 +134,27 @@ def dequantize(
     float32 scale grids, one after the other. ``into``: a contiguous floating tensor of
     ``len(values)`` elements that receives the values instead (returned), each product rounded once
     to its dtype, as ``.to(dtype)`` would."""
-    out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
+    out = to_float32(values, torch.empty(values.numel(), dtype=torch.float32, device=values.device))
     dest = out if into is None else into.view(-1)
     bm, bn = block
     grid_cols = math.ceil(cols / bn)
     base, grid_base, stop = 0, 0, start + values.numel()
     for rows in part_rows:
         size = rows * cols
-        lo, hi = max(start, base), min(stop, base + size)
-        if lo < hi:
+        pos, end = max(start, base) - start, min(stop, base + size) - start  # the part's values
+        if pos < end:
             grid = scales[grid_base : grid_base + math.ceil(rows / bm) * grid_cols].view(-1, grid_cols)
-            at, to = lo - start, hi - start
-            _part(values[at:to], out[at:to], dest[at:to], lo - base, cols, block, grid)
+            while pos < end:  # a partial first row, the whole rows, a partial last row
+                row, col = divmod(start + pos - base, cols)
+                if col or end - pos < cols:  # part of one row
+                    take = min(end - pos, cols - col)
+                    shape: tuple[int, int] = (1, take)
+                else:
+                    take = (end - pos) // cols * cols
+                    shape, col = (take // cols, cols), 0
+                scaled = dest[pos : pos + take].view(shape)
+                _scale_rows(out[pos : pos + take].view(shape), scaled, grid, row, col, block)
+                pos += take
         base += size
         grid_base += math.ceil(rows / bm) * grid_cols
         if base >= stop:
@@ -190,33 +199,6 @@ def dequantize_at(
     grid_row = grid_bases[part] + (row - bases[part]) // bm
     scale = scales.view(-1, grid_cols)[grid_row, col // bn]
     return to_float32(values) * scale
-
-
-def _part(
-    values: torch.Tensor,
-    out: torch.Tensor,
-    dest: torch.Tensor,
-    first: int,
-    cols: int,
-    block: tuple[int, int],
-    grid: torch.Tensor,
-) -> None:
-    """Elements ``first ..`` of one [rows, cols] part, converted into ``out`` (float32) and scaled
-    into ``dest`` (``out`` itself, or the destination)."""
-    to_float32(values, out)
-    pos, n = 0, values.numel()
-    while pos < n:
-        row, col = divmod(first + pos, cols)
-        if col or n - pos < cols:  # part of one row
-            take = min(n - pos, cols - col)
-            shape: tuple[int, int] = (1, take)
-        else:
-            take = (n - pos) // cols * cols
-            shape, col = (take // cols, cols), 0
-        _scale_rows(
-            out[pos : pos + take].view(shape), dest[pos : pos + take].view(shape), grid, row, col, block
-        )
-        pos += take
 
 
 def _scale_rows(
