@@ -275,16 +275,15 @@ class Sink:
             flat[start : start + values.numel()].copy_(values, non_blocking=non_blocking)
             return
         block = piece.kind is Kind.BLOCK  # this rank's block: not one run of the entry's elements
+        first = start if block else first  # a block's elements by their place in it
         step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
         if dst.device.type != "cpu":
             step <<= _DEVICE_STEP_SHIFT
-        in_place = dst.device == values.device
+        in_place = dst.device == values.device and not block  # the products written straight into the shard
         for at in range(0, values.numel(), step):  # float32 temporaries of one step at a time
             some = values[at : at + step]
             into = flat[start + at : start + at + some.numel()]
-            if block:
-                into.copy_(self._decode_block(piece.index, some, start + at))
-            elif in_place:  # the products written straight into the shard
+            if in_place:
                 self._decode(piece.index, some, first + at, into)
             else:
                 into.copy_(self._decode(piece.index, some, first + at))
@@ -292,24 +291,19 @@ class Sink:
     def _decode(
         self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Entry ``index``'s wire values of elements ``first ..``; float8 ones dequantised (into ``into``)."""
+        """Entry ``index``'s wire values of elements ``first ..``; float8 ones dequantised (into ``into``).
+        A BLOCK entry's: of this rank's block from its element ``first`` on, by global position (no ``into``)."""
         entry = self.entries[index]
         if not entry.scales:
             return values
         if self.scales.index != index or self.scales.buffer is None:
             raise InternalError(f"internal error: the scales of {entry.key!r} did not arrive first")
         grids = self.scales.buffer.view(torch.float32)
-        return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids, into)
-
-    def _decode_block(self, index: int, values: torch.Tensor, local_first: int) -> torch.Tensor:
-        """This rank's BLOCK shard's float8 values from ``local_first``, dequantised by global position."""
-        entry = self.entries[index]
-        if self.scales.index != index or self.scales.buffer is None:
-            raise InternalError(f"internal error: the scales of {entry.key!r} did not arrive first")
+        if self.plan.kinds[index] is not Kind.BLOCK:
+            return dequantize(values, first, list(entry.part_rows), entry.shape[-1], entry.block, grids, into)
         if self._held[0] != index:  # once per entry, not per step
             self._held = (index, held_indices(self.plan.block_of(index, self.me)))
-        flat = global_indices(self._held[1], entry.shape, local_first, values.numel()).to(values.device)
-        grids = self.scales.buffer.view(torch.float32)
+        flat = global_indices(self._held[1], entry.shape, first, values.numel()).to(values.device)
         return dequantize_at(values, flat, list(entry.part_rows), entry.shape[-1], entry.block, grids)
 
     def _cut_whole(self, index: int) -> None:
