@@ -136,18 +136,21 @@ class Plan:
             per_rank = []
             for rank, coord in self.coords if me == 0 else [(me, self.coord_of[me])]:
                 lo, hi = rows_of(self.mesh_shape, placements, entry.shape[0], coord)
-                size, (first, end) = (hi - lo) * row, _scale_rows(entry, lo, hi)
+                size, first, end = (hi - lo) * row, 0, 0
+                if entry.scales:  # the bytes of the scale grid rows its rows need
+                    per_row = math.prod(entry.shape[1:])
+                    first, end = scale_span(
+                        entry.part_rows, entry.shape[-1], entry.block, lo * per_row, hi * per_row
+                    )
                 scales = [  # before its rows
                     Piece(index, Route.SCALES, rank, at, min(step, end - at), at, kind)
                     for at in range(first, end, step)
                 ]
-                per_rank.append(
-                    scales
-                    + [
-                        Piece(index, Route.TO_RANK, rank, lo * row + at, min(step, size - at), at, kind)
-                        for at in range(0, size, step)
-                    ]
-                )
+                rows = [
+                    Piece(index, Route.TO_RANK, rank, lo * row + at, min(step, size - at), at, kind)
+                    for at in range(0, size, step)
+                ]
+                per_rank.append(scales + rows)
             # round-robin over destinations, so rank 0 reads its own rows while another's are on the
             # wire; each receiver still sees its own pieces in order
             for round_ in itertools.zip_longest(*per_rank):
@@ -178,14 +181,6 @@ def fits_block(entry: Entry, piece_bytes: int) -> bool:
         return False
     dim = chunk_dim(entry.shape, DTYPES[entry.dtype].itemsize, block_half(piece_bytes))
     return dim == 0 or dim == 1 and len(entry.shape) >= 3
-
-
-def _scale_rows(entry: Entry, lo: int, hi: int) -> tuple[int, int]:
-    """The bytes of ``entry``'s scale grids that its rows ``[lo, hi)`` need; (0, 0) if unquantised."""
-    if not entry.scales:
-        return 0, 0
-    per_row = math.prod(entry.shape[1:])
-    return scale_span(entry.part_rows, entry.shape[-1], entry.block, lo * per_row, hi * per_row)
 
 
 def build_plan(
