@@ -260,14 +260,6 @@ class Message:
         return cls(tuple(pieces), tuple(offsets), offsets[-1] + pieces[-1].nbytes)
 
 
-def _lane(piece: Piece) -> int:
-    if piece.route is Route.FAN_OUT or piece.kind is Kind.BLOCK and piece.route is Route.TO_RANK:
-        return _BLOCK
-    if piece.dst < 0:
-        return BROADCAST
-    return _ALONE if piece.dst == 0 else piece.dst
-
-
 class _Gaps:
     """Prefix counts over the plan's entries, so that any two pieces' separation is O(1)."""
 
@@ -306,7 +298,12 @@ def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) ->
 
     round_ = -1
     for piece in pieces:
-        lane = _lane(piece)
+        if piece.route is Route.FAN_OUT or piece.kind is Kind.BLOCK and piece.route is Route.TO_RANK:
+            lane = _BLOCK
+        elif piece.dst < 0:
+            lane = BROADCAST
+        else:
+            lane = _ALONE if piece.dst == 0 else piece.dst
         if lane != _ALONE and _ALONE in open_:  # rank 0's own pieces never wait behind another's
             yield Message.packed(open_.pop(_ALONE))
         # the open groups this piece may separate (_Gaps.apart)
