@@ -269,13 +269,13 @@ class Sink:
         wire, dst = self.wires[piece.index], self.targets[piece.index]
         if not dst.is_contiguous():
             raise InternalError("internal error: a write into a non-contiguous tensor")  # ensured by _model
-        start, first, values = local_offset // wire.itemsize, piece.start // wire.itemsize, data.view(wire)
+        start, values = local_offset // wire.itemsize, data.view(wire)
         flat = dst.view(-1)
         if not self.entries[piece.index].scales:
             flat[start : start + values.numel()].copy_(values, non_blocking=non_blocking)
             return
         block = piece.kind is Kind.BLOCK  # this rank's block: not one run of the entry's elements
-        first = start if block else first  # a block's elements by their place in it
+        first = start if block else piece.start // wire.itemsize  # _decode's: a block's is in the shard
         step = _BLOCK_DEQUANTISE_STEP if block else _DEQUANTISE_STEP
         if dst.device.type != "cpu":
             step <<= _DEVICE_STEP_SHIFT
@@ -341,7 +341,7 @@ def fan_out(
     made: dict[tuple[Any, ...], torch.Tensor] = {}
     works: list[Any] = []
     keep: list[torch.Tensor] = []
-    used, me = 0, dist.get_rank()
+    used = 0
     for part in piece.parts:
         payload: torch.Tensor | None = None
         if sink.faults.error is None:
@@ -359,7 +359,7 @@ def fan_out(
                 payload = block.reshape(-1).view(torch.uint8)
             except Exception as exc:
                 sink.faults.note(exc)
-        if part.rank == me:
+        if part.rank == sink.me:
             if payload is not None:
                 sink.faults.run(sink.write, piece, payload, part.local_offset)
             continue
