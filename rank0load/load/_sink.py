@@ -283,10 +283,9 @@ class Sink:
         for at in range(0, values.numel(), step):  # float32 temporaries of one step at a time
             some = values[at : at + step]
             into = flat[start + at : start + at + some.numel()]
-            if in_place:
-                self._decode(piece.index, some, first + at, into)
-            else:
-                into.copy_(self._decode(piece.index, some, first + at))
+            decoded = self._decode(piece.index, some, first + at, into if in_place else None)
+            if not in_place:
+                into.copy_(decoded)
 
     def _decode(
         self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None
