@@ -8,11 +8,11 @@ import bisect
 import itertools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ._format import TensorHeader
 
-_FILE, _KEY, _OFFSET, _NBYTES = map(operator.attrgetter, ("file", "key", "offset", "nbytes"))
+_FILE, _OFFSET, _NBYTES = map(operator.attrgetter, ("file", "offset", "nbytes"))
 
 
 @dataclass(frozen=True)
@@ -24,13 +24,10 @@ class Parts:
     file_of: array.array = field(default_factory=lambda: array.array("I"))  # index into ``files``
     offsets: array.array = field(default_factory=lambda: array.array("q"))  # absolute offset in its file
     starts: array.array = field(default_factory=lambda: array.array("q", [0]))  # its first entry byte
-    # checkpoint keys, one newline-joined string (a tuple if a key holds a newline); read with key_list
-    keys: tuple[str, ...] | str = ()
 
     @classmethod
     def of(cls, tensors: Sequence[TensorHeader]) -> Parts:
-        """The parts of ``tensors``, in order, their keys :meth:`compacted` (so that a run's name
-        objects are freed with its headers)."""
+        """The parts of ``tensors``, in order."""
         paths = list(map(_FILE, tensors))
         files = tuple(dict.fromkeys(paths))
         index = {f: i for i, f in enumerate(files)}
@@ -39,23 +36,10 @@ class Parts:
             array.array("I", map(index.__getitem__, paths)),
             array.array("q", map(_OFFSET, tensors)),
             array.array("q", [0, *itertools.accumulate(map(_NBYTES, tensors))]),
-            tuple(map(_KEY, tensors)),
-        ).compacted()
+        )
 
     def __len__(self) -> int:
         return len(self.offsets)
-
-    def key_list(self) -> list[str]:
-        return self.keys.split("\n") if isinstance(self.keys, str) else list(self.keys)
-
-    def compacted(self) -> Parts:
-        """The same parts with their keys in one string (unless a key holds a newline)."""
-        if isinstance(self.keys, str) or not self.keys:
-            return self
-        joined = "\n".join(self.keys)
-        if joined.count("\n") != len(self.keys) - 1:
-            return self
-        return replace(self, keys=joined)
 
     @property
     def nbytes(self) -> int:
