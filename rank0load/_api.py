@@ -35,7 +35,7 @@ from .checkpoint._manifest import (
 from .common import _distribute
 from .common._memory import FaultIn, trim_heap
 from .common._report import Clock, LoadReport, fsdp_plan, log_summary, peak_rss_bytes, progress_bar
-from .common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES, SLOTS
+from .common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES, slot_bytes
 from .errors import LoadError
 from .integrations._convert import StackExperts
 from .load import _handover, _model, _sink, _transfer
@@ -168,8 +168,8 @@ def load_sharded(
         if sum(len(e.parts) or 1 for e in manifest.entries) >= _TRIM_FROM_TENSORS:
             trim_heap()  # what making and sharing a MoE manifest used, back to the OS
         clock("manifest")
-        # a local reader's pinned host buffer: one staging slot (pieces are at most max_staging_bytes / SLOTS)
-        slot = max_staging_bytes // SLOTS
+        # a local reader's pinned host buffer: one staging slot (no piece is larger)
+        slot = slot_bytes(max_staging_bytes)
         handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
         opened.callback(handover.close)
         plan, sink, staging = _distribute.run(
@@ -291,7 +291,7 @@ def _prepare(
         targets,
         [agreed[e.key] for e in entries],
         mesh,
-        max_staging_bytes // SLOTS,
+        slot_bytes(max_staging_bytes),
     )
     staging = _sink.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
     return plan, _sink.Sink(plan, targets, mesh_device), staging

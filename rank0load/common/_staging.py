@@ -16,6 +16,12 @@ ROUND_PIECES = 64  # a round (one failure check) carries at least this many piec
 MIN_STAGING_BYTES = 2 * ALIGN * SLOTS  # two aligned halves per staging slot
 
 
+def slot_bytes(max_staging_bytes: int) -> int:
+    """One staging slot's bytes, the largest message of the load and of the save: a ``SLOTS``-th of
+    ``max_staging_bytes``, an ALIGN multiple."""
+    return max(ALIGN, max_staging_bytes // SLOTS // ALIGN * ALIGN)
+
+
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of :data:`ALIGN`: where the next piece of a message starts."""
     return -(-nbytes // ALIGN) * ALIGN

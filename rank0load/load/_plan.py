@@ -39,7 +39,7 @@ from ..checkpoint._format import DTYPES
 from ..checkpoint._fp8 import scale_span
 from ..common._blocks import Chunk, Part, Runs, block_chunks, chunk_dim
 from ..common._distribute import round_ends
-from ..common._staging import ALIGN, ROUND_PIECES, aligned, block_half
+from ..common._staging import ROUND_PIECES, aligned, block_half
 from ..model._layout import ROWS_OK, RUNS_OK, placements_on, rank_coordinates, rows_of, runs_at
 
 
@@ -191,8 +191,7 @@ def build_plan(
     piece_bytes: int,
 ) -> Plan:
     """(all ranks) The plan for ``entries`` (the manifest's), given each entry's target tensor and
-    its layout flags AND-ed over the ranks."""
-    piece_bytes = max(ALIGN, piece_bytes // ALIGN * ALIGN)
+    its layout flags AND-ed over the ranks; ``piece_bytes``: one staging slot (``_staging.slot_bytes``)."""
     kinds = []
     for entry, target, f in zip(entries, targets, flags, strict=True):
         if not isinstance(target, DTensor):

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..checkpoint._format import DTYPES
 from ..common._blocks import Blocks, Chunk, Part, block_chunks
 from ..common._distribute import round_ends
-from ..common._staging import ALIGN, ROUND_PIECES, SLOTS, block_half
+from ..common._staging import ROUND_PIECES, block_half, slot_bytes
 from ..errors import SaveError
 from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of, runs_at
 from ..model._meta import strip_wrappers
@@ -168,7 +168,7 @@ def plan_save(
         items.append(SaveItem(key, _NAMES[wire], tuple(t.shape), nbytes, kind, senders, (), blocks))
     if not items:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
-    piece_bytes = max(ALIGN, options["max_staging_bytes"] // SLOTS // ALIGN * ALIGN)  # one staging slot
+    piece_bytes = slot_bytes(options["max_staging_bytes"])
     headers, laid = _lay_out(items, units, parse_size(options["max_shard_size"]))
     rounds = round_ends([item.nbytes for item in laid], ROUND_PIECES * piece_bytes)
     count = len(headers)  # named as huggingface_hub and diffusers name them
