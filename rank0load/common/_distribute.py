@@ -5,9 +5,9 @@ by every rank in the same order:
   error. :func:`attempt` and :func:`settle` are its two halves, for a failure raised later.
 * :func:`from_rank0` — a value rank 0 computes alone, on every rank, or its error on every rank.
 * :func:`agree` — settle the build, and check every rank built the same model with the same options.
-* rounds of transfers (:func:`settled`): each rank notes its first local
-  failure (:class:`Faults`) and keeps the messages flowing; each round's end says whether any rank failed,
-  and every rank raises the same error once.
+* rounds of transfers (:func:`settled`): each rank notes its first local failure (:class:`Faults`)
+  and keeps the messages flowing; each round's end says whether any rank failed, and every rank
+  raises the same error once.
 
 A collective that itself fails (a peer died, a timeout) is a ``_failure.peer_failures``: the only
 case where a rank cannot learn the real cause."""
@@ -189,7 +189,8 @@ def _raise_failure(
 
 
 def _raise_if(first: int, error: BaseException | None, stage: str, todo: str, wrap: type[LoadError]) -> None:
-    """(all ranks) Unless ``first`` is the world size, raise rank ``first``'s :func:`failure_of` everywhere."""
+    """(all ranks) Unless ``first`` is the world size, raise rank ``first``'s :func:`failure_of`
+    everywhere."""
     if first < dist.get_world_size():
         _raise_failure(first, error, lambda exc, count: failure_of(exc, count, first, stage, todo, wrap))
 

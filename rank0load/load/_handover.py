@@ -219,7 +219,8 @@ def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
 
 @dataclass
 class LocalReads:
-    """(all ranks) One load's hand-over: made by :func:`hand_over`, its :attr:`readers` set by :meth:`decide`."""
+    """(all ranks) One load's hand-over: made by :func:`hand_over`, its :attr:`readers` set by
+    :meth:`decide`."""
 
     offer: Offer | None
     status: str  # which path this rank took, and why (LoadReport.local_status)
@@ -250,7 +251,7 @@ class LocalReads:
         return len(self.readers) == dist.get_world_size() - 1
 
     def close(self) -> None:
-        """Close this rank's descriptors (rank 0's server is closed by whoever made it: ``Server.listen``'s caller)."""
+        """Close this rank's descriptors (rank 0's server is closed by ``Server.listen``'s caller)."""
         for file in (self.files or {}).values():
             file.close()
 

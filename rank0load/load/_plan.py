@@ -288,9 +288,10 @@ class _Gaps:
 
 def messages(plan: Plan, pieces: Iterable[Piece], own_together: bool = False) -> Iterator[Message]:
     """(all ranks) ``pieces`` (one rank's view of ``plan``, in plan order) grouped by lane (the rank
-    they go to, or :data:`BROADCAST`) into messages, in the order they move. BLOCK pieces are messages of one piece each; so are rank 0's own pieces,
-    unless ``own_together``: then consecutive own pieces are grouped too, and any other piece closes
-    their group first, so that nothing another rank sees moves in another order."""
+    they go to, or :data:`BROADCAST`) into messages, in the order they move. BLOCK pieces are
+    messages of one piece each; so are rank 0's own pieces, unless ``own_together``: then
+    consecutive own pieces are grouped too, and any other piece closes their group first, so that
+    nothing another rank sees moves in another order."""
     gaps = _Gaps(plan)
     open_: dict[int, list[Piece]] = {}  # lane -> its open group
     ends: dict[int, int] = {}  # lane -> where its open group's bytes end, laid out as Message.packed does

@@ -290,8 +290,9 @@ class Sink:
     def _decode(
         self, index: int, values: torch.Tensor, first: int, into: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Entry ``index``'s wire values of elements ``first ..``; float8 ones dequantised (into ``into``).
-        A BLOCK entry's: of this rank's block from its element ``first`` on, by global position (no ``into``)."""
+        """Entry ``index``'s wire values of elements ``first ..``; float8 ones dequantised (into
+        ``into``); a BLOCK entry's from element ``first`` of this rank's block on, by global position
+        (never into ``into``)."""
         entry = self.entries[index]
         if not entry.scales:
             return values
