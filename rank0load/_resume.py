@@ -32,7 +32,7 @@ from .checkpoint._training import (
     TrainingRecord,
     decode,
     read_training_record,
-    save_id_of,
+    save_of,
 )
 from .common import _distribute
 from .common._report import Clock
@@ -94,7 +94,7 @@ def load_training_state(
         lambda: _read_record(ckpt_path, model, optimizer), lambda exc: unforeseen(ckpt_path, exc)
     )
     saved = OptimizerRecord.from_json(decode(record.optimizer)) if record.optimizer is not None else None
-    options = {
+    options: dict[str, object] = {
         "max_staging_bytes": max_staging_bytes,
         "local_reads": local_reads,
         "optimizer": saved is not None,
@@ -183,10 +183,11 @@ def _read_record(
             record.save_id,
         )
         return record
-    found = save_id_of(weights[0])
+    found, step = save_of(weights[0])
     if found != record.save_id:
+        saved_as = f"save {found}, step {step}" if found else "not a training save"
         raise ModelMismatchError(
-            f"the model's weights ({weights[0]}, save {found or 'none: not a training save'}) and the "
+            f"the model's weights ({weights[0]}: {saved_as}) and the "
             f"training state in {os.fspath(ckpt_path)!r} (save {record.save_id}, step {record.step}) come "
             f"from different saves: load the model from {os.fspath(ckpt_path)!r} too, so that weights "
             f"and optimizer state are of one step ({SAVE_ID} in the files' metadata)"

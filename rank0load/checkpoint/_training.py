@@ -7,7 +7,7 @@ optimizer's class, param groups and non-tensor state, the caller's ``training_st
 id, which every safetensors file of that save also carries in its ``__metadata__``: weights and
 optimizer state of one save are one checkpoint.
 
-(rank 0) :func:`read_training_record`, :func:`save_id_of`; (any rank) :func:`encode`, :func:`decode`.
+(rank 0) :func:`read_training_record`, :func:`save_of`; (any rank) :func:`encode`, :func:`decode`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from ._format import DTYPES, MAX_HEADER_BYTES
 FOLDER = "training_state"  # in out_dir
 RECORD = "training_state.json"
 OPTIMIZER_STEM = "optimizer"
-SAVE_ID = "rank0load_save"  # the __metadata__ key of every file of a training save
+SAVE_ID = "rank0load_save"  # the __metadata__ key of every file of a training save: its id
+SAVE_STEP = "rank0load_step"  # and its step, where known (for messages)
 FORMAT = "rank0load.training_state"
 VERSION = 1
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -142,7 +143,7 @@ def read_training_record(ckpt_dir: str | os.PathLike[str]) -> TrainingRecord:
     for name in record.files:
         if os.path.basename(name) != name or name in (".", ".."):
             raise CheckpointFormatError(f"{path} names optimizer file {name!r}, outside its folder")
-        found = save_id_of(os.path.join(folder, name))
+        found, _ = save_of(os.path.join(folder, name))
         if found != record.save_id:
             raise CheckpointFormatError(
                 f"{os.path.join(folder, name)} belongs to save {found or 'none'}, but {RECORD} to save "
@@ -152,8 +153,13 @@ def read_training_record(ckpt_dir: str | os.PathLike[str]) -> TrainingRecord:
     return record
 
 
-def save_id_of(path: str) -> str | None:
-    """(rank 0) The save id in a safetensors file's ``__metadata__`` (None: it has none).
+def save_metadata(save_id: str, step: int | None) -> dict[str, str]:
+    """The ``__metadata__`` entries of every safetensors file of a training save."""
+    return {SAVE_ID: save_id, **({SAVE_STEP: str(step)} if step is not None else {})}
+
+
+def save_of(path: str) -> tuple[str | None, str | None]:
+    """(rank 0) The save id and step in a safetensors file's ``__metadata__`` (None: it has none).
     Raises CheckpointNotFoundError / CheckpointFormatError."""
     try:
         with open(path, "rb") as f:
@@ -166,5 +172,6 @@ def save_id_of(path: str) -> str | None:
     except (OSError, ValueError, struct.error) as exc:
         raise CheckpointFormatError(f"{path}: cannot read its safetensors header: {exc}") from None
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    found = metadata.get(SAVE_ID) if isinstance(metadata, dict) else None
-    return found if isinstance(found, str) else None
+    metadata = metadata if isinstance(metadata, dict) else {}
+    found, step = metadata.get(SAVE_ID), metadata.get(SAVE_STEP)
+    return (found if isinstance(found, str) else None), (step if isinstance(step, str) else None)

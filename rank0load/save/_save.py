@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint._format import DTYPES
-from ..checkpoint._training import FOLDER, OPTIMIZER_STEM, RECORD, SAVE_ID, TrainingRecord, encode
+from ..checkpoint._training import FOLDER, OPTIMIZER_STEM, RECORD, TrainingRecord, encode, save_metadata
 from ..common import _distribute
 from ..common._report import Clock, peak_rss_bytes, progress_bar
 from ..common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
@@ -158,7 +158,7 @@ def save_sharded(
     tensors, flags = _distribute.agree(_distribute.attempt(lambda: _describe(model, options)))
     kept = _kept(model, optimizer, training_state, options) if training else None
     clock("agree")
-    metadata = {SAVE_ID: kept.record.save_id} if kept is not None else None
+    metadata = save_metadata(kept.record.save_id, kept.record.step) if kept is not None else None
     plan = _distribute.from_rank0(
         lambda: plan_save(
             tensors,
@@ -315,15 +315,14 @@ def _kept(
     def make_record() -> TrainingRecord:  # rank 0
         try:
             state = encode(training_state or {})
-            optimizer_json = (
-                encode(described.as_json(), "the optimizer's param groups") if described else None
-            )
+            optimizer_json = encode(described.as_json(), "the optimizer") if described else None
         except TypeError as exc:
             raise SaveError(f"the training state cannot be saved as JSON: {exc}") from None
         step = (training_state or {}).get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             steps = [t for k, t in tensors.items() if k.endswith(".step") and not isinstance(t, DTensor)]
             step = int(max(float(t) for t in steps)) if steps else None
+        assert optimizer_json is None or isinstance(optimizer_json, dict)  # encode keeps a dict a dict
         return TrainingRecord(".", secrets.token_hex(8), step, optimizer_json, (), state)
 
     record = _distribute.from_rank0(make_record, _planning_failed)
