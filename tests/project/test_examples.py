@@ -10,6 +10,7 @@ clipping itself: tests/train/test_clip.py checks every clipped gradient against 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -102,13 +103,17 @@ def _numbers(pattern: str, text: str) -> list[tuple[float, ...]]:
     return [tuple(float(x) for x in m) for m in re.findall(pattern, text)]
 
 
-def _reference_steps(path: str, batches: list[list[dict]]) -> list[tuple[float, float]]:
+def _reference_steps(
+    path: str, batches: list[list[dict]], schedule: bool = False
+) -> list[tuple[float, float]]:
     """(loss of the first batch of each step, gradient norm) of the same steps on one process: each
-    step's gradient is the mean over its batches (what FSDP2's reduce-scatter gives)."""
+    step's gradient is the mean over its batches (what FSDP2's reduce-scatter gives). ``schedule``:
+    with train.py's cosine lr schedule over the steps."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lr = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(batches)) if schedule else None
     model.train()
     out = []
     for step_batches in batches:
@@ -117,6 +122,8 @@ def _reference_steps(path: str, batches: list[list[dict]]) -> list[tuple[float, 
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
+        if lr is not None:
+            lr.step()
         out.append((losses[0].item(), norm.item()))
     return out
 
@@ -129,8 +136,9 @@ def test_train(checkpoint, tmp_path):
     text = _run("train.py", RANKS, checkpoint, out_dir)
     got = _numbers(r"step \d+: loss ([\d.]+), grad norm ([\d.]+)", text)
     # Each rank its own batch; the printed loss is rank 0's.
-    want = _reference_steps(checkpoint, [[_batch(64, "cpu", s, r) for r in range(RANKS)] for s in range(3)])
-    assert len(got) == 3, text
+    batches = [[_batch(64, "cpu", s, r) for r in range(RANKS)] for s in range(4)]
+    want = _reference_steps(checkpoint, batches, schedule=True)
+    assert len(got) == 4, text
     for (loss, norm), (ref_loss, ref_norm) in zip(got, want):
         assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3), text
     assert want[0][1] > 1.0  # the clipping was in force
@@ -141,6 +149,39 @@ def test_train(checkpoint, tmp_path):
     assert set(dict(saved.named_parameters())) == set(names)
     assert all(not torch.equal(p, names[n]) for n, p in saved.named_parameters())
     assert re.search(r"saved \d+ tensors", text), text
+
+
+def _saved(out_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a training save: the weights and the optimizer's state."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for folder in (out_dir, os.path.join(out_dir, "training_state")):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+@pytest.mark.slow
+def test_train_stops_and_resumes_as_if_it_never_stopped(checkpoint, tmp_path):
+    """train.py --stop-at 2, then --resume (fresh processes, only rank 0 reading), ends bit for bit
+    where the 4 steps run straight end: weights, every optimizer state, the lr schedule's state."""
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    _run("train.py", RANKS, checkpoint, straight)
+    first = _run("train.py", RANKS, checkpoint, stopped, "--stop-at", "2")
+    assert re.findall(r"step (\d+):", first) == ["0", "1"], first
+    second = _run("train.py", RANKS, checkpoint, stopped, "--resume")
+    assert re.findall(r"step (\d+):", second) == ["2", "3"], second
+    want, got = _saved(straight), _saved(stopped)
+    assert sorted(got) == sorted(want) and any(k.endswith(".exp_avg_sq") for k in got)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    with open(os.path.join(straight, "training_state", "training_state.json")) as f:
+        want_state = json.load(f)
+    with open(os.path.join(stopped, "training_state", "training_state.json")) as f:
+        got_state = json.load(f)
+    assert got_state["training_state"] == want_state["training_state"]  # step, schedule, RNG
+    assert got_state["optimizer"] == want_state["optimizer"]
 
 
 @pytest.mark.slow
