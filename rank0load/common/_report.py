@@ -152,6 +152,13 @@ def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
     ):
         if keys:
             logger.log(level, message, len(keys), ", ".join(keys[:shown]))
+    if report.replicated:
+        logger.info(
+            "kept %d parameters out of FSDP (no group could take them): a full copy on every rank, "
+            "their gradients averaged over the ranks after each backward: %s",
+            len(report.replicated),
+            ", ".join(report.replicated[:5]) + (" ..." if len(report.replicated) > 5 else ""),
+        )
     whole = report.broadcast_whole
     if whole:
         largest = max(whole, key=lambda k: sizes[k])

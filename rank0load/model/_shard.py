@@ -312,6 +312,7 @@ def check_dtype_groups(
             "forward. Freeze the odd ones (requires_grad_(False)) or give them the group's dtype; or, "
             "in shard_fn, fully_shard each submodule of another dtype before its parent (innermost "
             "first), or pass shard_fn=None: rank0load's default policy does that where the module "
-            "runs every step. If you changed requires_grad after the load, load with the same "
-            "requires_grad (set it in model_fn) so the policy can group them."
+            "runs every step, and keeps a parameter no group can take out of FSDP (replicated, its "
+            "gradient averaged over the ranks). If you changed requires_grad after the load, load "
+            "with the same requires_grad (set it in model_fn) so the policy can group them."
         )
