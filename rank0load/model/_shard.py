@@ -8,7 +8,7 @@ A trainable parameter of another dtype than its group's that cannot get a group 
 module holds itself beside a routed list, as MiniMax-M2 ports hold their fp32 router bias beside bf16
 experts; one inside a routed list; one beside parameters of the group's dtype on its own module) is
 **replicated**: kept out of FSDP (``fully_shard(..., ignored_params=...)``), a plain tensor on every
-rank whose gradient ``train._replicated`` averages over the ranks (:func:`replicated_parameters`).
+rank whose gradient ``train._replicas`` averages over the ranks (:func:`replicated_parameters`).
 
 (all ranks) :func:`routed_modules`, before any policy (``fully_shard`` renames the classes blocks are
 found by); :func:`default_shard_fn`, the default policy; :func:`prepare_groups` and
@@ -106,12 +106,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _Policy:
-    """One pass of the default policy: which parameters already have a group."""
+    """One pass of the default policy: which parameters already have a group, which are replicated."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) -> None:
         self.mesh = mesh
         self.routed = routed
-        self.model = model
         self.managed: set[int] = set()
         self.owners = _owners(model)
         self.groups = 0

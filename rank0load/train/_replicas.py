@@ -8,7 +8,8 @@ FSDP2 queues from the same tensor (its hook was registered first), so every rank
 callback, then this one. Collectives, in ``sync``, on every rank alike: one all-reduce of a has-gradient
 flag per parameter, then, if any rank has a gradient, one all-reduce per dtype of those gradients
 (zeros where a rank has none), per mesh dimension. Nothing is issued without a backward (``no_grad``,
-evaluation).
+evaluation). Averaging is linear, so gradients accumulated over several backwards stay the average of
+the sum (each backward communicates, ``set_requires_gradient_sync(False)`` or not).
 """
 
 from __future__ import annotations
