@@ -32,9 +32,10 @@ the model outside the layers) compared, as ``full_tensor()``, with the checkpoin
 torch's own float8 conversion. The summary gives rank0load / floor round by round (the slower rank
 of each) and the peak RSS of both.
 
-``--router-bias`` runs ``fsdp-only`` alone with a frozen fp32 ``e_score_correction_bias`` added to every
-MoE block, as public MiniMax-M2 ports hold it: the shape on which a policy that isolates every dtype
-island would give each of the 256 experts of each layer a group of its own.
+``--router-bias`` runs ``fsdp-only`` alone with a trainable fp32 ``e_score_correction_bias`` added to every
+MoE block, as public MiniMax-M2 ports declare it: the shape on which a policy that isolates every dtype
+island would give each of the 256 experts of each layer a group of its own (the default policy keeps the
+bias out of FSDP, replicated, and the experts in their layer's group).
 
 Run it with the transformers whose per-expert layout you want (4.57 builds ``nn.ModuleList`` experts;
 transformers 5 fuses them, which ``python -m benchmarks.bench --model moe`` measures).
@@ -75,9 +76,12 @@ def _groups(model: nn.Module) -> str:
     (at or below it)."""
     from torch.distributed.fsdp import FSDPModule
 
+    from rank0load.model._shard import replicated_parameters
+
     total = sum(isinstance(m, FSDPModule) for m in model.modules())
     per_layer = sorted({sum(isinstance(m, FSDPModule) for m in x.modules()) for x in model.model.layers})
-    return f"{total} FSDP groups ({'/'.join(map(str, per_layer))} per decoder layer)"
+    replicated = len(replicated_parameters(model))
+    return f"{total} FSDP groups ({'/'.join(map(str, per_layer))} per decoder layer), {replicated} replicated"
 
 
 def _rank0load(ckpt: str) -> None:
@@ -105,14 +109,14 @@ def _rank0load(ckpt: str) -> None:
 
 
 def _add_router_bias(model: nn.Module) -> None:
-    """A frozen fp32 ``e_score_correction_bias`` Parameter on every MoE block, as public MiniMax-M2
-    ports hold it (what made the policy before the routed-list rule give every expert a group)."""
+    """A trainable fp32 ``e_score_correction_bias`` Parameter on every MoE block, as public MiniMax-M2
+    ports declare it (what made the policy before the routed-list rule give every expert a group)."""
     import torch
     from torch import nn
 
     for layer in model.model.layers:
         experts = len(layer.mlp.experts)
-        bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32, device="meta"), requires_grad=False)
+        bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32, device="meta"))
         layer.mlp.register_parameter("e_score_correction_bias", bias)
 
 
@@ -432,7 +436,7 @@ def main() -> None:
     parser.add_argument(
         "--router-bias",
         action="store_true",
-        help="fsdp-only alone, with a frozen fp32 e_score_correction_bias on every MoE block (MiniMax-M2's shape)",
+        help="fsdp-only alone, with a trainable fp32 e_score_correction_bias on every MoE block (MiniMax-M2's shape)",
     )
     parser.add_argument(
         "--fp8-remote",

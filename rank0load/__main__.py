@@ -117,6 +117,11 @@ def _text(result: Inspection, model_spec: str | None, key_map_spec: str | None) 
             lines.append(f"FSDP groups: not listed ({result.fsdp_unlisted})")
         else:
             lines += _listing("FSDP groups, default policy", result.fsdp_groups)
+        if result.replicated:
+            lines += _listing(
+                "replicated (kept out of FSDP: a full copy on every rank, gradients averaged over the ranks)",
+                result.replicated,
+            )
         if not result.fits:
             lines.append("does NOT fit the model")
         elif result.tied_twice:

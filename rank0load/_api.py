@@ -41,6 +41,8 @@ from .integrations._convert import StackExperts
 from .load import _handover, _model, _sink, _transfer
 from .load._plan import Plan, build_plan
 from .model._layout import rank_coordinates
+from .model._shard import replicated_parameters
+from .train._replicas import keep_in_step
 
 # from this many checkpoint tensors on, the manifest leaves enough memory to be worth malloc_trim's heap walk
 _TRIM_FROM_TENSORS = 10_000
@@ -168,14 +170,23 @@ def load_sharded(
             local_reads,
             clock,
         )
-    return _finished(built, manifest, plan, clock, handover)
+    return _finished(built, manifest, plan, clock, handover, mesh)
 
 
 def _finished(
-    built: _model.Built, manifest: Manifest, plan: Plan, clock: Clock, local: _handover.LocalReads
+    built: _model.Built,
+    manifest: Manifest,
+    plan: Plan,
+    clock: Clock,
+    local: _handover.LocalReads,
+    mesh: DeviceMesh,
 ) -> nn.Module:
-    """(all ranks) Ties restored, nothing left on meta; the report attached and summarised."""
+    """(all ranks) Ties restored, nothing left on meta; the gradients of the parameters FSDP leaves
+    out averaged over ``mesh`` after each backward; the report attached and summarised."""
     _model.finish(built.model, built.layout)
+    replicated = replicated_parameters(built.model)
+    if replicated:
+        keep_in_step(built.model, replicated, mesh)
     clock("finish")
     whole = plan.broadcast_whole
     report = LoadReport(
@@ -205,6 +216,7 @@ def _finished(
         local_readers=tuple(sorted(local.readers)),
         local_status=local.status,
         fsdp_groups=fsdp_plan(built.model),
+        replicated=tuple(n for n, _ in replicated),
     )
     built.model.rank0load_report = report  # type: ignore[assignment]
     if dist.get_rank() == 0:

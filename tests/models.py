@@ -296,12 +296,22 @@ def check_layout(path: str) -> None:
 
 
 class OwnMixed(nn.Module):
-    """A module that registers a bf16 and an fp32 trainable parameter itself: no policy can split them."""
+    """A module that registers a bf16 and an fp32 trainable parameter itself: no group can take the fp32
+    one apart (the default policy replicates it)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w``, scaled only for the rows whose first entry is positive (a data-dependent use, as
+        routing is: a batch with none gives ``scale`` no gradient)."""
+        y = (x.to(self.w.dtype) @ self.w).float()
+        hit = x[:, 0] > 0
+        if not bool(hit.any()):
+            return y
+        return torch.where(hit[:, None], y * self.scale, y)
 
 
 def own_mixed() -> nn.Module:

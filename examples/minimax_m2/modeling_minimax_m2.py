@@ -87,10 +87,9 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         self.experts = nn.ModuleList(MiniMaxM2MLP(config) for _ in range(config.num_local_experts))
-        # Updated from routing statistics, not by gradients: frozen, kept in float32.
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(config.num_local_experts), requires_grad=False
-        )
+        # Updated from routing statistics, not by gradients (it only shifts a top-k choice); kept in
+        # float32, and requires_grad=True as public ports declare it (rank0load replicates it).
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_local_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape

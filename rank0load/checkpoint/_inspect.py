@@ -22,7 +22,7 @@ from ..errors import LoadError, ModelMismatchError
 from ..integrations._convert import conversions_for
 from ..integrations._resolve import KeyResolver
 from ..model._meta import build_on_meta, describe
-from ..model._shard import check_dtype_groups, default_shard_fn
+from ..model._shard import check_dtype_groups, default_shard_fn, replicated_parameters
 from ._fit import build_entries, match_keys, quantised_keys, unconsumed
 from ._format import TensorHeader
 from ._fp8 import block_size as fp8_block_size
@@ -61,6 +61,8 @@ class Inspection:
     # the default policy's FSDP groups (root first), as LoadReport.fsdp_groups; None: see fsdp_unlisted
     fsdp_groups: tuple[FSDPGroup, ...] | None = None
     fsdp_unlisted: str = ""
+    # parameters the default policy keeps out of FSDP, replicated on every rank, as LoadReport.replicated
+    replicated: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -165,6 +167,7 @@ def inspect_checkpoint(
         ),
         fsdp_groups=groups,
         fsdp_unlisted=unlisted,
+        replicated=tuple(n for n, _ in replicated_parameters(model)),  # sharded in place, or none
     )
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from ..integrations._compat import fsdp_groups
 
@@ -27,6 +29,9 @@ class FSDPGroup:
     elements: int  # their elements, whole (unsharded): what one all-gather assembles
     trainable_dtypes: tuple[torch.dtype, ...]  # dtypes of the parameters with requires_grad, sorted
     frozen_dtypes: tuple[torch.dtype, ...]  # dtypes of the others (gathered, never reduced), sorted
+    # parameters below the unit kept out of FSDP (ignored_params): a full copy on every rank, their
+    # gradients averaged by rank0load after each backward; not counted above
+    replicated: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         where = self.module or "(root)"
@@ -35,11 +40,24 @@ class FSDPGroup:
         for label, dtypes in (("trainable", self.trainable_dtypes), ("frozen", self.frozen_dtypes)):
             if dtypes:
                 text += f", {label} " + " + ".join(str(d).removeprefix("torch.") for d in dtypes)
+        if self.replicated:
+            text += ", replicated " + ", ".join(self.replicated)
         return text
 
 
 def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
-    """(any rank) The FSDP2 groups of a sharded ``model``, in ``named_modules()`` order (root first)."""
+    """(any rank) The FSDP2 groups of a sharded ``model``, in ``named_modules()`` order (root first);
+    each plain parameter (kept out of FSDP) listed under the innermost unit that holds it."""
+    groups = fsdp_groups(model)
+    units = {name for name, _, _ in groups}
+    replicated: dict[str, list[str]] = {}
+    if isinstance(model, FSDPModule):  # the root is a unit: plain parameters were left out of FSDP
+        for name, p in model.named_parameters():
+            if not isinstance(p, DTensor):
+                owner = name.rpartition(".")[0]
+                while owner and owner not in units:
+                    owner = owner.rpartition(".")[0]
+                replicated.setdefault(owner, []).append(name)
     return tuple(
         FSDPGroup(
             module=name,
@@ -47,8 +65,9 @@ def fsdp_plan(model: nn.Module) -> tuple[FSDPGroup, ...]:
             elements=sum(p.numel() for _, p in params),
             trainable_dtypes=tuple(sorted({p.dtype for _, p in params if p.requires_grad}, key=str)),
             frozen_dtypes=tuple(sorted({p.dtype for _, p in params if not p.requires_grad}, key=str)),
+            replicated=tuple(replicated.pop(name, ())),  # on the unit's first group
         )
-        for name, _, params in fsdp_groups(model)
+        for name, _, params in groups
     )
 
 
@@ -88,6 +107,9 @@ class LoadReport:
     manifest_runs: int = 0
     # the model's FSDP2 groups as sharded, root first; the same on every rank
     fsdp_groups: tuple[FSDPGroup, ...] = ()
+    # parameters kept out of FSDP (a full copy on every rank; their gradients averaged over the ranks
+    # after each backward), as the model names them: e.g. an fp32 router bias beside bf16 experts
+    replicated: tuple[str, ...] = ()
 
     @property
     def gb_per_s(self) -> float:
@@ -130,6 +152,13 @@ def log_summary(report: LoadReport, sizes: dict[str, int]) -> None:
     ):
         if keys:
             logger.log(level, message, len(keys), ", ".join(keys[:shown]))
+    if report.replicated:
+        logger.info(
+            "kept %d parameters out of FSDP (no group could take them): a full copy on every rank, "
+            "their gradients averaged over the ranks after each backward: %s",
+            len(report.replicated),
+            ", ".join(report.replicated[:5]) + (" ..." if len(report.replicated) > 5 else ""),
+        )
     whole = report.broadcast_whole
     if whole:
         largest = max(whole, key=lambda k: sizes[k])

@@ -103,6 +103,21 @@ def fsdp_groups(
     return out
 
 
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward ends, after the callbacks queued before it (call it in a
+    backward only). Private: ``Variable._execution_engine.queue_callback``, as FSDP2 queues its own."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(fn)
+
+
+def backward_task_id() -> int | None:
+    """An id of the backward running now (-1 outside one), or None where torch has no such call.
+    Private: ``torch._C._current_graph_task_id``."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return None if task is None else int(task())
+
+
 def can_reduce_scatter_unused_params() -> bool:
     """Whether FSDP2 has ``FSDPModule.set_reduce_scatter_unused_params`` (torch 2.13 and later)."""
     from torch.distributed.fsdp import FSDPModule

@@ -4,8 +4,15 @@ Nothing at or below a **routed list** gets a group (ranks whose tokens reach dif
 would issue different collectives): a ``ModuleList`` / ``ModuleDict`` inside a block whose elements
 with parameters include two or more of one class, or whose attribute name contains ``expert``.
 
+A trainable parameter of another dtype than its group's that cannot get a group of its own (one a
+module holds itself beside a routed list, as MiniMax-M2 ports hold their fp32 router bias beside bf16
+experts; one inside a routed list; one beside parameters of the group's dtype on its own module) is
+**replicated**: kept out of FSDP (``fully_shard(..., ignored_params=...)``), a plain tensor on every
+rank whose gradient ``train._replicas`` averages over the ranks (:func:`replicated_parameters`).
+
 (all ranks) :func:`routed_modules`, before any policy (``fully_shard`` renames the classes blocks are
-found by); :func:`default_shard_fn`, the default policy; :func:`prepare_groups`, after any policy.
+found by); :func:`default_shard_fn`, the default policy; :func:`prepare_groups` and
+:func:`replicated_parameters`, after any policy.
 ``fully_shard`` on a meta model issues no collectives.
 """
 
@@ -19,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import ModelMismatchError
@@ -98,15 +106,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _Policy:
-    """One pass of the default policy: which parameters already have a group."""
+    """One pass of the default policy: which parameters already have a group, which are replicated."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) -> None:
         self.mesh = mesh
         self.routed = routed
-        self.model = model
         self.managed: set[int] = set()
         self.owners = _owners(model)
         self.groups = 0
+        self.replicated: dict[int, nn.Parameter] = {}  # kept out of FSDP, by id, in the order found
 
     def shard_unit(self, unit: nn.Module, outer: torch.dtype | None = None) -> None:
         """``fully_shard(unit)``, after giving each of its odd-dtype submodules a group of its own.
@@ -114,58 +122,35 @@ class _Policy:
         only if its own dtype differs and none of its free parameters is used outside it."""
         dtype = self._group_dtype(unit)
         if dtype is not None:
-            self._isolate(unit, unit, dtype)
-        if outer is None or dtype != outer and not _shares_outside(unit, self.owners, self.managed):
+            self._isolate(unit, dtype)
+        own_group = outer is None or dtype != outer and not _shares_outside(unit, self.owners, self.managed)
+        if dtype is not None and (own_group or dtype == outer):  # (a tie outside: check_dtype_groups tells)
+            self._replicate_odd(unit, dtype)
+        if own_group:
             self._shard(unit)
 
-    def _isolate(self, unit: nn.Module, module: nn.Module, dtype: torch.dtype) -> None:
-        """Give every submodule of ``module`` whose free trainable parameters are not all ``dtype`` a
-        group of its own, innermost first. ``unit``: the group they would otherwise join, for messages."""
+    def _isolate(self, module: nn.Module, dtype: torch.dtype) -> None:
+        """Give every submodule of ``module`` that runs whole, is outside any routed list, and whose
+        free trainable parameters are not all ``dtype`` a group of its own, innermost first."""
         for child in module.children():
             counts = self._counts(child)
-            if not counts or set(counts) == {dtype}:
-                continue
-            if id(child) in self.routed:
-                raise ModelMismatchError(self._routed_message(unit, child, dtype))
+            if not counts or set(counts) == {dtype} or id(child) in self.routed:
+                continue  # a routed list's odd parameters: replicated by _replicate_odd
             if type(child).forward is nn.Module.forward:  # ModuleList, ModuleDict, a namespace: never
-                self._isolate(unit, child, dtype)  # called, so FSDP's hooks on it would not run; look inside
+                self._isolate(child, dtype)  # called, so FSDP's hooks on it would not run; look inside
                 continue
             self.shard_unit(child, outer=dtype)
 
-    def _routed_message(self, unit: nn.Module, child: nn.Module, dtype: torch.dtype) -> str:
-        def shown(names: list[str]) -> str:
-            names = sorted(names)
-            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-        def free(module: nn.Module, same: bool) -> list[str]:  # no group yet; of dtype or (same=False) not
-            at = paths[id(module)]
-            return [
-                f"{at}.{n}" if at else n
-                for n, p in module.named_parameters()
-                if p.requires_grad and (p.dtype == dtype) == same and id(p) not in self.managed
-            ]
-
-        paths = {id(m): n for n, m in self.model.named_modules()}
-        where = paths[id(unit)]
-        dtypes = "/".join(
-            sorted(
-                {_dtype_name(p.dtype) for p in child.parameters() if p.requires_grad} - {_dtype_name(dtype)}
-            )
-        )
-        return (
-            f"the FSDP group of {where or 'the root module'!r} would train {_dtype_name(dtype)} "
-            f"parameters ({shown(free(unit, True))}) and {dtypes} ones inside the routed list "
-            f"{paths[id(child)]!r} ({shown(free(child, False))}). FSDP2 needs one dtype among a "
-            "group's trainable parameters, and a group of their own inside a routed list (modules that run "
-            "only on the ranks whose tokens reach them) would make ranks with different batches issue "
-            "different collectives. Freeze one side in model_fn (requires_grad_(False): a router bias or "
-            "scale usually), or give both the same dtype; with load_pretrained, freeze it in a shard_fn "
-            "that then calls rank0load.default_shard_fn(model, mesh), or pass a peft_config (PEFT freezes "
-            "the base)."
-        )
+    def _replicate_odd(self, unit: nn.Module, dtype: torch.dtype) -> None:
+        """(after :meth:`_isolate`) The free trainable parameters under ``unit`` that are not ``dtype``
+        could get no group of their own: keep them out of FSDP, replicated."""
+        for p in unit.parameters():
+            if p.requires_grad and p.dtype != dtype and id(p) not in self.managed:
+                self.replicated.setdefault(id(p), p)
 
     def _shard(self, module: nn.Module) -> None:
-        fully_shard(module, mesh=self.mesh)
+        ignored = {p for p in module.parameters() if id(p) in self.replicated}
+        fully_shard(module, mesh=self.mesh, ignored_params=ignored or None)
         self.managed.update(id(p) for p in module.parameters())
         self.groups += 1
 
@@ -179,17 +164,32 @@ class _Policy:
         return counts
 
     def _group_dtype(self, module: nn.Module) -> torch.dtype | None:
-        """The dtype ``module``'s group will train in: its own trainable parameters', else the most
-        elements' among its free trainable parameters; None when it has none."""
-        counts = self._counts(module, recurse=False) or self._counts(module)
+        """The dtype ``module``'s group will train in: that of the most elements among the free
+        trainable parameters of the routed lists it would hold (they can have no group of their own),
+        else among its own trainable parameters, else among all its free trainable parameters; None
+        when it has none."""
+        counts = self._routed_counts(module) or self._counts(module, recurse=False) or self._counts(module)
         return counts.most_common(1)[0][0] if counts else None
+
+    def _routed_counts(self, module: nn.Module) -> Counter[torch.dtype]:
+        """:meth:`_counts` of the routed lists below ``module`` reached through containers only (those
+        below a submodule that runs whole follow that submodule's group)."""
+        counts: Counter[torch.dtype] = Counter()
+        for child in module.children():
+            if id(child) in self.routed:
+                counts.update(self._counts(child))
+            elif type(child).forward is nn.Module.forward:
+                counts.update(self._routed_counts(child))
+        return counts
 
 
 def default_shard_fn(model: nn.Module, mesh: DeviceMesh) -> None:
     """(all ranks) ``fully_shard`` each block, then the root; inside each, first every submodule
     that runs every step and whose trainable parameters have another dtype than its group's (FSDP2
     needs one dtype per group's trainable parameters; frozen ones may differ). Nothing inside a
-    routed list gets a group. Raises ModelMismatchError for a trainable odd dtype in a routed list.
+    routed list gets a group; a trainable parameter of another dtype that can get no group of its own
+    (beside or inside a routed list, or on a module beside parameters of the group's dtype) is kept out
+    of FSDP, replicated on every rank (the load averages its gradient: ``rank0load.load_sharded``).
     """
     shard_default(model, mesh, routed_modules(model))
 
@@ -202,7 +202,22 @@ def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) ->
         if any(id(p) not in policy.managed for p in block.parameters()):
             policy.shard_unit(block)
     policy.shard_unit(model)
-    logger.debug("default policy: %d FSDP groups for %d blocks and the root", policy.groups, len(blocks))
+    logger.debug(
+        "default policy: %d FSDP groups for %d blocks and the root, %d parameters replicated",
+        policy.groups,
+        len(blocks),
+        len(policy.replicated),
+    )
+
+
+def replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(any rank, after sharding) The parameters kept out of FSDP (``ignored_params``: plain tensors,
+    a full copy on every rank) of a model whose root is an FSDP unit, by first name in
+    ``named_parameters()`` order; none when the root is not one (no data parallelism to keep them
+    in step with)."""
+    if not _is_unit(model):
+        return []
+    return [(n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor)]
 
 
 def prepare_groups(model: nn.Module, routed: frozenset[int]) -> None:
@@ -296,6 +311,7 @@ def check_dtype_groups(
             "forward. Freeze the odd ones (requires_grad_(False)) or give them the group's dtype; or, "
             "in shard_fn, fully_shard each submodule of another dtype before its parent (innermost "
             "first), or pass shard_fn=None: rank0load's default policy does that where the module "
-            "runs every step. If you changed requires_grad after the load, load with the same "
-            "requires_grad (set it in model_fn) so the policy can group them."
+            "runs every step, and keeps a parameter no group can take out of FSDP (replicated, its "
+            "gradient averaged over the ranks). If you changed requires_grad after the load, load "
+            "with the same requires_grad (set it in model_fn) so the policy can group them."
         )

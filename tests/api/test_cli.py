@@ -166,6 +166,7 @@ def test_model_dry_run_lists_fsdp_groups(cli):
             "elements": elements,
             "trainable_dtypes": [str(d).removeprefix("torch.") for d in trainable],
             "frozen_dtypes": [str(d).removeprefix("torch.") for d in frozen],
+            "replicated": [],
         }
         for name, parameters, elements, trainable, frozen in HEAD_TOY_GROUPS
     ]
@@ -175,31 +176,36 @@ def test_model_dry_run_lists_fsdp_groups(cli):
         "elements": 35,
         "trainable_dtypes": ["float32"],
         "frozen_dtypes": [],
+        "replicated": [],
     }
+    assert got["replicated"] == []
 
 
-def test_fsdp_group_of_two_trainable_dtypes_is_a_mismatch(tmp_path, capsys):
-    """What a load raises for it (ModelMismatchError, before any data moves) is listed, exit 1."""
+def test_a_parameter_no_group_can_take_is_listed_replicated(tmp_path, capsys):
+    """A module that holds a bf16 and an fp32 trainable parameter itself: no group can take the fp32
+    one (fully_shard groups whole modules), so the default policy keeps it out of FSDP, replicated
+    (a load averages its gradient over the ranks): listed, the model fits, exit 0."""
     from safetensors.torch import save_model
 
     path = str(tmp_path / "mixed.safetensors")
     save_model(own_mixed(), path)
-    assert main(["inspect", path, "--model", "tests.models:own_mixed", "--json"]) == 1
+    assert main(["inspect", path, "--model", "tests.models:own_mixed", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["missing"] == [] and got["unexpected"] == [] and len(got["mismatched"]) == 1
-    assert got["mismatched"][0].startswith(
-        "the FSDP group of 'the root module' holds trainable parameters of 2 dtypes "
-        "(bfloat16: 0.w; float32: 0.scale)"
-    )
+    assert got["fits"] and got["mismatched"] == [] and got["replicated"] == ["0.scale"]
     assert got["fsdp_groups"] == [
         {
             "module": "",
-            "parameters": 2,
-            "elements": 15,
-            "trainable_dtypes": ["bfloat16", "float32"],
+            "parameters": 1,
+            "elements": 12,
+            "trainable_dtypes": ["bfloat16"],
             "frozen_dtypes": [],
+            "replicated": ["0.scale"],
         }
     ]
+    assert main(["inspect", path, "--model", "tests.models:own_mixed"]) == 0
+    text = capsys.readouterr().out
+    assert "(root): 1 parameter, 12 elements, trainable bfloat16, replicated 0.scale" in text, text
+    assert "replicated (kept out of FSDP" in text and "  0.scale" in text, text
 
 
 def test_fsdp_groups_not_listed_inside_a_process_group(cli, capsys):

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from rank0load.integrations._compat import (
     StridedShard,
+    backward_task_id,
     can_reduce_scatter_unused_params,
     clear_hf_initialized,
     foreach_mul_,
@@ -34,6 +35,7 @@ from rank0load.integrations._compat import (
     one_dim_placement,
     parameters_on_meta,
     parse_to,
+    queue_backward_callback,
     split_chunks,
     transformers_5,
 )
@@ -226,6 +228,27 @@ def test_reduce_scatter_unused_params_is_there_from_torch_2_13():
     if can_reduce_scatter_unused_params():
         params = inspect.signature(FSDPModule.set_reduce_scatter_unused_params).parameters
         assert list(params)[::2] == ["self", "recurse"] and len(params) == 3, params
+
+
+def test_backward_callbacks_run_once_at_the_end_in_queue_order():
+    """train._replicas queues its gradient averaging once per backward, after FSDP2's final callback:
+    callbacks run in the order queued, after every gradient; each backward has its own task id."""
+    seen: list[object] = []
+    x = torch.ones(2, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> None:
+        seen.append(backward_task_id())
+        queue_backward_callback(lambda: seen.append(("first", x.grad is not None)))
+        queue_backward_callback(lambda: seen.append("second"))
+
+    for _ in range(2):
+        y = x * 2
+        y.register_hook(hook)
+        y.sum().backward()
+    assert backward_task_id() == -1
+    first, second = seen[0], seen[3]
+    assert isinstance(first, int) and isinstance(second, int) and first >= 0 and second != first, seen
+    assert seen[1:3] == [("first", True), "second"] == seen[4:6], seen
 
 
 def test_parse_to_names_what_tensor_to_would_do():

@@ -13,8 +13,9 @@ code. Against transformers in the test process:
   bit equal to ``AutoModelForCausalLM.from_pretrained(ckpt, dtype=bf16, trust_remote_code=True)``; the
   classes' modules named as ``from_pretrained`` names them (folder and hash, or ``org/name/<commit>``),
   on every rank, written into each rank's own cache; the config and model classes pickle;
+- its fp32 router bias, a trainable Parameter beside the bf16 experts, loads replicated (no shard_fn);
 - ``save_sharded`` of that model: its code files and ``auto_map``, read back by ``from_pretrained(out,
-  trust_remote_code=True)``, equal;
+  trust_remote_code=True)``, equal (the replicated bias: rank 0's copy);
 - a model class passed as it is, with the flag: as without it;
 - without the flag: a ModelMismatchError naming ``trust_remote_code=True`` on every rank; an unknown
   keyword argument: a LoadError naming load_pretrained and the argument (before any collective: also
@@ -87,6 +88,8 @@ def _run_job(job: Job) -> dict:
         ),
         "pickles": type(config) is type(model.config) and pickle.loads(pickle.dumps(own)) is own,
         "config": model.config.to_dict(),
+        "replicated": model.rank0load_report.replicated,
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
     }
     if job.save:
         rank0load.save_sharded(model, job.save)
@@ -183,6 +186,19 @@ def test_folder_load_is_from_pretrained_bit_for_bit(loaded, expected):
     for got in _dist.ok(_job(results, "folder")):
         assert_same(got["tensors"], expected["tensors"])
         assert got["config"] == expected["config"]
+
+
+@pytest.mark.slow
+def test_the_trainable_router_bias_is_replicated_and_saved_by_rank_0(loaded, expected):
+    """The remote code declares its fp32 router bias a trainable Parameter beside the bf16 experts (as
+    public MiniMax-M2 ports do): it loads with no shard_fn, kept out of FSDP (replicated), trainable;
+    ``save_sharded`` writes rank 0's copy (test_save_sharded_writes_the_code_and_auto_map reads it back)."""
+    _, _, results = loaded
+    biases = tuple(f"model.layers.{i}.block_sparse_moe.e_score_correction_bias" for i in (0, 1))
+    for got in _dist.ok(_job(results, "folder")):
+        assert got["replicated"] == biases and set(biases) <= set(got["trainable"]), got["replicated"]
+        assert all(got["tensors"][n].dtype == torch.float32 for n in biases)
+        assert any(expected["tensors"][n].any() for n in biases)  # random values, so the save is checked
 
 
 @pytest.mark.slow

@@ -3,9 +3,11 @@ does is told so before any data moves; failures inside rank0load are named as ra
 
 On 2 and 3 gloo ranks: a bf16 toy with an fp32 module two levels deep inside each block, an fp32 block
 norm, and an fp32 head on top loads bit for bit (checkpoint hidden from ranks other than 0), runs a
-forward and a backward step, and every FSDP group holds one dtype. Then, each raised the same on every
+forward and a backward step, and every FSDP group holds one dtype. A module holding parameters of two
+dtypes itself (no group can take one apart) loads with the odd one replicated and trains in step with the
+one-process reference, on a 1-D and an HSDP mesh. Then, each raised the same on every
 rank: a shard_fn with one group for everything (ModelMismatchError naming the module and the dtypes);
-a module holding parameters of two dtypes itself, which no policy can split; an exception inside
+an exception inside
 rank0load's own code (InternalError, naming the versions, not model_fn); ``max_staging_bytes`` of
 4 TiB; a ``.safetensors`` symlink to a device.
 """
@@ -113,6 +115,8 @@ def _attempt(fn):
 
 
 def _rank(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     import rank0load
     from rank0load.load import _model
 
@@ -127,7 +131,9 @@ def _rank(rank: int, world: int, root: str) -> dict:
     out["logits"] = logits.detach()
     out["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     out["one_group"] = _attempt(lambda: rank0load.load_sharded(mixed_net, good, shard_fn=one_group))
-    out["own_mixed"] = _attempt(lambda: rank0load.load_sharded(own_mixed, good, strict=False))
+    for name, shape, dims in (("fsdp", (world,), ("shard",)), ("hsdp", (world, 1), ("replicate", "shard"))):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        out[f"own_mixed_{name}"] = _train_own_mixed(rank, os.path.join(root, "own_mixed.safetensors"), mesh)
     original = _model.describe
 
     def broken(*args):
@@ -142,6 +148,68 @@ def _rank(rank: int, world: int, root: str) -> dict:
     out["staging"] = _attempt(lambda: rank0load.load_sharded(mixed_net, good, max_staging_bytes=4 << 40))
     out["device"] = _attempt(lambda: rank0load.load_sharded(mixed_net, os.path.join(root, "dev.safetensors")))
     out["after"] = sorted(gather(rank0load.load_sharded(mixed_net, good)))  # the group is still usable
+    return out
+
+
+def own_mixed_batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows at ``step``: ``scale`` is used by every rank at step 0, by rank 0 alone at
+    step 1, by none at step 2."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+    uses = step == 0 or (step == 1 and rank == 0)
+    x[:, 0] = x[:, 0].abs() + 0.1 if uses else -x[:, 0].abs() - 0.1
+    return x
+
+
+OWN_MIXED_STEPS = 3
+
+
+def _train_own_mixed(rank: int, path: str, mesh) -> dict:
+    """Load own_mixed (``0.scale`` replicated), then AdamW steps with rank0load.clip_grad_norm_, each
+    rank its own rows; rank 0 alone runs extra forwards under no_grad and in eval (nothing may be
+    issued, or the ranks' collectives would mismatch)."""
+    from torch.distributed.tensor import DTensor
+
+    import rank0load
+
+    model = rank0load.load_sharded(own_mixed, path, mesh)
+    out: dict = {"replicated": model.rank0load_report.replicated, "grads": [], "norms": [], "params": []}
+    out["plain"] = not isinstance(model[0].scale, DTensor) and isinstance(model[0].w, DTensor)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(OWN_MIXED_STEPS):
+        if rank == 0:
+            with torch.no_grad():
+                model(own_mixed_batch(step, 1))
+        model(own_mixed_batch(step, rank)).square().mean().backward()
+        g = model[0].scale.grad
+        out["grads"].append((None if g is None else g.clone(), model[0].w.grad.full_tensor().clone()))
+        out["norms"].append(rank0load.clip_grad_norm_(model.parameters(), 0.05))
+        optimizer.step()
+        optimizer.zero_grad()
+        out["params"].append((model[0].scale.detach().clone(), model[0].w.full_tensor().clone()))
+    return out
+
+
+def own_mixed_reference(world: int) -> dict:
+    """One process: each step's gradients as the sum of each rank's backward over the world size."""
+    torch.manual_seed(3)
+    model = own_mixed()
+    with torch.no_grad():
+        model[0].w.uniform_(-1, 1)
+        model[0].scale.uniform_(0.5, 1.5)
+    out: dict = {"state": reference(model), "grads": [], "norms": [], "params": []}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(OWN_MIXED_STEPS):
+        for r in range(world):
+            model(own_mixed_batch(step, r)).square().mean().backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= world
+        g = model[0].scale.grad
+        out["grads"].append((None if g is None else g.clone(), model[0].w.grad.clone()))
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        optimizer.step()
+        optimizer.zero_grad()
+        out["params"].append((model[0].scale.detach().clone(), model[0].w.detach().clone()))
     return out
 
 
@@ -171,6 +239,8 @@ def outcomes(request, tmp_path_factory) -> tuple[list[dict], nn.Module]:
     root = tmp_path_factory.mktemp("policy")
     ref = trained_mixed()
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(root / "mixed.safetensors"))
+    state = own_mixed_reference(request.param)["state"]
+    save_file(state, str(root / "own_mixed.safetensors"))
     os.symlink("/dev/zero", root / "dev.safetensors")
     return _dist.ok(_dist.run(_rank, request.param, str(root), timeout=300)), ref
 
@@ -208,9 +278,33 @@ def test_a_shard_fn_that_mixes_dtypes_is_told_before_data_moves(outcomes):
         assert words in message, message
 
 
-def test_a_module_holding_two_dtypes_itself_cannot_be_split(outcomes):
-    message = _same(outcomes[0], "own_mixed", "ModelMismatchError")
-    assert "bfloat16: 0.w" in message and "float32: 0.scale" in message, message
+@pytest.mark.parametrize("mesh", ["fsdp", "hsdp"])
+def test_a_parameter_no_group_can_take_is_replicated_and_trains_in_step(outcomes, mesh):
+    """own_mixed's module holds a bf16 and an fp32 trainable parameter itself: the fp32 one is kept out
+    of FSDP, replicated; its gradient (from some ranks, all, or none) is averaged over the ranks after
+    each backward, so every rank's copy equals the one-process reference after each AdamW step, bit
+    for bit across ranks; clip_grad_norm_ counts it once. On a 1-D mesh and an HSDP (world, 1) mesh."""
+    results, _ = outcomes
+    want = own_mixed_reference(len(results))
+    got = [r[f"own_mixed_{mesh}"] for r in results]
+    for res in got:
+        assert res["replicated"] == ("0.scale",) and res["plain"], res
+        for step in range(OWN_MIXED_STEPS):
+            (g, gw), (wg, wgw) = res["grads"][step], want["grads"][step]
+            assert (g is None) == (wg is None) == (step == 2), step
+            if g is not None:
+                torch.testing.assert_close(g, wg, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(gw, wgw, rtol=3e-2, atol=1e-3)  # bf16, summed in another order
+            torch.testing.assert_close(res["norms"][step], want["norms"][step].float(), rtol=2e-2, atol=1e-6)
+            # the replicated gradient counted once, not once per rank (its part is not negligible)
+            parts = torch.stack([gw.float().norm(), torch.zeros(()) if g is None else g.norm()])
+            torch.testing.assert_close(res["norms"][step], parts.norm(), rtol=1e-5, atol=1e-7)
+            assert step == 2 or parts[1] > 0.1 * parts[0], parts
+            (scale, w), (want_scale, want_w) = res["params"][step], want["params"][step]
+            torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(w, want_w, rtol=2e-2, atol=2e-2)  # bf16, AdamW: ~lr a step
+    for step in range(OWN_MIXED_STEPS):  # the replicas never drift
+        assert all(torch.equal(r["params"][step][0], got[0]["params"][step][0]) for r in got), step
 
 
 def test_an_exception_inside_rank0load_is_named_as_ours(outcomes):

@@ -4,8 +4,9 @@ ranks as ``tests.remote_code.modeling_tiny_moe``; copied beside a checkpoint as 
 What matters to data-parallel training here: each layer's experts are an ``nn.ModuleList`` of separate
 modules (``block_sparse_moe.experts.{e}.w1/w2/w3``), and the MoE block calls **only the experts its
 tokens were routed to**, so ranks with different batches run different experts. The router scores
-are corrected by an fp32 ``e_score_correction_bias`` *Parameter* on the MoE block, frozen (kept in float32 under
-``dtype=bfloat16`` by ``_keep_in_fp32_modules_strict``). Attention is plain causal attention without
+are corrected by an fp32 ``e_score_correction_bias`` *Parameter* on the MoE block (kept in float32 under
+``dtype=bfloat16`` by ``_keep_in_fp32_modules_strict``), trainable as the ports declare it, though it never
+receives a gradient (it only shifts a top-k choice). Attention is plain causal attention without
 rotary embeddings. Runs on transformers 4.57 and 5.x alike.
 """
 
@@ -70,10 +71,8 @@ class TinyMoeSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         self.experts = nn.ModuleList(TinyMoeExpert(config) for _ in range(config.num_local_experts))
-        # Updated from load statistics, not by gradients: frozen, as the ports declare it.
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(config.num_local_experts), requires_grad=False
-        )
+        # Updated from load statistics, not by gradients; yet requires_grad=True, as the ports declare it.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_local_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape

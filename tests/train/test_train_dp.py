@@ -21,14 +21,20 @@ The models:
 - ``remote_lora``: a remote-code per-expert MoE (``tests/remote_code/``: hit-only loop, an fp32
   ``e_score_correction_bias`` Parameter), LoRA on every linear layer including each expert's;
 - ``remote_full``: the same model fully fine-tuned in bf16, its fp32 router bias frozen;
+- ``remote_bias_trainable``: the seed team's first line, ``load_pretrained(TinyMoeForCausalLM, ckpt,
+  dtype=bfloat16)``, everything trainable: the fp32 router bias (a Parameter on the MoE block beside the bf16
+  expert list) is kept out of FSDP, replicated; it never receives a gradient and stays as loaded;
+- ``remote_scaled``: that model with trainable fp32 scales no group can take, which do receive gradients that
+  differ per rank: one on each MoE block's output (every rank) and one on each expert's output (only the
+  ranks whose tokens reach it; none for an expert no rank reaches): replicated, averaged after each backward;
 - ``head``: a new fp32 classification head on a frozen bf16 Llama body (``strict=False``);
 - ``llama``: dense Llama, every parameter trained, float32.
 Each per-expert MoE has one FSDP group per decoder layer and the root, whatever its expert count.
-And two refusals, on every rank alike: the remote MoE with its fp32 router bias trainable (a trainable
-bf16 expert list under a float32 group: ``ModelMismatchError`` at the load, before any data moves),
-the same model loaded frozen whose bias is made trainable afterwards (the same kind of error at the
-first forward, not FSDP's ``AssertionError``), and a ``shard_fn`` that gives every expert its own group.
-The refusal's way out, a ``shard_fn`` that freezes the bias and then runs the default policy, loads.
+Replicated parameters stay bit-identical on every rank. And two refusals, on every rank alike: the
+remote MoE loaded frozen whose parameters are made trainable afterwards (its fp32 bias then trains in the
+bf16 layer's group: ``ModelMismatchError`` at the first forward, not FSDP's ``AssertionError``), and a
+``shard_fn`` that gives every expert its own group. A ``shard_fn`` that freezes the bias and then runs the
+default policy loads too.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rank0load.integrations._compat import can_reduce_scatter_unused_params
 from tests import _dist, hf, moe_models
@@ -122,6 +129,33 @@ def remote_model(bias_trainable: bool = False, frozen: bool = False):
     return model
 
 
+def _scaled_expert_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return (type(self).forward(self, x) * self.scale).to(x.dtype)
+
+
+def _scaled_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return (type(self).forward(self, x).float() * self.out_scale).to(x.dtype)
+
+
+def scaled_model():
+    """model_fn: the remote MoE in bf16, everything trainable, with fp32 scales that no FSDP group can take:
+    ``block_sparse_moe.out_scale`` (beside the expert list) and ``experts.{e}.scale`` (inside it)."""
+    import types
+
+    model = remote_model(bias_trainable=True)
+    hidden = model.config.hidden_size
+    model.to(BF16)
+    for layer in model.model.layers:
+        moe = layer.block_sparse_moe
+        moe.e_score_correction_bias.data = moe.e_score_correction_bias.data.float()
+        moe.out_scale = torch.nn.Parameter(torch.ones(hidden))
+        moe.forward = types.MethodType(_scaled_moe_forward, moe)
+        for expert in moe.experts:
+            expert.scale = torch.nn.Parameter(torch.ones(hidden))
+            expert.forward = types.MethodType(_scaled_expert_forward, expert)
+    return model
+
+
 def freeze_bias_first(model, mesh) -> None:
     """The refusal's way out for load_pretrained users: freeze the router bias, then the default policy."""
     import rank0load
@@ -177,6 +211,7 @@ CHECKPOINTS = {
     "remote_lora": "remote",
     "remote_full": "remote",
     "remote_bias_trainable": "remote",
+    "remote_scaled": "scaled",
     "unfrozen_later": "remote",
     "expert_groups": "remote",
     "frozen_in_shard_fn": "remote",
@@ -199,11 +234,15 @@ def _save(root: str, kind: str) -> str:
         from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
         model = TinyMoeForCausalLM(remote_config())
+    elif family == "scaled":
+        model = scaled_model().float()
     else:
         model = hf.model_class("llama_untied")(hf.config("llama_untied"))
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.normal_(0, 0.3 if "experts" in n or "gate" in n else 0.1)
+            if n.endswith("scale"):
+                p.add_(1.0)
     model.save_pretrained(path, max_shard_size="20KB")
     return path
 
@@ -235,10 +274,12 @@ def _load(job: Job):
         )
     if job.kind == "remote_full":
         return rank0load.load_sharded(remote_model, job.ckpt, dtype=BF16)
-    if job.kind == "remote_bias_trainable":
-        return rank0load.load_sharded(
-            functools.partial(remote_model, bias_trainable=True), job.ckpt, dtype=BF16
-        )
+    if job.kind == "remote_bias_trainable":  # the seed team's first line: no shard_fn, nothing frozen
+        from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
+
+        return rank0load.load_pretrained(TinyMoeForCausalLM, job.ckpt, dtype=BF16)
+    if job.kind == "remote_scaled":
+        return rank0load.load_sharded(scaled_model, job.ckpt)
     if job.kind == "unfrozen_later":
         model = rank0load.load_sharded(functools.partial(remote_model, frozen=True), job.ckpt, dtype=BF16)
         for p in model.parameters():
@@ -283,7 +324,12 @@ def _train_rank(job: Job) -> dict:
 
     rank = dist.get_rank()
     model = _load(job)
-    out: dict = {"loaded": gather(model), "groups": _groups(model)}
+    out: dict = {
+        "loaded": gather(model),
+        "groups": _groups(model),
+        "replicated": model.rank0load_report.replicated,
+        "plain": sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor)),
+    }
     if job.kind == "frozen_in_shard_fn":  # loads; its training is remote_full's
         return out
     if job.kind in routed_trained() and not can_reduce_scatter_unused_params():
@@ -296,18 +342,24 @@ def _train_rank(job: Job) -> dict:
         loss = _loss(model, job.kind, step, rank)
         loss.backward()
         out["losses"].append(loss.detach().float())
-        out["grads"].append({n: p.grad.full_tensor() for n, p in trainable if p.grad is not None})
+        out["grads"].append({n: _full(p.grad) for n, p in trainable if p.grad is not None})
         out["norms"].append(rank0load.clip_grad_norm_([p for _, p in trainable], MAX_NORM))
         optimizer.step()
         optimizer.zero_grad()
-    out["trained"] = {n: p.full_tensor() for n, p in trainable}
+    out["trained"] = {n: _full(p) for n, p in trainable}
     return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor, a plain (replicated) one as it is: a copy."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def routed_trained() -> tuple[str, ...]:
     """The kinds whose groups hold trainable parameters inside a routed (per-expert) list: transformers
     4.57's Mixtral is per-expert, the newest's fuses its experts into parameters every token uses."""
-    return ("remote_lora", "remote_full") if _transformers5() else ("moe_lora", "remote_lora", "remote_full")
+    remote = ("remote_lora", "remote_full", "remote_bias_trainable", "remote_scaled")
+    return remote if _transformers5() else ("moe_lora", *remote)
 
 
 def _refused_and_ways_out(model, kind: str, rank: int, out: dict) -> dict:
@@ -348,8 +400,18 @@ def _run_all(rank: int, world: int, root: str, jobs: dict[str, Job]) -> dict:
     )
 
 
-ERRORS = ("remote_bias_trainable", "unfrozen_later", "expert_groups")
-KINDS = ("moe_lora", "remote_lora", "remote_full", "head", "llama", "frozen_in_shard_fn", *ERRORS)
+ERRORS = ("unfrozen_later", "expert_groups")
+TRAINED = (
+    "moe_lora",
+    "remote_lora",
+    "remote_full",
+    "remote_bias_trainable",
+    "remote_scaled",
+    "head",
+    "llama",
+)
+KINDS = (*TRAINED, "frozen_in_shard_fn", *ERRORS)
+REPLICATED = ("remote_bias_trainable", "remote_scaled")  # trained with parameters kept out of FSDP
 
 
 @pytest.fixture(scope="module")
@@ -385,12 +447,23 @@ def _reference(kind: str, ckpt: str, loaded: dict[str, torch.Tensor]):
         from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
         return get_peft_model(TinyMoeForCausalLM.from_pretrained(ckpt, dtype=BF16), lora_config(kind))
-    if kind == "remote_full":
+    if kind in ("remote_full", "remote_bias_trainable"):
         from tests.remote_code.modeling_tiny_moe import TinyMoeForCausalLM
 
         model = TinyMoeForCausalLM.from_pretrained(ckpt, dtype=BF16)
         for n, p in model.named_parameters():
-            p.requires_grad_(not n.endswith("e_score_correction_bias"))
+            p.requires_grad_(kind == "remote_bias_trainable" or not n.endswith("e_score_correction_bias"))
+        return model
+    if kind == "remote_scaled":
+        import glob
+
+        from safetensors.torch import load_file
+
+        model = scaled_model()
+        state: dict[str, torch.Tensor] = {}
+        for path in glob.glob(os.path.join(ckpt, "*.safetensors")):
+            state.update(load_file(path))
+        model.load_state_dict(state)  # cast to the model's dtypes, as the load casts
         return model
     if kind == "head":
         model = WithHead()
@@ -464,9 +537,6 @@ def _reference_run(kind: str, ckpt: str, world: int, first: dict) -> dict:
         torch.set_num_threads(threads)
 
 
-TRAINED = ("moe_lora", "remote_lora", "remote_full", "head", "llama")
-
-
 OLD_FSDP = (
     "torch before 2.13 cannot train a routed list (no set_reduce_scatter_unused_params): refused instead"
 )
@@ -482,7 +552,7 @@ def test_each_rank_its_own_batch_trains_as_the_reference(ran, root, kind):
     for r in results:
         assert r["touched"] == []
     want = _reference_run(kind, _save(root, kind), world, got[0])
-    bf16_trained = kind == "remote_full"
+    bf16_trained = kind in ("remote_full", "remote_bias_trainable", "remote_scaled")
     tol = BF16_TOL if bf16_trained else FP32_TOL
     if want["hits"][0]:  # per-expert: the batches reach different experts on different ranks
         assert len({frozenset(h) for h in want["hits"]}) > 1, want["hits"]
@@ -501,7 +571,7 @@ def test_each_rank_its_own_batch_trains_as_the_reference(ran, root, kind):
             torch.testing.assert_close(res["trained"][n], p, **trained_tol, msg=lambda m, n=n: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("kind", ("moe_lora", "remote_lora", "remote_full"))
+@pytest.mark.parametrize("kind", ("moe_lora", "remote_lora", "remote_full", *REPLICATED))
 def test_a_per_expert_layer_is_one_group(ran, kind):
     """One FSDP group per decoder layer and the root: none inside a routed expert list."""
     groups = ran[1][0]["jobs"][kind]["groups"]
@@ -510,12 +580,42 @@ def test_a_per_expert_layer_is_one_group(ran, kind):
     assert len(layers) == 2 and len(groups) == 3, groups
 
 
-def test_a_trainable_router_bias_beside_bf16_experts_is_refused_before_data_moves(ran):
-    errors = [r["jobs"]["remote_bias_trainable"] for r in ran[1]]
-    message = _dist.same_error(errors, "ModelMismatchError").message
-    for words in ("e_score_correction_bias", "float32", "bfloat16", "experts", "requires_grad_(False)"):
-        assert words in message, message
-    assert "shard_fn" in message and "peft_config" in message, message
+def test_the_seed_models_router_bias_is_replicated_and_stays_as_loaded(ran):
+    """load_pretrained(TinyMoeForCausalLM, ckpt, dtype=bfloat16), nothing frozen and no shard_fn: the fp32
+    router bias beside the bf16 experts is reported replicated, a plain tensor, and (it never receives
+    a gradient: it only shifts a top-k choice) after the training steps it is the loaded value on every
+    rank, bit for bit."""
+    if not can_reduce_scatter_unused_params():
+        pytest.skip(OLD_FSDP)
+    got = [r["jobs"]["remote_bias_trainable"] for r in ran[1]]
+    biases = [f"model.layers.{i}.block_sparse_moe.e_score_correction_bias" for i in (0, 1)]
+    for res in got:
+        assert res["replicated"] == tuple(biases) and res["plain"] == biases, res["replicated"]
+        for n in biases:
+            assert res["loaded"][n].dtype == torch.float32
+            assert torch.equal(res["trained"][n], res["loaded"][n]), n
+            assert all(n not in grads for grads in res["grads"]), n
+
+
+def test_replicated_parameters_with_gradients_stay_identical_on_every_rank(ran):
+    """remote_scaled's fp32 scales: replicated (the MoE blocks' and every expert's), each rank's copy
+    bit-identical after the AdamW steps (the comparison with the reference is
+    test_each_rank_its_own_batch_trains_as_the_reference's); an expert's scale got a gradient where some
+    rank reached it (none where no rank did: the reference test compares which have one)."""
+    if not can_reduce_scatter_unused_params():
+        pytest.skip(OLD_FSDP)
+    got = [r["jobs"]["remote_scaled"] for r in ran[1]]
+    replicated = got[0]["replicated"]
+    assert "model.layers.0.block_sparse_moe.out_scale" in replicated, replicated
+    assert f"model.layers.1.block_sparse_moe.experts.{EXPERTS - 1}.scale" in replicated, replicated
+    assert len(replicated) == 2 * (2 + EXPERTS), replicated  # bias, out_scale and one per expert, per layer
+    for res in got:
+        assert res["replicated"] == replicated and res["plain"] == sorted(replicated)
+        for n in replicated:
+            assert torch.equal(res["trained"][n], got[0]["trained"][n]), n
+    grads = got[0]["grads"][0]
+    assert {f"model.layers.{i}.block_sparse_moe.out_scale" for i in (0, 1)} <= set(grads), sorted(grads)
+    assert [n for n in replicated if ".experts." in n and n in grads], sorted(grads)
 
 
 def test_the_refusals_way_out_a_shard_fn_that_freezes_first_loads(ran):
