@@ -42,7 +42,7 @@ def configure(model_cls: Any, checkpoint: Any, dtype: object, peft_config: Any) 
     config, unused = _failure.user_code(
         f"{config_class.__name__}.from_dict({checkpoint.where})",
         config_class.from_dict,
-        raw,
+        _compat.hf_config_dict(config_class, raw),
         name_or_path=checkpoint.name,
         return_unused_kwargs=True,
         **checkpoint.overrides,

@@ -231,6 +231,15 @@ def transformers_5() -> bool:
     return int(transformers.__version__.split(".")[0]) >= 5
 
 
+def hf_config_dict(config_class: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` as ``config_class`` reads it (``_dict_from_json_file`` after ``json.loads``):
+    transformers 5 decodes the non-finite floats it writes as ``{"__float__": "Infinity"}`` (``"NaN"``,
+    ``"-Infinity"``: Falcon-H1's ``time_step_limit``); 4.57 writes and reads them as bare JSON
+    ``Infinity``, which ``json.loads`` already takes, and has no decoder."""
+    decode = getattr(config_class, "_decode_special_floats", None)
+    return decode(raw) if callable(decode) else raw
+
+
 def hf_registered_class_wins(cls: object) -> bool:
     """Whether transformers' Auto classes take the registered ``cls`` over the checkpoint's remote code
     even with ``trust_remote_code=True``: transformers 5 does for a ``cls`` defined outside
