@@ -23,7 +23,7 @@ from ._format import DTYPES, TensorHeader
 from ._fp8 import FP8_WIRE, SCALE_SUFFIX, checked_block
 
 _KEY, _DTYPE, _SHAPE, _NBYTES = map(operator.attrgetter, ("key", "dtype", "shape", "nbytes"))
-_EXPERT, _SOURCE = operator.attrgetter("expert"), operator.attrgetter("source")
+_SOURCE = operator.attrgetter("source")
 
 
 # Wire dtypes that may be cast to another of these; all others must match the model exactly.
@@ -130,7 +130,10 @@ def match_keys(
             if converted is not None and canonical is not None:
                 unsupported.setdefault(canonical, (ckpt_key, converted.rule, str(converted.unsupported)))
             unexpected.append(ckpt_key)
-        elif converted is not None and converted.expert is not None:
+        elif converted is not None and converted.split:
+            for target, rows in _split_rows(headers[ckpt_key], converted, layout):
+                by_model_key.setdefault(target, []).append(rows)
+        elif converted is not None and (converted.expert is not None or converted.sources > 1):
             stacked.setdefault(canonical, []).append((converted, headers[ckpt_key]))
         else:
             by_model_key.setdefault(canonical, []).append(headers[ckpt_key])
@@ -142,6 +145,41 @@ def match_keys(
         stacked={k: tuple(found) for k, found in stacked.items()},
         unsupported=unsupported,
     )
+
+
+def _split_rows(
+    t: TensorHeader, converted: ConversionMatch, layout: ModelLayout
+) -> list[tuple[str, TensorHeader]]:
+    """(rank 0) Checkpoint tensor ``t`` split along dimension 0 into the model tensors ``converted.split``
+    names, as transformers' ``Split`` does (each as many rows as the model tensor has): each model key
+    with the range of ``t``'s bytes it takes, a header of its own. Raises ModelMismatchError where the
+    model tensors do not tile ``t``'s rows, or for a float8 tensor (its scale grids are not split)."""
+    keys = [layout.canonical(k) for k in converted.split]
+    shapes = [layout.tensors[k].shape if k is not None else None for k in keys]
+    fits = (
+        all(s is not None and len(s) == len(t.shape) and s[1:] == t.shape[1:] for s in shapes)
+        and len(t.shape) > 0
+        and sum(s[0] for s in shapes if s is not None) == t.shape[0]
+    )
+    if not fits:
+        found = {k: s for k, s in zip(converted.split, shapes)}
+        raise ModelMismatchError(
+            f"checkpoint key {t.key!r} {t.shape} in {os.path.basename(t.file)}: {converted.rule} splits its "
+            f"rows into model tensors {found} (None: not in the model), which do not tile them. Does "
+            "model_fn build the checkpoint's config?"
+        )
+    if t.dtype in FP8_WIRE:
+        raise ModelMismatchError(
+            f"checkpoint key {t.key!r} is float8 and {converted.rule} splits it: rank0load does not split "
+            "float8 tensors with their scale grids. Load a dequantised copy of the checkpoint."
+        )
+    row = t.nbytes // t.shape[0] if t.shape[0] else 0
+    out, at = [], t.offset
+    for key, shape in zip(keys, shapes):
+        assert key is not None and shape is not None  # checked by fits
+        out.append((key, t._replace(shape=shape, offset=at, nbytes=shape[0] * row)))
+        at += shape[0] * row
+    return out
 
 
 def _check_one_layout(stacked: AbstractSet[str], whole: AbstractSet[str]) -> None:
@@ -296,11 +334,12 @@ def _assemble(
     parts = _stacked_parts(key, members, shape, rule)
     first = parts[0]
     heads = [t.shape for t in parts[: members[0][0].sources]]  # expert 0's, one per source
+    each = shape[1:] if members[0][0].expert is not None else shape  # one expert's slice, or the whole
     if len(heads) == 1:
-        fits = heads[0] == shape[1:]
+        fits = heads[0] == each
     else:
-        fits = all(len(h) == len(shape) - 1 and h[1:] == shape[2:] for h in heads)
-        fits = fits and sum(h[0] for h in heads) == shape[1]
+        fits = all(len(h) == len(each) and len(h) > 0 and h[1:] == each[1:] for h in heads)
+        fits = fits and sum(h[0] for h in heads) == each[0]
     same = all(map(operator.eq, map(_SHAPE, parts), itertools.cycle(heads)))
     dtypes = sorted(set(map(_DTYPE, parts)))
     if not (fits and same and len(dtypes) == 1):
@@ -316,6 +355,12 @@ def _assemble(
     return _with_scales(entry, parts, headers, block, dtype) if first.key in quantised else entry
 
 
+def slices(members: Sequence[tuple[ConversionMatch, TensorHeader]], shape: tuple[int, ...]) -> int:
+    """How many slices of ``shape`` a stack's ``members`` fill: its experts (dimension 0), or one for a
+    concatenation of sources along dimension 0."""
+    return 1 if members[0][0].expert is None else (shape[0] if shape else 0)
+
+
 def _stacked_parts(
     key: str,
     members: tuple[tuple[ConversionMatch, TensorHeader], ...],
@@ -325,16 +370,15 @@ def _stacked_parts(
     """The checkpoint tensor of every (expert, source), in that order (the fused tensor's); raises,
     naming the first, for an expert beyond the model's ``shape[0]`` experts or stored twice, or one
     absent (with the key it would have, made from a present expert's key of its source)."""
-    experts = shape[0] if shape else 0
+    experts = slices(members, shape)
     matches, tensors = zip(*members)
     seen: dict[tuple[int, int], TensorHeader] = dict(
-        zip(zip(map(_EXPERT, matches), map(_SOURCE, matches)), tensors)
+        zip(zip((m.expert or 0 for m in matches), map(_SOURCE, matches)), tensors)
     )
     if len(seen) < len(members) or max(e for e, _ in seen) >= experts:  # find the first culprit
         seen = {}
         for m, t in members:
-            expert = m.expert
-            assert expert is not None  # match_keys stacks only matches with an expert index
+            expert = m.expert or 0  # a concatenation's sources: slice 0
             if expert >= experts or (expert, m.source) in seen:
                 what = "beyond the model's" if expert >= experts else "stored twice"
                 raise ModelMismatchError(

@@ -24,7 +24,7 @@ from ..integrations._resolve import KeyResolver
 from ..model._meta import ModelLayout
 from ._entries import Entry
 from ._files import OpenFile, open_files
-from ._fit import KeyMatch, build_entries, check_stored_once, match_keys, quantised_keys, unconsumed
+from ._fit import KeyMatch, build_entries, check_stored_once, match_keys, quantised_keys, slices, unconsumed
 from ._format import TensorHeader
 from ._fp8 import SCALE_SUFFIX
 from ._fp8 import block_size as fp8_block_size
@@ -216,7 +216,7 @@ def _run(headers: dict[str, TensorHeader], load: _Runs, key_map: Callable[[str],
     stacked = {
         k: members
         for k, members in match.stacked.items()
-        if len(members) < (layout.tensors[k].shape or (0,))[0] * members[0][0].sources
+        if len(members) < slices(members, layout.tensors[k].shape) * members[0][0].sources
         or any(lacks_scale(t) for _, t in members)
     }
     single = {k: found for k, found in match.by_model_key.items() if k in load.tied or lacks_scale(found[0])}
@@ -330,8 +330,10 @@ def _check_keys(
         target, (ckpt_key, rule, why) = sorted(cannot.items())[0]
         raise ModelMismatchError(
             f"{description}: model tensor {target!r} would come from checkpoint key {ckpt_key!r} "
-            f"through the conversion {rule}, which {why}; rank0load assembles only stacked experts "
-            f"(MergeModulelist(dim=0), then Concatenate(dim=1)). {len(cannot)} tensors are affected. "
+            f"through the conversion {rule}, which {why}; rank0load assembles what byte ranges of checkpoint "
+            "tensors make (stacked experts: MergeModulelist(dim=0), then Concatenate(dim=1); "
+            "Concatenate(dim=0); Split or Chunk(dim=0)), never single elements moved (Transpose, "
+            f"PermuteForRope, Interleave). {len(cannot)} tensors are affected. "
             "Convert the checkpoint to the model's layout first (from_pretrained, then save_pretrained "
             "with save_original_format=False), or pass key_map."
         )

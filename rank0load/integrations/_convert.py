@@ -7,8 +7,11 @@ tensor's bytes are then its parts' bytes in (expert, source) order, so the strea
 other tensor and no rank holds it whole.
 
 :class:`StackExperts` is the public declaration; :class:`TransformersConversions` /
-:class:`TransformersRenamings` are transformers' own rules (5 / 4.57): only ``MergeModulelist(dim=0)``,
-optionally then ``Concatenate(dim=1)``, is assembled, any other operation reported, never skipped.
+:class:`TransformersRenamings` are transformers' own rules (5 / 4.57): ``MergeModulelist(dim=0)``, optionally then
+``Concatenate(dim=1)`` (stacked experts), ``Concatenate(dim=0)`` (a model tensor's rows from several
+checkpoint tensors, in order) and ``Split`` / ``Chunk(dim=0)`` (several model tensors, each a range of
+one checkpoint tensor's rows) are assembled, as byte ranges; any other operation is reported, never
+skipped (``Transpose``, ``PermuteForRope``, ``Interleave`` move single elements, not byte ranges).
 :class:`TransformersReversal` / :func:`original_format_reversal` go the other way, for
 ``original_format=True``.
 
@@ -43,6 +46,9 @@ class ConversionMatch(NamedTuple):
     sources: int  # how many sources each expert's slice concatenates
     rule: str  # the conversion, for messages
     unsupported: str | None = None  # why rank0load cannot assemble it, if it cannot
+    # a split (or equal chunks) along dimension 0 into several model tensors: their keys, in row
+    # order (``target`` the first); each is a byte range of the checkpoint tensor
+    split: tuple[str, ...] = ()
 
 
 class Conversion(Protocol):
@@ -103,6 +109,8 @@ class StackExperts:
 
 
 _STACKABLE = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+_SPLITS = ([("Split", 0)], [("Chunk", 0)])  # one checkpoint tensor's rows into several model tensors
+_CONCATENATION = [("Concatenate", 0)]  # several checkpoint tensors' rows into one model tensor
 
 
 def _split(transforms: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -139,6 +147,15 @@ class TransformersConversions:
         name = f"{type(converter).__name__}({converter.source_patterns} -> {converter.target_patterns})"
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
         index, total = converter.source_patterns.index(pattern), len(converter.source_patterns)
+        targets = converter.target_patterns
+        by_config = any(getattr(op, "num_shards_attribute", None) for op in converter.operations)
+        if ops in _SPLITS and total == 1 and len(targets) > 1 and not by_config and targets[0] in renamed:
+            # the key renamed to the first target; the others as Split.convert names them
+            return ConversionMatch(
+                renamed, None, 0, 1, name, split=tuple(renamed.replace(targets[0], t) for t in targets)
+            )
+        if ops == _CONCATENATION and total > 1 and len(targets) == 1 and not by_config:
+            return ConversionMatch(renamed, None, index, total, name)  # the index-th rows of one tensor
         if ops not in _STACKABLE or len(converter.target_patterns) != 1:
             what = ", ".join(f"{n}(dim={d})" if d is not None else n for n, d in ops)
             return ConversionMatch(renamed, None, index, total, name, f"needs {what}")

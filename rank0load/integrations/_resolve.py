@@ -69,7 +69,7 @@ class _Rule:
                 out[2 * i + 1] = numbers[slot]
         expert = int(numbers[self.expert]) if self.expert is not None else None
         m = self.match
-        return ConversionMatch("".join(out), expert, m.source, m.sources, m.rule, m.unsupported)
+        return ConversionMatch("".join(out), expert, m.source, m.sources, m.rule, m.unsupported, m.split)
 
 
 class KeyResolver:
@@ -169,7 +169,7 @@ class KeyResolver:
         )
         m = rule.match
         columns = zip(
-            target_of, experts, *map(itertools.repeat, (m.source, m.sources, m.rule, m.unsupported))
+            target_of, experts, *map(itertools.repeat, (m.source, m.sources, m.rule, m.unsupported, m.split))
         )
         # tuple.__new__ straight from the columns: the named tuple's own __new__ is a Python function
         out: list[ConversionMatch | None] = list(
@@ -193,6 +193,8 @@ def _rule_of(numbers: list[str], found: ConversionMatch | None) -> _Rule | None:
     """The rule ``found`` follows for a key with ``numbers`` (all different), or None if unreadable."""
     if found is None:
         return _Rule(tuple(numbers), (), (), None, None, set())
+    if found.split:  # several targets: each key computed alone (one per layer)
+        return None
     joined = _NUMBER.split(found.target)  # text, number, text, ...
     values = joined[1::2]
     slots = tuple(numbers.index(v) if v in numbers else None for v in values)
