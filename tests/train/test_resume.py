@@ -950,9 +950,15 @@ def test_a_save_that_fails_fails_on_every_rank(resumed2):
 # --- a rank killed mid-save ----------------------------------------------------------------------------------
 
 
-def _killed_mid_save(rank: int, world: int, root: str, ckpt: str, scratch: str) -> dict:
-    """Resume from ``ckpt``, one step, a save into ``scratch`` counting rank 1's sends; then the same save
-    into ``ckpt``, rank 1 dying before its last send (the end of the stream: the optimizer's state)."""
+def _killed_mid_save(
+    rank: int, world: int, root: str, ckpt: str, scratch: str, full: str | None, reports: str
+) -> dict:
+    """Resume from ``ckpt``, one step; saves into ``scratch`` counting rank 1's sends (the model alone, then
+    with the training state); the save into ``full`` (a filled filesystem) must fail with SaveError on
+    every rank; then the save into ``ckpt``, rank 1 dying before its last send. What each rank saw before
+    that save goes to ``reports`` (outside ``root``, which ranks other than 0 do not see)."""
+    import pickle
+
     import torch.distributed as dist
 
     import rank0load
@@ -977,14 +983,28 @@ def _killed_mid_save(rank: int, world: int, root: str, ckpt: str, scratch: str) 
             return real(*args, **kwargs)
 
         dist.isend = counting
-        new_state = _training_state(scheduler, N + 1)
-        rank0load.save_sharded(model, scratch, optimizer=optimizer, training_state=new_state)
-        dying[0], total = len(sends), len(sends)
+        rank0load.save_sharded(model, os.path.join(scratch, "weights"))
+        weights_only = len(sends)
         sends.clear()
-        if rank == 1 and total == 0:
-            raise AssertionError("rank 1 sent nothing in a save")
+        new_state = _training_state(scheduler, N + 1)
+        rank0load.save_sharded(
+            model, os.path.join(scratch, "all"), optimizer=optimizer, training_state=new_state
+        )
+        out = {"weights_only": weights_only, "total": len(sends), "disk_full": None}
+        sends.clear()
+        if full is not None:
+            try:
+                rank0load.save_sharded(model, full, optimizer=optimizer, training_state=new_state)
+            except Exception as exc:
+                bases = tuple(c.__name__ for c in type(exc).__mro__)
+                out["disk_full"] = _dist.Raised(type(exc).__name__, bases, str(exc), "")
+            sends.clear()
+        with open(os.path.join(reports, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
+        dist.barrier()  # every rank's report is written before rank 1 dies
+        dying[0] = out["total"]
         rank0load.save_sharded(model, ckpt, optimizer=optimizer, training_state=new_state)
-        return {"total": total}
+        return out
 
     return _dist.run_jobs(rank, root, {"save": None}, job, expects_error=lambda _: True)
 
@@ -999,17 +1019,51 @@ def _tree(directory: str) -> dict[str, bytes]:
     return out
 
 
-def test_a_rank_killed_mid_save_leaves_the_previous_training_checkpoint(root, trained2, resumed2):
-    """The directory after the killed save is the previous training checkpoint byte for byte (no file
-    changed, none added: no temporary left), which the 2-rank resume above restored and resumed exactly."""
-    ckpt = os.path.join(root, "killed", "ckpt")
-    shutil.copytree(_out(root, 2, "llama_adamw_foreach"), ckpt)
+def test_a_rank_killed_mid_save_or_a_full_disk_leaves_the_previous_training_checkpoint(
+    root, trained2, tmp_path
+):
+    """A save that fails leaves the previous training checkpoint byte for byte (no file changed, none added:
+    no temporary left), the one the 2-rank resume above restored and resumed exactly: a filesystem filled
+    before the save (SaveError on every rank), and rank 1 killed before its last send of a save whose
+    sends the training state adds to (rank 0's SaveError)."""
+    import pickle
+
+    from tests.save.test_save import fill, tmpfs
+
+    saved = _out(root, 2, "llama_adamw_foreach")
+    ckpt, scratch = os.path.join(root, "killed", "ckpt"), os.path.join(root, "killed", "scratch")
+    shutil.copytree(saved, ckpt)
+    os.makedirs(scratch)
     before = _tree(ckpt)
-    scratch = os.path.join(root, "killed", "scratch")
-    results, codes, _ = _dist.spawn(
-        _killed_mid_save, 2, root, ckpt, scratch, pg_timeout=20, timeout=240, exit_at_once=True
-    )
+    with tmpfs(os.path.join(root, "small"), "size=2m") as small:
+        full = os.path.join(small, "ckpt")
+        shutil.copytree(saved, full)
+        fill(os.path.join(small, "filler"), keep=4096)  # a header fits, the data does not
+        results, codes, _ = _dist.spawn(
+            _killed_mid_save,
+            2,
+            root,
+            ckpt,
+            scratch,
+            full,
+            str(tmp_path),
+            pg_timeout=20,
+            timeout=240,
+            exit_at_once=True,
+        )
+        os.unlink(os.path.join(small, "filler"))
+        full_after = _tree(full)
     assert codes[1] == 3, (codes, results)
-    error = results[0]["jobs"]["save"]
-    assert isinstance(error, _dist.Raised) and "SaveError" in error.bases, error
+    got = results[0]["jobs"]["save"]
+    assert isinstance(got, _dist.Raised) and "SaveError" in got.bases, got
+    reports = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
+            reports.append(pickle.load(f))
+    message = _dist.same_error([r["disk_full"] for r in reports], "SaveError").message
+    assert "[Errno 28]" in message, message
+    assert reports[1]["total"] > reports[1]["weights_only"] > 0, reports[
+        1
+    ]  # the optimizer's state is sent too
     assert _tree(ckpt) == before, sorted(set(_tree(ckpt)) ^ set(before))
+    assert full_after == before, sorted(set(full_after) ^ set(before))
