@@ -366,6 +366,7 @@ class Resume:
     case: Case
     ckpt: str
     train: bool = True
+    pass_mesh: bool = False  # load_training_state(mesh=) the mesh the model was loaded on
 
 
 def _resume_job(job: Resume) -> dict:
@@ -375,7 +376,8 @@ def _resume_job(job: Resume) -> dict:
     model = _load(case, job.ckpt, first=False)
     optimizer = _optimizer(case.optimizer, model)
     scheduler = _scheduler(optimizer)
-    state = rank0load.load_training_state(model, optimizer, job.ckpt)
+    mesh = {"mesh": _mesh(case, torch.distributed.get_world_size())} if job.pass_mesh else {}
+    state = rank0load.load_training_state(model, optimizer, job.ckpt, **mesh)
     scheduler.load_state_dict(state["scheduler"])
     restored = {**_snapshot(model, optimizer), "state": state}
     if not job.train:
@@ -568,7 +570,13 @@ def resumed3(root, trained2, trained3):
 
 @pytest.fixture(scope="module")
 def resumed4(root, trained4):
-    return _spawn(root, 4, {name: Resume(case, _out(root, 4, name)) for name, case in _cases(4).items()})
+    jobs = {
+        f"{name}:mesh": Resume(case, _out(root, 4, name), pass_mesh=True) for name, case in _cases(4).items()
+    }
+    jobs.update(
+        {name: Resume(case, _out(root, 4, name)) for name, case in _cases(4).items()}
+    )  # last: may raise
+    return _spawn(root, 4, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -617,10 +625,12 @@ def _same_state(got: dict, want: dict) -> None:
     assert got["pair"] == [1, 2.5]  # a tuple comes back as JSON's list
 
 
-def _check_exact(name: str, world: int, trained: list[dict], resumed: list[dict]) -> None:
+def _check_exact(
+    name: str, world: int, trained: list[dict], resumed: list[dict], job: str | None = None
+) -> None:
     """On every rank: what load_training_state restored is what was saved, bit for bit; N more steps then
     give the run that never stopped, bit for bit (parameters, every optimizer state, groups, losses, lrs)."""
-    for rank, (first, second) in enumerate(zip(_got(trained, name), _got(resumed, name))):
+    for rank, (first, second) in enumerate(zip(_got(trained, name), _got(resumed, job or name))):
         saved, straight = first["saved"], first["straight"]
         restored, resumed_ = second["restored"], second["resumed"]
         _same_snapshot(restored, saved, f"rank {rank}: restored")
@@ -727,6 +737,11 @@ def test_remote_moe_with_its_router_bias_trainable_resumes_bit_for_bit(exact):
 def test_tensor_parallel_then_fsdp2_resumes_bit_for_bit(trained4, resumed4):
     """dp=2 x tp=2: TP weights on the 2-D mesh, the rest on mesh["dp"]; a batch per dp group."""
     _check_exact("tp_fsdp", 4, trained4, resumed4)
+
+
+def test_tensor_parallel_then_fsdp2_resumes_bit_for_bit_given_the_mesh(trained4, resumed4):
+    """The same with ``load_training_state(..., mesh=)``: the 2-D mesh the model was loaded on."""
+    _check_exact("tp_fsdp", 4, trained4, resumed4, job="tp_fsdp:mesh")
 
 
 def test_training_state_round_trips_and_is_the_same_on_every_rank(trained2, resumed2):
