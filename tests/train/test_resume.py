@@ -929,11 +929,14 @@ def test_refuses_another_grouping_of_the_parameters(resumed2):
 def test_refuses_a_state_whose_shape_differs(resumed2):
     message = _refused(resumed2, "shape", "ModelMismatchError")
     assert "lm_head.weight" in message and "66" in message and "67" in message, message
+    assert "model_fn" not in message, f"load_training_state takes no model_fn: {message}"
 
 
 def test_refuses_a_missing_state_key(resumed2):
     message = _refused(resumed2, "missing_key", "ModelMismatchError")
     assert "model.layers.0.self_attn.q_proj.weight" in message and "exp_avg_sq" in message, message
+    for advice in ("key_map", "strict=False"):  # the weights' load's way out: load_training_state has neither
+        assert advice not in message, f"load_training_state takes no {advice}: {message}"
 
 
 DIFFERENT_SAVES = re.compile(r"(different|two|another) saves?", re.IGNORECASE)
@@ -949,6 +952,8 @@ def test_refuses_weights_and_training_state_from_different_saves(resumed2, name)
 def test_refuses_files_of_different_saves_mixed_in_one_folder(resumed2, name):
     message = _refused(resumed2, name, "LoadError")
     assert DIFFERENT_SAVES.search(message), message
+    # the model was loaded from this very folder: loading it from there again changes nothing
+    assert not re.search(rf"load the model from '[^']*{name}'", message), message
 
 
 def test_a_folder_without_training_state_is_checkpoint_not_found(resumed2):
