@@ -316,3 +316,62 @@ class OwnMixed(nn.Module):
 
 def own_mixed() -> nn.Module:
     return nn.Sequential(OwnMixed())
+
+
+# --- optimizer state, as torch flattens it ----------------------------------------------------------------
+
+
+def fqns(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's name without the wrapper segments FSDP2 does not add but ``torch.compile`` and
+    activation checkpointing do (``_orig_mod.``, ``_checkpoint_wrapped_module.``): torch's fqn."""
+    out = {}
+    for name, p in model.named_parameters():
+        for segment in ("_orig_mod.", "_checkpoint_wrapped_module."):
+            name = name.replace(segment, "")
+        out[p] = name
+    return out
+
+
+def gather_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """(all ranks: collective on DTensors) Every tensor state of ``optimizer`` as a full tensor on CPU,
+    under torch's flattened name ``state.<fqn>.<key>``, in the optimizer's parameter order."""
+    from torch.distributed.tensor import DTensor
+
+    names = fqns(model)
+    out: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    full = value.full_tensor() if isinstance(value, DTensor) else value
+                    out[f"state.{names[p]}.{key}"] = full.detach().cpu().clone()
+    return out
+
+
+def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's hyperparameters, and its parameters by fqn; tuples as lists (as JSON has them)."""
+    names = fqns(model)
+
+    def plain(value):
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        return value
+
+    return [
+        {**{k: plain(v) for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+
+
+def read_optimizer_files(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``directory/training_state``'s optimizer files, through safetensors' own reader."""
+    from safetensors.torch import load_file
+
+    folder = os.path.join(directory, "training_state")
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("optimizer") and name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
