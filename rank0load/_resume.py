@@ -38,6 +38,7 @@ from .common import _distribute
 from .common._report import Clock
 from .common._staging import DEFAULT_STAGING_BYTES
 from .errors import LoadError, ModelMismatchError
+from .integrations._compat import root_mesh
 from .model._layout import layout_flags_of
 from .model._meta import ModelLayout, TensorInfo
 from .model._optim import OptimizerRecord, optimizer_state_dict, state_targets
@@ -105,11 +106,12 @@ def load_training_state(
     with contextlib.ExitStack() as opened:
         checkpoint = _distribute.Outcome[Checkpoint]()
         files = os.path.join(record.folder, _index_or_file(record))
-        if rank == 0 and building.error is None and record.files:
+        streamed = bool(record.files) and optimizer is not None  # without one: training_state alone
+        if rank == 0 and building.error is None and streamed:
             checkpoint = _distribute.attempt(lambda: open_checkpoint(files, None, opened, lambda: ()))
         (layout, targets), flags = _distribute.agree(building)
         clock("agree")
-        if record.files:
+        if streamed:
             agreed = dict(zip(targets, flags))
 
             def entries_of(manifest: Any) -> tuple[list[torch.Tensor], list[int]]:
@@ -148,10 +150,11 @@ def load_training_state(
 
 
 def _mesh_of(model: nn.Module) -> DeviceMesh:
-    """The mesh of the model's first DTensor parameter; else a 1-D mesh over the world."""
+    """The mesh the model's first DTensor parameter's mesh was sliced from (the load mesh of a
+    TP + FSDP2 model, whose FSDP-only parameters live on ``mesh["dp"]``); else a 1-D mesh over the world."""
     for p in model.parameters():
         if isinstance(p, DTensor):
-            return p.device_mesh
+            return root_mesh(p.device_mesh)
     return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
 
 
@@ -186,11 +189,18 @@ def _read_record(
     found, step = save_of(weights[0])
     if found != record.save_id:
         saved_as = f"save {found}, step {step}" if found else "not a training save"
+        same = os.path.dirname(os.path.abspath(weights[0])) == os.path.abspath(os.fspath(ckpt_path))
+        advice = (
+            "the folder mixes two saves (one was interrupted, or files were copied in): resume from a "
+            "checkpoint whose weights and training state were saved together"
+            if same
+            else f"load the model from {os.fspath(ckpt_path)!r} too, so that weights and optimizer state "
+            "are of one step"
+        )
         raise ModelMismatchError(
-            f"the model's weights ({weights[0]}: {saved_as}) and the "
-            f"training state in {os.fspath(ckpt_path)!r} (save {record.save_id}, step {record.step}) come "
-            f"from different saves: load the model from {os.fspath(ckpt_path)!r} too, so that weights "
-            f"and optimizer state are of one step ({SAVE_ID} in the files' metadata)"
+            f"the model's weights ({weights[0]}: {saved_as}) and the training state in "
+            f"{os.fspath(ckpt_path)!r} (save {record.save_id}, step {record.step}) come from different "
+            f"saves ({SAVE_ID} in the files' metadata): {advice}"
         )
     return record
 

@@ -140,16 +140,35 @@ def read_training_record(ckpt_dir: str | os.PathLike[str]) -> TrainingRecord:
         )
     except (KeyError, TypeError) as exc:
         raise CheckpointFormatError(f"{path} lacks a field or has one of the wrong type: {exc}") from None
+    stored: dict[str, tuple[str, list[int]]] = {}  # the optimizer files' tensors: dtype, shape
     for name in record.files:
         if os.path.basename(name) != name or name in (".", ".."):
             raise CheckpointFormatError(f"{path} names optimizer file {name!r}, outside its folder")
-        found, _ = save_of(os.path.join(folder, name))
+        metadata, tensors = _header(os.path.join(folder, name))
+        found = metadata.get(SAVE_ID)
         if found != record.save_id:
             raise CheckpointFormatError(
                 f"{os.path.join(folder, name)} belongs to save {found or 'none'}, but {RECORD} to save "
                 f"{record.save_id}: the training state folder mixes two saves (one was interrupted). "
                 "Resume from another checkpoint, or from the weights alone"
             )
+        stored.update(tensors)
+    listed = {f"state.{fqn}.{key}": (dtype, list(shape)) for fqn, key, shape, dtype in _tensors(record, path)}
+    differ = sorted(k for k in listed.keys() & stored.keys() if listed[k] != stored[k])
+    if listed.keys() != stored.keys() or differ:
+        missing, extra = sorted(listed.keys() - stored.keys()), sorted(stored.keys() - listed.keys())
+        what = (
+            f"{missing[0]!r} is missing"
+            if missing
+            else f"{extra[0]!r} is not listed"
+            if extra
+            else f"{differ[0]!r} is {stored[differ[0]]} (dtype, shape) but {RECORD} lists {listed[differ[0]]}"
+        )
+        raise CheckpointFormatError(
+            f"the optimizer files in {folder} do not hold the tensors {RECORD} lists: {what} "
+            f"({len(missing)} missing, {len(extra)} not listed, {len(differ)} different). The folder was "
+            "changed after the save: resume from another checkpoint, or from the weights alone"
+        )
     return record
 
 
@@ -158,9 +177,27 @@ def save_metadata(save_id: str, step: int | None) -> dict[str, str]:
     return {SAVE_ID: save_id, **({SAVE_STEP: str(step)} if step is not None else {})}
 
 
+def _tensors(record: TrainingRecord, path: str) -> list[tuple[str, str, list[int], str]]:
+    """The tensor states the record lists: (parameter name, key, shape, dtype)."""
+    if record.optimizer is None:
+        return []
+    try:
+        return [(str(f), str(k), list(s), str(d)) for f, k, s, d in record.optimizer["tensors"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: its optimizer's tensor list is malformed: {exc}") from None
+
+
 def save_of(path: str) -> tuple[str | None, str | None]:
     """(rank 0) The save id and step in a safetensors file's ``__metadata__`` (None: it has none).
     Raises CheckpointNotFoundError / CheckpointFormatError."""
+    metadata, _ = _header(path)
+    return metadata.get(SAVE_ID), metadata.get(SAVE_STEP)
+
+
+def _header(path: str) -> tuple[dict[str, str], dict[str, tuple[str, list[int]]]]:
+    """(rank 0) A safetensors file's string metadata and its tensors' (dtype, shape); the rest of the
+    header is checked when the stream opens the file. Raises CheckpointNotFoundError /
+    CheckpointFormatError."""
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -171,7 +208,11 @@ def save_of(path: str) -> tuple[str | None, str | None]:
         raise CheckpointNotFoundError(f"{path} does not exist: the checkpoint is incomplete") from None
     except (OSError, ValueError, struct.error) as exc:
         raise CheckpointFormatError(f"{path}: cannot read its safetensors header: {exc}") from None
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    metadata = metadata if isinstance(metadata, dict) else {}
-    found, step = metadata.get(SAVE_ID), metadata.get(SAVE_STEP)
-    return (found if isinstance(found, str) else None), (step if isinstance(step, str) else None)
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{path}: its safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    metadata = {k: v for k, v in metadata.items() if isinstance(v, str)} if isinstance(metadata, dict) else {}
+    tensors = {
+        k: (str(v.get("dtype")), list(v.get("shape", []))) for k, v in header.items() if isinstance(v, dict)
+    }
+    return metadata, tensors

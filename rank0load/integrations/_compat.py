@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 # Private: FSDP2 places it on top of a tensor-parallel Shard of the same dimension.
@@ -229,6 +230,14 @@ def transformers_5() -> bool:
     import transformers
 
     return int(transformers.__version__.split(".")[0]) >= 5
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``mesh["dp"]`` -> the 2-D mesh), or ``mesh``: private
+    (``DeviceMesh._get_root_mesh``, torch 2.12 to 2.15); without it, ``mesh``."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    root = get() if callable(get) else None
+    return root if isinstance(root, DeviceMesh) else mesh
 
 
 def hf_config_dict(config_class: Any, raw: dict[str, Any]) -> dict[str, Any]:

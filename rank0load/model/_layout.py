@@ -62,7 +62,7 @@ def placements_on(target: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...]:
     raise RankMismatchError(
         f"a parameter lives on device mesh {sub} (dims {sub_names}), which is neither the load mesh "
         f"{mesh} (dims {names}) nor a slice of its named dimensions (mesh['dp']). Pass load_sharded "
-        "the root mesh your shard_fn slices, with mesh_dim_names."
+        "the root mesh your shard_fn slices, with mesh_dim_names (load_training_state: mesh=, the same)."
     )
 
 

@@ -155,8 +155,11 @@ def state_targets(
     for i, (group, fqns, saved) in enumerate(zip(optimizer.param_groups, names, record.groups)):
         if fqns != list(saved["params"]):
             ours, theirs = set(fqns), set(saved["params"])
+            sides = [
+                (what, names) for what, names in (("only here", ours - theirs), ("only saved", theirs - ours))
+            ]
             detail = (
-                f"only here: {format_keys(ours - theirs)}; only saved: {format_keys(theirs - ours)}"
+                "; ".join(f"{what}: {format_keys(names)}" for what, names in sides if names)
                 if ours != theirs
                 else "the same parameters in another order"
             )

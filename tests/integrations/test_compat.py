@@ -25,6 +25,7 @@ from rank0load.integrations._compat import (
     foreach_supported,
     fsdp_groups,
     hf_auto_class,
+    hf_config_dict,
     hf_init_weights,
     hf_registered_class_wins,
     hf_with_generation_mixin,
@@ -36,6 +37,7 @@ from rank0load.integrations._compat import (
     parameters_on_meta,
     parse_to,
     queue_backward_callback,
+    root_mesh,
     split_chunks,
     transformers_5,
 )
@@ -101,6 +103,8 @@ def _ranks(rank: int, world: int) -> dict:
     out["fsdp_tp_placements"] = [type(p).__name__ for p in weight.placements]
     out["fsdp_tp_is_strided"] = type(weight.placements[0]) is StridedShard
     out["fsdp_tp_loaded"] = torch.equal(weight.full_tensor(), want)
+    # root_mesh: the mesh a sub-mesh was sliced from (load_training_state's default load mesh)
+    out["root_of_slice"] = root_mesh(mesh2["dp"]) == mesh2 and root_mesh(mesh2) == mesh2
 
     # local_tensor: the storage FSDP2 keeps (writing it loads the parameter), torch.chunk row counts.
     with torch.device("meta"):
@@ -158,6 +162,12 @@ def test_one_dim_placement_gives_each_dimensions_indices(ranks):
         assert len(r["block"]) == 4
         for name, (kept, predicted) in r["block"].items():
             assert predicted == kept, f"rank {rank}, {name}: {predicted} != {kept}"
+
+
+def test_root_mesh_is_the_mesh_a_slice_was_cut_from(ranks):
+    assert all(r["root_of_slice"] for r in ranks), (
+        "DeviceMesh._get_root_mesh changed: update _compat.root_mesh"
+    )
 
 
 def test_fsdp2_over_tensor_parallel_uses_strided_shard(ranks):
@@ -495,6 +505,22 @@ def test_registered_config_class_wins_from_transformers_5(tmp_path, hf_modules_c
     assert wins == (int(transformers.__version__.split(".")[0]) >= 5)
     assert not hf_registered_class_wins(transformers.LlamaConfig) and not hf_registered_class_wins(None)
     assert hf_auto_class(type(config)) == ("AutoConfig" if not wins else None)
+
+
+def test_hf_config_dict_reads_config_json_as_transformers_does(tmp_path):
+    """Non-finite floats round-trip as the installed transformers writes and reads them (5: encoded as
+    {"__float__": ...} and decoded by the class; 4.57: bare Infinity, which json.loads takes)."""
+    import json
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(time_step_limit=[0.0, float("inf")], scale=float("-inf")).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    read = hf_config_dict(LlamaConfig, raw)
+    assert read == LlamaConfig._dict_from_json_file(path)  # transformers' own reader
+    assert read["time_step_limit"] == [0.0, float("inf")] and read["scale"] == float("-inf")
+    assert LlamaConfig.from_dict(read).time_step_limit == [0.0, float("inf")]
 
 
 def test_with_generation_mixin_adds_it_where_the_class_generates():
