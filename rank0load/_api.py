@@ -37,7 +37,7 @@ from .common._memory import trim_heap
 from .common._report import Clock, LoadReport, fsdp_plan, log_summary, peak_rss_bytes, progress_bar
 from .common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES, slot_bytes
 from .errors import LoadError
-from .integrations._convert import StackExperts
+from .integrations._convert import StackExperts, record_used
 from .load import _handover, _model, _sink, _transfer
 from .load._plan import Plan, build_plan
 from .model._layout import rank_coordinates
@@ -184,6 +184,8 @@ def _finished(
     """(all ranks) Ties restored, nothing left on meta; the gradients of the parameters FSDP leaves
     out averaged over ``mesh`` after each backward; the report attached and summarised."""
     _model.finish(built.model, built.layout)
+    if dist.get_rank() == 0:  # what a save of the model reverts, as from_pretrained keeps it
+        record_used(built.conversions)
     replicated = replicated_parameters(built.model)
     if replicated:
         keep_in_step(built.model, replicated, mesh)

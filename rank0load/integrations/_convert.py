@@ -132,10 +132,20 @@ class TransformersConversions:
         from transformers.core_model_loading import rename_source_key
 
         transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+        self._model, self._transforms = model, transforms
         self._renamings, self._converters = _split(transforms)
         self._rename = rename_source_key  # the renamings, then at most one converter
         self._prefix = getattr(model, "base_model_prefix", None)
         self._model_keys = dict.fromkeys(model_keys, True)
+
+    def record_used(self) -> None:
+        """(rank 0, after the load) Keep the transforms the load used on the model, as transformers'
+        ``from_pretrained`` does (``_weight_conversions``): a save reverts those (:class:`TransformersReversal`),
+        computed before ``fully_shard`` renamed the classes some are scoped by."""
+        if all(
+            callable(getattr(t, "was_used", None)) for t in self._transforms
+        ):  # else: the save's own mapping
+            self._model._weight_conversions = [t for t in self._transforms if t.was_used()]  # type: ignore[assignment]
 
     def match(self, key: str) -> ConversionMatch | None:
         renamed, pattern = self._rename(
@@ -168,8 +178,19 @@ class TransformersConversions:
         return ConversionMatch(renamed, int(found.group(1)), index, total, name)
 
 
-# a model tensor's saved (name, shape)s: save._saveplan.Revert
-Reversal = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
+class Reverted(NamedTuple):
+    """A byte range of a model tensor as it is saved (the ranges of one model tensor follow each other)."""
+
+    name: str  # the saved tensor's name
+    shape: tuple[int, ...]  # the range's shape
+    # the saved tensor joins ``of`` model tensors' ranges along dimension 0 (a reverted Split);
+    # this is the ``position``-th
+    position: int = 0
+    of: int = 1
+
+
+# a model tensor's saved parts, in byte order: save._saveplan.Revert
+Reversal = Callable[[str, tuple[int, ...]], list[Reverted]]
 
 # the reverse of _STACKABLE: Chunk(dim=1) into the sources, then SplitModulelist(dim=0) into the experts
 _SPLITTABLE = ([("SplitModulelist", 0)], [("Chunk", 1), ("SplitModulelist", 0)])
@@ -194,7 +215,7 @@ class TransformersReversal:
             transforms = [t for t in transforms if not isinstance(t, core.PrefixChange)]
         self._renamings, self._converters = _split([t.reverse_transform() for t in transforms[::-1]])
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    def __call__(self, name: str, shape: tuple[int, ...]) -> list[Reverted]:
         # reverted: at most one converter; from transformers 5.24 the renamings on a key no converter
         # takes, else on the converter's outputs; before 5.24 together with it (rename_source_key)
         core = self._core
@@ -206,32 +227,97 @@ class TransformersReversal:
         else:
             renamed, pattern = core.rename_source_key(name, self._renamings, self._converters, reverse=True)
         if pattern is None:
-            return [(renamed, shape)]
+            return [Reverted(renamed, shape)]
         converter = next(c for c in self._converters if pattern in c.source_patterns)
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
-        sources = len(converter.target_patterns)
-        if ops not in _SPLITTABLE or len(shape) < 2 or shape[1] % sources or (sources > 1) != (len(ops) > 1):
+        sources, targets = converter.source_patterns, converter.target_patterns
+        if ops == _CONCATENATION and len(sources) > 1 and len(targets) == 1 and shape:
+            # a reverted Split: this model tensor's rows, the index-th of the saved tensor's
+            saved = core.apply_renamings(renamed, self._renamings) if current else renamed
+            return [Reverted(saved, shape, sources.index(pattern), len(sources))]
+        if ops in _SPLITS and len(sources) == 1 and len(targets) > 1 and shape:
+            return self._row_ranges(name, renamed, pattern, shape, converter, current)
+        slices = shape[0] * len(targets) if shape else 0
+        if (
+            ops not in _SPLITTABLE
+            or len(shape) < 2
+            or shape[1] % len(targets)
+            or (len(targets) > 1) != (len(ops) > 1)
+        ):
             what = ", ".join(f"{n}(dim={d})" if d is not None else n for n, d in ops)
             raise SaveError(
                 f"{name!r} {shape}: transformers reverts it with {what}, which rank0load cannot save as "
                 "byte ranges of the model tensor. Save with original_format=False (the model's own names)."
             )
-        slices = shape[0] * sources
-        standin = torch.arange(slices).reshape(shape[0], sources, *[1] * (len(shape) - 2))
+        standin = torch.arange(slices).reshape(shape[0], len(targets), *[1] * (len(shape) - 2))
+        order = self._numbered(name, renamed, pattern, standin, converter, current)
+        if len(order) != slices or sorted(order) != list(range(slices)):
+            raise SaveError(
+                f"{name!r} {shape}: transformers' reverse conversion gave {len(order)} tensors, not the "
+                f"{slices} per-expert slices expected. Save with original_format=False."
+            )
+        part = (shape[1] // len(targets), *shape[2:])
+        return [Reverted(order[v], part) for v in range(slices)]
+
+    def _numbered(
+        self, name: str, renamed: str, pattern: str, standin: torch.Tensor, converter: Any, current: bool
+    ) -> dict[int, str]:
+        """Run ``converter`` on a stand-in whose slices are numbered: each output's first number -> its
+        name (renamed as ``save_pretrained`` renames it); outputs of more than one number are left out."""
         converter = copy.deepcopy(converter)
         converter.add_tensor(renamed, name, pattern, standin)
         converted = converter.convert(renamed, model=self._model, config=getattr(self._model, "config", None))
         out = {n: v[0] if isinstance(v, list) else v for n, v in converted.items()}
         if current:
-            out = {core.apply_renamings(n, self._renamings): v for n, v in out.items()}
-        order = {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
-        if len(out) != slices or sorted(order) != list(range(slices)):
-            raise SaveError(
-                f"{name!r} {shape}: transformers' reverse conversion gave {len(out)} tensors, not the "
-                f"{slices} per-expert slices expected. Save with original_format=False."
+            out = {self._core.apply_renamings(n, self._renamings): v for n, v in out.items()}
+        return {int(v.reshape(-1)[0]): n for n, v in out.items() if v.numel() == 1}
+
+    def _row_ranges(
+        self, name: str, renamed: str, pattern: str, shape: tuple[int, ...], converter: Any, current: bool
+    ) -> list[Reverted]:
+        """A reverted ``Concatenate(dim=0)`` (``Split``/``Chunk`` on saving): the saved tensors, each a
+        range of the model tensor's rows, found by splitting a stand-in of numbered rows as transformers
+        would. SaveError where a saved tensor is not one range of rows, in order."""
+        rows = shape[0]
+        converter = copy.deepcopy(converter)
+        converter.add_tensor(
+            renamed, name, pattern, torch.arange(rows).reshape(rows, *[1] * (len(shape) - 1))
+        )
+        try:
+            converted = converter.convert(
+                renamed, model=self._model, config=getattr(self._model, "config", None)
             )
-        part = (shape[1] // sources, *shape[2:])
-        return [(order[v], part) for v in range(slices)]
+        except Exception as exc:  # Split sizes come from model parameters this name may not have
+            raise SaveError(
+                f"{name!r} {shape}: transformers' reverse conversion failed on it ({type(exc).__name__}: "
+                f"{exc}). Save with original_format=False (the model's own names)."
+            ) from None
+        out = []
+        for n, v in converted.items():
+            v = (v[0] if isinstance(v, list) else v).reshape(-1)
+            out.append(
+                (
+                    int(v[0]) if v.numel() else rows,
+                    self._core.apply_renamings(n, self._renamings) if current else n,
+                    v,
+                )
+            )
+        out.sort(key=lambda o: o[0])
+        at = 0
+        parts = []
+        for first, saved, v in out:
+            if first != at or not torch.equal(v, torch.arange(at, at + v.numel())):
+                raise SaveError(
+                    f"{name!r} {shape}: transformers' reverse conversion does not cut it into consecutive "
+                    f"ranges of rows ({saved!r} starts at row {first}, not {at}). Save with original_format=False."
+                )
+            parts.append(Reverted(saved, (v.numel(), *shape[1:])))
+            at += v.numel()
+        if at != rows:
+            raise SaveError(
+                f"{name!r} {shape}: transformers' reverse conversion kept {at} of its {rows} rows"
+            )
+        return parts
 
 
 class TransformersRenamings:
@@ -267,13 +353,20 @@ def original_format_reversal(model: nn.Module, adapters: frozenset[str]) -> Reve
     if base is model:
         return reversal
 
-    def peft_reversal(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    def peft_reversal(name: str, shape: tuple[int, ...]) -> list[Reverted]:
         if name in adapters:
-            return [(name, shape)]
+            return [Reverted(name, shape)]
         base_name = _peft.base_key(name)
-        return reversal(base_name, shape) if reversal is not None else [(base_name, shape)]
+        return reversal(base_name, shape) if reversal is not None else [Reverted(base_name, shape)]
 
     return peft_reversal
+
+
+def record_used(conversions: Sequence[Any]) -> None:
+    """(rank 0, after the load) :meth:`TransformersConversions.record_used` of the transformers ones."""
+    for conversion in conversions:
+        if isinstance(conversion, TransformersConversions):
+            conversion.record_used()
 
 
 def conversions_for(model: nn.Module, model_keys: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:

@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -20,12 +20,13 @@ from ..common._blocks import Blocks, Chunk, Part, block_chunks
 from ..common._distribute import round_ends
 from ..common._staging import ROUND_PIECES, block_half, slot_bytes
 from ..errors import SaveError
+from ..integrations._convert import Reverted
 from ..model._layout import ROWS_OK, RUNS_OK, rank_coordinates, rows_of, runs_at
 from ..model._meta import strip_wrappers
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# a saved name and shape -> the names and shapes it is saved as (equal byte ranges, in order)
-Revert = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...]]]]
+# a saved name and shape -> what it is saved as: consecutive byte ranges of it, in order (Reverted)
+Revert = Callable[[str, tuple[int, ...]], list[Reverted]]
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's parse_size_to_int
 
 
@@ -39,8 +40,18 @@ class SaveKind(enum.Enum):
 
 
 _Senders = tuple[tuple[int, int, int], ...]  # ROWS: (rank, first byte, end byte), by first row
-# one saved tensor before the split: (its item's index, name, shape, first byte in the item, nbytes)
-_Unit = tuple[int, str, tuple[int, ...], int, int]
+
+
+class _Unit(NamedTuple):
+    """A byte range of one item that is (a part of) one saved tensor, before the split into files."""
+
+    item: int  # its item's index
+    name: str  # the saved tensor's
+    shape: tuple[int, ...]  # its own
+    start: int  # its first byte in the item
+    nbytes: int
+    position: int  # among the ranges concatenated (dimension 0) into the saved tensor
+    of: int
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,7 @@ def plan_save(
     dtype: torch.dtype | None = options["dtype"]
     items: list[SaveItem] = []
     units: list[_Unit] = []
-    skipped, seen = [], dict[str, str]()
+    skipped, seen = [], dict[tuple[str, int], str]()
     for (key, t), flag in zip(tensors.items(), flags):
         plain = strip_wrappers(key)
         name = key_map(plain) if key_map is not None else plain
@@ -151,11 +162,14 @@ def plan_save(
             continue
         if not isinstance(name, str) or not name:
             raise SaveError(f"key_map({plain!r}) returned {name!r}; return a saved name or None")
-        parts = revert(name, tuple(t.shape)) if revert is not None else [(name, tuple(t.shape))]
-        for part, _ in parts:
-            if part in seen:
-                raise SaveError(f"{seen[part]!r} and {plain!r} would both be saved as {part!r}; fix key_map")
-            seen[part] = plain
+        parts = revert(name, tuple(t.shape)) if revert is not None else [Reverted(name, tuple(t.shape))]
+        for part in parts:
+            if (part.name, part.position) in seen:
+                raise SaveError(
+                    f"{seen[part.name, part.position]!r} and {plain!r} would both be saved as {part.name!r}; "
+                    "fix key_map"
+                )
+            seen[part.name, part.position] = plain
         wire = dtype if dtype is not None and t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
         if wire not in _NAMES or wire == DTYPES.get("F4"):
             raise SaveError(f"{plain!r}: dtype {t.dtype} cannot be saved in safetensors")
@@ -165,8 +179,14 @@ def plan_save(
             if kind is not SaveKind.GATHER:
                 senders, blocks = _senders(t, kind, wire.itemsize)
         nbytes = t.numel() * wire.itemsize
-        each = nbytes // len(parts)
-        units += [(len(items), part, shape, j * each, each) for j, (part, shape) in enumerate(parts)]
+        sizes = [math.prod(part.shape) * wire.itemsize for part in parts]
+        if sum(sizes) != nbytes:  # a reversal's parts must tile the tensor: a bug, not a user error
+            raise SaveError(f"{plain!r} {tuple(t.shape)}: its saved parts {parts} do not tile it")
+        starts = itertools.accumulate(sizes, initial=0)
+        units += [
+            _Unit(len(items), p.name, p.shape, a, n, p.position, p.of)
+            for p, a, n in zip(parts, starts, sizes)
+        ]
         items.append(SaveItem(key, _NAMES[wire], tuple(t.shape), nbytes, kind, senders, (), blocks))
     if not items:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
@@ -230,22 +250,66 @@ def _lay_out(
 ) -> tuple[tuple[bytes, ...], tuple[SaveItem, ...]]:
     """(rank 0) The files' headers, and the items in write order with their saved tensors: in each
     file tensors by element size, largest first, then name (as safetensors orders them), so each is
-    aligned; the JSON header padded with spaces to 8."""
+    aligned; a tensor saved from several items (a reverted ``Split``) their ranges one after the
+    other, by position; the JSON header padded with spaces to 8."""
+    tensors: dict[str, list[_Unit]] = {}  # each saved tensor's units, by position
+    for unit in units:
+        tensors.setdefault(unit.name, []).append(unit)
+    shapes = {
+        name: _joined(name, sorted(found, key=lambda u: u.position), items) for name, found in tensors.items()
+    }
+    names = list(tensors)
     saved: list[list[Saved]] = [[] for _ in items]
     headers: list[bytes] = []
-    for file, group in enumerate(_split([u[4] for u in units], limit)):
-        order = sorted((units[u] for u in group), key=lambda u: (-DTYPES[items[u[0]].dtype].itemsize, u[1]))
-        starts = list(itertools.accumulate((u[4] for u in order), initial=0))  # data offsets in the file
+    for file, group in enumerate(_split([sum(u.nbytes for u in tensors[n]) for n in names], limit)):
+        order = sorted(
+            (names[i] for i in group), key=lambda n: (-DTYPES[_dtype(tensors[n], items)].itemsize, n)
+        )
+        sizes = [sum(u.nbytes for u in tensors[n]) for n in order]
+        starts = list(itertools.accumulate(sizes, initial=0))  # data offsets in the file
         header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
-        for (i, name, shape, _, nbytes), at in zip(order, starts):
-            header[name] = {"dtype": items[i].dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        for name, at, nbytes in zip(order, starts, sizes):
+            header[name] = {
+                "dtype": _dtype(tensors[name], items),
+                "shape": list(shapes[name]),
+                "data_offsets": [at, at + nbytes],
+            }
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         headers.append(len(text).to_bytes(8, "little") + text)
-        for (i, name, _, start, nbytes), at in zip(order, starts):
-            saved[i].append(Saved(name, file, len(headers[-1]) + at, start, nbytes))
+        for name, at in zip(order, starts):
+            for unit in sorted(tensors[name], key=lambda u: u.position):
+                saved[unit.item].append(Saved(name, file, len(headers[-1]) + at, unit.start, unit.nbytes))
+                at += unit.nbytes
     laid = [
         replace(item, saved=tuple(sorted(spans, key=lambda x: x.start))) for item, spans in zip(items, saved)
     ]
     laid.sort(key=lambda i: min((s.file, s.offset) for s in i.saved))
     return tuple(headers), tuple(laid)
+
+
+def _dtype(units: list[_Unit], items: list[SaveItem]) -> str:
+    return items[units[0].item].dtype
+
+
+def _joined(name: str, units: list[_Unit], items: list[SaveItem]) -> tuple[int, ...]:
+    """The shape of saved tensor ``name`` made of ``units`` (by position): one unit's, or theirs joined
+    along dimension 0. Raises SaveError where they are not every position once, of one dtype and
+    the same trailing dimensions (a key_map that skipped one of them, say)."""
+    count = units[0].of
+    if [u.position for u in units] != list(range(count)) or {u.of for u in units} != {count}:
+        raise SaveError(
+            f"{name!r} is saved from {count} model tensors joined along dimension 0 (transformers' reverse "
+            f"conversion), but positions {[u.position for u in units]} were found: save every one of them "
+            "(does key_map skip one?), or save with original_format=False"
+        )
+    if count == 1:
+        return units[0].shape
+    dtypes = {items[u.item].dtype for u in units}
+    trailing = {u.shape[1:] for u in units}
+    if len(dtypes) > 1 or len(trailing) > 1 or any(not u.shape for u in units):
+        raise SaveError(
+            f"{name!r} would join model tensors of dtypes {sorted(dtypes)} and shapes "
+            f"{[u.shape for u in units]} along dimension 0: save with original_format=False or dtype="
+        )
+    return (sum(u.shape[0] for u in units), *units[0].shape[1:])

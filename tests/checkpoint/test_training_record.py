@@ -71,8 +71,13 @@ def _write(root, record: TrainingRecord, tensors: dict[str, dict[str, torch.Tens
     return folder
 
 
-def _record(files=("optimizer.safetensors",), save_id="aa") -> TrainingRecord:
-    return TrainingRecord(".", save_id, 3, None, tuple(files), encode({"step": 3}))
+def _record(
+    files=("optimizer.safetensors",), save_id="aa", tensors=(("w", "step", [], "F32"),)
+) -> TrainingRecord:
+    """A record whose optimizer lists ``tensors`` (parameter, key, shape, dtype) in ``files``."""
+    optimizer = {"class": "torch.optim.adamw.AdamW", "param_groups": [], "shapes": {}, "values": {}}
+    optimizer["tensors"] = [list(t) for t in tensors]
+    return TrainingRecord(".", save_id, 3, optimizer, tuple(files), encode({"step": 3}))
 
 
 def test_a_training_record_is_read_with_its_files_checked(tmp_path):
@@ -111,6 +116,17 @@ def test_a_damaged_record_is_refused(tmp_path, damage, words):
     with open(path, "w") as f:
         f.write(damage(data))
     with pytest.raises(CheckpointFormatError, match=words):
+        read_training_record(tmp_path)
+
+
+def test_optimizer_files_that_do_not_hold_what_the_record_lists_are_refused(tmp_path):
+    _write(tmp_path, _record(), {"optimizer.safetensors": ("aa", {"state.w.step": torch.zeros(2)})})
+    with pytest.raises(
+        CheckpointFormatError, match=r"'state.w.step' is \('F32', \[2\]\).*lists \('F32', \[\]\)"
+    ):
+        read_training_record(tmp_path)
+    _write(tmp_path, _record(), {"optimizer.safetensors": ("aa", {"state.v.step": torch.tensor(1.0)})})
+    with pytest.raises(CheckpointFormatError, match="'state.w.step' is missing .*changed after the save"):
         read_training_record(tmp_path)
 
 

@@ -356,7 +356,7 @@ def test_saved_names_are_the_hub_names_and_the_adapters_own():
     """original_format for a PeftModel: base tensors reverted to the per-expert Hub names, adapters as
     they are; the adapter names are the LoRA tensors' (attention and fused experts), nothing else."""
     from rank0load.integrations import _peft
-    from rank0load.integrations._convert import original_format_reversal
+    from rank0load.integrations._convert import Reverted, original_format_reversal
 
     model = peft_model("mixtral", "experts")
     adapters = _peft.adapter_parameters(model)
@@ -366,15 +366,15 @@ def test_saved_names_are_the_hub_names_and_the_adapters_own():
     assert revert is not None
     fused = "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj"
     parts = revert(fused, (mm.EXPERTS, 48, 32))
-    assert [n for n, _ in parts[:3]] == [
+    assert [p.name for p in parts[:3]] == [
         "model.layers.0.block_sparse_moe.experts.0.w1.weight",
         "model.layers.0.block_sparse_moe.experts.0.w3.weight",
         "model.layers.0.block_sparse_moe.experts.1.w1.weight",
     ]
-    assert len(parts) == 2 * mm.EXPERTS and {s for _, s in parts} == {(24, 32)}
+    assert len(parts) == 2 * mm.EXPERTS and {p.shape for p in parts} == {(24, 32)}
     lora = "base_model.model.model.layers.0.mlp.experts.lora_B.default.weight"
-    assert revert(lora, (32, 20)) == [(lora, (32, 20))]
+    assert revert(lora, (32, 20)) == [Reverted(lora, (32, 20))]
     assert revert("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", (32, 32)) == [
-        ("model.layers.0.self_attn.q_proj.weight", (32, 32))
+        Reverted("model.layers.0.self_attn.q_proj.weight", (32, 32))
     ]
     assert _peft.base_key(fused) == "model.layers.0.mlp.experts.gate_up_proj"
