@@ -60,3 +60,14 @@ def hf_modules_cache(tmp_path_factory: pytest.TempPathFactory):
                 package, "__path__", [os.path.join(path, "transformers_modules"), *package.__path__]
             )
         yield path
+
+
+# Lines a test module leaves for the end of the session's report (the causal-LM sweep's count and lists):
+# ``request.config.stash.setdefault(SUMMARIES, []).append(text)``.
+SUMMARIES = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    for text in config.stash.get(SUMMARIES, []):
+        terminalreporter.write_sep("=", "summary")
+        terminalreporter.write_line(text)
