@@ -240,6 +240,22 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return root if isinstance(root, DeviceMesh) else mesh
 
 
+def hf_key_mapping(model: nn.Module) -> dict[str, str] | None:
+    """transformers 4.57's ``key_mapping`` for ``model``: its class's ``_checkpoint_conversion_mapping``
+    (regex -> replacement) where a class of its MRO names one of ``modeling_utils.VLMS`` (Gemma 3,
+    Fuyu, GOT-OCR2, LLaVA, ...), as 4.57's ``from_pretrained`` applies it and ``save_pretrained``
+    reverts it; None otherwise, and on transformers 5 (whose conversion mapping replaces it)."""
+    if transformers_5():
+        return None
+    from transformers import modeling_utils
+
+    vlms = getattr(modeling_utils, "VLMS", ())
+    names = [c.__name__.lower() for c in type(model).__mro__[:-1]]
+    if not any(v in n for n in names for v in vlms):
+        return None
+    return dict(getattr(model, "_checkpoint_conversion_mapping", None) or {}) or None
+
+
 def hf_config_dict(config_class: Any, raw: dict[str, Any]) -> dict[str, Any]:
     """``config.json`` as ``config_class`` reads it (``_dict_from_json_file`` after ``json.loads``):
     transformers 5 decodes the non-finite floats it writes as ``{"__float__": "Infinity"}`` (``"NaN"``,

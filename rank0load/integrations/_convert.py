@@ -322,15 +322,21 @@ class TransformersReversal:
 
 class TransformersRenamings:
     """transformers 4.x's key renamings, as ``from_pretrained`` does them: ``_fix_state_dict_key_on_load``,
-    then ``base_model_prefix`` added or removed where that names a model key."""
+    then a vision-language model's ``key_mapping`` (the first pattern that matches:
+    ``_compat.hf_key_mapping``), then ``base_model_prefix`` added or removed where that names a model key."""
 
     def __init__(self, model: nn.Module, model_keys: Sequence[str]) -> None:
         self._fix = type(model)._fix_state_dict_key_on_load  # type: ignore[attr-defined]  # a staticmethod
+        self._mapping = [(re.compile(p), r) for p, r in (_compat.hf_key_mapping(model) or {}).items()]
         self._prefix = getattr(model, "base_model_prefix", None) or None
         self._model_keys = frozenset(model_keys)
 
     def match(self, key: str) -> ConversionMatch | None:
         renamed = str(self._fix(key)[0])
+        for pattern, replacement in self._mapping:
+            renamed, replaced = pattern.subn(replacement, renamed)
+            if replaced:
+                break
         if renamed not in self._model_keys and self._prefix is not None:
             head = f"{self._prefix}."
             if renamed.startswith(head) and renamed[len(head) :] in self._model_keys:
@@ -342,14 +348,16 @@ class TransformersRenamings:
 
 def original_format_reversal(model: nn.Module, adapters: frozenset[str]) -> Reversal | None:
     """(rank 0) ``save_sharded(original_format=True)``'s saved names: what ``save_pretrained`` reverts
-    for a transformers model (:class:`TransformersReversal`; transformers 4.57 reverts nothing); for a
-    ``PeftModel``, ``adapters`` (its adapter tensors' names) under its own names, every other tensor
-    under its base model's (``_peft.base_key``), then the base's reversal; None for any other model
-    (its own names)."""
+    for a transformers model (:class:`TransformersReversal`; transformers 4.57 reverts only a
+    vision-language model's ``key_mapping``); for a ``PeftModel``, ``adapters`` (its adapter tensors'
+    names) under its own names, every other tensor under its base model's (``_peft.base_key``), then
+    the base's reversal; None for any other model (its own names)."""
     base = _compat.peft_base_model(model)
-    reversal = None
+    reversal: Reversal | None = None
     if _compat.is_transformers_model(base) and _compat.transformers_5():
         reversal = TransformersReversal(base)
+    elif _compat.is_transformers_model(base):
+        reversal = _key_mapping_reversal(_compat.hf_key_mapping(base))
     if base is model:
         return reversal
 
@@ -360,6 +368,23 @@ def original_format_reversal(model: nn.Module, adapters: frozenset[str]) -> Reve
         return reversal(base_name, shape) if reversal is not None else [Reverted(base_name, shape)]
 
     return peft_reversal
+
+
+def _key_mapping_reversal(mapping: dict[str, str] | None) -> Reversal | None:
+    """(rank 0) transformers 4.57's ``save_pretrained`` of a model with a ``key_mapping``
+    (``_compat.hf_key_mapping``): each name renamed by the first reverted pattern that matches."""
+    if not mapping:
+        return None
+    reverted = [(re.compile(r), re.sub(r"\(.*\)", "", p.lstrip("^"))) for p, r in mapping.items()]
+
+    def revert(name: str, shape: tuple[int, ...]) -> list[Reverted]:
+        for pattern, replacement in reverted:
+            name, replaced = pattern.subn(replacement, name)
+            if replaced:
+                break
+        return [Reverted(name, shape)]
+
+    return revert
 
 
 def record_used(conversions: Sequence[Any]) -> None:

@@ -27,6 +27,7 @@ from ..integrations._compat import (
     is_transformers_model,
     local_tensor,
     peft_base_model,
+    transformers_5,
 )
 from ..integrations._convert import conversions_for
 from ..integrations._peft import tuner_layers_without_values
@@ -88,7 +89,8 @@ def build_sharded(
 def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:
     """(all ranks, after ``model_fn`` ran with ``dtype`` as torch's default dtype) The model as its
     library's ``from_pretrained(dtype=...)`` makes it: a transformers model's floating parameters and
-    persistent buffers in ``dtype`` (float8 as they are, ``_keep_in_fp32_modules`` in float32); a
+    persistent buffers in ``dtype`` (float8 as they are, ``_keep_in_fp32_modules`` in float32; on
+    transformers 4.57, in the dtype they were built with, as its ``from_pretrained`` keeps them); a
     diffusers model's likewise, float8 included; any other model as ``model.to(dtype)``. The
     caller's config object is left alone. Under a PEFT model the base model is cast so; ``built``
     (ids of PEFT's adapters, built with real values) keep the dtype PEFT gave them."""
@@ -97,6 +99,9 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
     library = transformers or is_diffusers_class(type(base))  # else: every tensor, as model.to(dtype)
     keep_in_fp32 = hf_keep_in_fp32 if transformers else diffusers_keep_in_fp32
     keep = keep_in_fp32(base, dtype) if library else None
+    # transformers 4.57 loads each tensor in the dtype the model was built with (under dtype as the
+    # default dtype): a parameter made with an explicit dtype keeps it (Apertus' XIELU alpha in bf16)
+    as_built = transformers and not transformers_5()
     for module_name, module in (base if library else model).named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, t in [*module._parameters.items(), *module._buffers.items()]:
@@ -106,7 +111,9 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
                 continue
             if library and leaf in module._non_persistent_buffers_set:
                 continue
-            want = torch.float32 if keep is not None and keep(prefix + leaf) else dtype
+            want = (
+                torch.float32 if keep is not None and keep(prefix + leaf) else t.dtype if as_built else dtype
+            )
             if t.dtype != want and leaf in module._parameters:
                 t.data = t.data.to(want)
             elif t.dtype != want:

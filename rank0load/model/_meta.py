@@ -80,6 +80,7 @@ _VALUE_ONLY_INIT = {
     "kaiming_uniform_": 2, "kaiming_normal_": 2, "xavier_uniform_": 2, "xavier_normal_": 2,
 }  # fmt: skip
 _INIT_MODULES = ("torch.nn.init", "transformers.initialization")
+_SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # ``tensor.data = other`` (equal, not identical)
 
 
 def _min_dims(func: object) -> int | None:
@@ -94,10 +95,17 @@ def _min_dims(func: object) -> int | None:
 class _MetaValuesSkipped(TorchFunctionMode):
     """Value-only initialisers (:func:`_min_dims`) return at once on a floating meta tensor with no
     other tensor argument (fan-based ones from 2 dimensions up, below which they raise): torch runs
-    some on meta through slow Python references. The random stream is untouched."""
+    some on meta through slow Python references. The random stream is untouched. ``meta.data = real``
+    assigns a meta copy (torch refuses to mix the two)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func == _SET_DATA and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            target, value = args
+            if isinstance(target, torch.Tensor) and target.is_meta and not value.is_meta:
+                # ``param.data = real`` in an initialiser (transformers 4.57's Mamba A_log): the shape and
+                # dtype taken, on meta, as for any other parameter (the checkpoint brings the values)
+                return func(target, value.to("meta"))
         dims = _min_dims(func)
         if dims is not None:
             target = args[0] if args else kwargs.get("tensor")

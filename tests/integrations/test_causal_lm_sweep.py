@@ -44,17 +44,10 @@ MODEL_TYPES = sorted(_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 TRANSFORMERS = version("transformers")
 IDS = torch.tensor([[11, 25, 39, 42, 57, 63], [70, 99, 120, 31, 44, 18]])  # below every tiny vocabulary
 
-# What rank0load refuses today (issue 55, item 2: its conversion operations), with a piece of the refusal
-# each must show. An entry that loads makes its test fail: remove the entry then.
-KNOWN_FAILURES: dict[str, str] = {
-    "sarvam_moe": "which needs Split(dim=0)",
-    "param2moe": "which needs Split(dim=0)",
-    "lara_mini": "WeightConverter(['linear_attn.in_proj']",
-    "olmo_hybrid": "WeightConverter(['linear_attn.q_conv1d.weight'",
-    # found by this sweep, the same refusal of a conversion operation (item 2 asks for every one)
-    "bailing_hybrid": "WeightConverter(['q_conv1d.weight'",  # Concatenate of q/k/v conv1d, as OLMo-Hybrid
-    "kimi_linear": "WeightConverter(['self_attn.q_conv1d.weight'",  # the same
-    "hrm_text": "which needs Chunk(dim=0)",  # a fused gate_up_proj into gate_proj and up_proj
+# What rank0load refuses, with a piece of the refusal each must show: conversions that move single
+# elements rather than ranges of bytes (README, MoE checkpoints). An entry that loads makes its test
+# fail: remove the entry then.
+REFUSED: dict[str, str] = {
     "ergo": "which needs Transpose",  # feed_forward.gate_kernel into mlp.gate.linear.weight
 }
 
@@ -258,12 +251,12 @@ def test_loads_as_from_pretrained(swept, model_type):
     verdicts = [_verdict(p, r["jobs"].get(model_type)) for r in results]
     if model_type not in results[0]["jobs"]:
         pytest.fail(f"not run: {results[0]['jobs'].get('stopped')}")
-    known = KNOWN_FAILURES.get(model_type)
+    known = REFUSED.get(model_type)
     if known is not None:
         if verdicts == [None, None]:
-            pytest.fail(f"{model_type} now loads bit for bit: remove it from KNOWN_FAILURES")
+            pytest.fail(f"{model_type} now loads bit for bit: remove it from REFUSED")
         assert all(v is not None and known in v for v in verdicts), verdicts
-        pytest.xfail(f"issue 55 item 2: {verdicts[0]}")
+        pytest.xfail(f"refused, as documented: {verdicts[0]}")
     for rank, verdict in enumerate(verdicts):
         error = results[rank]["jobs"][model_type].get("error")
         assert verdict is None, f"rank {rank}: {verdict}" + (f"\n{error.tb}" if error else "")
