@@ -271,6 +271,7 @@ def run_resume(
                 save_peak_reset=sv["peak_reset"],
                 written_bytes=sv.get("written_bytes"),
                 save_stream_seconds=sv.get("stream_seconds"),
+                save_split=sv.get("split"),
             )
         out.append(merged)
     return out
@@ -610,6 +611,22 @@ def resume_results_table(res: dict) -> str:
                 f"{_fmt_mib(r.get('save_transient'))} | {_fmt_mib(r['rss_before'])} | "
                 f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |"
             )
+    for s in res["summary"]:
+        if not s.get("ok"):
+            continue
+        best = min(
+            (rs for rs in res["raw"][s["method"]] if _round_ok(rs)),
+            key=lambda rs: max(r["seconds"] for r in rs),
+        )
+        rank0 = next(r for r in best if r["rank"] == 0)
+        for which, key in (
+            ("save", "save_split"),
+            ("restore", "split"),
+            ("restore's load_sharded", "load_phases"),
+        ):
+            if rank0.get(key):
+                text = ", ".join(f"{k} {v:.2f}" for k, v in rank0[key].items())
+                lines += ["", f"{s['method']} {which} on rank 0, its best round (wall s): {text}"]
     return "\n".join(lines)
 
 

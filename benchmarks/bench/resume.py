@@ -21,6 +21,7 @@ restore against them bit for bit, so no method is timed doing the wrong thing.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +166,19 @@ def verify(
     }
 
 
+class Split:
+    """Wall seconds of a method's steps, in order: ``split("step")`` closes the step that ends now."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, step: str) -> None:
+        now = time.perf_counter()
+        self.seconds[step] = now - self._last
+        self._last = now
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -181,6 +195,7 @@ def restore_build_only(
 ) -> tuple[nn.Module, torch.optim.Optimizer, dict, dict]:
     """Meta build + fully_shard + the local shards allocated and faulted in, an AdamW with its state
     (``step``, ``exp_avg``, ``exp_avg_sq``: zeros like each parameter) allocated and faulted in."""
+    split = Split()
     model = build_sharded(cfg, mesh)
     optimizer = make_optimizer(model)
     with torch.no_grad():
@@ -194,7 +209,8 @@ def restore_build_only(
             for key in ("exp_avg", "exp_avg_sq"):
                 prefault(local_tensor(state[key]))
             optimizer.state[p] = state
-    return model, optimizer, {}, {}
+    split("build, allocate")
+    return model, optimizer, {}, {"split": split.seconds}
 
 
 # ------------------------------------------------------------------------------------ rank0load
@@ -210,7 +226,11 @@ def save_rank0load(
     report = rank0load.save_sharded(  # type: ignore[call-arg]
         model, out_dir, optimizer=optimizer, training_state=training_state, **options.get("rank0load", {})
     )
-    return {"stream_seconds": report.stream_seconds, "report_bytes": report.bytes}
+    return {
+        "stream_seconds": report.stream_seconds,
+        "report_bytes": report.bytes,
+        "split": dict(getattr(report, "phases", {}) or {}),
+    }
 
 
 def restore_rank0load(
@@ -220,10 +240,15 @@ def restore_rank0load(
     optimizer, out_dir)``: rank 0 reads, each rank gets its own rows."""
     import rank0load
 
+    split = Split()
     model = rank0load.load_sharded(model_fn(cfg), out_dir, mesh, **options.get("rank0load", {}))
+    split("load_sharded")
     optimizer = make_optimizer(model)
+    split("AdamW")
     training_state = rank0load.load_training_state(model, optimizer, out_dir)  # type: ignore[attr-defined]
-    return model, optimizer, dict(training_state), {}
+    split("load_training_state")
+    phases = dict(getattr(model.rank0load_report, "phases", {}) or {})
+    return model, optimizer, dict(training_state), {"split": split.seconds, "load_phases": phases}
 
 
 # ------------------------------------------------------------------------------------ DCP
@@ -237,9 +262,12 @@ def save_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    split = Split()
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    split("get_state_dict")
     dcp.save({"model": model_sd, "optim": optim_sd, "training_state": training_state}, checkpoint_id=out_dir)
-    return {}
+    split("dcp.save")
+    return {"split": split.seconds}
 
 
 def restore_dcp(
@@ -250,13 +278,18 @@ def restore_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    split = Split()
     model = build_sharded(cfg, mesh)
     optimizer = make_optimizer(model)
+    split("build")
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    split("get_state_dict")
     training_state: dict[str, Any] = {"step": 0}
     dcp.load({"model": model_sd, "optim": optim_sd, "training_state": training_state}, checkpoint_id=out_dir)
+    split("dcp.load")
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return model, optimizer, training_state, {}
+    split("set_state_dict")
+    return model, optimizer, training_state, {"split": split.seconds}
 
 
 # ------------------------------------------------------------------------------------ full state dict
@@ -274,22 +307,27 @@ def save_full_sd(
         get_optimizer_state_dict,
     )
 
+    split = Split()
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     rank0 = dist.get_rank() == 0
     if rank0:
         os.makedirs(out_dir, exist_ok=True)
     model_sd = get_model_state_dict(model, options=opts)
+    split("get_model_state_dict")
     if rank0:
         torch.save(model_sd, os.path.join(out_dir, "model.pt"))
         _fsync(os.path.join(out_dir, "model.pt"))
     del model_sd
+    split("save model.pt")
     optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    split("get_optimizer_state_dict")
     if rank0:
         path = os.path.join(out_dir, "optim.pt")
         torch.save({"optim": optim_sd, "training_state": training_state}, path)
         _fsync(path)
     del optim_sd
-    return {}
+    split("save optim.pt")
+    return {"split": split.seconds}
 
 
 def restore_full_sd(
@@ -305,19 +343,25 @@ def restore_full_sd(
         set_optimizer_state_dict,
     )
 
+    split = Split()
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     rank0 = dist.get_rank() == 0
     model = build_sharded(cfg, mesh)
     optimizer = make_optimizer(model)
+    split("build")
     model_sd = torch.load(os.path.join(out_dir, "model.pt"), weights_only=True) if rank0 else {}
+    split("torch.load model.pt")
     set_model_state_dict(model, model_sd, options=opts)
     del model_sd
+    split("set_model_state_dict")
     saved = torch.load(os.path.join(out_dir, "optim.pt"), weights_only=True) if rank0 else {}
+    split("torch.load optim.pt")
     set_optimizer_state_dict(model, optimizer, saved.get("optim", {}), options=opts)
     shared: list = [saved.get("training_state")]
     del saved
     dist.broadcast_object_list(shared, src=0)
-    return model, optimizer, dict(shared[0]), {}
+    split("set_optimizer_state_dict")
+    return model, optimizer, dict(shared[0]), {"split": split.seconds}
 
 
 RESUME_METHODS: dict[str, tuple[Save | None, Restore]] = {
