@@ -33,7 +33,7 @@ from .checkpoint._manifest import (
     unforeseen,
 )
 from .common import _distribute
-from .common._memory import FaultIn, trim_heap
+from .common._memory import trim_heap
 from .common._report import Clock, LoadReport, fsdp_plan, log_summary, peak_rss_bytes, progress_bar
 from .common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES, slot_bytes
 from .errors import LoadError
@@ -129,7 +129,7 @@ def load_sharded(
         if gc.isenabled():  # the cyclic collector off inside: many small containers, no cycles
             gc.disable()
             opened.callback(gc.enable)  # left off if the caller turned it off
-        # the shards allocated, a thread faulting them in; a failure is raised by agree or _prepare
+        # the shards allocated, a thread faulting them in; a failure is raised by agree or the stream
         allocating = _distribute.attempt(lambda: _model.materialise(building.get()[0].model, mesh_device))
         if allocating.value is not None:
             opened.callback(allocating.value.close)
@@ -148,40 +148,26 @@ def load_sharded(
         clock("headers")
         built, flags = _distribute.agree(building)
         clock("agree")
-        server: _handover.Server | None = None  # rank 0's, when it offers its descriptors
+        agreed = dict(zip(built.flags, flags))
 
-        def manifest_and_offer() -> tuple[Manifest, _handover.Offer | None]:  # rank 0
-            nonlocal server
-            opened_checkpoint = checkpoint.get()
-            manifest = read_manifest(opened_checkpoint, built.layout, strict, key_map, built.conversions)
-            if local_reads and dist.get_world_size() > 1:  # a server lending the files to this host
-                server = _handover.Server.listen([opened_checkpoint.files[p] for p in manifest.files])
-            if server is None:
-                return manifest, None
-            opened.callback(server.close)
-            return manifest, server.offer
+        def targets(manifest: Manifest) -> tuple[list[torch.Tensor], list[int]]:  # shards resident
+            allocating.get().wait()
+            _model.init_missing(built.model, built.layout, manifest.missing)
+            _model.apply_built(built.model, built.real_values, manifest.kept)
+            found = _model.targets(built.model, built.layout)
+            return [found[e.key] for e in manifest.entries], [agreed[e.key] for e in manifest.entries]
 
-        manifest, offer = _distribute.from_rank0(
-            manifest_and_offer, lambda exc: unforeseen(ckpt_path, exc, ours=True)
+        manifest, plan, handover = stream_checkpoint(
+            opened,
+            checkpoint,
+            ckpt_path,
+            lambda c: read_manifest(c, built.layout, strict, key_map, built.conversions),
+            targets,
+            mesh,
+            max_staging_bytes,
+            local_reads,
+            clock,
         )
-        files = checkpoint.value.files if checkpoint.value is not None else {}  # what the stream reads
-        if sum(len(e.parts) or 1 for e in manifest.entries) >= _TRIM_FROM_TENSORS:
-            trim_heap()  # what making and sharing a MoE manifest used, back to the OS
-        clock("manifest")
-        # a local reader's pinned host buffer: one staging slot (no piece is larger)
-        slot = slot_bytes(max_staging_bytes)
-        handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
-        opened.callback(handover.close)
-        plan, sink, staging = _distribute.run(
-            lambda: _prepare(built, manifest, flags, mesh, mesh_device, max_staging_bytes, allocating),
-            "allocating or initialising the model",
-            _distribute.NO_DATA_MOVED,
-        )
-        handover.decide()
-        clock("plan")
-        with progress_bar(manifest.total_bytes, show=rank == 0) as on_bytes:
-            _transfer.stream(sink, staging, files, on_bytes, handover)
-        clock("stream")
     return _finished(built, manifest, plan, clock, handover)
 
 
@@ -268,30 +254,61 @@ def _build(
     return built, _distribute.Proposal(built.layout.fingerprint(), options, tuple(built.flags.values()))
 
 
-def _prepare(
-    built: _model.Built,
-    manifest: Manifest,
-    flags: tuple[int, ...],
+def stream_checkpoint(
+    opened: contextlib.ExitStack,
+    checkpoint: _distribute.Outcome[Checkpoint],
+    ckpt_path: str | os.PathLike[str],
+    match: Callable[[Checkpoint], Manifest],
+    targets: Callable[[Manifest], tuple[list[torch.Tensor], list[int]]],
     mesh: DeviceMesh,
-    mesh_device: torch.device,
     max_staging_bytes: int,
-    allocating: _distribute.Outcome[FaultIn],
-) -> tuple[Plan, _sink.Sink, _sink.Staging]:
-    """(all ranks) Once the shards are resident: initialise what the checkpoint lacks, plan, and make
-    the sink and the staging the stream lands in."""
-    allocating.get().wait()
-    _model.init_missing(built.model, built.layout, manifest.missing)
-    _model.apply_built(built.model, built.real_values, manifest.kept)
-    found = _model.targets(built.model, built.layout)
-    agreed = dict(zip(built.flags, flags))
-    entries = manifest.entries
-    targets = [found[e.key] for e in entries]
-    plan = build_plan(
-        entries,
-        targets,
-        [agreed[e.key] for e in entries],
-        mesh,
-        slot_bytes(max_staging_bytes),
+    local_reads: bool,
+    clock: Clock,
+) -> tuple[Manifest, Plan, _handover.LocalReads]:
+    """(all ranks, once they agreed on what they load into) The stream of a load, after the build:
+    rank 0 reads and ``match``es the headers of its open ``checkpoint`` (its manifest, or its error,
+    on every rank) and offers its descriptors; every rank gets the ``targets`` of the manifest's
+    entries (and their layout flags, AND-ed over the ranks), plans and streams. ``opened`` closes
+    what the load opens. Raises LoadError on every rank."""
+    rank = dist.get_rank()
+    mesh_device = _distribute.mesh_device(mesh.device_type)
+    server: _handover.Server | None = None  # rank 0's, when it offers its descriptors
+
+    def manifest_and_offer() -> tuple[Manifest, _handover.Offer | None]:  # rank 0
+        nonlocal server
+        opened_checkpoint = checkpoint.get()
+        manifest = match(opened_checkpoint)
+        if local_reads and dist.get_world_size() > 1:  # a server lending the files to this host
+            server = _handover.Server.listen([opened_checkpoint.files[p] for p in manifest.files])
+        if server is None:
+            return manifest, None
+        opened.callback(server.close)
+        return manifest, server.offer
+
+    manifest, offer = _distribute.from_rank0(
+        manifest_and_offer, lambda exc: unforeseen(ckpt_path, exc, ours=True)
     )
-    staging = _sink.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
-    return plan, _sink.Sink(plan, targets, mesh_device), staging
+    files = checkpoint.value.files if checkpoint.value is not None else {}  # what the stream reads
+    if sum(len(e.parts) or 1 for e in manifest.entries) >= _TRIM_FROM_TENSORS:
+        trim_heap()  # what making and sharing a MoE manifest used, back to the OS
+    clock("manifest")
+    # a local reader's pinned host buffer: one staging slot (no piece is larger)
+    slot = slot_bytes(max_staging_bytes)
+    handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
+    opened.callback(handover.close)
+
+    def prepare() -> tuple[Plan, _sink.Sink, _sink.Staging]:
+        found, flags = targets(manifest)
+        plan = build_plan(manifest.entries, found, flags, mesh, slot)
+        staging = _sink.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
+        return plan, _sink.Sink(plan, found, mesh_device), staging
+
+    plan, sink, staging = _distribute.run(
+        prepare, "allocating or initialising the model", _distribute.NO_DATA_MOVED
+    )
+    handover.decide()
+    clock("plan")
+    with progress_bar(manifest.total_bytes, show=rank == 0) as on_bytes:
+        _transfer.stream(sink, staging, files, on_bytes, handover)
+    clock("stream")
+    return manifest, plan, handover

@@ -144,12 +144,38 @@ def commit(
         os.replace(temp, os.path.join(directory, index_file))
         outputs.temps.remove(temp)
         keep.add(index_file)
-    # what this save writes or keeps the earlier save's files under (_keep_earlier); never another stem's
+    remove_stale(directory, stem, keep)
+
+
+def remove_stale(directory: str, stem: str, keep: set[str]) -> None:
+    """(rank 0) Remove what an earlier save left under ``stem`` in ``directory`` but ``keep``: the
+    names this save writes or keeps the earlier save's files under (_keep_earlier); never another
+    stem's. The directory is fsynced."""
     saved = re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?(\.old-[0-9a-f]+)?\.safetensors(\.index\.json)?")
     for name in sorted(os.listdir(directory)):
         if saved.fullmatch(name) and name not in keep:
             os.unlink(os.path.join(directory, name))
     _fsync_dir(directory)
+
+
+def write_temp(outputs: Outputs, name: str, text: str) -> str:
+    """(rank 0) ``text`` written and fsynced under a temporary name for ``name`` in the outputs'
+    directory (created if needed), removed by :meth:`Outputs.discard` unless renamed; its path."""
+    os.makedirs(outputs.directory, exist_ok=True)
+    temp = os.path.join(outputs.directory, f".{name}.tmp-{outputs.token}")
+    outputs.temps.append(temp)
+    with open(temp, "x", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    return temp
+
+
+def rename_last(outputs: Outputs, temp: str, name: str) -> None:
+    """(rank 0) The temporary file ``temp`` of :func:`write_temp` made ``name``; the directory fsynced."""
+    os.replace(temp, os.path.join(outputs.directory, name))
+    outputs.temps.remove(temp)
+    _fsync_dir(outputs.directory)
 
 
 def _keep_earlier(directory: str, index_file: str, replaced: list[str], token: str) -> bool:

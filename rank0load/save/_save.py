@@ -12,12 +12,14 @@ rank 0     config.json, fsync, rename, index last, remove stale files; settle  -
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..checkpoint._format import DTYPES
+from ..checkpoint._training import FOLDER, OPTIMIZER_STEM, RECORD, TrainingRecord, encode, save_metadata
 from ..common import _distribute
 from ..common._report import Clock, peak_rss_bytes, progress_bar
 from ..common._staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
@@ -34,8 +38,11 @@ from ..integrations._compat import local_tensor
 from ..integrations._convert import original_format_reversal
 from ..model._layout import layout_flags
 from ..model._meta import describe, strip_wrappers
+from ..model._optim import OptimizerRecord, describe_optimizer
 from . import _outputs, _write
-from ._saveplan import Revert, SaveKind, parse_size, plan_save
+from ._saveplan import Revert, SaveKind, SavePlan, parse_size, plan_save
+
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,10 @@ class SaveReport:
     peak_rss_bytes: int = 0  # this rank's peak resident set size (VmHWM) when the save finished
     rank: int = 0
     world_size: int = 1
+    # with optimizer= or training_state=: the optimizer's tensor states saved, their bytes, the save's id
+    state_tensors: int = 0
+    state_bytes: int = 0
+    save_id: str | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -73,6 +84,8 @@ def save_sharded(
     original_format: bool = True,
     max_staging_bytes: int = DEFAULT_STAGING_BYTES,
     adapter: str | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    training_state: dict[str, Any] | None = None,
 ) -> SaveReport:
     """Write ``model`` (FSDP2 or HSDP, sharded or not) to ``out_dir`` as a safetensors checkpoint
     that ``from_pretrained`` and :func:`load_sharded` read as it is.
@@ -108,6 +121,18 @@ def save_sharded(
             alone in PEFT's layout (``adapter_model.safetensors``, ``adapter_config.json``), as
             ``PeftModel.save_pretrained`` does; same staging bound. Not with key_map. Embedding
             layers PEFT's "auto" would add are not saved.
+        optimizer: the model's optimizer (any ``torch.optim.Optimizer`` over the model's
+            parameters): with the weights, in ``out_dir/training_state/``, its every tensor state as
+            safetensors under torch's flattened names (``state.<fqn>.<key>``, full tensors: any world
+            size restores them), streamed to rank 0 as the weights are, and its param groups and
+            other state in ``training_state.json``. :func:`load_training_state` restores it.
+        training_state: small state of the caller's to resume with (an lr scheduler's
+            ``state_dict()``, the step, the data position, ``torch.get_rng_state()``): JSON values and
+            small tensors; rank 0's is saved, and :func:`load_training_state` returns it.
+
+    With ``optimizer`` or ``training_state``, the weights and the training state are one
+    checkpoint: every file carries the save's id, and all of them are renamed into place only once
+    every byte is written and fsynced, ``training_state.json`` last. Not with ``adapter``.
 
     Returns:
         A :class:`SaveReport`, on every rank.
@@ -118,6 +143,12 @@ def save_sharded(
             differ between ranks (``RankMismatchError``).
     """
     _distribute.require_process_group(SaveError)
+    training = optimizer is not None or training_state is not None
+    if training and adapter is not None:
+        raise SaveError(
+            "save_sharded(adapter=...) saves an adapter alone; save the training state with the whole "
+            "model (adapter=None, as load_sharded(..., adapter=) reads it back)"
+        )
     stem, write_configs = _outputs.layout_of(model, original_format, adapter)
     if adapter is not None:  # one file whatever its size, PEFT's names
         key_map = _adapter_names(model, adapter, key_map)
@@ -125,7 +156,9 @@ def save_sharded(
     clock, rank, out = Clock(), dist.get_rank(), os.fspath(out_dir)
     options = {"dtype": dtype, "max_shard_size": max_shard_size, "max_staging_bytes": max_staging_bytes}
     tensors, flags = _distribute.agree(_distribute.attempt(lambda: _describe(model, options)))
+    kept = _kept(model, optimizer, training_state, options) if training else None
     clock("agree")
+    metadata = save_metadata(kept.record.save_id, kept.record.step) if kept is not None else None
     plan = _distribute.from_rank0(
         lambda: plan_save(
             tensors,
@@ -134,9 +167,16 @@ def save_sharded(
             options,
             _reversal(model, original_format),
             stem,
+            metadata,
         ),
-        lambda exc: SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}"),
+        _planning_failed,
     )
+    state_plan = None
+    if kept is not None and kept.tensors:
+        state_plan = _distribute.from_rank0(
+            lambda: plan_save(kept.tensors, kept.flags, None, kept.options, None, OPTIMIZER_STEM, metadata),
+            _planning_failed,
+        )
     clock("plan")
     dtensors = (t for t in tensors.values() if isinstance(t, DTensor))
     mesh_device = next(
@@ -144,28 +184,52 @@ def save_sharded(
     )
 
     outputs = _outputs.Outputs(out) if rank == 0 else None  # rank 0's, discarded below
+    # rank 0's files of the training state, in their own folder, under the same temporary token
+    state_outputs = (
+        _outputs.Outputs(os.path.join(out, FOLDER), outputs.token) if outputs is not None and kept else None
+    )
 
     def prepare() -> _write.Staging:
         staging = _write.allocate_staging(plan.piece_bytes, mesh_device, max_staging_bytes)
         if outputs is not None:
             outputs.open(plan)
+        if state_outputs is not None and state_plan is not None:
+            state_outputs.open(state_plan)
         return staging
+
+    def commit() -> None:  # rank 0: everything written; the renames, the training state's record last
+        assert outputs is not None
+        record = None
+        if state_outputs is not None and kept is not None:
+            record = _outputs.write_temp(state_outputs, RECORD, kept.text(state_plan))
+        _outputs.commit(outputs, plan, stem, write_configs)
+        if state_outputs is not None and record is not None:
+            if state_plan is not None:
+                _outputs.commit(state_outputs, state_plan, OPTIMIZER_STEM, None)
+            else:
+                _outputs.remove_stale(state_outputs.directory, OPTIMIZER_STEM, set())
+            _outputs.rename_last(state_outputs, record, RECORD)
 
     try:
         staging = _distribute.run(prepare, "creating the output files", _write.TODO, SaveError)
-        with progress_bar(plan.total_size, show=rank == 0) as on_bytes:
-            _write.stream(plan, tensors, outputs, staging, on_bytes)
+        with progress_bar(
+            plan.total_size + (state_plan.total_size if state_plan else 0), show=rank == 0
+        ) as on:
+            _write.stream(plan, tensors, outputs, staging, on)
+            if state_plan is not None and kept is not None:
+                _write.stream(state_plan, kept.tensors, state_outputs, staging, on)
         clock("stream")
         _distribute.run(
-            lambda: _outputs.commit(outputs, plan, stem, write_configs) if outputs is not None else None,
+            lambda: commit() if outputs is not None else None,
             "committing the checkpoint",
             _write.TODO,
             SaveError,
         )
         clock("commit")
     finally:
-        if outputs is not None:
-            outputs.discard()  # nothing left once committed
+        for opened in (outputs, state_outputs):
+            if opened is not None:
+                opened.discard()  # nothing left once committed
     report = SaveReport(
         tensors=sum(len(i.saved) for i in plan.items),
         bytes=plan.total_size,
@@ -178,6 +242,9 @@ def save_sharded(
         peak_rss_bytes=peak_rss_bytes(),
         rank=rank,
         world_size=dist.get_world_size(),
+        state_tensors=sum(len(i.saved) for i in state_plan.items) if state_plan else 0,
+        state_bytes=state_plan.total_size if state_plan else 0,
+        save_id=kept.record.save_id if kept is not None else None,
     )
     if rank == 0:  # a warning for what was gathered whole, then one INFO line
         if report.gathered_whole:
@@ -199,6 +266,80 @@ def save_sharded(
             report.peak_rss_bytes / 1e6,
         )
     return report
+
+
+@dataclass
+class _Kept:
+    """A training save's state besides the weights: the optimizer's tensors by flattened name, their
+    layout flags AND-ed over the ranks, their options, and rank 0's record (on every rank)."""
+
+    tensors: dict[str, torch.Tensor]
+    flags: tuple[int, ...]
+    options: dict[str, Any]
+    record: TrainingRecord
+
+    def text(self, plan: SavePlan | None) -> str:
+        """(rank 0) ``training_state.json``, naming ``plan``'s files."""
+        record = replace(self.record, files=plan.files if plan is not None else ())
+        return json.dumps(record.as_json(), separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def _kept(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    training_state: dict[str, Any] | None,
+    options: dict[str, Any],
+) -> _Kept:
+    """(all ranks) Describe the optimizer's state on every rank and agree on it; then rank 0 makes the
+    record (a new save id, the JSON of everything but the tensors), or every rank raises its error."""
+    options = {**options, "dtype": None}  # optimizer states are saved as they are held
+
+    def describe_state() -> tuple[
+        tuple[dict[str, torch.Tensor], OptimizerRecord | None], _distribute.Proposal
+    ]:
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise SaveError(f"optimizer={type(optimizer).__name__}: pass a torch.optim.Optimizer")
+        if training_state is not None and not isinstance(training_state, dict):
+            raise SaveError(f"training_state={type(training_state).__name__}: pass a dict")
+        if optimizer is None:
+            return ({}, None), _distribute.Proposal((), options, ())
+        tensors, described = describe_optimizer(model, optimizer, _NAMES)
+        flags = _flags(tensors)
+        fingerprint = tuple(
+            (k, tuple(t.shape), str(t.dtype), False, isinstance(t, DTensor)) for k, t in tensors.items()
+        )
+        return (tensors, described), _distribute.Proposal((fingerprint,), options, flags)
+
+    (tensors, described), flags = _distribute.agree(_distribute.attempt(describe_state))
+
+    def make_record() -> TrainingRecord:  # rank 0
+        try:
+            state = encode(training_state or {})
+            optimizer_json = encode(described.as_json(), "the optimizer") if described else None
+        except TypeError as exc:
+            raise SaveError(f"the training state cannot be saved as JSON: {exc}") from None
+        step = (training_state or {}).get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            steps = [t for k, t in tensors.items() if k.endswith(".step") and not isinstance(t, DTensor)]
+            step = int(max(float(t) for t in steps)) if steps else None
+        assert optimizer_json is None or isinstance(optimizer_json, dict)  # encode keeps a dict a dict
+        return TrainingRecord(".", secrets.token_hex(8), step, optimizer_json, (), state)
+
+    record = _distribute.from_rank0(make_record, _planning_failed)
+    return _Kept(tensors, flags, options, record)
+
+
+def _planning_failed(exc: Exception) -> SaveError:
+    return SaveError(f"planning the checkpoint failed on rank 0: {type(exc).__name__}: {exc}")
+
+
+def _flags(tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """(all ranks) layout_flags of each contiguous local shard, so that each part of a chunk is a
+    range of it; 0 for anything else."""
+    return tuple(
+        layout_flags(t, t.device_mesh) if isinstance(t, DTensor) and local_tensor(t).is_contiguous() else 0
+        for t in tensors.values()
+    )
 
 
 def _adapter_names(
@@ -230,12 +371,7 @@ def _describe(
     layout = describe(model)
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     tensors = {k: params[k] if t.is_param else buffers[k] for k, t in layout.tensors.items()}
-    # layout_flags of a contiguous local shard, so that each part of a chunk is a range of it
-    flags = tuple(
-        layout_flags(t, t.device_mesh) if isinstance(t, DTensor) and local_tensor(t).is_contiguous() else 0
-        for t in tensors.values()
-    )
-    return tensors, _distribute.Proposal(layout.fingerprint(), options, flags)
+    return tensors, _distribute.Proposal(layout.fingerprint(), options, _flags(tensors))
 
 
 def _reversal(model: nn.Module, original_format: bool) -> Revert | None:

@@ -134,9 +134,11 @@ def plan_save(
     options: dict[str, Any],
     revert: Revert | None,
     stem: str,
+    metadata: dict[str, str] | None = None,
 ) -> SavePlan:
     """(rank 0) Names, dtypes, the split into files, the headers and the senders of every tensor.
-    ``revert``: see :data:`Revert`. ``stem``: what the files' names start with."""
+    ``revert``: see :data:`Revert`. ``stem``: what the files' names start with. ``metadata``: more
+    ``__metadata__`` entries for every file's header."""
     dtype: torch.dtype | None = options["dtype"]
     items: list[SaveItem] = []
     units: list[_Unit] = []
@@ -169,7 +171,7 @@ def plan_save(
     if not items:
         raise SaveError("nothing to save: the model has no tensors, or key_map skipped them all")
     piece_bytes = slot_bytes(options["max_staging_bytes"])
-    headers, laid = _lay_out(items, units, parse_size(options["max_shard_size"]))
+    headers, laid = _lay_out(items, units, parse_size(options["max_shard_size"]), metadata or {})
     rounds = round_ends([item.nbytes for item in laid], ROUND_PIECES * piece_bytes)
     count = len(headers)  # named as huggingface_hub and diffusers name them
     names = [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
@@ -224,7 +226,7 @@ def _split(sizes: list[int], limit: int) -> list[list[int]]:
 
 
 def _lay_out(
-    items: list[SaveItem], units: list[_Unit], limit: int
+    items: list[SaveItem], units: list[_Unit], limit: int, metadata: dict[str, str]
 ) -> tuple[tuple[bytes, ...], tuple[SaveItem, ...]]:
     """(rank 0) The files' headers, and the items in write order with their saved tensors: in each
     file tensors by element size, largest first, then name (as safetensors orders them), so each is
@@ -234,7 +236,7 @@ def _lay_out(
     for file, group in enumerate(_split([u[4] for u in units], limit)):
         order = sorted((units[u] for u in group), key=lambda u: (-DTYPES[items[u[0]].dtype].itemsize, u[1]))
         starts = list(itertools.accumulate((u[4] for u in order), initial=0))  # data offsets in the file
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
         for (i, name, shape, _, nbytes), at in zip(order, starts):
             header[name] = {"dtype": items[i].dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
         text = json.dumps(header, separators=(",", ":")).encode()
