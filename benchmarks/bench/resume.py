@@ -223,7 +223,7 @@ def save_rank0load(
     sends its own rows of every weight and optimizer state, rank 0 writes."""
     import rank0load
 
-    report = rank0load.save_sharded(  # type: ignore[call-arg]
+    report = rank0load.save_sharded(
         model, out_dir, optimizer=optimizer, training_state=training_state, **options.get("rank0load", {})
     )
     return {
@@ -245,7 +245,7 @@ def restore_rank0load(
     split("load_sharded")
     optimizer = make_optimizer(model)
     split("AdamW")
-    training_state = rank0load.load_training_state(model, optimizer, out_dir)  # type: ignore[attr-defined]
+    training_state = rank0load.load_training_state(model, optimizer, out_dir)
     split("load_training_state")
     phases = dict(getattr(model.rank0load_report, "phases", {}) or {})
     return model, optimizer, dict(training_state), {"split": split.seconds, "load_phases": phases}
