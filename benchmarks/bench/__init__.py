@@ -5,7 +5,9 @@
 (``python -m benchmarks.bench.worker '<json spec>'``), :mod:`~.methods` holds the loading methods
 compared, :mod:`~.model` the benchmark's Llama-style model and checkpoint writer, and :mod:`~.moe`
 the MoE one (``--model moe``: a per-expert Qwen3-MoE checkpoint into transformers' fused experts).
-``--save`` measures the save methods (:data:`~.methods.SAVE_METHODS`) instead of the loads.
+``--save`` measures the save methods (:data:`~.methods.SAVE_METHODS`) instead of the loads, and
+``--resume`` the training-state methods of :mod:`~.resume` (model + AdamW state saved, then restored
+in fresh processes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .driver import (
 from .methods import METHOD_NOTES, METHODS, SAVE_METHOD_NOTES, SAVE_METHODS
 from .model import BenchConfig, cached_checkpoint, config_for_size, tensor_specs, write_checkpoint
 from .moe import MoeConfig
+from .resume import RESUME_METHOD_NOTES, RESUME_METHODS
 
 __all__ = [
     "main",
@@ -47,6 +50,8 @@ __all__ = [
     "METHOD_NOTES",
     "SAVE_METHODS",
     "SAVE_METHOD_NOTES",
+    "RESUME_METHODS",
+    "RESUME_METHOD_NOTES",
     "BenchConfig",
     "MoeConfig",
     "cached_checkpoint",

@@ -20,6 +20,13 @@ rank loads the model with rank0load outside the measurement, then the save is me
 way (transient = peak - before, the model being resident throughout) and the written files are
 verified against the source checkpoint's digests (Llama model only).
 
+``--resume`` measures saving and restoring a training state instead (``resume-rank0load``,
+``resume-dcp``, ``resume-full-sd``, and ``resume-build-only`` as the floor; see
+:mod:`benchmarks.bench.resume`): each round and method, fresh processes load the model, train an AdamW
+a few steps and save model and optimizer state (measured), then other fresh processes restore both
+(measured) and check every parameter and optimizer state bit for bit against the saving processes'
+record (Llama model only).
+
 This is a script: it prints progress to stdout (the library itself only logs).
 """
 
@@ -43,6 +50,7 @@ from . import model as llama
 from .methods import METHOD_NOTES, METHODS, SAVE_METHOD_NOTES, SAVE_METHODS
 from .minimax_methods import MINIMAX_METHOD_NOTES, MINIMAX_METHODS, SINGLE_PROCESS
 from .model import BenchConfig, cached_checkpoint
+from .resume import RESUME_METHOD_NOTES, RESUME_METHODS
 
 MODELS = ("llama", "moe", "minimax")
 Config = BenchConfig | moe.MoeConfig | minimax.MiniMaxConfig
@@ -54,10 +62,11 @@ __all__ = ["main", "parse_args", "run_size"]
 MiB = 1 << 20
 
 
-def _markers(ranks: int, model: str = "llama", save: bool = False) -> tuple[str, str]:
+def _markers(ranks: int, model: str = "llama", save: bool = False, resume: bool = False) -> tuple[str, str]:
     """The README section each model and rank count rewrites: the 2-rank Llama default, and one per
-    other model or count; ``save``: the save methods' own ("save", "save-4ranks", ...)."""
-    name = ("save" if save else "results") + ("" if model == "llama" else f"-{model}")
+    other model or count; ``save``: the save methods' own ("save", "save-4ranks", ...); ``resume``:
+    the training-state methods' ("resume", "resume-4ranks")."""
+    name = ("resume" if resume else "save" if save else "results") + ("" if model == "llama" else f"-{model}")
     name += "" if ranks == 2 else f"-{ranks}ranks"
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
 
@@ -111,8 +120,10 @@ def model_name(cfg: Config) -> str:
     return "moe" if isinstance(cfg, moe.MoeConfig) else "llama"
 
 
-def methods_for(model: str, save: bool = False) -> dict[str, str]:
-    """The methods ``--methods`` may name for ``model`` (or the save methods), with their notes."""
+def methods_for(model: str, save: bool = False, resume: bool = False) -> dict[str, str]:
+    """The methods ``--methods`` may name for ``model`` (or the save or resume methods), with their notes."""
+    if resume:
+        return RESUME_METHOD_NOTES
     if save:
         return SAVE_METHOD_NOTES
     return MINIMAX_METHOD_NOTES if model == "minimax" else METHOD_NOTES
@@ -136,11 +147,13 @@ def run_once(
     options: dict | None = None,
     launch: Callable[[int], tuple[list[str], dict[str, str]]] | None = None,
     warm: bool = True,
+    fields: dict | None = None,
 ) -> list[dict]:
     """Launch ``ranks`` fresh worker processes for one method; one result dict per rank.
     ``launch(rank)``: a command prefix and environment for that rank (``bench.nodes``: its node's
     network namespace). ``warm``: each process measures a second, warm call after the cold one.
-    ``warm_up``: the save methods' tiny save before the clock (the loads have none: they are cold)."""
+    ``warm_up``: the save methods' tiny save before the clock (the loads have none: they are cold).
+    ``fields``: more fields for every rank's spec (``--resume``: the phase and the state's folder)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -167,6 +180,7 @@ def run_once(
                 "warm_up": warm_up,
                 "warm": warm,
                 "options": options or {},
+                **(fields or {}),
             }
             if method in SAVE_METHODS:  # removed by the worker, and with tmp in any case
                 spec["save_dir"] = os.path.join(tmp, "saved")
@@ -209,6 +223,60 @@ def run_once(
         return results
 
 
+_RESUME_KEYS = (
+    "save_seconds",
+    "save_cpu_seconds",
+    "save_rss_before",
+    "save_peak_rss",
+    "save_transient",
+    "restore_seconds",
+    "restore_cpu_seconds",
+)
+
+
+def run_resume(
+    method: str, cfg: Config, ckpt: str, ranks: int, timeout: float, warm_up: bool, options: dict | None
+) -> list[dict]:
+    """(``--resume``) One round of one method: ``ranks`` fresh processes train and save (unless the
+    method has no save), then ``ranks`` other fresh processes restore and verify; one result per rank:
+    the restore's figures, ``seconds`` = save + restore, the save's under ``save_*``."""
+    with tempfile.TemporaryDirectory(prefix="rank0load-bench-resume-") as tmp:
+        state_dir = os.path.join(tmp, "state")
+        expected = os.path.join(tmp, "expected.json")
+        saved: list[dict] | None = None
+        if RESUME_METHODS[method][0] is not None:
+            phase = {"phase": "save", "state_dir": state_dir, "expected": expected}
+            saved = run_once(method, cfg, ckpt, ranks, timeout, warm_up, options, warm=False, fields=phase)
+            failed = next((r for r in saved if "error" in r), None)
+            if failed is not None:
+                return [{**r, "error": f"save: {r['error']}"} if "error" in r else r for r in saved]
+        phase = {"phase": "restore", "state_dir": state_dir, "expected": expected if saved else ""}
+        restored = run_once(method, cfg, ckpt, ranks, timeout, warm_up, options, warm=False, fields=phase)
+    out = []
+    for r, rs in enumerate(restored):
+        if "error" in rs:
+            out.append({**rs, "error": f"restore: {rs['error']}"})
+            continue
+        merged = {**rs, "restore_seconds": rs["seconds"], "restore_cpu_seconds": rs["cpu_seconds"]}
+        if saved is not None:
+            sv = saved[r]
+            merged.update(
+                seconds=sv["seconds"] + rs["seconds"],
+                cpu_seconds=sv["cpu_seconds"] + rs["cpu_seconds"],
+                save_seconds=sv["seconds"],
+                save_cpu_seconds=sv["cpu_seconds"],
+                save_rss_before=sv["rss_before"],
+                save_peak_rss=sv["peak_rss"],
+                save_transient=sv["transient"],
+                save_peak_reset=sv["peak_reset"],
+                written_bytes=sv.get("written_bytes"),
+                save_stream_seconds=sv.get("stream_seconds"),
+                save_split=sv.get("split"),
+            )
+        out.append(merged)
+    return out
+
+
 def _fmt_mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MiB:.0f}"
 
@@ -230,6 +298,17 @@ def _round_line(results: list[dict]) -> str:
         return "ERROR " + errors[0]["error"].splitlines()[0]
     secs = max(r["seconds"] for r in results)
     parts = [f"cold {secs:.2f} s"]
+    if "restore_seconds" in results[0]:  # --resume
+        save = [r["save_seconds"] for r in results if r.get("save_seconds") is not None]
+        parts = [
+            f"save {max(save):.2f} s" if save else "no save",
+            f"restore {max(r['restore_seconds'] for r in results):.2f} s",
+        ]
+        if save:
+            parts.append(
+                "save transient "
+                + " / ".join(f"r{r['rank']} {_fmt_mib(r['save_transient'])}" for r in results)
+            )
     if all("warm" in r for r in results):
         parts.append(f"warm {max(r['warm']['seconds'] for r in results):.2f} s")
     if results[0].get("stream_gbps"):
@@ -300,6 +379,7 @@ def summarise(method: str, rounds: list[list[dict]], total_bytes: int) -> dict:
                     f"warm_{k}": r.get("warm", {}).get(k)
                     for k in ("seconds", "cpu_seconds", "rss_before", "peak_rss", "resident", "transient")
                 },
+                **{k: r[k] for k in _RESUME_KEYS if k in r},  # --resume
             }
             for r in best
         ],
@@ -338,7 +418,10 @@ def run_size(
             label = cfg.tag if model == "minimax" else f"{model} {size_gb:g} GB"
             print(f"[{label}, round {rnd + 1}/{rounds}] {method:<16} ...", end=" ", flush=True)
             procs = 1 if model == "minimax" and method in SINGLE_PROCESS else ranks
-            results = run_once(method, cfg, ckpt, procs, timeout, warm_up, options, warm=warm)
+            if method in RESUME_METHODS:
+                results = run_resume(method, cfg, ckpt, procs, timeout, warm_up, options)
+            else:
+                results = run_once(method, cfg, ckpt, procs, timeout, warm_up, options, warm=warm)
             raw[method].append(results)
             print(_round_line(results), flush=True)
             for r in results:
@@ -348,6 +431,7 @@ def run_size(
     return {
         "model": model,
         "save": all(m in SAVE_METHODS for m in methods),
+        "resume": all(m in RESUME_METHODS for m in methods),
         "size_gb_requested": size_gb,
         "checkpoint": {
             "dir": ckpt,
@@ -446,6 +530,106 @@ def save_results_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+RESUME_TIME_TARGET = 1.25  # rank0load's save + restore within 1.25x DCP's
+RESUME_TRANSIENT_TARGET_MIB = 64  # and its transient within 64 MiB of build-only's, every rank
+
+
+def resume_results_table(res: dict) -> str:
+    """Markdown for ``--resume``: one summary row per method, the targets, then one row per method and
+    rank."""
+    gb = res["checkpoint"]["bytes"] / 1e9
+    by = {s["method"]: s for s in res["summary"] if s.get("ok")}
+    dcp, r0, built = by.get("resume-dcp"), by.get("resume-rank0load"), by.get("resume-build-only")
+    lines = [
+        (
+            f"The {gb:.3g} GB bf16 model (tied head) loaded with rank0load, an AdamW over every parameter "
+            f"(bf16 moments: the state is 2x the weights) stepped twice on a dummy loss, all unmeasured; "
+            f"then model + optimizer state saved, and restored in fresh processes; {res['ranks']} gloo ranks "
+            f"on CPU, best of {res['rounds']} rounds by save + restore s. Save transient = peak RSS - RSS "
+            "before (model and state resident throughout); restore transient = peak - before - resident "
+            "(model shards + optimizer state). Every restore verified bit for bit (every parameter, every "
+            "optimizer state, param groups, the training state)."
+        ),
+        "",
+        "| method | save s | restore s | save + restore s | x resume-dcp | written GB | save max transient MiB | "
+        "restore max transient MiB | restore node peak MiB | verified |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in res["summary"]:
+        if not s.get("ok"):
+            lines.append(f"| {s['method']} | failed: {str(s.get('failure', ''))[:80]} | | | | | | | | |")
+            continue
+        ranks = s["per_rank"]
+        save = [r.get("save_seconds") for r in ranks]
+        has_save = None not in save
+        ratio = "-" if dcp is None or not has_save else f"{s['seconds'] / dcp['seconds']:.2f}x"
+        written = s.get("written_bytes")
+        lines.append(
+            f"| {s['method']} | {_secs(max(save) if has_save else None)} | "
+            f"{max(r['restore_seconds'] for r in ranks):.2f} | {s['seconds']:.2f} | {ratio} | "
+            f"{'-' if not written else f'{written / 1e9:.2f}'} | "
+            f"{_fmt_mib(max(r['save_transient'] for r in ranks) if has_save else None)} | "
+            f"{_fmt_mib(s['max_transient'])} | {_fmt_mib(s['node_peak'])} | {_verified(s)} |"
+        )
+    if r0 is not None and dcp is not None:
+        met = r0["seconds"] <= RESUME_TIME_TARGET * dcp["seconds"]
+        lines += [
+            "",
+            f"Time target: resume-rank0load's save + restore <= {RESUME_TIME_TARGET}x resume-dcp's "
+            f"({RESUME_TIME_TARGET * dcp['seconds']:.2f} s): {'met' if met else 'not met'}, "
+            f"{r0['seconds'] / dcp['seconds']:.2f}x.",
+        ]
+        lines += [text for line in _paired(r0, dcp, "resume-dcp's") for text in ("", line)]
+    if r0 is not None and built is not None:
+        cells = []
+        ok = True
+        for mine, floor in zip(r0["per_rank"], built["per_rank"], strict=True):
+            over = mine["transient"] - floor["transient"]
+            ok &= (
+                over <= RESUME_TRANSIENT_TARGET_MIB * MiB
+                and mine["save_transient"] <= RESUME_TRANSIENT_TARGET_MIB * MiB
+            )
+            cells.append(
+                f"rank {mine['rank']}: restore {_fmt_mib(over)} MiB over build-only's, save {_fmt_mib(mine['save_transient'])} MiB"
+            )
+        lines += [
+            "",
+            f"Transient target: resume-rank0load within {RESUME_TRANSIENT_TARGET_MIB} MiB of build-only on every "
+            f"rank: {'met' if ok else 'not met'} ({'; '.join(cells)}).",
+        ]
+    lines += [
+        "",
+        "| method | rank | save s | restore s | save CPU s | restore CPU s | save transient MiB | "
+        "restore RSS before MiB | restore peak RSS MiB | model + optimizer MiB | restore transient MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in res["summary"]:
+        for r in s.get("per_rank", []):
+            lines.append(
+                f"| {s['method']} | {r['rank']} | {_secs(r.get('save_seconds'))} | {r['restore_seconds']:.2f} | "
+                f"{_secs(r.get('save_cpu_seconds'))} | {r['restore_cpu_seconds']:.2f} | "
+                f"{_fmt_mib(r.get('save_transient'))} | {_fmt_mib(r['rss_before'])} | "
+                f"{_fmt_mib(r['peak_rss'])} | {_fmt_mib(r['resident'])} | {_fmt_mib(r['transient'])} |"
+            )
+    for s in res["summary"]:
+        if not s.get("ok"):
+            continue
+        best = min(
+            (rs for rs in res["raw"][s["method"]] if _round_ok(rs)),
+            key=lambda rs: max(r["seconds"] for r in rs),
+        )
+        rank0 = next(r for r in best if r["rank"] == 0)
+        for which, key in (
+            ("save", "save_split"),
+            ("restore", "split"),
+            ("restore's load_sharded", "load_phases"),
+        ):
+            if rank0.get(key):
+                text = ", ".join(f"{k} {v:.2f}" for k, v in rank0[key].items())
+                lines += ["", f"{s['method']} {which} on rank 0, its best round (wall s): {text}"]
+    return "\n".join(lines)
+
+
 def _measured(res: dict) -> str:
     """How the table's loads were measured, for its heading."""
     if not res.get("warm", True):
@@ -493,6 +677,8 @@ def _phase_lines(res: dict) -> list[str]:
 
 def results_table(res: dict) -> str:
     """Markdown: one summary row per method, then one row per method and rank."""
+    if res.get("resume"):
+        return resume_results_table(res)
     if res.get("save"):
         return save_results_table(res)
     if res.get("model") == "minimax":
@@ -711,8 +897,9 @@ def readme_section(
     cmd = "python -m benchmarks.bench" + ("" if not argv else " " + " ".join(argv))
     model = main_res.get("model", "llama")
     save = bool(main_res.get("save"))
+    resume = bool(main_res.get("resume"))
     parts = [
-        _markers(main_res["ranks"], model, save)[0],
+        _markers(main_res["ranks"], model, save, resume)[0],
         f"_Generated by `{cmd}` on {env['date']}._",
         "",
         (
@@ -729,12 +916,14 @@ def readme_section(
         parts += ["", "### Sweep: transient RAM as the checkpoint grows", "", sweep_table(sweep)]
         if plot_name:
             parts += ["", f"![transient RAM per method]({plot_name})"]
-    parts.append(_markers(main_res["ranks"], model, save)[1])
+    parts.append(_markers(main_res["ranks"], model, save, resume)[1])
     return "\n".join(parts)
 
 
-def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama", save: bool = False) -> None:
-    start, end = _markers(ranks, model, save)
+def update_readme(
+    path: str, section: str, ranks: int = 2, model: str = "llama", save: bool = False, resume: bool = False
+) -> None:
+    start, end = _markers(ranks, model, save, resume)
     text = ""
     if os.path.exists(path):
         with open(path) as f:
@@ -749,6 +938,8 @@ def update_readme(path: str, section: str, ranks: int = 2, model: str = "llama",
         )
         if save:
             title = "## Save" if model == "llama" else f"## Save ({model})"
+        if resume:
+            title = "## Save and restore a training state (model + AdamW)"
         if ranks != 2:
             title += f" on {ranks} ranks"
         text = text.rstrip() + f"\n\n{title}\n\n" + section + "\n"
@@ -779,10 +970,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the load methods; Llama model only",
     )
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="run the training-state methods instead: train an AdamW a few steps, save model and "
+        "optimizer state, restore both in fresh processes and verify them bit for bit; Llama model only",
+    )
+    p.add_argument(
         "--methods",
         default=None,
         help=f"comma-separated subset of {','.join(METHODS)}; with --model minimax of "
-        f"{','.join(MINIMAX_METHODS)}; with --save of {','.join(SAVE_METHODS)} (default all)",
+        f"{','.join(MINIMAX_METHODS)}; with --save of {','.join(SAVE_METHODS)}; with --resume of "
+        f"{','.join(RESUME_METHODS)} (default all)",
     )
     p.add_argument("--rounds", type=int, default=2, help="rounds; methods alternate within each (default 2)")
     p.add_argument(
@@ -828,7 +1026,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run's ranks count as hung")
     args = p.parse_args(argv)
-    known = methods_for(args.model, args.save)
+    known = methods_for(args.model, args.save, args.resume)
+    if args.resume and (args.save or args.model != "llama"):
+        p.error("--resume runs on the Llama model only, without --save")
     if args.save and args.model != "llama":
         p.error("--save runs on the Llama model only (rank0load saves MoE experts under their fused names)")
     if args.model == "minimax" and args.sweep:
@@ -867,7 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment()
     load_at_start = env["loadavg_1min_at_end"]  # the 1-min load average now, before any run
     print(
-        f"rank0load bench: {'save, ' if args.save else ''}{args.model} model, sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
+        f"rank0load bench: {'save, ' if args.save else 'resume, ' if args.resume else ''}{args.model} model, sizes {args.sizes} GB, {args.ranks} ranks, {args.rounds} rounds, "
         f"methods {', '.join(args.methods)}; torch {env['torch']}, {env['cores']} cores; output {args.out}",
         flush=True,
     )
@@ -887,7 +1087,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             shape=args.minimax_shape,
         )
         all_results.append(res)
-        prefix = ("save" if args.save else "results") + ("" if args.model == "llama" else f"-{args.model}")
+        prefix = ("save" if args.save else "resume" if args.resume else "results") + (
+            "" if args.model == "llama" else f"-{args.model}"
+        )
         with open(os.path.join(args.out, f"{prefix}-{size:g}gb-{args.ranks}ranks.json"), "w") as f:
             json.dump({"environment": environment(), **res}, f, indent=1)
         print()
@@ -902,11 +1104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": args.model,
         "sizes": args.sizes,
         "save": args.save,
-        "methods": {m: methods_for(args.model, args.save)[m] for m in args.methods},
+        "resume": args.resume,
+        "methods": {m: methods_for(args.model, args.save, args.resume)[m] for m in args.methods},
         "results": all_results,
     }
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    base = "bench-save" if args.save else "bench"
+    base = "bench-save" if args.save else "bench-resume" if args.resume else "bench"
     for name in (f"{base}-{stamp}.json", f"{base}.json"):  # a dated record, and the latest under a fixed name
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(doc, f, indent=1)
@@ -914,7 +1117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(all_results) > 1:
         print(sweep_table(all_results))
     plot_path = None
-    plot_file = "transient_ram" + ("_save" if args.save else "")
+    plot_file = "transient_ram" + ("_save" if args.save else "_resume" if args.resume else "")
     plot_file += ".png" if args.model == "llama" else f"_{args.model}.png"
     if args.plot:
         plot_path = os.path.join(args.out, plot_file)
@@ -935,6 +1138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.ranks,
             args.model,
             args.save,
+            args.resume,
         )
         print(f"updated {args.update_readme}")
     failed = [s["method"] for r in all_results for s in r["summary"] if not s.get("ok")]

@@ -296,6 +296,120 @@ def _run_save(spec: dict, mesh, cfg, save) -> dict:
     return result
 
 
+def _resume_save(spec: dict, mesh, cfg, save) -> dict:
+    """(``--resume``, the saving half) Load the model with rank0load, build the AdamW and train it
+    (``resume.train``), pay the save's lazy imports on a tiny trained model (unless told not to), all
+    outside the measurement; then measure the save as ``_run_save`` does (transient = peak - before:
+    model and optimizer state resident throughout). After the measurement rank 0 writes what a restore
+    must give back (``resume.expected_digests``) to ``spec["expected"]``."""
+    import torch.distributed as dist
+
+    import rank0load
+
+    from . import resume
+    from .methods import build_sharded, model_fn
+    from .model import BenchConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    options = spec.get("options", {})
+    out_dir = spec["state_dir"]
+    training_state = {"step": resume.STEPS}
+    model = rank0load.load_sharded(model_fn(cfg), spec["ckpt"], mesh)
+    optimizer = resume.make_optimizer(model)
+    resume.train(model, optimizer, cfg)
+    if spec.get("warm_up", True):
+        tiny_cfg = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
+        tiny = build_sharded(tiny_cfg, mesh)
+        tiny_optimizer = resume.make_optimizer(tiny)
+        resume.train(tiny, tiny_optimizer, tiny_cfg, steps=1)
+        save(tiny, tiny_optimizer, out_dir + "-warm-up", training_state, options)
+        _remove(out_dir + "-warm-up")
+        del tiny, tiny_optimizer
+    dist.barrier()
+    gc.collect()
+    _malloc_trim()
+    before = _status("VmRSS")
+    reset_ok = _reset_peak()
+    dist.barrier()
+    started = time.perf_counter()
+    cpu_started = _cpu_seconds()
+    info = save(model, optimizer, out_dir, training_state, options)
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu_started
+    peak = _status("VmHWM")
+    expected = resume.expected_digests(model, optimizer, training_state)
+    if rank == 0:
+        with open(spec["expected"], "w") as f:
+            json.dump(expected, f)
+    written = 0
+    if rank == 0:
+        for root, _, names in os.walk(out_dir):
+            written += sum(os.path.getsize(os.path.join(root, n)) for n in names)
+    return {
+        "method": spec["method"],
+        "rank": rank,
+        "world": world,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "rss_before": before,
+        "peak_rss": peak,
+        "resident": _resident_bytes(model) + resume.state_bytes(optimizer),
+        "transient": peak - before,
+        "peak_reset": reset_ok,
+        "warm_up": spec.get("warm_up", True),
+        "written_bytes": written if rank == 0 else None,
+        **info,
+    }
+
+
+def _resume_restore(spec: dict, mesh, cfg, restore) -> dict:
+    """(``--resume``, the restoring half, a fresh process) Measure the restore cold, as ``_measure``
+    measures a load (transient = peak - before - resident, resident = the model's shards and the
+    optimizer's state); then check it against the saving process's record (``resume.verify``)."""
+    import torch.distributed as dist
+
+    from . import resume
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    gc.collect()
+    _malloc_trim()
+    before = _status("VmRSS")
+    reset_ok = _reset_peak()
+    dist.barrier()
+    started = time.perf_counter()
+    cpu_started = _cpu_seconds()
+    model, optimizer, training_state, info = restore(cfg, spec["state_dir"], mesh, spec.get("options", {}))
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu_started
+    peak = _status("VmHWM")
+    resident = _resident_bytes(model) + resume.state_bytes(optimizer)
+    result = {
+        "method": spec["method"],
+        "rank": rank,
+        "world": world,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "rss_before": before,
+        "peak_rss": peak,
+        "resident": resident,
+        "transient": peak - before - resident,
+        "peak_reset": reset_ok,
+        **info,
+    }
+    if not spec.get("expected"):  # build-only: nothing was saved
+        result.update(verified=None, problems=[], problem_count=0, tensors_checked=0)
+        return result
+    expected = None
+    if rank == 0:
+        with open(spec["expected"]) as f:
+            expected = json.load(f)
+    result.update(resume.verify(model, optimizer, training_state, expected))
+    return result
+
+
 def config_from_spec(spec: dict):
     """The spec's model config: a BenchConfig (``"model": "llama"``, the default) or a MoeConfig."""
     from .minimax import MiniMaxConfig
@@ -376,6 +490,7 @@ def main(spec: dict) -> dict:
 
     from .methods import METHODS, SAVE_METHODS
     from .minimax_methods import MINIMAX_METHODS
+    from .resume import RESUME_METHODS
 
     model_kind = spec.get("model", "llama")
     if model_kind in ("moe", "minimax"):
@@ -399,6 +514,12 @@ def main(spec: dict) -> dict:
         cfg = config_from_spec(spec)
         if spec["method"] in SAVE_METHODS:
             return _run_save(spec, mesh, cfg, SAVE_METHODS[spec["method"]])
+        if spec["method"] in RESUME_METHODS:
+            save, restore = RESUME_METHODS[spec["method"]]
+            if spec["phase"] == "save":
+                assert save is not None
+                return _resume_save(spec, mesh, cfg, save)
+            return _resume_restore(spec, mesh, cfg, restore)
         method = (MINIMAX_METHODS if model_kind == "minimax" else METHODS)[spec["method"]]
         model, result = _measure(spec, method, cfg, mesh)  # cold: the first call in this process
         result.update(_check(spec, model, cfg, result))

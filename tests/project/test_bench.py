@@ -502,3 +502,113 @@ def test_minimax_verification_catches_a_wrong_expert(minimax_smoke, tmp_path):
     assert res["checkpoint"]["dir"] == str(dst)  # the damaged copy was loaded, not regenerated
     for s in res["summary"]:
         assert s["ok"] is False and "model.layers.1.mlp.experts.gate_up_proj" in s["failure"], s
+
+
+# --- the training state: ``--resume`` ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_methods_report_and_verify(tmp_path):
+    """Every resume method saves (in fresh processes that trained an AdamW) and restores (in others),
+    and each restore is verified bit for bit: every parameter and optimizer state, the param groups,
+    the training state."""
+    from benchmarks.bench.resume import RESUME_METHODS
+
+    readme = tmp_path / "README.md"
+    loads = "<!-- bench:results:start -->\nloads\n<!-- bench:results:end -->"
+    readme.write_text(f"# title\n\n{loads}\n\ntail\n")
+    argv = [
+        "--resume",
+        "--size-gb",
+        SIZE,
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--update-readme",
+        str(readme),
+    ]
+    assert bench.main(argv) == 0
+    with open(tmp_path / "bench-resume.json") as f:
+        doc = json.load(f)
+    (res,) = doc["results"]
+    assert doc["resume"] is True and res["resume"] is True
+    cfg = config_for_size(float(SIZE))
+    n_params = len(tensor_specs(cfg))  # the tied head is one parameter, stored once
+    by_method = {s["method"]: s for s in res["summary"]}
+    assert list(by_method) == list(RESUME_METHODS)
+    for method, s in by_method.items():
+        assert s["ok"], (method, s)
+        for r in s["per_rank"]:
+            assert r["restore_seconds"] > 0 and r["restore_cpu_seconds"] > 0
+            assert r["transient"] == r["peak_rss"] - r["rss_before"] - r["resident"]
+        if method == "resume-build-only":
+            assert s["verified"] is None and all(r.get("save_seconds") is None for r in s["per_rank"])
+            continue
+        # every parameter, and its step, exp_avg and exp_avg_sq
+        assert s["verified"] is True and s["tensors_checked"] == 4 * n_params, (method, s)
+        assert s["written_bytes"] > 0
+        for r in s["per_rank"]:
+            assert r["save_seconds"] > 0 and r["save_transient"] >= 0
+            assert r["save_seconds"] + r["restore_seconds"] == pytest.approx(
+                next(x for x in res["raw"][method][0] if x["rank"] == r["rank"])["seconds"]
+            )
+    text = readme.read_text()
+    assert loads in text and "## Save and restore a training state" in text
+    assert "<!-- bench:resume:start -->" in text and "| resume-rank0load |" in text and "--resume" in text
+    assert "Time target: resume-rank0load's save + restore" in text and "Transient target:" in text
+
+
+def test_resume_flag_parsing():
+    from benchmarks.bench.resume import RESUME_METHODS
+
+    assert bench.parse_args(["--resume"]).methods == list(RESUME_METHODS)
+    assert bench.parse_args(["--resume", "--methods", "resume-dcp"]).methods == ["resume-dcp"]
+    for bad in (
+        ["--resume", "--methods", "rank0load"],
+        ["--resume", "--save"],
+        ["--resume", "--model", "moe"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def _verify_after_damage(rank: int, world: int) -> list[dict]:
+    """(each rank) A tiny model trained one step, verified against its own record: as it is, then with
+    one byte's worth of one rank's exp_avg_sq shard changed, then with another training state."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.bench import resume
+    from benchmarks.bench.methods import build_sharded
+    from benchmarks.bench.model import BenchConfig
+
+    cfg = BenchConfig(hidden=64, layers=2, vocab=128, heads=4, kv_heads=2, intermediate=96)
+    model = build_sharded(cfg, init_device_mesh("cpu", (world,)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(generator=torch.Generator().manual_seed(0))
+    optimizer = resume.make_optimizer(model)
+    resume.train(model, optimizer, cfg, steps=1)
+    expected = resume.expected_digests(model, optimizer, {"step": 1})
+    verdicts = [resume.verify(model, optimizer, {"step": 1}, expected if rank == 0 else None)]
+    param = model.get_parameter("model.layers.1.mlp.up_proj.weight")
+    if rank == 1:
+        with torch.no_grad():
+            optimizer.state[param]["exp_avg_sq"].to_local()[0, 0] += 1
+    verdicts.append(resume.verify(model, optimizer, {"step": 1}, expected if rank == 0 else None))
+    verdicts.append(resume.verify(model, optimizer, {"step": 2}, expected if rank == 0 else None))
+    return verdicts
+
+
+@pytest.mark.slow
+def test_resume_verification_catches_a_wrong_state():
+    from tests import _dist
+
+    for intact, damaged, stepped in _dist.run(_verify_after_damage, 2):
+        assert intact["verified"] is True, intact
+        assert damaged["verified"] is False
+        assert damaged["problems"] == [
+            "state.model.layers.1.mlp.up_proj.weight.exp_avg_sq: differs from the saved tensor"
+        ]
+        assert stepped["verified"] is False and "training state" in stepped["problems"][0]
