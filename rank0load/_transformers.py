@@ -3,8 +3,10 @@ collectives; transformers is imported inside the functions that need it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -178,14 +180,35 @@ def _dtype(dtype: object, configured: object, stored: str | None) -> torch.dtype
     return chosen
 
 
+@contextlib.contextmanager
+def _building_in(config: Any, dtype: torch.dtype) -> Iterator[None]:
+    """transformers 4.57 builds a model in ``config.dtype`` (and its sub-configs'), whatever ``dtype=``
+    says; its ``from_pretrained`` sets them to the dtype asked for first: so here, for the build only
+    (transformers 5 builds in ``dtype=``)."""
+    if _compat.transformers_5():
+        yield
+        return
+    configs = [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", None) or {})]
+    configs = [c for c in configs if c is not None and hasattr(c, "dtype")]
+    before = [c.dtype for c in configs]
+    for c in configs:
+        c.dtype = dtype
+    try:
+        yield
+    finally:
+        for c, was in zip(configs, before):
+            c.dtype = was
+
+
 def build(model_cls: Any, config: Any, dtype: torch.dtype, record: bool, peft_config: Any) -> nn.Module:
     """(all ranks, inside ``load_sharded``'s meta build) ``model_cls`` from ``config`` in ``dtype`` as
     ``from_pretrained(dtype=...)`` builds it (``record``: with ``config.dtype`` set); with a
     ``peft_config``, ``get_peft_model`` of it."""
     make = model_cls.from_config if hasattr(model_cls, "_model_mapping") else model_cls._from_config
     name = getattr(model_cls, "__name__", repr(model_cls))
-    model: nn.Module = _failure.user_code(f"{name}.from_config", make, config, dtype=dtype)
-    cast(model, dtype)
+    with _building_in(config, dtype):
+        model: nn.Module = _failure.user_code(f"{name}.from_config", make, config, dtype=dtype)
+    cast(model, dtype, as_built=not _compat.transformers_5())  # as each from_pretrained casts
     if record:  # transformers 4.57's _from_config leaves it unset; from_pretrained records it
         set_config_dtype(model, dtype)
     if peft_config is None:

@@ -27,7 +27,6 @@ from ..integrations._compat import (
     is_transformers_model,
     local_tensor,
     peft_base_model,
-    transformers_5,
 )
 from ..integrations._convert import conversions_for
 from ..integrations._peft import tuner_layers_without_values
@@ -86,11 +85,15 @@ def build_sharded(
     return Built(model, layout, flags, found_conversions, real_values)
 
 
-def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset()) -> None:
+def cast(
+    model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset(), as_built: bool = False
+) -> None:
     """(all ranks, after ``model_fn`` ran with ``dtype`` as torch's default dtype) The model as its
     library's ``from_pretrained(dtype=...)`` makes it: a transformers model's floating parameters and
-    persistent buffers in ``dtype`` (float8 as they are, ``_keep_in_fp32_modules`` in float32; on
-    transformers 4.57, in the dtype they were built with, as its ``from_pretrained`` keeps them); a
+    persistent buffers in ``dtype`` (float8 as they are, ``_keep_in_fp32_modules`` in float32; with
+    ``as_built``, in the dtype they were built with but those: transformers 4.57's ``from_pretrained``
+    loads each tensor in its meta model's dtype, so a parameter made with an explicit dtype keeps it,
+    as Apertus' XIELU alpha in bf16); a
     diffusers model's likewise, float8 included; any other model as ``model.to(dtype)``. The
     caller's config object is left alone. Under a PEFT model the base model is cast so; ``built``
     (ids of PEFT's adapters, built with real values) keep the dtype PEFT gave them."""
@@ -99,9 +102,7 @@ def cast(model: nn.Module, dtype: torch.dtype, built: frozenset[int] = frozenset
     library = transformers or is_diffusers_class(type(base))  # else: every tensor, as model.to(dtype)
     keep_in_fp32 = hf_keep_in_fp32 if transformers else diffusers_keep_in_fp32
     keep = keep_in_fp32(base, dtype) if library else None
-    # transformers 4.57 loads each tensor in the dtype the model was built with (under dtype as the
-    # default dtype): a parameter made with an explicit dtype keeps it (Apertus' XIELU alpha in bf16)
-    as_built = transformers and not transformers_5()
+    as_built = as_built and transformers
     for module_name, module in (base if library else model).named_modules():
         prefix = f"{module_name}." if module_name else ""
         for leaf, t in [*module._parameters.items(), *module._buffers.items()]:
