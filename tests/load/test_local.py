@@ -223,7 +223,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
 
     server_serve = local.Server.serve
     if case == "no-listen" and rank == 0:
-        return _Patch((local.Server, "listen", classmethod(lambda cls, files: None)))
+        return _Patch((local.Server, "listen", classmethod(lambda cls, files, *args, **kwargs: None)))
     if case == "send-fds-fails" and rank == 0:
 
         def send_fds(*args, **kwargs):
@@ -231,8 +231,8 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
 
         return _Patch((socket, "send_fds", send_fds))
     if case == "wrong-pid" and rank == 1:
-        gather = distribute.gather_to_rank0
-        return _Patch((distribute, "gather_to_rank0", lambda v, what: gather((v[0], v[1] + 1, v[2]), what)))
+        gather = distribute.all_gather_ints
+        return _Patch((distribute, "all_gather_ints", lambda v, what: gather((v[0], v[1] + 1, v[2]), what)))
     if case.startswith("bad-descriptor") and rank == 2:
         of = fileio.FileIdentity.of
         return _Patch((fileio.FileIdentity, "of", classmethod(lambda cls, st: of(st).__class__(0, 0, 0, 0))))
