@@ -64,6 +64,7 @@ def load_sharded(
     max_staging_bytes: int | None = None,
     conversions: Sequence[StackExperts] = (),
     local_reads: bool = True,
+    readers: str = "rank0",
     adapter: str | os.PathLike[str] | dict[str, str | os.PathLike[str]] | None = None,
 ) -> nn.Module:
     """Build ``model_fn()`` sharded with FSDP2 over ``mesh`` and load a safetensors checkpoint into it.
@@ -91,7 +92,15 @@ def load_sharded(
         conversions: checkpoint tensors assembled into model tensors (:class:`StackExperts`), tried
             for keys the model lacks, before transformers' own (applied automatically to its models).
         local_reads: ranks on rank 0's host read their own bytes through the files rank 0 opened
-            (handed over a Unix socket) instead of receiving them; ``False``: rank 0 sends them.
+            (handed over a Unix socket) instead of receiving them; ``False``: rank 0 sends them, and
+            no rank but 0 reads the checkpoint (``readers`` must then be ``"rank0"``).
+        readers: ``"rank0"``: only rank 0's host opens the checkpoint; rank 0 sends the other hosts'
+            ranks their bytes (one reader: for filesystems where one client should read).
+            ``"host"``: the first rank of every other host checks, before any data moves, that the
+            same path there holds rank 0's files (size, header and sampled bytes: no full hash);
+            each host that does reads for its own ranks as rank 0's host does, and rank 0 sends
+            those ranks only the tensors every rank gets whole. A host whose copy differs, or lacks a
+            file, takes the stream (``LoadReport.host_readers`` and ``local_status`` say which and why).
         adapter: a PEFT adapter folder (as PEFT's ``save_pretrained`` or ``save_sharded(...,
             adapter=)`` writes it) or Hub repo id, loaded into the ``PeftModel``'s active adapter
             with ``ckpt_path`` in one load, read on rank 0 only; or a dict of adapter name -> folder.
@@ -122,6 +131,7 @@ def load_sharded(
         "dtype": dtype,
         "max_staging_bytes": max_staging_bytes,
         "local_reads": local_reads,
+        "readers": readers,
     }
     mesh_device = _distribute.mesh_device(mesh.device_type)
     rng = _distribute.rank0_rng_state(mesh_device)  # PEFT's draws
@@ -169,6 +179,7 @@ def load_sharded(
             max_staging_bytes,
             local_reads,
             clock,
+            readers,
         )
     return _finished(built, manifest, plan, clock, handover, mesh)
 
@@ -217,6 +228,8 @@ def _finished(
         local_read=local.files is not None,
         local_readers=tuple(sorted(local.readers)),
         local_status=local.status,
+        host_readers=tuple(sorted(local.hosts)),
+        network_bytes=local.network_bytes,
         fsdp_groups=fsdp_plan(built.model),
         replicated=tuple(n for n, _ in replicated),
     )
@@ -243,6 +256,16 @@ def _build(
     if not isinstance(local_reads, bool):
         raise LoadError(
             f"local_reads={local_reads!r} is not a bool (True: ranks on rank 0's host read their own bytes)"
+        )
+    if options["readers"] not in ("rank0", "host"):
+        raise LoadError(
+            f"readers={options['readers']!r} is not 'rank0' (rank 0's host reads the checkpoint) or "
+            "'host' (every host that holds identical files reads for its own ranks)"
+        )
+    if options["readers"] == "host" and not local_reads:
+        raise LoadError(
+            "readers='host' has each host lend its open files to its ranks, which local_reads=False "
+            "turns off: pass readers='rank0' with local_reads=False, or local_reads=True"
         )
     if isinstance(max_staging_bytes, bool) or not isinstance(max_staging_bytes, int):
         raise LoadError(f"max_staging_bytes={max_staging_bytes!r} is not an int (bytes)")
@@ -278,12 +301,13 @@ def stream_checkpoint(
     max_staging_bytes: int,
     local_reads: bool,
     clock: Clock,
+    readers: str = "rank0",
 ) -> tuple[Manifest, Plan, _handover.LocalReads]:
     """(all ranks, once they agreed on what they load into) The stream of a load, after the build:
     rank 0 reads and ``match``es the headers of its open ``checkpoint`` (its manifest, or its error,
     on every rank) and offers its descriptors; every rank gets the ``targets`` of the manifest's
     entries (and their layout flags, AND-ed over the ranks), plans and streams. ``opened`` closes
-    what the load opens. Raises LoadError on every rank."""
+    what the load opens; ``readers`` as ``load_sharded``'s (agreed). Raises LoadError on every rank."""
     rank = dist.get_rank()
     mesh_device = _distribute.mesh_device(mesh.device_type)
     server: _handover.Server | None = None  # rank 0's, when it offers its descriptors
@@ -293,7 +317,8 @@ def stream_checkpoint(
         opened_checkpoint = checkpoint.get()
         manifest = match(opened_checkpoint)
         if local_reads and dist.get_world_size() > 1:  # a server lending the files to this host
-            server = _handover.Server.listen([opened_checkpoint.files[p] for p in manifest.files])
+            lent = [opened_checkpoint.files[p] for p in manifest.files]
+            server = _handover.Server.listen(lent, digests=readers == "host")
         if server is None:
             return manifest, None
         opened.callback(server.close)
@@ -308,7 +333,7 @@ def stream_checkpoint(
     clock("manifest")
     # a local reader's pinned host buffer: one staging slot (no piece is larger)
     slot = slot_bytes(max_staging_bytes)
-    handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads)
+    handover = _handover.hand_over(offer, server, manifest.files, mesh_device, slot, local_reads, readers)
     opened.callback(handover.close)
 
     def prepare() -> tuple[Plan, _sink.Sink, _sink.Staging]:

@@ -102,7 +102,7 @@ def load_pretrained(
             on every rank: only for code you trust. ``save_sharded`` then writes the code and
             ``auto_map``. A class passed as ``model_cls`` (or a diffusers class) is used as it is.
         **load_sharded_kwargs: ``shard_fn``, ``strict``, ``key_map``, ``max_staging_bytes``, ``local_reads``,
-            ``conversions``, ``adapter``, passed to ``load_sharded``.
+            ``readers``, ``conversions``, ``adapter``, passed to ``load_sharded``.
 
     Returns:
         The sharded model, in eval mode as ``from_pretrained`` returns it. ``model.config`` lacks

@@ -192,6 +192,12 @@ def rank0load_stream(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) ->
     return _rank0load(cfg, ckpt, mesh, {**options.get("rank0load", {}), "local_reads": False})
 
 
+def rank0load_host(cfg: Config, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+    """``rank0load.load_sharded(..., readers="host")``: every host whose copy is rank 0's reads for its
+    own ranks (on one host: as ``rank0load``)."""
+    return _rank0load(cfg, ckpt, mesh, {**options.get("rank0load", {}), "readers": "host"})
+
+
 def _rank0load(cfg: Config, ckpt: str, mesh: DeviceMesh, kwargs: dict) -> tuple[nn.Module, dict]:
     import rank0load
 
@@ -289,6 +295,7 @@ METHODS: dict[str, Method] = {
     "floor": floor,
     "rank0load": rank0load_method,
     "rank0load-stream": rank0load_stream,
+    "rank0load-host": rank0load_host,
     "broadcast-rank0": broadcast_rank0,
     "dcp-hf": dcp_hf,
     "every-rank": every_rank,
@@ -299,6 +306,7 @@ METHOD_NOTES: dict[str, str] = {
     "floor": "build-only, then each rank reads its own rows of every tensor with one `os.preadv` each straight into its shard (offsets from the headers, parsed on every rank; nothing checked, no collective; MoE: into views of its own experts, as `dcp-hf`): the least work any loader must do",
     "rank0load": "`rank0load.load_sharded(model_fn, ckpt, mesh)`: rank 0 opens the checkpoint, the ranks on its host (here: all) read their own rows through its descriptors",
     "rank0load-stream": "`rank0load.load_sharded(model_fn, ckpt, mesh, local_reads=False)`: rank 0 reads every byte, sends each rank its rows",
+    "rank0load-host": '`rank0load.load_sharded(model_fn, ckpt, mesh, readers="host")`: each host whose files are rank 0\'s (size, header, sampled bytes) reads for its own ranks',
     "broadcast-rank0": "rank 0 `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`",
     "dcp-hf": "`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(ckpt))`: every rank reads its slices (MoE: each fused expert parameter replaced by views of the rank's own experts under their checkpoint keys)",
     "every-rank": "every rank `load_file`s every shard (MoE: and fuses the experts with `torch.stack`/`torch.cat`); `set_model_state_dict(full_state_dict=True)`",

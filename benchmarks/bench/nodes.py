@@ -31,7 +31,7 @@ from .driver import config_for, ensure_checkpoint, run_once, summarise, warm_pag
 __all__ = ["Nodes", "main", "two_nodes"]
 
 MiB = 1 << 20
-METHODS = ("rank0load", "rank0load-stream", "broadcast-rank0")
+METHODS = ("rank0load", "rank0load-stream", "rank0load-host", "broadcast-rank0")
 
 
 def _sh(*cmd: str) -> str:
@@ -44,7 +44,7 @@ class Nodes:
 
     ends: tuple[tuple[str, str], tuple[str, str]]
     per_node: int
-    hidden: str  # the checkpoint's directory, an empty tmpfs for node 1
+    hidden: str  # the checkpoint's directory, an empty tmpfs for node 1; "": node 1 sees it (shared)
 
     def node_of(self, rank: int) -> int:
         return rank // self.per_node
@@ -54,7 +54,7 @@ class Nodes:
         node 1 also gets the empty tmpfs over the checkpoint."""
         ns, dev = self.ends[self.node_of(rank)]
         prefix = ["ip", "netns", "exec", ns]
-        if self.node_of(rank) == 1:
+        if self.node_of(rank) == 1 and self.hidden:
             prefix += ["unshare", "-m", "--propagation", "private", "sh", "-c",
                        f'mount -t tmpfs tmpfs "{self.hidden}" && exec "$@"', "node1"]  # fmt: skip
         return prefix, {"GLOO_SOCKET_IFNAME": dev}
@@ -96,6 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of the link, or 'none' (default 1gbit)")
     p.add_argument("--burst", default="256kb", help="tc tbf burst (default 256kb)")
     p.add_argument("--out", default="bench-out", help="output dir: checkpoints (cached) and JSON")
+    p.add_argument(
+        "--shared", action="store_true", help="node 1 sees the checkpoint too (a shared filesystem)"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run's ranks count as hung")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -139,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_page_cache(ckpt, meta)
     ranks = 2 * args.ranks_per_node
     rows: list[dict] = []
-    with two_nodes(args.ranks_per_node, os.path.abspath(ckpt), args.rate, args.burst) as nodes:
+    hidden = "" if args.shared else os.path.abspath(ckpt)
+    with two_nodes(args.ranks_per_node, hidden, args.rate, args.burst) as nodes:
         raw: dict[str, list] = {m: [] for m in args.methods}
         link: dict[str, list] = {m: [] for m in args.methods}
         for rnd in range(args.rounds):

@@ -4,6 +4,7 @@ on rank 0's host check lent descriptors against its :class:`FileIdentity`."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import warnings
@@ -182,3 +183,33 @@ def read_exact(fd: int, n: int, offset: int, path: str) -> bytes:
         parts.append(chunk)
         done += len(chunk)
     return b"".join(parts)
+
+
+# what content_digest reads of a file's data besides its header: this many blocks of this size, spread
+# evenly from the data's first byte to its last (a copy with other values differs in them)
+_SAMPLES, _SAMPLE_BYTES = 16, 4096
+
+
+def content_digest(fd: int, size: int, path: str) -> bytes:
+    """A digest of the safetensors file of ``size`` bytes open at ``fd``: its header (length and JSON)
+    and a few sampled blocks of its data; no full-file hashing. Two files of one size with one digest
+    hold the same tensors (names, shapes, dtypes, offsets, metadata) and the same sampled bytes: a copy
+    with other values, or another file under the name, differs; a change between the samples does
+    not. Raises CheckpointChangedError if the file ends early, OSError if it cannot be read."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(size.to_bytes(8, "little"))
+    if size < 8:
+        digest.update(read_exact(fd, size, 0, path))
+        return digest.digest()
+    length = int.from_bytes(read_exact(fd, 8, 0, path), "little")
+    header = min(length, size - 8)  # a header longer than the file: what there is (rank 0 refused it)
+    digest.update(read_exact(fd, header, 8, path))
+    begin = 8 + header
+    span = size - begin
+    if span <= _SAMPLES * _SAMPLE_BYTES:
+        digest.update(read_exact(fd, span, begin, path))
+        return digest.digest()
+    step = (span - _SAMPLE_BYTES) // (_SAMPLES - 1)
+    for i in range(_SAMPLES):
+        digest.update(read_exact(fd, _SAMPLE_BYTES, begin + i * step, path))
+    return digest.digest()

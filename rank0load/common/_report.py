@@ -103,6 +103,11 @@ class LoadReport:
     local_read: bool = False
     local_readers: tuple[int, ...] = ()
     local_status: str = ""
+    # readers="host": the first rank of each host, other than rank 0's, whose copy of the files was
+    # rank 0's and whose ranks read for themselves (the same on every rank)
+    host_readers: tuple[int, ...] = ()
+    # (rank 0; 0 elsewhere) bytes rank 0 sent to ranks off its host, each broadcast counted once
+    network_bytes: int = 0
     # runs of checkpoint files whose headers rank 0 matched one run at a time
     manifest_runs: int = 0
     # the model's FSDP2 groups as sharded, root first; the same on every rank

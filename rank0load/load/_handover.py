@@ -1,13 +1,20 @@
-"""Node-local reads: rank 0 lends its open checkpoint files to the ranks on its own host.
+"""Node-local reads: rank 0 lends its open checkpoint files to the ranks on its own host; with
+``readers="host"``, the first rank of every other host that holds identical files is that host's
+rank 0: it opens them itself and lends them to the ranks of its host.
 
-Its read-only descriptors, passed over a Unix socket (``SCM_RIGHTS``), read even where a rank's
-mount namespace hides the checkpoint: rank 0 stays the only rank that opens and validates it.
+Read-only descriptors, passed over a Unix socket (``SCM_RIGHTS``), read even where a rank's mount
+namespace hides the checkpoint: rank 0 stays the only rank that resolves and validates it. A host
+reader's files count as rank 0's only if each has the size and :func:`content_digest` rank 0's
+offer carries (checked before any data moves; a host whose copy differs, or lacks a file, takes the
+stream), and are checked for changes while they are read as rank 0's are.
 
 (rank 0) :meth:`Server.listen` once the manifest exists (an abstract Unix socket, reachable only
 from rank 0's network namespace); its :class:`Offer` rides on the manifest's broadcast.
-(all ranks) :func:`hand_over`: rank 0 hands its descriptors only to a peer whose kernel-reported
-pid and uid (``SO_PEERCRED``) are those a rank on its host reported and that sends the offer's
-token; that rank checks that the peer is rank 0 and every descriptor against the offer.
+(all ranks) :func:`hand_over`: the ranks say which host each is on (one all-gather); with
+``readers="host"`` the first rank of each other host opens and checks its copy, and the ranks agree
+which did (one all-reduce). Rank 0 and each host reader hand their descriptors only to a peer whose
+kernel-reported pid and uid (``SO_PEERCRED``) are those a rank on their host reported and that sends
+the offer's token; that rank checks that the peer is its lender and every descriptor against the offer.
 (all ranks) :meth:`LocalReads.decide`: a rank reads locally only if it holds every descriptor,
 verified; any failure makes it take the stream, and rank 0 knows to send it its pieces: never a hang.
 """
@@ -15,6 +22,7 @@ verified; any failure makes it take the stream, and rank 0 knows to send it its 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
@@ -25,12 +33,12 @@ import stat
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint._files import FileIdentity, OpenFile
+from ..checkpoint._files import FileIdentity, OpenFile, content_digest, open_files
 from ..common import _distribute
 from ._localread import LentFile
 
@@ -66,6 +74,9 @@ class Offer:
     uid: int
     host: str  # host_id() of rank 0
     identities: tuple[FileIdentity, ...]  # every checkpoint file, in Manifest.files order
+    # content_digest of each file, in the same order, for the hosts that check their own copy
+    # (readers="host"); empty otherwise
+    digests: tuple[bytes, ...] = ()
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
@@ -86,13 +97,19 @@ class Server:
         self._lock = threading.Lock()
 
     @classmethod
-    def listen(cls, files: Sequence[OpenFile]) -> Server | None:
-        """(rank 0) Listen for the ranks on this host; None where that cannot be done (not Linux,
-        no abstract sockets): every rank then takes the stream."""
+    def listen(
+        cls, files: Sequence[OpenFile], digests: bool = False, like: Offer | None = None
+    ) -> Server | None:
+        """(rank 0, or a host reader: ``like`` is rank 0's offer) Listen for the ranks on this host;
+        None where that cannot be done (not Linux, no abstract sockets): they then take the stream.
+        ``digests``: the offer carries each file's :func:`content_digest` (read from ``files``)."""
         host = host_id()
         if host is None or not hasattr(socket, "send_fds") or not hasattr(socket, "SO_PEERCRED"):
             return None
-        name = f"rank0load-{os.getpid()}-{secrets.token_hex(8)}"
+        if like is None:
+            name, token = f"rank0load-{os.getpid()}-{secrets.token_hex(8)}", secrets.token_bytes(16)
+        else:  # named after rank 0's socket and this rank; the ranks of this host send rank 0's token
+            name, token = _lender_name(like, dist.get_rank()), like.token
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.bind("\0" + name)
@@ -101,8 +118,13 @@ class Server:
             sock.close()
             logger.debug("node-local reads off: cannot listen on an abstract socket: %s", exc)
             return None
-        identities = tuple(f.identity for f in files)
-        offer = Offer(name, secrets.token_bytes(16), os.getpid(), os.getuid(), host, identities)
+        try:
+            identities = tuple(f.identity for f in files)
+            sums = tuple(content_digest(f.fd, f.identity.size, f.path) for f in files) if digests else ()
+        except BaseException:
+            sock.close()
+            raise
+        offer = Offer(name, token, os.getpid(), os.getuid(), host, identities, sums)
         return cls(sock, offer, [f.fd for f in files])
 
     def serve(self, allowed: dict[int, tuple[int, int]]) -> None:
@@ -179,9 +201,10 @@ class HandoverError(Exception):
     """Why a rank could not take rank 0's descriptors (it then takes the stream)."""
 
 
-def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
-    """(a rank on rank 0's host) Rank 0's descriptors, in ``offer.identities`` order, each checked
-    against the offer (regular, read-only, same identity); raises HandoverError or OSError (nothing
+def fetch(offer: Offer, rank: int, timeout: float, exact: bool = True) -> list[int]:
+    """(a rank on rank 0's host, or on a host reader's) The lender's descriptors, in
+    ``offer.identities`` order, each checked against the offer (regular, read-only, same identity;
+    not ``exact``: a host reader's own copy, same size); raises HandoverError or OSError (nothing
     left open) otherwise."""
     import fcntl  # POSIX only, like everything here; imported where it is needed
 
@@ -191,7 +214,7 @@ def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
             sock.settimeout(timeout)
             sock.connect("\0" + offer.name)
             if _peer(sock) != (offer.pid, offer.uid):
-                raise HandoverError(f"the socket's peer is {_peer(sock)} (pid, uid), not rank 0")
+                raise HandoverError(f"the socket's peer is {_peer(sock)} (pid, uid), not the lender")
             sock.sendall(_HELLO.pack(rank, offer.token))
             total = len(offer.identities)
             while len(fds) < total:
@@ -206,7 +229,8 @@ def fetch(offer: Offer, rank: int, timeout: float) -> list[int]:
                     raise HandoverError(f"unexpected message from rank 0 ({first}, {count}, {len(got)} fds)")
         for fd, identity in zip(fds, offer.identities, strict=True):
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or FileIdentity.of(st) != identity:
+            same = FileIdentity.of(st) == identity if exact else st.st_size == identity.size
+            if not stat.S_ISREG(st.st_mode) or not same:
                 raise HandoverError(f"a descriptor is not the file rank 0 validated ({identity})")
             if os.O_ACCMODE & fcntl.fcntl(fd, fcntl.F_GETFL) != os.O_RDONLY:
                 raise HandoverError("a descriptor is open for writing")
@@ -224,14 +248,19 @@ class LocalReads:
 
     offer: Offer | None
     status: str  # which path this rank took, and why (LoadReport.local_status)
-    server: Server | None = None  # rank 0
-    files: dict[str, LentFile] | None = None  # a rank on rank 0's host that holds the descriptors
+    server: Server | None = None  # rank 0's, or this host reader's (then closed by close())
+    files: dict[str, OpenFile] | None = None  # lent files, or a host reader's own: this rank reads
     host: torch.Tensor | None = None  # that rank's pinned buffer, shards off the CPU
     readers: frozenset[int] = frozenset()  # the ranks that read their own bytes (the same on every rank)
+    # the first ranks of the hosts, other than rank 0's, that read their own copy (the same everywhere)
+    hosts: frozenset[int] = frozenset()
+    off_host: frozenset[int] = frozenset()  # the ranks not on rank 0's host (the same everywhere)
+    network_bytes: int = 0  # (rank 0) bytes it sent to ranks off its host, each broadcast once
+    owns_server: bool = False  # a host reader's: close() closes it
 
     def decide(self) -> None:
-        """(all ranks) Which ranks read locally: each rank's bit, OR-ed over the ranks; rank 0 then
-        stops serving. Nothing is collective when local reads are off (no offer)."""
+        """(all ranks) Which ranks read locally: each rank's bit, OR-ed over the ranks; rank 0 and
+        the host readers then stop serving. Nothing is collective when local reads are off (no offer)."""
         if self.offer is None:
             return
         self.readers = _distribute.ranks_where(self.files is not None, "agreeing on node-local reads")
@@ -240,9 +269,10 @@ class LocalReads:
             fell_back = sorted(self.server.allowed.keys() - self.readers)
             if fell_back:
                 logger.warning(
-                    "rank0load: ranks %s on rank 0's host take the stream instead of reading locally "
+                    "rank0load: ranks %s on rank %d's host take the stream instead of reading locally "
                     "(their LoadReport.local_status says why)",
                     fell_back,
+                    dist.get_rank(),
                 )
 
     @property
@@ -251,9 +281,61 @@ class LocalReads:
         return len(self.readers) == dist.get_world_size() - 1
 
     def close(self) -> None:
-        """Close this rank's descriptors (rank 0's server is closed by ``Server.listen``'s caller)."""
+        """Close this rank's descriptors, and a host reader's server (rank 0's is closed by
+        ``Server.listen``'s caller)."""
+        if self.owns_server and self.server is not None:
+            self.server.close()  # before its files: its threads may still hold their descriptors
         for file in (self.files or {}).values():
             file.close()
+
+
+def _host_key(rank: int) -> int:
+    """This rank's :func:`host_id` as an int63 (negative and unique off Linux: a host of its own)."""
+    host = host_id()
+    if host is None:
+        return -1 - rank
+    return int.from_bytes(hashlib.blake2b(host.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _lender_name(offer: Offer, rank: int) -> str:
+    """The abstract socket name of host reader ``rank``, from rank 0's offer."""
+    return f"{offer.name}-r{rank}"
+
+
+def _pinned(mesh_device: torch.device, host_bytes: int) -> torch.Tensor | None:
+    """A local reader's pinned buffer for shards off the CPU; None on a CPU mesh."""
+    if mesh_device.type == "cpu":
+        return None
+    return torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _own_copy(offer: Offer, paths: Sequence[str], mesh_device: torch.device, host_bytes: int) -> LocalReads:
+    """(the first rank of a host other than rank 0's, readers="host") This host's files at rank 0's
+    ``paths``, opened and compared with rank 0's offer (size, :func:`content_digest`), listening for
+    the ranks of this host; raises (nothing left open) if they differ or anything fails."""
+    own = open_files(paths)
+    server: Server | None = None
+    try:
+        files = [own[p] for p in paths]
+        for f, identity, digest in zip(files, offer.identities, offer.digests, strict=True):
+            if f.identity.size != identity.size:
+                raise HandoverError(f"{f.path} has {f.identity.size} bytes here, {identity.size} on rank 0")
+            if content_digest(f.fd, f.identity.size, f.path) != digest:
+                raise HandoverError(
+                    f"{f.path} here is not rank 0's file (its header or sampled bytes differ)"
+                )
+        server = Server.listen(files, like=offer)
+        if server is None:
+            raise HandoverError("cannot listen on an abstract socket for the ranks of this host")
+        host = _pinned(mesh_device, host_bytes)
+    except BaseException:
+        if server is not None:
+            server.close()
+        for f in own.values():
+            f.close()
+        raise
+    status = "local: read its own bytes from its host's copy (rank 0's files, by size and digest)"
+    return LocalReads(offer, status=status, server=server, files=own, host=host, owns_server=True)
 
 
 def hand_over(
@@ -263,39 +345,81 @@ def hand_over(
     mesh_device: torch.device,
     host_bytes: int,
     enabled: bool,
+    readers: str = "rank0",
 ) -> LocalReads:
     """(all ranks, after the manifest) Rank 0 serves its descriptors to the ranks on its host, which
     fetch and check them (``paths``: ``Manifest.files``; ``host_bytes``: the size of a local reader's
-    pinned buffer, shards off the CPU; ``enabled``: for the status). Raises only when a collective fails."""
+    pinned buffer, shards off the CPU; ``enabled``: for the status). ``readers="host"`` (the same on
+    every rank): the first rank of each other host checks its own copy (:func:`_own_copy`) and, where
+    it is rank 0's, serves it to the ranks of its host as rank 0 does. Raises only when a collective fails."""
     rank = dist.get_rank()
     if offer is None:
         why = "local_reads=False" if not enabled else "rank 0 could not listen on an abstract socket"
         return LocalReads(None, status="rank 0" if rank == 0 else f"stream: {why}")
-    here = host_id() == offer.host
-    roster = _distribute.gather_to_rank0(
-        (int(here), os.getpid(), os.getuid()), "telling rank 0 which ranks share its host"
+    key = _host_key(rank)
+    roster = _distribute.all_gather_ints(
+        (key, os.getpid(), os.getuid()), "telling the ranks which ranks share a host"
     )
+    home = roster[0][0]
+    first = min(r for r, (k, _, _) in enumerate(roster) if k == key)  # this host's first rank
+    off_host = frozenset(r for r, (k, _, _) in enumerate(roster) if k != home)
+    mine: LocalReads | None = None
+    why = "not on rank 0's host"
+    if readers == "host" and key != home and rank == first:
+        try:
+            mine = _own_copy(offer, paths, mesh_device, host_bytes)
+        except Exception as exc:  # anything at all: this host takes the stream (agreed below)
+            why = f"this host's copy is not rank 0's ({type(exc).__name__}: {exc})"
+            logger.warning("rank0load: rank %d's host takes the stream: %s", rank, why)
+    hosts: frozenset[int] = frozenset()
+    if readers == "host":
+        hosts = _distribute.ranks_where(mine is not None, "agreeing which hosts read their own copy")
+
+    def allowed(lender: int) -> dict[int, tuple[int, int]]:  # the ranks of its host, but itself
+        return {
+            r: (pid, uid) for r, (k, pid, uid) in enumerate(roster) if k == roster[lender][0] and r != lender
+        }
+
+    def made(reads: LocalReads) -> LocalReads:
+        reads.hosts, reads.off_host = hosts, off_host
+        return reads
+
     if rank == 0:
-        assert server is not None and roster is not None  # rank 0 made the offer; gather returns on rank 0
-        allowed = {r: (pid, uid) for r, (same, pid, uid) in enumerate(roster) if same and r != 0}
-        server.serve(allowed)
-        return LocalReads(offer, status="rank 0", server=server)
-    if not here:
-        return LocalReads(offer, status="stream: not on rank 0's host")
+        assert server is not None  # rank 0 made the offer
+        server.serve(allowed(0))
+        return made(LocalReads(offer, status="rank 0", server=server))
+    if mine is not None:
+        assert mine.server is not None
+        mine.server.serve(allowed(rank))
+        return made(mine)
+    if key == home:
+        lender, exact = offer, True
+    elif first in hosts:
+        _, pid, uid = roster[first]
+        lender, exact = replace(offer, name=_lender_name(offer, first), pid=pid, uid=uid), False
+    else:
+        if rank != first and readers == "host":
+            why = f"its host's first rank {first} found no copy of rank 0's files (its local_status says why)"
+        return made(LocalReads(offer, status=f"stream: {why}"))
     try:
-        fds = fetch(offer, rank, TIMEOUT)
+        fds = fetch(lender, rank, TIMEOUT, exact)
     except Exception as exc:  # anything at all: this rank takes the stream (it must not raise alone)
         logger.debug("rank %d takes the stream: %s", rank, exc)
-        return LocalReads(offer, status=f"stream: the hand-over failed ({type(exc).__name__}: {exc})")
+        return made(LocalReads(offer, status=f"stream: the hand-over failed ({type(exc).__name__}: {exc})"))
     try:
-        host = (
-            None if mesh_device.type == "cpu" else torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
-        )
+        host = _pinned(mesh_device, host_bytes)
     except Exception as exc:  # a pinned buffer that cannot be had: take the stream
         for fd in fds:
             os.close(fd)
-        return LocalReads(offer, status=f"stream: {type(exc).__name__}: {exc}")
+        return made(LocalReads(offer, status=f"stream: {type(exc).__name__}: {exc}"))
     lent = zip(paths, fds, offer.identities, strict=True)  # fetch returned one per identity, in order
-    files = {path: LentFile(path, fd, identity) for path, fd, identity in lent}
-    status = "local: read its own bytes through rank 0's descriptors"
-    return LocalReads(offer, files=files, host=host, status=status)
+    files: dict[str, OpenFile] = {
+        path: LentFile(path, fd, identity if exact else FileIdentity.of(os.fstat(fd)))
+        for path, fd, identity in lent
+    }
+    status = (
+        "local: read its own bytes through rank 0's descriptors"
+        if exact
+        else f"local: read its own bytes through rank {first}'s descriptors (its host's copy)"
+    )
+    return made(LocalReads(offer, files=files, host=host, status=status))

@@ -1,11 +1,14 @@
-"""A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives).
+"""A rank on rank 0's host reads its own bytes through rank 0's descriptors (no collectives); with
+``readers="host"``, a rank on another host through its host reader's, or its host reader's own files.
 
-(a local reader: a rank other than 0 that ``_handover.hand_over`` gave rank 0's descriptors)
+(a local reader: a rank other than 0 that ``_handover.hand_over`` gave rank 0's descriptors, a host
+reader's, or a host reader's own open files)
 :class:`LocalReader` reads, instead of receiving, its rows of SHARDED entries and the rows of BLOCK
 chunks that hold its parts; broadcast pieces too when every rank but 0 reads locally
 (``_handover.LocalReads.everyone``), and then, with CPU shards, rank 0 reads its own share through one as
 well (its own open files). A failure is the sink's local failure, settled like any other; the files
-read in a round are checked at its end against the identities rank 0 recorded when it opened them.
+read in a round are checked at its end against the identities recorded when they were opened, and
+every file after the last round.
 """
 
 from __future__ import annotations

@@ -114,6 +114,7 @@ class FileSource:
         self.plan, self.staging, self.sink, self.on_bytes = sink.plan, staging, sink, on_bytes
         self.on_cpu = sink.device.type == "cpu"
         self.sends_nothing = local.everyone
+        self.local = local  # its network_bytes counted here: what goes to ranks off this host
         self.pending = InFlight()  # sends, each handing its slot back to the reader once done
         self.reader = Reader(
             messages(sink.plan, self._pieces(local.readers), own_together=own_together(sink.device)),
@@ -154,15 +155,20 @@ class FileSource:
             assert pack_buffer is not None  # in the buffer ``data`` is in, after the chunk
             half = block_half(self.plan.piece_bytes)
             self._sent(fan_out(piece, data, pack_buffer[half:], self.sink), slot_to_free)
+            self.local.network_bytes += sum(p.nbytes for p in piece.parts if p.rank in self.local.off_host)
         elif own:
             if not arrival.in_target:
                 self.sink.take(message, data, non_blocking=not self.on_cpu)
             self._done_with(slot_to_free)
         elif message.dst > 0:
             self._sent(dist.isend(data, dst=message.dst), slot_to_free)
+            if message.dst in self.local.off_host:
+                self.local.network_bytes += message.nbytes
         else:  # BROADCAST, SCALES
             if not self.sends_nothing:
                 dist.broadcast(data, src=0)
+                if self.local.off_host:
+                    self.local.network_bytes += message.nbytes
             self.sink.take(message, data)
             self._done_with(slot_to_free)
         self.pending.drain(keep=max(1, len(self.staging.slots) - 1))
@@ -272,9 +278,12 @@ class ReceiveSource:
             self._free.append(arrival.slot)
 
     def round_end(self, stop: int) -> None:
-        """The identity checks of the files this rank read itself in the round."""
+        """The identity checks of the files this rank read itself in the round; after the last, of
+        every file it holds."""
         if self.local is not None:
             self.local.round_end()
+            if stop == len(self.sink.plan.entries):
+                self.local.finish()
 
 
 class OwnSource:

@@ -656,3 +656,42 @@ def test_index_listing_a_missing_key(tmp_path: Path) -> None:
     write_index(tmp_path, names)  # rewritten after it was resolved
     with pytest.raises(CheckpointChangedError, match="the index changed while the checkpoint was loaded"):
         _source.read_headers(source)
+
+
+# --- content_digest: what a host compares its own copy with (readers="host") --------------------------------
+
+
+def _digest(path: Path) -> bytes:
+    with OpenFile.open(path) as f:
+        return _files.content_digest(f.fd, f.identity.size, f.path)
+
+
+@pytest.mark.parametrize("mib", [0, 1])  # data read whole; data sampled (16 blocks of 4 KiB)
+def test_content_digest_tells_copies_from_other_files(tmp_path: Path, mib: int) -> None:
+    from safetensors.torch import save_file
+
+    n = max(64, (mib << 20) // 4)
+    save_file(
+        {"a": torch.arange(n, dtype=torch.float32), "b": torch.ones(3)}, str(tmp_path / "x.safetensors")
+    )
+    x = tmp_path / "x.safetensors"
+    raw = x.read_bytes()
+    (tmp_path / "copy.safetensors").write_bytes(raw)
+    assert _digest(tmp_path / "copy.safetensors") == _digest(x)  # another inode, mtime: the same file
+    header = 8 + int.from_bytes(raw[:8], "little")
+    other = bytearray(raw)
+    other[header:] = bytes((b + 1) % 256 for b in raw[header:])  # other values, the same header and size
+    (tmp_path / "other.safetensors").write_bytes(bytes(other))
+    renamed = raw.replace(b'"b"', b'"c"')  # another tensor name: the header differs
+    (tmp_path / "renamed.safetensors").write_bytes(renamed)
+    (tmp_path / "short.safetensors").write_bytes(raw[: len(raw) // 2])
+    digests = {_digest(tmp_path / f"{name}.safetensors") for name in ("other", "renamed", "short")}
+    assert len(digests) == 3 and _digest(x) not in digests
+
+
+def test_content_digest_of_a_file_that_ends_early(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.safetensors"
+    path.write_bytes(b"\x03")
+    assert len(_digest(path)) == 16  # shorter than a header's length: what there is
+    with OpenFile.open(path) as f, pytest.raises(CheckpointChangedError, match="ended after 1 bytes"):
+        _files.content_digest(f.fd, 100, f.path)  # it shrank since its size was taken

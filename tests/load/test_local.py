@@ -223,7 +223,7 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
 
     server_serve = local.Server.serve
     if case == "no-listen" and rank == 0:
-        return _Patch((local.Server, "listen", classmethod(lambda cls, files: None)))
+        return _Patch((local.Server, "listen", classmethod(lambda cls, files, *args, **kwargs: None)))
     if case == "send-fds-fails" and rank == 0:
 
         def send_fds(*args, **kwargs):
@@ -231,8 +231,8 @@ def _patches(rank: int, case: str, seen: dict) -> _Patch:
 
         return _Patch((socket, "send_fds", send_fds))
     if case == "wrong-pid" and rank == 1:
-        gather = distribute.gather_to_rank0
-        return _Patch((distribute, "gather_to_rank0", lambda v, what: gather((v[0], v[1] + 1, v[2]), what)))
+        gather = distribute.all_gather_ints
+        return _Patch((distribute, "all_gather_ints", lambda v, what: gather((v[0], v[1] + 1, v[2]), what)))
     if case.startswith("bad-descriptor") and rank == 2:
         of = fileio.FileIdentity.of
         return _Patch((fileio.FileIdentity, "of", classmethod(lambda cls, st: of(st).__class__(0, 0, 0, 0))))
@@ -279,7 +279,7 @@ FALLBACKS = {  # case -> (the ranks that still read locally, the statuses of ran
     "silent-rank-0": ((), ("stream: the hand-over failed (TimeoutError",) * 2),
     "foreign-peer": ((1, 2), (LOCAL, LOCAL)),
 }
-FAILURES = ("read-error", "changed", "disagree", "not-bool")
+FAILURES = ("read-error", "changed", "disagree", "not-bool", "bad-readers", "host-without-lending")
 
 
 def _failures(rank: int, world: int, root: str) -> dict:
@@ -300,6 +300,10 @@ def _failures(rank: int, world: int, root: str) -> dict:
             kwargs["local_reads"] = False
         if case == "not-bool":
             kwargs["local_reads"] = "yes"
+        if case == "bad-readers":
+            kwargs["readers"] = "all"
+        if case == "host-without-lending":
+            kwargs.update(readers="host", local_reads=False)
         started = time.monotonic()
         try:
             with _patches(rank, case, seen):
@@ -350,6 +354,10 @@ def test_hand_over_failures_fall_back_and_read_failures_settle(tmp_path, toy_ref
     assert name == "RankMismatchError" and "local_reads=False here but True on rank 0" in message, message
     ((name, message),) = errors["not-bool"]
     assert "local_reads='yes' is not a bool" in message, message
+    ((name, message),) = errors["bad-readers"]
+    assert name == "LoadError" and "readers='all' is not 'rank0'" in message, message
+    ((name, message),) = errors["host-without-lending"]
+    assert name == "LoadError" and "pass readers='rank0' with local_reads=False" in message, message
     for res in results:
         assert_same(res["good"]["tensors"], toy_reference)
         assert res["good"]["readers"] == (1, 2)
