@@ -95,6 +95,13 @@ def rank0load_method(
     }
 
 
+def rank0load_host(cfg: MiniMaxConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
+    """``rank0load`` with ``readers="host"``: every host whose copy is rank 0's reads for its own ranks."""
+    return rank0load_method(
+        cfg, ckpt, mesh, {**options, "rank0load": {**options.get("rank0load", {}), "readers": "host"}}
+    )
+
+
 def floor(cfg: MiniMaxConfig, ckpt: str, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, dict]:
     """build-only, then :func:`floor_fill`."""
     model, info = build_only(cfg, ckpt, mesh, options)
@@ -253,6 +260,7 @@ def floor_fill(model: nn.Module, cfg: MiniMaxConfig, ckpt: str) -> dict:
 MINIMAX_METHODS: dict[str, Method] = {
     "build-only": build_only,
     "rank0load": rank0load_method,
+    "rank0load-host": rank0load_host,
     "floor": floor,
     "transformers": transformers_method,
 }
@@ -260,6 +268,7 @@ MINIMAX_METHODS: dict[str, Method] = {
 MINIMAX_METHOD_NOTES: dict[str, str] = {
     "build-only": "`AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)` on meta, sharded by rank0load's default policy (`default_shard_fn`), `to_empty`, local shards faulted in: loads nothing",
     "rank0load": "`rank0load.load_pretrained(AutoModelForCausalLM, ckpt, mesh, dtype=torch.bfloat16)`: config, build, default policy, FP8 dequantised on each rank",
+    "rank0load-host": '`rank0load.load_pretrained(AutoModelForCausalLM, ckpt, mesh, dtype=torch.bfloat16, readers="host")`: each host whose files are rank 0\'s reads for its own ranks',
     "floor": "build-only, then each rank, garbage collector paused, reads each file whole with one `os.preadv` and dequantises every float8 element it holds (`rank0load.checkpoint._fp8.to_float32` x its block's scale, broadcast -> bf16) into its shards, experts batched per layer and projection: the least work any loader must do",
     "transformers": "one process: `AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)` (transformers 5 dequantises FP8 on a machine without a GPU)",
 }

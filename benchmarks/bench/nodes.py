@@ -1,16 +1,19 @@
-"""``python -m benchmarks.bench.nodes``: two nodes on one machine, a rate-limited link between them,
-the checkpoint on node 0 only.
+"""``python -m benchmarks.bench.nodes``: ``--hosts`` nodes on one machine, each with a rate-limited
+link to a switch, the checkpoint on node 0 only (or, ``--shared``, in a folder every node sees).
 
-Two network namespaces joined by a veth pair stand for two nodes (as ``tests/load/test_nodes.py``); a
-token-bucket filter (``tc qdisc ... tbf``) on both ends of the veth limits the link to ``--rate``
-(default 1 Gbit/s). Ranks ``0 .. n-1`` run in node 0's namespace, ranks ``n .. 2n-1`` in node 1's,
-each in its own mount namespace with an empty tmpfs over the checkpoint's directory: node 1 has no
-files, so every-rank readers (DCP) cannot run there. Rank 0 reads its veth's byte counters around
-the load itself (between the barriers that bracket the timing, not the verification after it): what
-crossed the link, each way.
+Each node is a network namespace (as ``tests/load/test_nodes.py``) joined to a bridge in a switch
+namespace by a veth pair; a token-bucket filter (``tc qdisc ... tbf``) on both ends of every veth
+limits each node's link to ``--rate`` (default 1 Gbit/s) each way. Ranks ``k*n .. k*n+n-1`` run in
+node k's namespace; without ``--shared`` the nodes after node 0 run each rank in its own mount
+namespace with an empty tmpfs over the checkpoint's directory: they have no files, so every-rank
+readers (DCP) cannot run there. Rank 0 reads its veth's byte counters around the load itself
+(between the barriers that bracket the timing, not the verification after it): what crossed node
+0's link, each way.
 
     sudo python -m benchmarks.bench.nodes --ranks-per-node 1 --size-gb 0.8
     sudo python -m benchmarks.bench.nodes --ranks-per-node 2 --methods rank0load,broadcast-rank0
+    sudo python -m benchmarks.bench.nodes --hosts 4 --shared --methods rank0load,rank0load-host,dcp-hf
+    sudo python -m benchmarks.bench.nodes --hosts 4 --shared --model minimax --methods rank0load,rank0load-host
 
 Needs root, iproute2 and ``unshare``. This is a script: it prints to stdout.
 """
@@ -28,10 +31,12 @@ from dataclasses import dataclass
 
 from .driver import config_for, ensure_checkpoint, run_once, summarise, warm_page_cache
 
-__all__ = ["Nodes", "main", "two_nodes"]
+__all__ = ["Nodes", "hosts", "main", "two_nodes"]
 
 MiB = 1 << 20
 METHODS = ("rank0load", "rank0load-stream", "rank0load-host", "broadcast-rank0")
+SHARED_METHODS = ("dcp-hf",)  # every rank reads: only where every node sees the files
+MINIMAX_NODE_METHODS = ("rank0load", "rank0load-host")
 
 
 def _sh(*cmd: str) -> str:
@@ -40,55 +45,70 @@ def _sh(*cmd: str) -> str:
 
 @dataclass(frozen=True)
 class Nodes:
-    """Two namespaces ``(name, veth end)`` and the rank layout."""
+    """The nodes' namespaces ``(name, veth end)``, in node order, and the rank layout."""
 
-    ends: tuple[tuple[str, str], tuple[str, str]]
+    ends: tuple[tuple[str, str], ...]
     per_node: int
-    hidden: str  # the checkpoint's directory, an empty tmpfs for node 1; "": node 1 sees it (shared)
+    hidden: str  # the checkpoint's directory, an empty tmpfs for nodes 1..; "": all see it (shared)
 
     def node_of(self, rank: int) -> int:
         return rank // self.per_node
 
     def launch(self, rank: int) -> tuple[list[str], dict[str, str]]:
         """The command prefix and environment of ``rank``: its node's namespace, gloo on its veth end;
-        node 1 also gets the empty tmpfs over the checkpoint."""
+        the nodes after node 0 also get the empty tmpfs over the checkpoint."""
         ns, dev = self.ends[self.node_of(rank)]
         prefix = ["ip", "netns", "exec", ns]
-        if self.node_of(rank) == 1 and self.hidden:
+        if self.node_of(rank) > 0 and self.hidden:
             prefix += ["unshare", "-m", "--propagation", "private", "sh", "-c",
                        f'mount -t tmpfs tmpfs "{self.hidden}" && exec "$@"', "node1"]  # fmt: skip
         return prefix, {"GLOO_SOCKET_IFNAME": dev}
 
 
 @contextlib.contextmanager
-def two_nodes(per_node: int, hidden: str, rate: str, burst: str) -> Iterator[Nodes]:
-    """Namespaces ``r0lb<pid>a/b`` joined by a veth pair, 10.78.<n>.1 and .2, both ends limited to
-    ``rate``; removed after."""
+def hosts(count: int, per_node: int, hidden: str, rate: str, burst: str) -> Iterator[Nodes]:
+    """``count`` namespaces ``r0lb<pid>h<k>``, each joined by a veth pair to a bridge in the switch
+    namespace ``r0lb<pid>sw`` (its own, so the host's firewall never sees the traffic), at
+    10.78.<n>.<k+1>; both ends of every veth limited to ``rate``. All removed after."""
     tag = f"r0lb{os.getpid() % 100000}"
-    a, b = f"{tag}a", f"{tag}b"
+    switch = f"{tag}sw"
     subnet = f"10.78.{os.getpid() % 250}"
+    names = [f"{tag}h{k}" for k in range(count)]
+    shape = [] if rate == "none" else ["tbf", "rate", rate, "burst", burst, "latency", "100ms"]
     try:
-        _sh("ip", "netns", "add", a)
-        _sh("ip", "netns", "add", b)
-        _sh("ip", "link", "add", f"{tag}x", "type", "veth", "peer", "name", f"{tag}y")
-        for ns, dev, addr in ((a, f"{tag}x", f"{subnet}.1"), (b, f"{tag}y", f"{subnet}.2")):
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        _sh("ip", "netns", "add", switch)
+        _sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", switch, "link", "set", "br0", "up")
+        for k, ns in enumerate(names):
+            dev, port = f"{tag}v{k}", f"{tag}p{k}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", switch, "link", "add", port, "type", "veth", "peer", "name", dev, "netns", ns)
+            _sh("ip", "-n", switch, "link", "set", port, "master", "br0")
+            _sh("ip", "-n", switch, "link", "set", port, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{subnet}.{k + 1}/24", "dev", dev)
             _sh("ip", "-n", ns, "link", "set", dev, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            if rate != "none":
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                    "rate", rate, "burst", burst, "latency", "100ms")  # fmt: skip
-        yield Nodes(((a, f"{tag}x"), (b, f"{tag}y")), per_node, hidden)
+            if shape:  # the node's egress on its end, its ingress as the switch port's egress
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *shape)
+                _sh("ip", "netns", "exec", switch, "tc", "qdisc", "add", "dev", port, "root", *shape)
+        yield Nodes(tuple((ns, f"{tag}v{k}") for k, ns in enumerate(names)), per_node, hidden)
     finally:
-        for ns in (a, b):
+        for ns in (*names, switch):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def two_nodes(per_node: int, hidden: str, rate: str, burst: str) -> contextlib.AbstractContextManager[Nodes]:
+    """:func:`hosts` with two nodes."""
+    return hosts(2, per_node, hidden, rate, burst)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench.nodes", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=0.8, help="checkpoint size in GB (default 0.8)")
-    p.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each of the 2 nodes (default 1)")
+    p.add_argument("--hosts", type=int, default=2, help="nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each node (default 1)")
+    p.add_argument("--model", choices=("llama", "minimax"), default="llama",
+                   help="llama (--size-gb) or minimax (MiniMax-M2's FP8 tensor count; default llama)")  # fmt: skip
     p.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}"
     )
@@ -102,16 +122,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run's ranks count as hung")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
+    allowed = (
+        MINIMAX_NODE_METHODS if args.model == "minimax" else METHODS + (SHARED_METHODS if args.shared else ())
+    )
+    unknown = [m for m in args.methods if m not in allowed]
     if unknown:
-        p.error(f"unknown methods {unknown}; choose from {list(METHODS)} (node 1 has no files)")
+        p.error(f"unknown methods {unknown}; choose from {list(allowed)} (dcp-hf needs --shared)")
+    if args.hosts < 1 or args.ranks_per_node < 1:
+        p.error("--hosts and --ranks-per-node must be at least 1")
     return args
 
 
-def table(rows: list[dict], total: int, per_node: int) -> str:
-    ranks = 2 * per_node
+def table(rows: list[dict], total: int, per_node: int, count: int = 2, shared: bool = False) -> str:
     head = (
-        "| method | load (s) | node 0 → 1 (MB) | × checkpoint | node 1 → 0 (MB) | transient per rank (MiB) |"
+        "| method | load (s) | node 0 out (MB) | × checkpoint | node 0 in (MB) | transient per rank (MiB) |"
     )
     lines = [head, "|---|---:|---:|---:|---:|---|"]
     for row in rows:
@@ -122,11 +146,12 @@ def table(rows: list[dict], total: int, per_node: int) -> str:
         out, back = row["link"][row["best"]]
         transient = " / ".join(f"{r['transient'] / MiB:.0f}" for r in s["per_rank"])
         lines.append(
-            f"| {s['method']} | {s['seconds']:.2f} | {out / 1e6:.0f} | {out / total:.2f} | {back / 1e6:.1f} | "
+            f"| {s['method']} | {s['seconds']:.2f} | {out / 1e6:.1f} | {out / total:.4f} | {back / 1e6:.1f} | "
             f"{transient} |"
         )
+    where = "in a folder every node sees" if shared else "on node 0 only"
     lines.append(
-        f"\n{ranks} ranks ({per_node} + {per_node}), checkpoint {total / 1e9:.2f} GB on node 0 only."
+        f"\n{count} x {per_node} ranks ({' + '.join([str(per_node)] * count)}), checkpoint {total / 1e9:.2f} GB {where}."
     )
     return "\n".join(lines)
 
@@ -137,13 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench.nodes needs root (network and mount namespaces)", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    cfg = config_for("llama", args.size_gb)
+    cfg = config_for(args.model, args.size_gb)
     ckpt, meta = ensure_checkpoint(cfg, args.out)
     warm_page_cache(ckpt, meta)
-    ranks = 2 * args.ranks_per_node
+    ranks = args.hosts * args.ranks_per_node
     rows: list[dict] = []
     hidden = "" if args.shared else os.path.abspath(ckpt)
-    with two_nodes(args.ranks_per_node, hidden, args.rate, args.burst) as nodes:
+    with hosts(args.hosts, args.ranks_per_node, hidden, args.rate, args.burst) as nodes:
         raw: dict[str, list] = {m: [] for m in args.methods}
         link: dict[str, list] = {m: [] for m in args.methods}
         for rnd in range(args.rounds):
@@ -164,10 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             good = [i for i, rs in enumerate(raw[m]) if all("error" not in r for r in rs)]
             best = min(good, key=lambda i: max(r["seconds"] for r in raw[m][i])) if good else 0
             rows.append({"summary": s, "link": link[m], "best": best})
-    text = table(rows, meta["total_bytes"], args.ranks_per_node)
+    text = table(rows, meta["total_bytes"], args.ranks_per_node, args.hosts, args.shared)
     print(text)
-    with open(os.path.join(args.out, f"nodes-{args.size_gb:g}gb-{ranks}ranks.json"), "w") as f:
-        json.dump({"argv": list(argv or sys.argv[1:]), "rate": args.rate, "rows": rows}, f, indent=1)
+    label = "minimax" if args.model == "minimax" else f"{args.size_gb:g}gb"
+    name = f"nodes-{label}-{ranks}ranks" + ("" if args.hosts == 2 else f"-{args.hosts}hosts")
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
+        json.dump({"argv": list(argv or sys.argv[1:]), "rate": args.rate, "hosts": args.hosts,
+                   "total_bytes": meta["total_bytes"], "rows": rows}, f, indent=1)  # fmt: skip
     return 0 if all(r["summary"].get("ok") for r in rows) else 1
 
 

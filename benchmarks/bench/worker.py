@@ -11,6 +11,8 @@ against the SHA-256 digests recorded when the checkpoint was written. Then (unle
 ``"warm": false``) free that model, return the freed heap to the kernel (``malloc_trim``), and
 measure and verify a second identical call in the same process the same way: the warm figure,
 under ``"warm"`` in the result. The result (or the error) goes to the JSON file named in the spec.
+With ``RANK0LOAD_BENCH_PROFILE=<dir>`` the cold call runs under cProfile (slower: for where the time
+goes, not for timings), its stats written to ``<dir>/<method>-rank<r>.prof``.
 
 A save method (``--save``) loads the model with rank0load first, outside the measurement, pays its
 lazy imports on a tiny save (unless ``"warm_up": false``), then measures the save the same way
@@ -521,7 +523,15 @@ def main(spec: dict) -> dict:
                 return _resume_save(spec, mesh, cfg, save)
             return _resume_restore(spec, mesh, cfg, restore)
         method = (MINIMAX_METHODS if model_kind == "minimax" else METHODS)[spec["method"]]
-        model, result = _measure(spec, method, cfg, mesh)  # cold: the first call in this process
+        profile_dir = os.environ.get("RANK0LOAD_BENCH_PROFILE")  # cProfile of the cold call, per rank
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            model, result = profiler.runcall(_measure, spec, method, cfg, mesh)
+            profiler.dump_stats(os.path.join(profile_dir, f"{spec['method']}-rank{spec['rank']}.prof"))
+        else:
+            model, result = _measure(spec, method, cfg, mesh)  # cold: the first call in this process
         result.update(_check(spec, model, cfg, result))
         if spec.get("warm", True):  # the same call again, in the same process
             del model

@@ -332,7 +332,11 @@ def test_cold_warm_and_minimax_flags():
     assert bench.parse_args(["--cold-only"]).warm is False
     assert bench.parse_args(["--no-warm-up"]).warm is True  # still accepted: --save's warm-up only
     args = bench.parse_args(["--model", "minimax"])
-    assert args.methods == list(MINIMAX_METHODS) == ["build-only", "rank0load", "floor", "transformers"]
+    assert (
+        args.methods
+        == list(MINIMAX_METHODS)
+        == ["build-only", "rank0load", "rank0load-host", "floor", "transformers"]
+    )
     assert args.minimax_shape is None
     assert bench.parse_args(["--model", "minimax", "--minimax-shape", "2x4"]).minimax_shape == (2, 4)
     for bad in (
