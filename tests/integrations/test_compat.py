@@ -27,6 +27,7 @@ from rank0load.integrations._compat import (
     hf_auto_class,
     hf_config_dict,
     hf_init_weights,
+    hf_key_mapping,
     hf_registered_class_wins,
     hf_with_generation_mixin,
     host_bytes,
@@ -521,6 +522,25 @@ def test_hf_config_dict_reads_config_json_as_transformers_does(tmp_path):
     assert read == LlamaConfig._dict_from_json_file(path)  # transformers' own reader
     assert read["time_step_limit"] == [0.0, float("inf")] and read["scale"] == float("-inf")
     assert LlamaConfig.from_dict(read).time_step_limit == [0.0, float("inf")]
+
+
+def test_hf_key_mapping_is_what_4_57_applies_to_a_vision_language_model():
+    """transformers 4.57 renames a VLM's checkpoint keys by its class's _checkpoint_conversion_mapping
+    (modeling_utils.VLMS); 5 has none (its conversion mapping does it); a text model has none either."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        gemma3 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3"))
+        llama = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=1))
+    assert hf_key_mapping(llama) is None
+    if transformers_5():
+        assert hf_key_mapping(gemma3) is None
+        return
+    from transformers import modeling_utils
+
+    assert "gemma3" in modeling_utils.VLMS, "4.57's VLMS changed: review _compat.hf_key_mapping"
+    assert hf_key_mapping(gemma3) == dict(type(gemma3)._checkpoint_conversion_mapping)
+    assert hf_key_mapping(gemma3), "Gemma 3 has a key mapping on 4.57"
 
 
 def test_with_generation_mixin_adds_it_where_the_class_generates():
