@@ -21,6 +21,7 @@ import io
 import logging
 import pickle
 import threading
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NoReturn, TypeVar, cast
@@ -141,7 +142,11 @@ def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
     return t
 
 
-# Python objects travel pickled in uint8 tensors (broadcast_object_list would need numpy).
+# Python objects travel pickled in uint8 tensors (broadcast_object_list would need numpy). A large
+# one (a MoE manifest: 2 MB pickled for 96,000 tensors) travels zlib-compressed, about 6x smaller:
+# with readers="host" it is the only thing on rank 0's link that grows with the hosts, and level 1
+# costs rank 0 ~10 ms for 2 MB (small ones skip it: the loopback copy is cheaper than the call).
+_COMPRESS_FROM = 1 << 20
 
 
 def _pickled(obj: object) -> io.BytesIO:
@@ -155,17 +160,23 @@ def _broadcast_object(obj: object, src: int = 0, written: io.BytesIO | None = No
     pickled): ``src`` keeps its own (no second copy of a large manifest), the others unpickle theirs."""
     device = _object_device()
     payload = None
+    compressed = 0
     if dist.get_rank() == src:
-        written = written if written is not None else _pickled(obj)
-        payload = torch.frombuffer(written.getbuffer(), dtype=torch.uint8).to(device)
-    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src)
+        data: bytearray | memoryview = (written if written is not None else _pickled(obj)).getbuffer()
+        if len(data) >= _COMPRESS_FROM:  # a bytearray: frombuffer warns on read-only bytes
+            data, compressed = bytearray(zlib.compress(data, 1)), 1
+        payload = torch.frombuffer(data, dtype=torch.uint8).to(device)
+    header = torch.tensor(
+        [payload.numel() if payload is not None else 0, compressed], dtype=torch.int64, device=device
+    )
+    dist.broadcast(header, src=src)
     if payload is None:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        payload = torch.empty(int(header[0].item()), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=src)
     if dist.get_rank() == src:
         return obj
-    return pickle.loads(host_bytes(payload.cpu().contiguous()))
+    received = host_bytes(payload.cpu().contiguous())
+    return pickle.loads(zlib.decompress(received) if header[1].item() else received)
 
 
 def _scalar(value: int, op: Any) -> int:
