@@ -20,6 +20,7 @@ import hashlib
 import io
 import logging
 import pickle
+import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -252,16 +253,22 @@ def agree(built: Outcome[tuple[R, Proposal]]) -> tuple[R, tuple[int, ...]]:
     """(all ranks) Settle the build step (its value and this rank's proposal), then check every rank
     built the same model with the same options; returns the value and the layout flags AND-ed over
     the ranks. Raises the same error on every rank (RankMismatchError if they differ; LoadError for a
-    failed collective); no message grows with the world size."""
-    value, proposal = settle(
-        built, "building or sharding the model", "No data was moved; fix model_fn / shard_fn and retry."
-    )
+    failed collective); no message grows with the world size. Two all-reduces when the ranks agree:
+    the settle and the digests' MIN and MAX in one, then the flags."""
+    stage = "building or sharding the model"
+    todo = "No data was moved; fix model_fn / shard_fn and retry."
+    world = dist.get_world_size()
+    mine = cast(tuple[R, Proposal], built.value)[1].digest() if built.error is None else bytes(32)
+    words = struct.unpack("<8I", mine)  # non-negative in int64: MAX is -MIN of the negated
+    with peer_failures(f"agreeing with the other ranks after {stage}", LoadError, todo):
+        first = dist.get_rank() if built.error is not None else world
+        row = torch.tensor([first, *words, *(-w for w in words)], dtype=torch.int64, device=_object_device())
+        got = _all_reduce(row, dist.ReduceOp.MIN).cpu().tolist()
+        _raise_if(got[0], built.error, stage, todo, RankMismatchError)
+    value, proposal = cast(tuple[R, Proposal], built.value)
     with peer_failures("agreeing with the other ranks"):
         device = _object_device()
-        digest = torch.frombuffer(bytearray(proposal.digest()), dtype=torch.int64).to(device)
-        low = _all_reduce(digest.clone(), dist.ReduceOp.MIN)
-        high = _all_reduce(digest.clone(), dist.ReduceOp.MAX)
-        if not torch.equal(low, high):
+        if got[1:9] != [-w for w in got[9:]]:  # the lowest and highest digest differ
             reference: Proposal = _broadcast_object(proposal if dist.get_rank() == 0 else None)
             differs = proposal.digest() != reference.digest()
             mismatch = RankMismatchError() if differs else None

@@ -45,19 +45,20 @@ def stream(
     the ranks that read their own bytes (rank 0 sends them only the broadcasts, none when all do).
     Raises the same error on every rank if any rank failed."""
     plan = sink.plan
+    own = local.everyone and sink.device.type == "cpu"  # each rank reads its own bytes into CPU shards
     with settled(
         sink.faults,
-        plan.rounds,
+        plan.rounds[-1:] if own else plan.rounds,  # no message between the ranks: one check, at the end
         "moving tensor data",
         "No model was returned; the process group is still usable: fix the cause and load again.",
         LoadError,
         "No model was returned; fix the cause and load again.",
     ) as rounds:
         source: FileSource | ReceiveSource | OwnSource
-        if local.everyone and sink.device.type == "cpu":  # each rank reads its own bytes into CPU shards
-            own = local.files if dist.get_rank() else files
-            assert own is not None  # every rank but 0 holds rank 0's descriptors
-            source = OwnSource(sink, LocalReader(staging, sink, own, local.host), on_bytes)
+        if own:
+            own_files = local.files if dist.get_rank() else files
+            assert own_files is not None  # every rank but 0 holds rank 0's descriptors
+            source = OwnSource(sink, LocalReader(staging, sink, own_files, local.host), on_bytes)
         elif dist.get_rank() == 0:  # it sends to the others
             source = FileSource(staging, files, sink, local, on_bytes)
         else:

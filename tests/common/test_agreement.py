@@ -92,6 +92,6 @@ def test_agreement_bytes_do_not_grow_with_the_world(tmp_path):
         per_world[world] = [r["received"] for r in results]
     print("bytes received at agreement per rank:", per_world)
     counts = {c for cs in per_world.values() for c in cs}
-    # Every rank of every world receives the same: 8 B (first failing rank), 2 x 32 B (digest min/max),
-    # 2 B per tensor (layout flags).
-    assert counts == {8 + 2 * 32 + 2 * 1000}, per_world
+    # Every rank of every world receives the same, in two all-reduces: 17 x 8 B (the first failing rank,
+    # the digest's 8 words and their negations: its MIN and MAX), 2 B per tensor (layout flags).
+    assert counts == {17 * 8 + 2 * 1000}, per_world
