@@ -118,6 +118,7 @@ class LoadReport:
 
     @property
     def gb_per_s(self) -> float:
+        """Bytes streamed per second of ``stream_seconds``, in GB/s (0.0 when nothing was streamed)."""
         return self.bytes / 1e9 / self.stream_seconds if self.stream_seconds > 0 else 0.0
 
 

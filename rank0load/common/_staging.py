@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 DEFAULT_STAGING_BYTES = 16 << 20  # max_staging_bytes on a CPU mesh
+"""``max_staging_bytes``' default on a CPU mesh (16 MiB): the host RAM each rank may use for staging."""
 SLOTS = 4  # staging slots of max_staging_bytes / SLOTS each, on every rank
 ALIGN = 64  # piece sizes and boundaries stay multiples of every element size
 ROUND_PIECES = 64  # a round (one failure check) carries at least this many pieces' worth of bytes

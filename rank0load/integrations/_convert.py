@@ -96,6 +96,7 @@ class StackExperts:
         object.__setattr__(self, "_compiled", tuple(compiled))
 
     def match(self, key: str) -> ConversionMatch | None:
+        """Where checkpoint ``key`` goes (the target and expert ``e``), or None if no source matches it."""
         for index, regex in enumerate(self._compiled):  # type: ignore[attr-defined]
             found = regex.match(key)
             if found is None:

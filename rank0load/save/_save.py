@@ -71,6 +71,7 @@ class SaveReport:
 
     @property
     def gb_per_s(self) -> float:
+        """Bytes written per second of ``stream_seconds``, in GB/s (0.0 when nothing was written)."""
         return self.bytes / 1e9 / self.stream_seconds if self.stream_seconds > 0 else 0.0
 
 

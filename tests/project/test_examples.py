@@ -1,5 +1,5 @@
 """The scripts in examples/ run as a user runs them (torchrun, CPU/gloo) on a tiny checkpoint written
-here, and do what they print; the README's recipes are excerpts of them (so they cannot drift).
+here, and do what they print; the recipes in docs/recipes/ are excerpts of them (so they cannot drift).
 
 Losses and gradient norms are compared with the same steps on one process (transformers'
 ``from_pretrained``, ``torch.nn.utils.clip_grad_norm_``): the example's loop is the loop it claims.
@@ -511,10 +511,18 @@ def _regions() -> dict[str, str]:
     return out
 
 
-def test_readme_recipes_are_excerpts_of_the_examples():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
+def test_docs_recipes_are_excerpts_of_the_examples():
+    """Every region marked ``# --- recipe: NAME ---`` in examples/*.py appears verbatim in a recipe page
+    of docs/recipes/ (where the README's recipes link to), so a page cannot drift from what runs."""
+    recipes = os.path.join(ROOT, "docs", "recipes")
+    pages = {}
+    for name in sorted(os.listdir(recipes)):
+        if name.endswith(".md"):
+            with open(os.path.join(recipes, name)) as f:
+                pages[name] = f.read()
     regions = _regions()
     assert len(regions) >= 4, regions
     for where, body in regions.items():
-        assert body in readme, f"README.md lacks the recipe {where}:\n{body}"
+        assert any(body in page for page in pages.values()), (
+            f"no page of docs/recipes/ holds {where}:\n{body}"
+        )

@@ -1,6 +1,6 @@
 """The package's folders form layers: a module imports only from its own folder or a lower layer,
 and no modules import each other in a cycle (imports under ``TYPE_CHECKING`` and inside functions
-count too). README, How it works, "Where the code is", shows the same order."""
+count too). docs/how-it-works.md, "Where the code is", shows the same order."""
 
 from __future__ import annotations
 
