@@ -14,7 +14,8 @@ mesh, so sender and receivers agree on every message without exchanging anything
   full-size tensor on every rank, which cuts its own shard (outside the staging budget).
 
 The stream is cut into *rounds* of whole entries (at least :data:`ROUND_PIECES` pieces of bytes
-each): at each round's end every rank says whether it failed, so the ranks stop in step.
+each): at each round's end every rank says whether it failed, so the ranks stop in step (one
+round when every rank reads its own bytes: no message passes between them).
 :func:`messages` groups the pieces into messages, closing a group only on facts every rank knows
 (:meth:`_Gaps.apart`), so messages to rank ``r`` and broadcasts come in the same order on rank 0
 and on rank ``r``: no rank waits on a broadcast while its peer waits on a send.
