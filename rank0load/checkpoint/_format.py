@@ -112,8 +112,15 @@ def _fail(path: str, what: str) -> CheckpointFormatError:
 
 
 def read_header(file: str | os.PathLike[str] | OpenFile) -> dict[str, TensorHeader]:
+    """(rank 0) :func:`read_header_and_metadata`'s tensors: ``__metadata__`` checked and dropped."""
+    return read_header_and_metadata(file)[0]
+
+
+def read_header_and_metadata(
+    file: str | os.PathLike[str] | OpenFile,
+) -> tuple[dict[str, TensorHeader], dict[str, str]]:
     """(rank 0) Parse and validate one file's header: its tensors (dtypes, shapes, byte ranges that
-    tile the data section), ``__metadata__`` checked and dropped.
+    tile the data section) and its ``__metadata__`` (an object of strings; empty when absent).
 
     Args:
         file: an :class:`OpenFile` (read through its descriptor, left open), or a path (opened,
@@ -126,7 +133,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> dict[str, TensorHead
     """
     if not isinstance(file, OpenFile):
         with OpenFile.open(file) as opened:
-            return read_header(opened)
+            return read_header_and_metadata(opened)
     path, fd, size = file.path, file.fd, file.identity.size
     if size < 8:
         raise _fail(path, f"file is {size} bytes, shorter than the 8-byte header length")
@@ -156,7 +163,7 @@ def read_header(file: str | os.PathLike[str] | OpenFile) -> dict[str, TensorHead
         raise _fail(path, f"'__metadata__' holds key {metadata.twice[0]!r} twice")
     parsed = {key: _parse_entry(path, key, entry, data_start, data_size) for key, entry in header.items()}
     _check_coverage(path, parsed, data_start, data_size)
-    return parsed
+    return parsed, metadata
 
 
 def _parse_entry(path: str, key: str, entry: object, data_start: int, data_size: int) -> TensorHeader:

@@ -16,7 +16,6 @@ import base64
 import json
 import math
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ._format import DTYPES, MAX_HEADER_BYTES
+from ._format import DTYPES, read_header_and_metadata
 
 FOLDER = "training_state"  # in out_dir
 RECORD = "training_state.json"
@@ -144,7 +143,13 @@ def read_training_record(ckpt_dir: str | os.PathLike[str]) -> TrainingRecord:
     for name in record.files:
         if os.path.basename(name) != name or name in (".", ".."):
             raise CheckpointFormatError(f"{path} names optimizer file {name!r}, outside its folder")
-        metadata, tensors = _header(os.path.join(folder, name))
+        try:
+            tensors, metadata = read_header_and_metadata(os.path.join(folder, name))
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{os.path.join(folder, name)} does not exist or cannot be opened, but {RECORD} lists it: "
+                f"the training state is incomplete; resume from another checkpoint ({exc})"
+            ) from None
         found = metadata.get(SAVE_ID)
         if found != record.save_id:
             raise CheckpointFormatError(
@@ -152,7 +157,7 @@ def read_training_record(ckpt_dir: str | os.PathLike[str]) -> TrainingRecord:
                 f"{record.save_id}: the training state folder mixes two saves (one was interrupted). "
                 "Resume from another checkpoint, or from the weights alone"
             )
-        stored.update(tensors)
+        stored.update({k: (t.dtype, list(t.shape)) for k, t in tensors.items()})
     listed = {f"state.{fqn}.{key}": (dtype, list(shape)) for fqn, key, shape, dtype in _tensors(record, path)}
     differ = sorted(k for k in listed.keys() & stored.keys() if listed[k] != stored[k])
     if listed.keys() != stored.keys() or differ:
@@ -190,29 +195,5 @@ def _tensors(record: TrainingRecord, path: str) -> list[tuple[str, str, list[int
 def save_of(path: str) -> tuple[str | None, str | None]:
     """(rank 0) The save id and step in a safetensors file's ``__metadata__`` (None: it has none).
     Raises CheckpointNotFoundError / CheckpointFormatError."""
-    metadata, _ = _header(path)
+    metadata = read_header_and_metadata(path)[1]
     return metadata.get(SAVE_ID), metadata.get(SAVE_STEP)
-
-
-def _header(path: str) -> tuple[dict[str, str], dict[str, tuple[str, list[int]]]]:
-    """(rank 0) A safetensors file's string metadata and its tensors' (dtype, shape); the rest of the
-    header is checked when the stream opens the file. Raises CheckpointNotFoundError /
-    CheckpointFormatError."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > MAX_HEADER_BYTES:
-                raise CheckpointFormatError(f"{path}: header length {n} exceeds the safetensors limit")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path} does not exist: the checkpoint is incomplete") from None
-    except (OSError, ValueError, struct.error) as exc:
-        raise CheckpointFormatError(f"{path}: cannot read its safetensors header: {exc}") from None
-    if not isinstance(header, dict):
-        raise CheckpointFormatError(f"{path}: its safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    metadata = {k: v for k, v in metadata.items() if isinstance(v, str)} if isinstance(metadata, dict) else {}
-    tensors = {
-        k: (str(v.get("dtype")), list(v.get("shape", []))) for k, v in header.items() if isinstance(v, dict)
-    }
-    return metadata, tensors
