@@ -86,15 +86,15 @@ def fsdp_groups(
     """Every FSDP2 group in ``model``, in ``named_modules()`` order: its module's qualified name, the
     module, and each sharded DTensor parameter with its qualified name. ``names``: module names by
     ``id``, if the caller has them. Private: ``FSDPModule._get_fsdp_state``,
-    ``FSDPState._fsdp_param_groups``, ``FSDPParam.sharded_param`` and ``FSDPParam._module_info``."""
+    ``FSDPState._fsdp_param_groups`` (torch 2.12 and later; ``_fsdp_param_group``, one or None, before),
+    ``FSDPParam.sharded_param`` and ``FSDPParam._module_info``."""
     from torch.distributed.fsdp import FSDPModule
 
     if names is None:
         names = {id(m): n for n, m in model.named_modules()}
     out: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
     for name, module in model.named_modules():
-        groups = module._get_fsdp_state()._fsdp_param_groups if isinstance(module, FSDPModule) else []
-        for group in groups:
+        for group in _param_groups(module) if isinstance(module, FSDPModule) else []:
             params = []
             for fp in group.fsdp_params:
                 owner = names.get(id(fp._module_info.module), "")
@@ -102,6 +102,17 @@ def fsdp_groups(
                 params.append((f"{owner}.{leaf}" if owner else leaf, fp.sharded_param))
             out.append((name, module, params))
     return out
+
+
+def _param_groups(module: nn.Module) -> list[Any]:
+    """An FSDP module's ``FSDPParamGroup`` objects: torch 2.12 keeps a list (``_fsdp_param_groups``),
+    2.11 and before one group or None (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
