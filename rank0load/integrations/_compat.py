@@ -104,10 +104,10 @@ def fsdp_groups(
     return out
 
 
-def _param_groups(module: nn.Module) -> list[Any]:
+def _param_groups(module: Any) -> list[Any]:
     """An FSDP module's ``FSDPParamGroup`` objects: torch 2.12 keeps a list (``_fsdp_param_groups``),
     2.11 and before one group or None (``_fsdp_param_group``)."""
-    state = module._get_fsdp_state()  # type: ignore[operator]
+    state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
@@ -135,6 +135,21 @@ def can_reduce_scatter_unused_params() -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+def fsdp_shards_integer_parameters() -> bool:
+    """Whether ``fully_shard`` can shard an integer or bool parameter: torch 2.12 and later. Before,
+    ``FSDPParam`` wraps each shard as ``nn.Parameter(dtensor)`` with the default ``requires_grad=True``
+    and only then sets the parameter's own flag: 2.11 raises ("only Tensors of floating point dtype can
+    require gradients") and older releases leave a frozen one requiring grad. 2.12 passes the flag to
+    ``nn.Parameter`` (``_fsdp_param.py``, ``_init_sharded_param``)."""
+    return torch_release() >= (2, 12)
+
+
+def torch_release() -> tuple[int, int]:
+    """(major, minor) of the installed torch: ``2.11.0+cu130`` -> (2, 11)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -33,6 +33,7 @@ from ..errors import ModelMismatchError
 from ..integrations._compat import (
     can_reduce_scatter_unused_params,
     fsdp_groups,
+    fsdp_shards_integer_parameters,
     no_split_modules,
 )
 
@@ -149,6 +150,13 @@ class _Policy:
                 self.replicated.setdefault(id(p), p)
 
     def _shard(self, module: nn.Module) -> None:
+        if not fsdp_shards_integer_parameters():
+            # torch < 2.12: fully_shard raises for an integer or bool parameter, trainable or not
+            # (_compat.fsdp_shards_integer_parameters); such a parameter is never trained, so it is
+            # kept out of FSDP like the odd dtypes: a plain copy on every rank, listed as replicated.
+            for p in module.parameters():
+                if not (p.is_floating_point() or p.is_complex()) and id(p) not in self.managed:
+                    self.replicated.setdefault(id(p), p)
         ignored = {p for p in module.parameters() if id(p) in self.replicated}
         fully_shard(module, mesh=self.mesh, ignored_params=ignored or None)
         self.managed.update(id(p) for p in module.parameters())
