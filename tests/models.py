@@ -138,10 +138,11 @@ def save_sharded(state: dict[str, torch.Tensor], directory: str) -> dict[str, st
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t.full_tensor()`` (collective). torch 2.10 and 2.11 cannot redistribute a ``_StridedShard``
-    on a 1-D mesh ("ValueError: use_strided_shard_as_shard_order is True, but placements ... is
-    unable to be interpreted into a corresponding shard_order"): there, all-gather the local shards
-    and put each rank's rows where ``_split_tensor`` took them from."""
+    """``t.full_tensor()`` (collective); a ``_StridedShard`` on a 1-D mesh gathered by hand: all-gather
+    the local shards and put each rank's rows where ``_split_tensor`` took them from. torch 2.10 and
+    2.11 cannot redistribute one (2.11: "ValueError: use_strided_shard_as_shard_order is True, but
+    placements ... is unable to be interpreted into a corresponding shard_order"; 2.10: a bare
+    AssertionError in ``_gen_transform_infos_non_cached``)."""
     import torch.distributed as dist
 
     from rank0load.integrations._compat import StridedShard, split_chunks
@@ -149,11 +150,6 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
     if not (mesh.ndim == 1 and isinstance(placements[0], StridedShard)):
         return t.full_tensor()  # type: ignore[attr-defined]
-    try:
-        return t.full_tensor()  # type: ignore[attr-defined]
-    except ValueError as exc:  # raised by every rank before any collective
-        if "shard_order" not in str(exc):
-            raise
     dim = placements[0].dim
     pieces: list = [None] * mesh.size()
     dist.all_gather_object(pieces, t.to_local().detach().cpu(), group=mesh.get_group())  # type: ignore[attr-defined]
