@@ -187,3 +187,32 @@ def test_dtype_round_trip(tmp_path, world):
         assert ckpt_name in message and str(dtype_of(model_name)) in message and "'parts.0." in message, (
             message
         )
+
+
+def _shard_whole(model: nn.Module, mesh) -> None:
+    """A caller's shard_fn: one FSDP group for the whole model, integer parameters included."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)
+
+
+def _load_with_shard_fn(rank: int, world: int, path: str) -> dict:
+    import rank0load
+
+    model = rank0load.load_sharded(ZooFactory(["I64", "F32"]), path, shard_fn=_shard_whole)
+    return {n: str(p.dtype) for n, p in model.named_parameters()}
+
+
+def test_a_shard_fn_that_shards_an_integer_parameter(tmp_path):
+    """torch < 2.12's fully_shard raises for an integer parameter: every rank raises a
+    ModelMismatchError naming it, 2.12 and the ways out, before any data moves. 2.12 and later load."""
+    path = str(tmp_path / "zoo.safetensors")
+    write_zoo(path, ["I64", "F32"])
+    results = _dist.run(_load_with_shard_fn, 2, path, timeout=120)
+    if FSDP_TAKES_INTEGERS:
+        assert _dist.ok(results)[0] == {"parts.0.weight": "torch.int64", "parts.1.weight": "torch.float32"}
+        return
+    message = _dist.same_error(results, "ModelMismatchError").message
+    assert "cannot shard integer or bool parameters ('parts.0.weight')" in message, message
+    for words in ("torch 2.12", "ignored_params", "shard_fn=None"):
+        assert words in message, message
