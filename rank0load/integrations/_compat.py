@@ -260,7 +260,7 @@ def transformers_5() -> bool:
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``mesh["dp"]`` -> the 2-D mesh), or ``mesh``: private
-    (``DeviceMesh._get_root_mesh``, torch 2.12 to 2.15); without it, ``mesh``."""
+    (``DeviceMesh._get_root_mesh``, torch 2.10 to 2.15); without it, ``mesh``."""
     get = getattr(mesh, "_get_root_mesh", None)
     root = get() if callable(get) else None
     return root if isinstance(root, DeviceMesh) else mesh
