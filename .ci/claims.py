@@ -1,5 +1,5 @@
 """Print what pyproject.toml claims, for .ci/run's torch-range legs: the oldest Python, the newest
-Python (its classifiers) and the oldest torch, e.g. ``3.11 3.13 2.12``."""
+Python (its classifiers) and the oldest torch, e.g. ``3.11 3.13 2.10``."""
 
 import re
 import sys

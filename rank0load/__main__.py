@@ -17,9 +17,11 @@ Exit codes, for scripts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -161,9 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ImportError, AttributeError, ValueError, TypeError) as exc:
             return _fail(f"cannot load {option} {spec!r}: {type(exc).__name__}: {exc}", EXIT_MODEL)
     try:
-        result = inspect_checkpoint(
-            args.path, revision=args.revision, model_fn=loaded.get("--model"), key_map=loaded.get("--key-map")
-        )
+        with _stdout_to_stderr():
+            result = inspect_checkpoint(
+                args.path,
+                revision=args.revision,
+                model_fn=loaded.get("--model"),
+                key_map=loaded.get("--key-map"),
+            )
     except ModelMismatchError as exc:  # only the key map raises it: key mismatches are reported
         return _fail(f"--key-map {args.key_map}: {exc}", EXIT_MODEL)
     except LoadError as exc:  # resolving or reading the checkpoint
@@ -172,6 +178,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"--model {args.model} failed to build: {type(exc).__name__}: {exc}", EXIT_MODEL)
     print(_json(result) if args.json else _text(result, args.model, args.key_map))
     return EXIT_OK if result.fits else EXIT_MISMATCH
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """While inspecting, whatever the model factory, transformers or torch print goes to stderr, so
+    stdout holds the report alone (--json is parsed by scripts): Python's ``sys.stdout`` and file
+    descriptor 1, which C++ writes to (torch 2.10's gloo prints its connection to stdout when the
+    one-rank world for --model starts)."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1: nothing to keep clean
+        saved = -1
+    if saved >= 0:
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved >= 0:
+            _flush_c_stdio()  # C++ output still buffered (stdout a pipe) must go to stderr too
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: write out every C stdio buffer (``std::cout`` shares them)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
 
 
 def _fail(message: str, code: int) -> int:

@@ -137,13 +137,38 @@ def save_sharded(state: dict[str, torch.Tensor], directory: str) -> dict[str, st
     return weight_map
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t.full_tensor()`` (collective); a ``_StridedShard`` on a 1-D mesh gathered by hand: all-gather
+    the local shards and put each rank's rows where ``_split_tensor`` took them from. torch 2.10 and
+    2.11 cannot redistribute one (2.11: "ValueError: use_strided_shard_as_shard_order is True, but
+    placements ... is unable to be interpreted into a corresponding shard_order"; 2.10: a bare
+    AssertionError in ``_gen_transform_infos_non_cached``)."""
+    import torch.distributed as dist
+
+    from rank0load.integrations._compat import StridedShard, split_chunks
+
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    if not (mesh.ndim == 1 and isinstance(placements[0], StridedShard)):
+        return t.full_tensor()  # type: ignore[attr-defined]
+    dim = placements[0].dim
+    pieces: list = [None] * mesh.size()
+    dist.all_gather_object(pieces, t.to_local().detach().cpu(), group=mesh.get_group())  # type: ignore[attr-defined]
+    rows = split_chunks(
+        StridedShard(0, split_factor=placements[0].split_factor), torch.arange(t.shape[dim]), mesh.size()
+    )
+    full = torch.empty(t.shape, dtype=t.dtype)
+    for index, piece in zip(rows, pieces):
+        full.index_copy_(dim, index, piece)
+    return full.to(t.device)
+
+
 def gather(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full tensor and every buffer, on CPU (collective on DTensors)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        t = p.full_tensor() if isinstance(p, DTensor) else p
+        t = full_tensor(p) if isinstance(p, DTensor) else p
         out[name] = t.detach().cpu().clone()
     for name, b in model.named_buffers(remove_duplicate=False):
         out[name] = b.detach().cpu().clone()

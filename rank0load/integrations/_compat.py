@@ -86,15 +86,15 @@ def fsdp_groups(
     """Every FSDP2 group in ``model``, in ``named_modules()`` order: its module's qualified name, the
     module, and each sharded DTensor parameter with its qualified name. ``names``: module names by
     ``id``, if the caller has them. Private: ``FSDPModule._get_fsdp_state``,
-    ``FSDPState._fsdp_param_groups``, ``FSDPParam.sharded_param`` and ``FSDPParam._module_info``."""
+    ``FSDPState._fsdp_param_groups`` (torch 2.12 and later; ``_fsdp_param_group``, one or None, before),
+    ``FSDPParam.sharded_param`` and ``FSDPParam._module_info``."""
     from torch.distributed.fsdp import FSDPModule
 
     if names is None:
         names = {id(m): n for n, m in model.named_modules()}
     out: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
     for name, module in model.named_modules():
-        groups = module._get_fsdp_state()._fsdp_param_groups if isinstance(module, FSDPModule) else []
-        for group in groups:
+        for group in _param_groups(module) if isinstance(module, FSDPModule) else []:
             params = []
             for fp in group.fsdp_params:
                 owner = names.get(id(fp._module_info.module), "")
@@ -102,6 +102,17 @@ def fsdp_groups(
                 params.append((f"{owner}.{leaf}" if owner else leaf, fp.sharded_param))
             out.append((name, module, params))
     return out
+
+
+def _param_groups(module: Any) -> list[Any]:
+    """An FSDP module's ``FSDPParamGroup`` objects: torch 2.12 keeps a list (``_fsdp_param_groups``),
+    2.11 and before one group or None (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
@@ -124,6 +135,21 @@ def can_reduce_scatter_unused_params() -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+def fsdp_shards_integer_parameters() -> bool:
+    """Whether ``fully_shard`` can shard an integer or bool parameter: torch 2.12 and later. Before,
+    ``FSDPParam`` wraps each shard as ``nn.Parameter(dtensor)`` with the default ``requires_grad=True``
+    and only then sets the parameter's own flag: 2.11 raises ("only Tensors of floating point dtype can
+    require gradients") and older releases leave a frozen one requiring grad. 2.12 passes the flag to
+    ``nn.Parameter`` (``_fsdp_param.py``, ``_init_sharded_param``)."""
+    return torch_release() >= (2, 12)
+
+
+def torch_release() -> tuple[int, int]:
+    """(major, minor) of the installed torch: ``2.11.0+cu130`` -> (2, 11)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -234,7 +260,7 @@ def transformers_5() -> bool:
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``mesh["dp"]`` -> the 2-D mesh), or ``mesh``: private
-    (``DeviceMesh._get_root_mesh``, torch 2.12 to 2.15); without it, ``mesh``."""
+    (``DeviceMesh._get_root_mesh``, torch 2.10 to 2.15); without it, ``mesh``."""
     get = getattr(mesh, "_get_root_mesh", None)
     root = get() if callable(get) else None
     return root if isinstance(root, DeviceMesh) else mesh

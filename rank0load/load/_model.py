@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..common._failure import user_code
+from ..common._failure import UserCodeFailure, user_code
 from ..common._memory import FaultIn
 from ..errors import LoadError, ModelMismatchError, RankMismatchError, format_keys
 from ..integrations._compat import (
@@ -32,7 +32,7 @@ from ..integrations._convert import conversions_for
 from ..integrations._peft import tuner_layers_without_values
 from ..model._layout import layout_flags_of
 from ..model._meta import ModelLayout, build_on_meta, describe, resolve_module
-from ..model._shard import prepare_groups, routed_modules, shard_default
+from ..model._shard import prepare_groups, refuse_integer_parameters, routed_modules, shard_default
 
 
 @dataclass
@@ -77,7 +77,11 @@ def build_sharded(
     if shard_fn is None:
         shard_default(model, mesh, routed)
     else:
-        user_code("shard_fn", shard_fn, model, mesh)
+        try:
+            user_code("shard_fn", shard_fn, model, mesh)
+        except UserCodeFailure as exc:
+            refuse_integer_parameters(model, exc)  # torch < 2.12 says why, and what to do
+            raise
     prepare_groups(model, routed)
     layout = describe(model, values)
     flags = layout_flags_of(targets(model, layout), mesh)

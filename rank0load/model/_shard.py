@@ -29,10 +29,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import ModelMismatchError
+from ..errors import ModelMismatchError, format_keys
 from ..integrations._compat import (
     can_reduce_scatter_unused_params,
     fsdp_groups,
+    fsdp_shards_integer_parameters,
     no_split_modules,
 )
 
@@ -149,6 +150,13 @@ class _Policy:
                 self.replicated.setdefault(id(p), p)
 
     def _shard(self, module: nn.Module) -> None:
+        if not fsdp_shards_integer_parameters():
+            # torch < 2.12: fully_shard raises for an integer or bool parameter, trainable or not
+            # (_compat.fsdp_shards_integer_parameters); such a parameter is never trained, so it is
+            # kept out of FSDP like the odd dtypes: a plain copy on every rank, listed as replicated.
+            for p in module.parameters():
+                if not (p.is_floating_point() or p.is_complex()) and id(p) not in self.managed:
+                    self.replicated.setdefault(id(p), p)
         ignored = {p for p in module.parameters() if id(p) in self.replicated}
         fully_shard(module, mesh=self.mesh, ignored_params=ignored or None)
         self.managed.update(id(p) for p in module.parameters())
@@ -208,6 +216,27 @@ def shard_default(model: nn.Module, mesh: DeviceMesh, routed: frozenset[int]) ->
         len(blocks),
         len(policy.replicated),
     )
+
+
+def refuse_integer_parameters(model: nn.Module, error: BaseException) -> None:
+    """(all ranks, after the caller's ``shard_fn`` raised ``error``) torch < 2.12's ``fully_shard``
+    raises for an integer or bool parameter (``_compat.fsdp_shards_integer_parameters``): raise
+    ModelMismatchError naming them and the ways out instead; otherwise return."""
+    if fsdp_shards_integer_parameters() or "floating point dtype can require gradients" not in str(error):
+        return
+    names = [
+        n
+        for n, p in model.named_parameters()
+        if not (p.is_floating_point() or p.is_complex() or isinstance(p, DTensor))
+    ]
+    if names:
+        raise ModelMismatchError(
+            f"torch {torch.__version__}'s fully_shard cannot shard integer or bool parameters "
+            f"({format_keys(names)}): it makes each shard a parameter that requires grad, which torch "
+            "refuses for them (fixed in torch 2.12). Upgrade torch to 2.12 or newer; or keep them out "
+            "of FSDP in shard_fn with fully_shard(..., ignored_params={...}) (a full copy on every "
+            "rank), or pass shard_fn=None: rank0load's default policy does that on this torch."
+        ) from error
 
 
 def replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

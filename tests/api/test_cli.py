@@ -49,6 +49,17 @@ def from_prefixed(key: str) -> str | None:
     return None if key.startswith("optimizer.") else key.removeprefix("model.")
 
 
+def noisy_toy():
+    """The toy, built by a factory that prints to stdout three ways: Python's print, file descriptor 1
+    (as C++ writes: torch 2.10's gloo prints its connection there) and C stdio, buffered on a pipe."""
+    import ctypes
+
+    print("noisy: print")
+    os.write(1, b"noisy: fd 1\n")
+    ctypes.CDLL(None).printf(b"noisy: printf\n")
+    return trained_toy()
+
+
 def broken_key_map(key: str) -> str:
     raise KeyError(key)
 
@@ -137,6 +148,23 @@ def test_summary_json(cli):
     }
     assert got["largest"]["key"] == max(sizes, key=sizes.get) == "emb.weight"
     assert got["largest"]["shape"] == [7, 5] and got["model_checked"] is False and got["fits"] is True
+
+
+def test_json_stdout_holds_the_report_alone(cli):
+    """What the model factory, torch or gloo print while inspecting goes to stderr: stdout parses."""
+    tmp, _ = cli
+    run = subprocess.run(
+        [sys.executable, "-m", "rank0load", "inspect", str(tmp / "toy.safetensors"), "--json"]
+        + ["--model", "tests.api.test_cli:noisy_toy"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(run.stdout)["fits"] is True
+    for way in ("print", "fd 1", "printf"):
+        assert f"noisy: {way}" in run.stderr, run.stderr
 
 
 def test_model_dry_run_fits(cli):

@@ -12,6 +12,8 @@ from tests import _dist
 from tests.models import ALL_DTYPES
 
 ROWS = 5  # uneven over 2 and 3 ranks: shards of 3+2 and 2+2+1 rows
+# torch < 2.12's fully_shard raises for an integer or bool parameter: the default policy replicates them
+FSDP_TAKES_INTEGERS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -91,11 +93,14 @@ def _load_local(rank: int, world: int, path: str, names: list[str], mismatches: 
     import rank0load
 
     model = rank0load.load_sharded(ZooFactory(names), path)
-    out: dict = {"params": {}, "buffers": {}, "errors": []}
+    out: dict = {"params": {}, "buffers": {}, "errors": [], "replicated": model.rank0load_report.replicated}
     for key, p in model.named_parameters():
-        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
+        if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),):
+            local = p.to_local()
+        elif not isinstance(p, DTensor) and not FSDP_TAKES_INTEGERS and not p.is_floating_point():
+            local = p  # replicated: torch < 2.12's fully_shard cannot take it
+        else:
             raise AssertionError(f"{key}: not a Shard(0) DTensor: {type(p).__name__}")
-        local = p.to_local()
         out["params"][key] = (
             str(p.dtype),
             tuple(p.shape),
@@ -158,8 +163,14 @@ def test_dtype_round_trip(tmp_path, world):
         shards = [r["params"][key] for r in results]
         assert all(s[0] == str(dt) and s[1] == tuple(sd[key].shape) for s in shards), (name, shards[0][:2])
         rows = [s[2][0] for s in shards]
-        assert rows == {2: [3, 2], 3: [2, 2, 1]}[world], f"{name}: local rows {rows}"  # torch.chunk, uneven
-        assert b"".join(s[3] for s in shards) == _bytes(sd[key]), f"{name}: parameter bytes differ"
+        if FSDP_TAKES_INTEGERS or dt.is_floating_point or dt.is_complex:
+            assert rows == {2: [3, 2], 3: [2, 2, 1]}[world], f"{name}: local rows {rows}"  # uneven chunks
+            assert b"".join(s[3] for s in shards) == _bytes(sd[key]), f"{name}: parameter bytes differ"
+            assert all(key not in r["replicated"] for r in results), f"{name}: replicated"
+        else:  # a whole copy on every rank, reported as replicated
+            assert rows == [ROWS] * world, f"{name}: local rows {rows}"
+            assert all(s[3] == _bytes(sd[key]) for s in shards), f"{name}: parameter bytes differ"
+            assert all(key in r["replicated"] for r in results), f"{name}: not reported as replicated"
         assert all(s[4] == (dt.is_floating_point or dt.is_complex) for s in shards), f"{name}: requires_grad"
         buf = f"parts.{i}.stat"
         for r in results:
@@ -176,3 +187,32 @@ def test_dtype_round_trip(tmp_path, world):
         assert ckpt_name in message and str(dtype_of(model_name)) in message and "'parts.0." in message, (
             message
         )
+
+
+def _shard_whole(model: nn.Module, mesh) -> None:
+    """A caller's shard_fn: one FSDP group for the whole model, integer parameters included."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)
+
+
+def _load_with_shard_fn(rank: int, world: int, path: str) -> dict:
+    import rank0load
+
+    model = rank0load.load_sharded(ZooFactory(["I64", "F32"]), path, shard_fn=_shard_whole)
+    return {n: str(p.dtype) for n, p in model.named_parameters()}
+
+
+def test_a_shard_fn_that_shards_an_integer_parameter(tmp_path):
+    """torch < 2.12's fully_shard raises for an integer parameter: every rank raises a
+    ModelMismatchError naming it, 2.12 and the ways out, before any data moves. 2.12 and later load."""
+    path = str(tmp_path / "zoo.safetensors")
+    write_zoo(path, ["I64", "F32"])
+    results = _dist.run(_load_with_shard_fn, 2, path, timeout=120)
+    if FSDP_TAKES_INTEGERS:
+        assert _dist.ok(results)[0] == {"parts.0.weight": "torch.int64", "parts.1.weight": "torch.float32"}
+        return
+    message = _dist.same_error(results, "ModelMismatchError").message
+    assert "cannot shard integer or bool parameters ('parts.0.weight')" in message, message
+    for words in ("torch 2.12", "ignored_params", "shard_fn=None"):
+        assert words in message, message
