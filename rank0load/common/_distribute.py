@@ -5,7 +5,7 @@ by every rank in the same order:
   error. :func:`attempt` and :func:`settle` are its two halves, for a failure raised later.
 * :func:`from_rank0` — a value rank 0 computes alone, on every rank, or its error on every rank.
 * :func:`agree` — settle the build, and check every rank built the same model with the same options.
-* small agreements: :func:`gather_to_rank0`, :func:`all_gather_ints`, :func:`ranks_where`.
+* small agreements: :func:`all_gather_ints`, :func:`ranks_where`.
 * rounds of transfers (:func:`settled`): each rank notes its first local failure (:class:`Faults`)
   and keeps the messages flowing; each round's end says whether any rank failed, and every rank
   raises the same error once.
@@ -301,19 +301,6 @@ def from_rank0(step: Callable[[], R], unforeseen: Callable[[Exception], LoadErro
     if isinstance(value, LoadError):
         raise type(value)(*value.args)
     return cast(R, value)
-
-
-def gather_to_rank0(values: Sequence[int], what: str) -> list[tuple[int, ...]] | None:
-    """(all ranks) Every rank's ``values`` (the same number of int64s everywhere), on rank 0 by rank;
-    None elsewhere. One gather; LoadError naming ``what`` for a failed collective."""
-    with peer_failures(what):
-        device = _object_device()
-        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
-        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-        dist.gather(mine, out, dst=0)
-    if out is None:
-        return None
-    return [tuple(int(v) for v in t.cpu().tolist()) for t in out]
 
 
 def all_gather_ints(values: Sequence[int], what: str) -> list[tuple[int, ...]]:

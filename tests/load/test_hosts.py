@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests import hf
+from tests import hf, netns
 from tests.models import assert_same, reference
 
 # Slow: one torchrun per host, 2 ranks each, with transformers, seven loads.
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = netns.REPO
 CASES = (("all", "host"), ("some", "host"), ("some", "rank0"), ("rewritten", "host"), ("short", "host"))
 CASES += (("missing", "host"), ("changed", "host"), ("vanished", "host"))
 
@@ -92,49 +90,9 @@ exit_without_teardown(0)
 """
 
 
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-
-
-def _hosts(n: int):
-    """``n`` network namespaces ``r0l<pid>h<k>`` joined by a bridge in ``r0l<pid>s``, addresses
-    10.78.<x>.<k+1>: yields [(namespace, interface)] and host 0's address; removed after."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("network namespaces need root, iproute2 and unshare")
-    tag = f"r0l{os.getpid() % 100000}"
-    switch = f"{tag}s"
-    names = [switch] + [f"{tag}h{k}" for k in range(n)]
-    subnet = f"10.78.{os.getpid() % 250}"
-    try:
-        _sh("ip", "netns", "add", switch)
-        _sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", switch, "link", "set", "br0", "up")
-        for k in range(n):
-            ns, dev, port = f"{tag}h{k}", f"{tag}v{k}", f"{tag}p{k}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "link", "set", port, "netns", switch)
-            _sh("ip", "-n", switch, "link", "set", port, "master", "br0")
-            _sh("ip", "-n", switch, "link", "set", port, "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{subnet}.{k + 1}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-    except (subprocess.CalledProcessError, OSError) as exc:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        stderr = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"cannot create network namespaces here: {exc} {stderr.decode(errors='replace')}")
-    try:
-        yield [(f"{tag}h{k}", f"{tag}v{k}") for k in range(n)], f"{subnet}.1"
-    finally:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 @pytest.fixture(params=[2, 3], ids=["2-hosts", "3-hosts"])
 def hosts(request):
-    yield from _hosts(request.param)
+    yield from netns.hosts(request.param, subnet=78)
 
 
 def _checkpoints(tmp_path, ref) -> tuple[str, str]:
@@ -182,34 +140,16 @@ def test_hosts_read_their_own_identical_copies(tmp_path, hosts):
     mounts[n - 1].update(changed=True, vanished=True)
     mounts[1].update(changed=True, vanished=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "2"]
-    procs = []
+    procs, logs = [], [tmp_path / f"host{k}.log" for k in range(n)]
     for k, (ns, dev) in enumerate(nodes):
         launch = [*torchrun, "--node-rank", str(k), "--master-addr", master, "--master-port", "29571"]
         launch += [str(worker), root, str(out)]
         if mounts[k]:
             launch = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                       f'{_mounts(root, copies, mounts[k])} && exec "$@"', f"host{k}", *launch]  # fmt: skip
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-        with open(tmp_path / f"host{k}.log", "wb") as log:
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *launch], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(netns.launch(ns, dev, launch, logs[k]))
     world = 2 * n
-    for p in procs:
-        try:
-            p.wait(timeout=400)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            done = sorted(r for r in range(world) if (out / f"rank{r}.done").exists())
-            pytest.fail(f"the {n}-host load did not finish in 400 s (ranks {done} had finished)")
-    logs = [(tmp_path / f"host{k}.log").read_text(errors="replace") for k in range(n)]
-    done = sorted(r for r in range(world) if (out / f"rank{r}.done").exists())
-    for k, (p, log) in enumerate(zip(procs, logs)):
-        assert done == list(range(world)), (
-            f"ranks {done} finished; host {k} exited {p.returncode}:\n{log[-4000:]}"
-        )
-        aborted = re.search(r"SIGABRT|exitcode\s*:\s*-6|terminate called", log)  # shared/DESIGN.md
-        assert p.returncode == 0 or aborted, f"host {k} exited {p.returncode}:\n{log[-4000:]}"
+    netns.wait_for_ranks(procs, logs, out, world, 400, f"the {n}-host load")
 
     def results(case: str) -> list[dict]:
         return [json.loads((out / f"{case}-rank{r}.json").read_text()) for r in range(world)]
