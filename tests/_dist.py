@@ -14,6 +14,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import sys
 import tempfile
@@ -25,6 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+# What a launcher's log shows when torch 2.13 on the CPU aborts in interpreter shutdown after every
+# rank's work is done (shared/DESIGN.md): the one failure the torchrun-launched tests forgive, and
+# only once every rank has reported its work.
+EXIT_ABORT = re.compile(r"SIGABRT|exitcode\s*:\s*-6|terminate called")
 
 
 def exit_without_teardown(code: int) -> None:

@@ -6,13 +6,14 @@ unshare (else the test is skipped)."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
+from tests._dist import EXIT_ABORT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,5 +89,5 @@ def wait_for_ranks(procs: Sequence[subprocess.Popen], logs: Sequence[Path], out:
         assert finished == list(range(world)), (
             f"ranks {finished} finished their work; host {k} exited {p.returncode}:\n{log[-4000:]}"
         )
-        aborted = re.search(r"SIGABRT|exitcode\s*:\s*-6|terminate called", log)
+        aborted = EXIT_ABORT.search(log)
         assert p.returncode == 0 or aborted, f"host {k} exited {p.returncode}:\n{log[-4000:]}"
